@@ -1,0 +1,65 @@
+# Carpool's interface: `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
+export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
+
+.DEFAULT_GOAL := help
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down demo bench proto helm-lint gpu-check clean
+
+help: ## List the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@echo "==> [dev] creating $(VENV) and installing carpool (editable, strict)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=strict
+	@touch $@
+
+dev: $(VENV)/.installed ## Create the virtualenv with Carpool and its dev tools
+
+binaries: ## Build (once, cached in ~/.cache/carpool) Kubernetes, etcd, KWOK, Helm from the Go module proxy
+	@bash hack/build-k8s.sh
+
+proto: dev ## Regenerate the device-plugin gRPC stubs from the proto
+	@$(PY) -m carpool.deviceplugin.api.generate
+
+lint: dev ## ruff, mypy (strict), import-linter, proto drift
+	@echo "==> [lint] ruff"; $(VENV)/bin/ruff check .
+	@echo "==> [lint] mypy"; $(VENV)/bin/mypy
+	@echo "==> [lint] import-linter"; $(VENV)/bin/lint-imports
+	@echo "==> [lint] proto stubs up to date"; $(PY) -m carpool.deviceplugin.api.generate --check
+
+test-unit: dev ## Unit tests only (no cluster)
+	@$(VENV)/bin/pytest -m "not cluster" tests
+
+test: dev binaries ## Everything CI runs: lint, unit and integration tests against a real local cluster
+	@bash hack/timed.sh lint $(MAKE) --no-print-directory lint
+	@bash hack/timed.sh tests $(VENV)/bin/pytest tests
+
+e2e: dev binaries ## Long end-to-end runs (real kubelet node, load and faults)
+	@$(VENV)/bin/pytest e2e
+
+cluster: dev binaries ## Start the local cluster (real control plane, KWOK nodes, Carpool scheduler)
+	@$(PY) -m carpool.devcluster up
+
+cluster-down: dev ## Stop the local cluster
+	@$(PY) -m carpool.devcluster down
+
+demo: dev binaries ## Bring up Carpool on the local cluster with simulated GPU nodes and show it working
+	@$(PY) -m carpool.demo
+
+bench: dev ## Run the benchmarks under bench/
+	@$(PY) bench/placement.py
+
+helm-lint: binaries ## Lint the Helm chart
+	@$$(bash hack/build-k8s.sh | tail -1)/helm lint helm/carpool
+
+gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing benchmark
+	@python3 bench/gpu_sharing.py
+
+clean: ## Remove the virtualenv and caches in the repo
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

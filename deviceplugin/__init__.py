@@ -1,0 +1,1 @@
+"""The Carpool kubelet device plugin: fractional GPUs over MPS/MIG, health and telemetry."""

@@ -1,0 +1,1 @@
+"""The Carpool operator: kopf handlers over the pure core (carpool.core)."""

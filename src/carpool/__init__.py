@@ -1,0 +1,3 @@
+"""Carpool: share GPUs on Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Command-line tools: `carpool` and the kubectl plugin `kubectl-carpool`."""

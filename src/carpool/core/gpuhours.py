@@ -1,0 +1,25 @@
+"""GPU-hours: the one definition used by accounting, reports and simulation.
+
+GPU-hours = wall hours x the fraction of a GPU held, summed over the job's GPUs, where the
+fraction is 1 for an exclusive GPU, slices/7 for a MIG instance, and for a shared GPU
+max(memory / total memory, cores / 100).
+"""
+
+from __future__ import annotations
+
+from carpool.core.resources import MIG_SLICES_PER_GPU, GpuGrant
+
+
+def gpu_fraction(grant: GpuGrant, memory_total_mib: int, mig_slices: int = 0) -> float:
+    """The share of one GPU a grant holds, in [0, 1]."""
+    if grant.exclusive:
+        return 1.0
+    if grant.mig_instance:
+        return min(1.0, mig_slices / MIG_SLICES_PER_GPU)
+    memory_share = grant.memory_mib / memory_total_mib if memory_total_mib > 0 else 0.0
+    return min(1.0, max(memory_share, grant.cores_pct / 100))
+
+
+def gpu_hours(fraction_sum: float, start: float, end: float) -> float:
+    """GPU-hours for holding `fraction_sum` GPUs from `start` to `end` (epoch seconds)."""
+    return max(0.0, end - start) / 3600.0 * fraction_sum

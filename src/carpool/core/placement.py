@@ -1,0 +1,141 @@
+"""Where a GPU request can go: fit checks and GPU choice on one node, from a snapshot.
+
+Shared by the extender (filter, prioritize, bind), the operator's admission check (admit only
+what some GPU can hold now) and the placement benchmark, so all three agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
+
+TEMPERATURE_MARGIN_C = 5.0
+
+
+@dataclass(frozen=True)
+class GpuFree:
+    """What is left on one GPU after the grants on it."""
+
+    gpu: Gpu
+    memory_mib: int
+    cores_pct: int
+    exclusive_taken: bool
+    grants: int
+    free_mig: tuple[str, ...]  # unused MIG instance UUIDs
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node's inventory plus what is already granted on it (assumed or confirmed)."""
+
+    inventory: NodeInventory
+    grants: tuple[GpuGrant, ...] = ()
+    cpu_used_milli: int = 0
+    memory_used_mib: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.inventory.name
+
+    def free(self) -> list[GpuFree]:
+        by_gpu: dict[str, list[GpuGrant]] = {}
+        for grant in self.grants:
+            by_gpu.setdefault(grant.gpu_uuid, []).append(grant)
+        out = []
+        for gpu in self.inventory.gpus:
+            held = by_gpu.get(gpu.uuid, [])
+            used_mig = {g.mig_instance for g in held if g.mig_instance}
+            out.append(
+                GpuFree(
+                    gpu=gpu,
+                    memory_mib=gpu.memory_total_mib - sum(g.memory_mib for g in held),
+                    cores_pct=100 - sum(g.cores_pct for g in held),
+                    exclusive_taken=any(g.exclusive for g in held),
+                    grants=len(held),
+                    free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
+                )
+            )
+        return out
+
+    def with_grants(self, grants: Iterable[GpuGrant]) -> NodeState:
+        return NodeState(self.inventory, self.grants + tuple(grants), self.cpu_used_milli,
+                         self.memory_used_mib)
+
+
+def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
+    """Why this GPU cannot take one GPU's worth of `request`, or None if it can."""
+    gpu = free.gpu
+    if not gpu.healthy:
+        return f"GPU {gpu.index} is unhealthy"
+    if gpu.cordoned:
+        return f"GPU {gpu.index} is cordoned"
+    if not request.allows_model(gpu.model):
+        return f"GPU {gpu.index} is a {gpu.model}, job allows {', '.join(sorted(request.models))}"
+    if gpu.temperature_c >= gpu.slowdown_temp_c - TEMPERATURE_MARGIN_C:
+        return (f"GPU {gpu.index} is at {gpu.temperature_c:.0f}C, within "
+                f"{TEMPERATURE_MARGIN_C:.0f}C of its slowdown {gpu.slowdown_temp_c:.0f}C")
+    if free.exclusive_taken:
+        return f"GPU {gpu.index} is held exclusively"
+    if request.isolation is Isolation.EXCLUSIVE:
+        return None if free.grants == 0 else f"GPU {gpu.index} is shared, job needs it exclusively"
+    if request.isolation is Isolation.MIG:
+        fitting = [m for m in gpu.mig_instances
+                   if m.uuid in free.free_mig and m.memory_mib >= request.memory_mib
+                   and m.slices >= request.mig_slices]
+        return None if fitting else f"GPU {gpu.index} has no free MIG instance that fits"
+    if free.memory_mib < request.memory_mib:
+        return (f"GPU {gpu.index} has {free.memory_mib // 1024} GiB free, "
+                f"job needs {request.memory_mib // 1024} GiB")
+    if free.cores_pct < request.cores_pct:
+        return f"GPU {gpu.index} has {free.cores_pct}% cores free, job needs {request.cores_pct}%"
+    return None
+
+
+def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
+    """Why `node` cannot take `request` now, or None; the reason is shown to users."""
+    inv = node.inventory
+    if not inv.ready:
+        return "node is not ready"
+    if request.isolation not in inv.sharing:
+        return f"node does not offer {request.isolation.value} isolation"
+    frees = node.free()
+    usable = [f for f in frees if gpu_rejection(f, request) is None]
+    if len(usable) >= request.count:
+        return None
+    if not frees:
+        return "node has no GPUs"
+    reasons = sorted({r for f in frees if (r := gpu_rejection(f, request)) is not None})
+    return (f"{len(usable)} of {request.count} GPUs fit; " + "; ".join(reasons[:3]))
+
+
+def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
+    """The grant one GPU gives to one GPU's worth of `request`."""
+    gpu = free.gpu
+    if request.isolation is Isolation.EXCLUSIVE:
+        return GpuGrant(gpu.uuid, gpu.memory_total_mib, 100, exclusive=True)
+    if request.isolation is Isolation.MIG:
+        fitting = sorted((m for m in gpu.mig_instances
+                          if m.uuid in free.free_mig and m.memory_mib >= request.memory_mib
+                          and m.slices >= request.mig_slices),
+                         key=lambda m: (m.memory_mib, m.slices, m.uuid))
+        chosen = fitting[0]
+        return GpuGrant(gpu.uuid, chosen.memory_mib, 0, mig_instance=chosen.uuid)
+    return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct)
+
+
+def choose_gpus(node: NodeState, request: GpuRequest) -> tuple[GpuGrant, ...] | None:
+    """Grants for `request` on `node`, tightest-fitting GPUs first; None if it does not fit."""
+    usable = [f for f in node.free() if gpu_rejection(f, request) is None]
+    if len(usable) < request.count:
+        return None
+    usable.sort(key=lambda f: (f.memory_mib - request.memory_mib, f.cores_pct, f.gpu.index))
+    return tuple(grant_for(f, request) for f in usable[: request.count])
+
+
+def fits_somewhere(nodes: Mapping[str, NodeState] | Iterable[NodeState],
+                   request: GpuRequest) -> bool:
+    """True if some node can hold `request` now (the operator's admission check)."""
+    values = nodes.values() if isinstance(nodes, Mapping) else nodes
+    return any(node_rejection(n, request) is None for n in values)

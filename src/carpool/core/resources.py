@@ -1,0 +1,150 @@
+"""What jobs ask for and what GPUs offer: the vocabulary shared by every component.
+
+Plain frozen dataclasses and enums; no I/O. Memory is in MiB and compute in percent of a GPU's
+SMs throughout the core; user-facing units (GiB, quantities) are converted at the edges.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class JobClass(enum.IntEnum):
+    """Queue classes; a lower value is served first."""
+
+    INTERACTIVE = 0
+    SHORT = 1
+    LONG = 2
+    BATCH = 3
+
+    @classmethod
+    def parse(cls, text: str) -> JobClass:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            raise ValueError(
+                f"unknown class {text!r}; expected one of {', '.join(c.label for c in cls)}"
+            ) from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Isolation(enum.Enum):
+    """How a job shares a GPU."""
+
+    MPS = "mps"  # hard memory cap and SM percentage through CUDA MPS
+    MIG = "mig"  # a hardware partition (MIG instance)
+    TIMESLICE = "timeslice"  # no hard limit; a watchdog enforces memory
+    EXCLUSIVE = "exclusive"  # the whole GPU
+
+    @classmethod
+    def parse(cls, text: str) -> Isolation:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown isolation {text!r}; expected one of {', '.join(i.value for i in cls)}"
+            ) from None
+
+
+class Phase(enum.Enum):
+    """A GpuJob's lifecycle."""
+
+    QUEUED = "Queued"
+    ADMITTED = "Admitted"
+    RUNNING = "Running"
+    PREEMPTED = "Preempted"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED)
+
+    @property
+    def holds_gpus(self) -> bool:
+        return self in (Phase.ADMITTED, Phase.RUNNING)
+
+
+MIG_SLICES_PER_GPU = 7
+
+
+@dataclass(frozen=True)
+class GpuRequest:
+    """Per-job GPU demand: `count` GPUs, each with this memory and compute."""
+
+    count: int
+    memory_mib: int
+    cores_pct: int = 0  # 0: no compute cap asked for
+    isolation: Isolation = Isolation.MPS
+    models: frozenset[str] = frozenset()  # empty: any model
+    mig_slices: int = 0  # for MIG: compute slices of the instance wanted (1..7); 0: from memory
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError("gpu.count must be at least 1")
+        if self.memory_mib < 0:
+            raise ValueError("gpu.memory must not be negative")
+        if not 0 <= self.cores_pct <= 100:
+            raise ValueError("gpu.cores must be between 0 and 100")
+
+    def allows_model(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """An existing MIG instance on a GPU (Carpool hands these out; it never repartitions)."""
+
+    uuid: str
+    profile: str  # e.g. "1g.18gb"
+    slices: int  # compute slices (the "1g" part)
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as its node's device plugin reports it."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_total_mib: int
+    temperature_c: float = 40.0
+    slowdown_temp_c: float = 90.0
+    healthy: bool = True
+    cordoned: bool = False
+    mig_instances: tuple[MigInstance, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuGrant:
+    """What one job holds on one GPU."""
+
+    gpu_uuid: str
+    memory_mib: int
+    cores_pct: int  # compute actually reserved (100 for exclusive)
+    exclusive: bool = False
+    mig_instance: str = ""  # MIG instance UUID when isolation is MIG
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """A GPU node: its GPUs and the facts placement needs about it."""
+
+    name: str
+    gpus: tuple[Gpu, ...]
+    cpu_milli: int = 0  # 0: not constrained
+    memory_mib: int = 0  # host memory; 0: not constrained
+    zone: str = ""
+    datasets: frozenset[str] = frozenset()  # datasets cached on the node
+    sharing: frozenset[Isolation] = field(
+        default_factory=lambda: frozenset({Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE})
+    )
+    ready: bool = True
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)

@@ -1,0 +1,1 @@
+"""The kube-scheduler extender: HTTP filter, prioritize and bind over the placement core."""
