@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+# The repo root holds a folder named operator/: never let Python put the cwd on sys.path.
+export PYTHONSAFEPATH := 1
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
