@@ -1,0 +1,216 @@
+"""A fake GPU backend: simulated nodes, unit tests and dry runs without a GPU.
+
+Built from a small spec (a dict or YAML file) or from one row of the openb node list. UUIDs are
+derived from the node name and GPU index, so every run (and the extender's view of a KWOK node)
+agrees on them. Tests change temperatures, memory, processes and health through the setters.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+from carpool.deviceplugin.backends.base import (
+    GpuFacts,
+    HealthEvent,
+    HealthEventKind,
+    MigFacts,
+    ProcessMemory,
+)
+
+from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
+
+_UUID_NAMESPACE = uuid.UUID("6f1c2a53-7d0e-4b8a-9a51-0c3e2f7b9d10")
+
+DEFAULT_DRIVER = "580.159.03"
+DEFAULT_CUDA = "13.0"
+
+
+def fake_gpu_uuid(node: str, index: int) -> str:
+    """The GPU UUID a fake node reports: stable across runs, unique per node and index."""
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}')}"
+
+
+def fake_mig_uuid(node: str, index: int, instance: int) -> str:
+    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{node}/{index}/mig/{instance}')}"
+
+
+def _model_memory(model: str, override: object) -> int:
+    if override is not None:
+        if isinstance(override, bool) or not isinstance(override, int) or override <= 0:
+            raise ValueError(f"memoryTotalMiB must be a positive integer, got {override!r}")
+        return override
+    if model not in GPU_MODEL_MEMORY_MIB:
+        raise ValueError(
+            f"unknown GPU model {model!r}: give memoryTotalMiB or use one of "
+            f"{', '.join(sorted(GPU_MODEL_MEMORY_MIB))}"
+        )
+    return GPU_MODEL_MEMORY_MIB[model]
+
+
+class FakeBackend:
+    """An in-memory `GpuBackend` whose readings tests can set."""
+
+    def __init__(
+        self,
+        node: str,
+        gpus: list[GpuFacts],
+        driver_version: str = DEFAULT_DRIVER,
+        cuda_version: str = DEFAULT_CUDA,
+    ) -> None:
+        self.node = node
+        self._gpus = {g.index: g for g in gpus}
+        self._driver = driver_version
+        self._cuda = cuda_version
+        self._processes: list[ProcessMemory] = []
+        self._events: list[HealthEvent] = []
+        self._failing: set[str] = set()
+        self._cond = threading.Condition()
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> FakeBackend:
+        """From {"node", "driverVersion"?, "cudaVersion"?, "gpus": [{"model", "count"?,
+        "memoryTotalMiB"?, "temperatureC"?, "slowdownTemperatureC"?, "powerW"?,
+        "migInstances"?: [{"profile", "slices", "memoryMiB"}]}]}.
+
+        Each `gpus` entry describes `count` identical GPUs, indexed in order.
+        """
+        node = spec.get("node")
+        if not isinstance(node, str) or not node:
+            raise ValueError("fake backend spec: 'node' must be a non-empty string")
+        entries = spec.get("gpus", [])
+        if not isinstance(entries, list):
+            raise ValueError("fake backend spec: 'gpus' must be a list")
+        gpus: list[GpuFacts] = []
+        for entry in entries:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("model"), str):
+                raise ValueError(f"fake backend spec: each gpus entry needs a model: {entry!r}")
+            model = entry["model"]
+            count = entry.get("count", 1)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"fake backend spec: count must be a positive integer: {entry!r}")
+            memory = _model_memory(model, entry.get("memoryTotalMiB"))
+            for _ in range(count):
+                index = len(gpus)
+                migs = tuple(
+                    MigFacts(
+                        uuid=fake_mig_uuid(node, index, n),
+                        profile=str(m["profile"]),
+                        slices=int(m["slices"]),
+                        memory_mib=int(m["memoryMiB"]),
+                    )
+                    for n, m in enumerate(entry.get("migInstances", []))
+                )
+                gpus.append(
+                    GpuFacts(
+                        index=index,
+                        uuid=fake_gpu_uuid(node, index),
+                        model=model,
+                        memory_total_mib=memory,
+                        memory_used_mib=0,
+                        temperature_c=float(entry.get("temperatureC", 40.0)),
+                        slowdown_temperature_c=float(
+                            entry.get("slowdownTemperatureC", GPU_MODEL_SLOWDOWN_C.get(model, 90.0))
+                        ),
+                        power_w=float(entry.get("powerW", 60.0)),
+                        utilization_pct=0.0,
+                        mig_enabled=bool(migs),
+                        mig_instances=migs,
+                    )
+                )
+        return cls(
+            node,
+            gpus,
+            driver_version=str(spec.get("driverVersion", DEFAULT_DRIVER)),
+            cuda_version=str(spec.get("cudaVersion", DEFAULT_CUDA)),
+        )
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> FakeBackend:
+        spec = yaml.safe_load(path.read_text())
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"{path}: a fake backend spec must be a YAML mapping")
+        return cls.from_spec(spec)
+
+    @classmethod
+    def from_openb_row(cls, row: Mapping[str, str]) -> FakeBackend:
+        """From one row of openb_node_list_gpu_node.csv (`sn,cpu_milli,memory_mib,gpu,model`)."""
+        try:
+            count = int(row["gpu"])
+            node, model = row["sn"], row["model"]
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"not an openb node row: {dict(row)!r} ({err})") from None
+        gpus = [{"model": model, "count": count}] if count > 0 else []
+        return cls.from_spec({"node": node, "gpus": gpus})
+
+    # --- GpuBackend ---------------------------------------------------------------------
+
+    def inventory(self) -> list[GpuFacts]:
+        with self._cond:
+            return [self._gpus[i] for i in sorted(self._gpus)]
+
+    def driver_version(self) -> str:
+        return self._driver
+
+    def cuda_version(self) -> str:
+        return self._cuda
+
+    def process_memory(self) -> list[ProcessMemory]:
+        with self._cond:
+            return list(self._processes)
+
+    def health_events(self, timeout_s: float) -> list[HealthEvent]:
+        with self._cond:
+            if not self._events:
+                self._cond.wait(timeout_s)
+            events, self._events = self._events, []
+            return events
+
+    def probe(self, gpu_uuid: str) -> bool:
+        with self._cond:
+            return gpu_uuid not in self._failing
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # --- test controls ------------------------------------------------------------------
+
+    def _update(self, index: int, **changes: Any) -> None:
+        with self._cond:
+            if index not in self._gpus:
+                raise KeyError(f"no GPU with index {index} on fake node {self.node}")
+            self._gpus[index] = replace(self._gpus[index], **changes)
+
+    def set_temperature(self, index: int, celsius: float) -> None:
+        self._update(index, temperature_c=celsius)
+
+    def set_memory_used(self, index: int, mib: int) -> None:
+        self._update(index, memory_used_mib=mib)
+
+    def set_utilization(self, index: int, pct: float) -> None:
+        self._update(index, utilization_pct=pct)
+
+    def set_processes(self, processes: list[ProcessMemory]) -> None:
+        with self._cond:
+            self._processes = list(processes)
+
+    def inject_xid(self, index: int, xid: int, persistent: bool = True) -> None:
+        """Report an Xid error; with `persistent`, probes fail until `clear_fault`."""
+        with self._cond:
+            gpu = self._gpus[index]
+            if persistent:
+                self._failing.add(gpu.uuid)
+            self._events.append(HealthEvent(gpu.uuid, HealthEventKind.XID, xid, f"Xid {xid}"))
+            self._cond.notify_all()
+
+    def clear_fault(self, index: int) -> None:
+        with self._cond:
+            self._failing.discard(self._gpus[index].uuid)

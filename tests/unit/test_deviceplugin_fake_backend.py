@@ -1,0 +1,56 @@
+"""The fake backend: specs, openb rows, deterministic UUIDs, test controls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from carpool.deviceplugin.backends.base import HealthEventKind, ProcessMemory
+from carpool.deviceplugin.backends.fake import FakeBackend, fake_gpu_uuid
+
+
+def test_openb_row_gives_model_memory_and_stable_uuids() -> None:
+    row = {"sn": "openb-node-0042", "cpu_milli": "96000", "memory_mib": "786432", "gpu": "8",
+           "model": "V100M32"}
+    gpus = FakeBackend.from_openb_row(row).inventory()
+    assert [g.index for g in gpus] == list(range(8))
+    assert {g.memory_total_mib for g in gpus} == {32768}
+    assert gpus[3].uuid == fake_gpu_uuid("openb-node-0042", 3)
+    assert [g.uuid for g in FakeBackend.from_openb_row(row).inventory()] == [g.uuid for g in gpus]
+    assert len({g.uuid for g in gpus}) == 8
+    assert fake_gpu_uuid("openb-node-0043", 3) != gpus[3].uuid
+
+
+def test_unknown_model_and_bad_rows_are_explained() -> None:
+    with pytest.raises(ValueError, match="unknown GPU model 'X9'"):
+        FakeBackend.from_spec({"node": "n", "gpus": [{"model": "X9"}]})
+    with pytest.raises(ValueError, match="not an openb node row"):
+        FakeBackend.from_openb_row({"sn": "n", "gpu": "two", "model": "T4"})
+    with pytest.raises(ValueError, match="'node'"):
+        FakeBackend.from_spec({"gpus": []})
+
+
+def test_yaml_spec(tmp_path: Path) -> None:
+    spec = tmp_path / "node.yaml"
+    spec.write_text("node: lab-1\ncudaVersion: '12.4'\ngpus:\n- {model: T4, count: 2}\n"
+                    "- {model: Custom, memoryTotalMiB: 1000}\n")
+    backend = FakeBackend.from_yaml(spec)
+    assert [g.model for g in backend.inventory()] == ["T4", "T4", "Custom"]
+    assert backend.inventory()[2].memory_total_mib == 1000
+    assert backend.cuda_version() == "12.4"
+
+
+def test_controls_change_readings_and_health() -> None:
+    backend = FakeBackend.from_spec({"node": "n", "gpus": [{"model": "A10", "count": 2}]})
+    uuid1 = backend.inventory()[1].uuid
+    backend.set_temperature(1, 88.0)
+    backend.set_processes([ProcessMemory(pid=7, gpu_uuid=uuid1, used_mib=500)])
+    assert backend.inventory()[1].temperature_c == 88.0
+    assert backend.process_memory()[0].used_mib == 500
+    assert backend.health_events(0.0) == []
+    backend.inject_xid(1, 79)
+    [event] = backend.health_events(0.0)
+    assert (event.gpu_uuid, event.kind, event.code) == (uuid1, HealthEventKind.XID, 79)
+    assert not backend.probe(uuid1)
+    backend.clear_fault(1)
+    assert backend.probe(uuid1)
