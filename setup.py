@@ -16,4 +16,5 @@ setup(
     packages=find_packages("src")
     + mapped("operator", "carpool.operator")
     + mapped("deviceplugin", "carpool.deviceplugin")
+    + ["carpool.crd_manifests"]  # crds/*.yaml, data only (carpool.crds loads them)
 )

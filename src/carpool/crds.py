@@ -1,0 +1,106 @@
+"""The Carpool CRDs: loading them from `crds/` and applying them to a cluster.
+
+`crds/` at the repository root is the single source of truth (DESIGN.md §2). From a source
+checkout (editable install) it is read in place, so an edited CRD takes effect without a
+reinstall; a built wheel carries the same files as the package data `carpool.crd_manifests`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from importlib import resources
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from carpool.core.names import GPUJOB_PLURAL, GPUNODE_PLURAL, GROUP, PROJECTQUOTA_PLURAL
+
+CRD_FILES = ("gpujob.yaml", "projectquota.yaml", "gpunode.yaml")
+CRD_NAMES = tuple(f"{plural}.{GROUP}" for plural in (GPUJOB_PLURAL, PROJECTQUOTA_PLURAL,
+                                                      GPUNODE_PLURAL))
+FIELD_MANAGER = "carpool-crds"
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+def crd_directory() -> Traversable:
+    """Where the CRD YAMLs are: the checkout's `crds/` if there is one, else the package data."""
+    checkout = Path(__file__).resolve().parents[2] / "crds"
+    if all((checkout / name).is_file() for name in CRD_FILES):
+        return checkout
+    return resources.files("carpool.crd_manifests")
+
+
+def load_crds(directory: Traversable | None = None) -> list[dict[str, Any]]:
+    """The three CustomResourceDefinition manifests as dicts, in CRD_FILES order."""
+    base = directory if directory is not None else crd_directory()
+    manifests: list[dict[str, Any]] = []
+    for name in CRD_FILES:
+        manifest = yaml.safe_load((base / name).read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or manifest.get("kind") != "CustomResourceDefinition":
+            raise ValueError(f"{name}: not a CustomResourceDefinition manifest")
+        manifests.append(manifest)
+    return manifests
+
+
+def crd_schema(plural: str) -> dict[str, Any]:
+    """The v1alpha1 openAPIV3Schema of one CRD, e.g. for offline checks in tests."""
+    for manifest in load_crds():
+        if manifest["spec"]["names"]["plural"] == plural:
+            schema: dict[str, Any] = manifest["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            return schema
+    raise KeyError(f"no Carpool CRD with plural {plural!r}")
+
+
+def _established(crd: Any) -> bool:
+    conditions = (crd.status.conditions if crd.status else None) or []
+    return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+
+def apply_crds(
+    api_client: Any,
+    manifests: Iterable[dict[str, Any]] | None = None,
+    *,
+    timeout_s: float = 60.0,
+) -> list[str]:
+    """Server-side apply the CRDs and wait until the API server serves them.
+
+    Returns the CRD names. Raises TimeoutError naming the CRDs that never became Established
+    (e.g. a rejected schema leaves NamesAccepted or NonStructuralSchema conditions behind).
+    """
+    from kubernetes import client  # the adapter side: only this function talks to a cluster
+
+    api = client.ApiextensionsV1Api(api_client)
+    names: list[str] = []
+    for manifest in manifests if manifests is not None else load_crds():
+        name = manifest["metadata"]["name"]
+        api.patch_custom_resource_definition(
+            name, manifest, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH
+        )
+        names.append(name)
+    deadline = time.monotonic() + timeout_s
+    waiting = set(names)
+    while waiting:
+        waiting = {n for n in waiting if not _established(api.read_custom_resource_definition(n))}
+        if not waiting:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"CRDs not Established after {timeout_s:.0f}s: {sorted(waiting)}")
+        time.sleep(0.2)
+    return names
+
+
+def delete_crds(api_client: Any) -> None:
+    """Delete the Carpool CRDs (and with them every GpuJob, ProjectQuota and GpuNode)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    api = client.ApiextensionsV1Api(api_client)
+    for name in CRD_NAMES:
+        try:
+            api.delete_custom_resource_definition(name)
+        except ApiException as err:
+            if err.status != 404:
+                raise
