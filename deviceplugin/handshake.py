@@ -1,0 +1,271 @@
+"""Which pod an Allocate call is for: the extender <-> device plugin handshake.
+
+The kubelet calls Allocate with device IDs but no pod identity. The extender never keeps two pods
+"in flight" on one node whose GPU containers ask for the same `carpool.dev/gpu` count (in flight:
+assigned by the extender, not yet marked `carpool.dev/allocated`, not running, not finished,
+assigned less than 60 s ago). So among this node's in-flight pods exactly one container matches
+the request's count; its assignment annotation says which GPUs (and MIG instance, memory and
+cores) it holds. Everything here is pure: pods in, a decision or a `HandshakeError` out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.resources import Isolation
+from carpool.core.shares import ShareId
+
+IN_FLIGHT_STALE_S = 60.0
+
+
+class HandshakeError(Exception):
+    """An Allocate request that cannot be served; `code` names the gRPC status to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # "INVALID_ARGUMENT" | "NOT_FOUND" | "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class AssignedGpu:
+    """One GPU a container holds, as the extender recorded it at bind."""
+
+    uuid: str
+    index: int
+    memory_mib: int
+    cores_pct: int
+    mig_instance: str = ""
+    container: str = ""
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the handshake needs to know about a pod on this node."""
+
+    namespace: str
+    name: str
+    uid: str
+    phase: str
+    deleting: bool
+    annotations: Mapping[str, str]
+    gpu_containers: tuple[tuple[str, int], ...]  # (container name, carpool.dev/gpu count)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Match:
+    """The container an Allocate call is for, and the GPUs it was assigned."""
+
+    pod: PodView
+    container: str
+    gpus: tuple[AssignedGpu, ...]
+    isolation: Isolation | None  # None: the pod did not say; use the node's mode
+
+
+def _int_field(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def parse_assignment(text: str) -> tuple[str, tuple[AssignedGpu, ...]]:
+    """The node and GPUs of a `carpool.dev/assignment` annotation; ValueError when malformed."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{ANN_ASSIGNMENT} is not JSON: {err}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("node"), str):
+        raise ValueError(f"{ANN_ASSIGNMENT} must be an object with a node name")
+    raw_gpus = data.get("gpus")
+    if not isinstance(raw_gpus, list) or not raw_gpus:
+        raise ValueError(f"{ANN_ASSIGNMENT}: gpus must be a non-empty list")
+    gpus = []
+    for n, raw in enumerate(raw_gpus):
+        where = f"{ANN_ASSIGNMENT} gpus[{n}]"
+        if not isinstance(raw, dict) or not isinstance(raw.get("uuid"), str) or not raw["uuid"]:
+            raise ValueError(f"{where}: needs a GPU uuid")
+        gpus.append(AssignedGpu(
+            uuid=raw["uuid"],
+            index=_int_field(raw, "index", where),
+            memory_mib=_int_field(raw, "memoryMiB", where),
+            cores_pct=_int_field(raw, "cores", where, 0),
+            mig_instance=str(raw.get("migInstance") or ""),
+            container=str(raw.get("container") or ""),
+        ))
+    return data["node"], tuple(gpus)
+
+
+def allocated_containers(pod: PodView) -> set[str]:
+    """Containers the plugin already handed devices to (from `carpool.dev/allocated`)."""
+    text = pod.annotations.get(ANN_ALLOCATED)
+    if not text:
+        return set()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return {name for name, _ in pod.gpu_containers}  # set by someone else: treat as done
+    containers = data.get("containers") if isinstance(data, dict) else None
+    if not isinstance(containers, dict):
+        return {name for name, _ in pod.gpu_containers}
+    return set(containers)
+
+
+def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str],
+                         gpus: Sequence[str], now: datetime) -> str:
+    """The new `carpool.dev/allocated` value after handing `device_ids` to `container`."""
+    text = pod.annotations.get(ANN_ALLOCATED)
+    containers: dict[str, object] = {}
+    if text:
+        try:
+            old = json.loads(text)
+            if isinstance(old, dict) and isinstance(old.get("containers"), dict):
+                containers = dict(old["containers"])
+        except json.JSONDecodeError:
+            pass
+    containers[container] = {"deviceIDs": list(device_ids), "gpus": list(gpus)}
+    return json.dumps({"containers": containers,
+                       "at": now.astimezone().isoformat(timespec="seconds")},
+                      separators=(",", ":"), sort_keys=True)
+
+
+def _assigned_at(pod: PodView) -> float:
+    text = pod.annotations.get(ANN_ASSIGNED_AT, "")
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0  # unknown bind time: oldest first, and counted as stale
+
+
+def _container_gpus(gpus: tuple[AssignedGpu, ...], container: str,
+                    gpu_containers: tuple[tuple[str, int], ...]) -> tuple[AssignedGpu, ...]:
+    named = tuple(g for g in gpus if g.container == container)
+    if named:
+        return named
+    if len(gpu_containers) == 1:
+        return tuple(g for g in gpus if not g.container)
+    # Several GPU containers and an assignment without container names: hand them out in order.
+    start = 0
+    for name, count in gpu_containers:
+        if name == container:
+            return gpus[start:start + count]
+        start += count
+    return ()
+
+
+def _isolation(pod: PodView) -> Isolation | None:
+    text = pod.annotations.get(ANN_ISOLATION)
+    if not text:
+        return None
+    try:
+        return Isolation.parse(text)
+    except ValueError:
+        return None
+
+
+Candidate = tuple[PodView, str, tuple[AssignedGpu, ...]]
+
+
+def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
+    """(pod, container, its GPUs) still waiting for an Allocate on `node`; bad annotations skip."""
+    out = []
+    for pod in pods:
+        if pod.deleting or pod.phase not in ("Pending", ""):
+            continue
+        text = pod.annotations.get(ANN_ASSIGNMENT)
+        if not text:
+            continue
+        try:
+            assigned_node, gpus = parse_assignment(text)
+        except ValueError:
+            continue
+        if assigned_node != node:
+            continue
+        done = allocated_containers(pod)
+        for container, _count in pod.gpu_containers:
+            if container not in done:
+                mine = _container_gpus(gpus, container, pod.gpu_containers)
+                if mine:
+                    out.append((pod, container, mine))
+    return out
+
+
+def match_request(
+    pods: Iterable[PodView],
+    node: str,
+    shares: Sequence[ShareId],
+    now: float,
+    handed_over: frozenset[tuple[str, str]] = frozenset(),
+) -> Match:
+    """The one in-flight container this Allocate(`shares`) is for.
+
+    Candidates are in-flight containers whose GPU count equals len(shares) and that this plugin
+    has not already served (`handed_over`: (pod uid, container)). Ranked by: assigned GPUs equal
+    to the shares' GPUs (what GetPreferredAllocation steered the kubelet to), then fresh before
+    stale, then bind time, then name, so a tie is broken the same way every time.
+    """
+    count = len(shares)
+    share_gpus = {s.gpu_uuid for s in shares}
+    candidates = [
+        (pod, container, gpus)
+        for pod, container, gpus in in_flight(pods, node)
+        if len(gpus) == count and (pod.uid, container) not in handed_over
+    ]
+    if not candidates:
+        raise HandshakeError(
+            "FAILED_PRECONDITION",
+            f"no pod in flight on node {node} has a container assigned {count} "
+            f"carpool.dev/gpu (the extender records the assignment at bind; was the pod "
+            f"scheduled by the Carpool scheduler?)",
+        )
+
+    def rank(c: Candidate) -> tuple[bool, bool, float, str, str]:
+        pod, container, gpus = c
+        at = _assigned_at(pod)
+        stale = now - at > IN_FLIGHT_STALE_S
+        return ({g.uuid for g in gpus} != share_gpus, stale, at, pod.key, container)
+
+    pod, container, gpus = min(candidates, key=rank)
+    return Match(pod, container, gpus, _isolation(pod))
+
+
+def preferred_shares(
+    available: Sequence[ShareId],
+    must_include: Sequence[ShareId],
+    size: int,
+    preferred_gpus: Sequence[str],
+) -> list[ShareId]:
+    """`size` shares from `available`: the required ones, then one on each preferred GPU (the
+    in-flight pod's assignment, in order), then the rest on GPUs not yet used, lowest first.
+
+    Each share in an answer sits on a distinct GPU, because one `carpool.dev/gpu` is one GPU.
+    """
+    chosen: list[ShareId] = []
+    used: set[str] = set()
+
+    def take(share: ShareId) -> None:
+        if len(chosen) < size and share not in chosen and share.gpu_uuid not in used:
+            chosen.append(share)
+            used.add(share.gpu_uuid)
+
+    for share in must_include:
+        take(share)
+    ordered = sorted(available)
+    for gpu in preferred_gpus:
+        for share in ordered:
+            if share.gpu_uuid == gpu:
+                take(share)
+                break
+    for share in ordered:
+        take(share)
+    for share in ordered:  # not enough distinct GPUs: fill up rather than answer short
+        if len(chosen) < size and share not in chosen:
+            chosen.append(share)
+    return chosen

@@ -1,0 +1,377 @@
+"""The kubelet-facing gRPC server: registration, ListAndWatch, GetPreferredAllocation, Allocate.
+
+Thin: each method decodes the request, asks the pure modules (devices, handshake, sharing) and
+answers; any request it cannot serve gets a gRPC status with a message, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+from carpool.deviceplugin.backends.base import GpuBackend, GpuFacts
+from carpool.deviceplugin.devices import advertised_shares
+from carpool.deviceplugin.handshake import (
+    HandshakeError,
+    Match,
+    allocated_annotation,
+    in_flight,
+    match_request,
+    preferred_shares,
+)
+from carpool.deviceplugin.health import HealthTracker
+from carpool.deviceplugin.metrics import GpuMetrics
+from carpool.deviceplugin.pods import PodSource
+from carpool.deviceplugin.sharing import MpsSettings, container_setup
+
+from carpool.core.names import RESOURCE_GPU
+from carpool.core.resources import Isolation
+from carpool.core.shares import ShareId
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+ENDPOINT = "carpool-gpu.sock"
+
+_CODES = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+# Which pod isolations a node in each sharing mode can honour.
+_ALLOWED = {
+    "mps": {Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE},
+    "timeslice": {Isolation.TIMESLICE, Isolation.EXCLUSIVE},
+    "mig": {Isolation.MIG, Isolation.EXCLUSIVE},
+    "exclusive": {Isolation.EXCLUSIVE},
+}
+
+
+@dataclass
+class PluginConfig:
+    node: str
+    sharing_mode: str = "mps"
+    shares_per_gpu: int = 8
+    mps: MpsSettings = field(default_factory=MpsSettings)
+    resource_name: str = RESOURCE_GPU
+
+
+class PluginState:
+    """What the gRPC methods share: the GPU view, health, and who was handed what.
+
+    `changed()` wakes every ListAndWatch stream; readings come from the backend through
+    `refresh()`, which the caller runs off the event loop's thread when the backend blocks.
+    """
+
+    def __init__(self, config: PluginConfig, backend: GpuBackend, pods: PodSource,
+                 health: HealthTracker | None = None, metrics: GpuMetrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.backend = backend
+        self.pods = pods
+        self.health = health or HealthTracker()
+        self.metrics = metrics or GpuMetrics(config.node)
+        self.clock = clock
+        self.gpus: list[GpuFacts] = backend.inventory()
+        self.handed_over: set[tuple[str, str]] = set()  # (pod uid, container)
+        self._version = 0
+        self._cond = asyncio.Condition()
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def changed(self) -> None:
+        async with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    async def close(self) -> None:
+        async with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    async def wait_change(self, seen: int) -> bool:
+        """Block until the version moves past `seen`; False once the state is closed."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._closed or self._version != seen)
+            return not self._closed
+
+    def shares(self) -> list[tuple[ShareId, bool]]:
+        return [(a.share, a.healthy) for a in advertised_shares(
+            self.gpus, self.config.sharing_mode, self.config.shares_per_gpu,
+            self.health.unhealthy)]
+
+    def device_list(self) -> api_pb2.ListAndWatchResponse:
+        return api_pb2.ListAndWatchResponse(devices=[
+            api_pb2.Device(ID=str(share), health="Healthy" if ok else "Unhealthy")
+            for share, ok in self.shares()
+        ])
+
+
+def parse_ids(ids: Sequence[str], what: str) -> list[ShareId]:
+    out = []
+    for text in ids:
+        try:
+            out.append(ShareId.parse(text))
+        except ValueError as err:
+            raise HandshakeError("INVALID_ARGUMENT", f"{what}: {err}") from None
+    return out
+
+
+class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
+    def __init__(self, state: PluginState) -> None:
+        self.state = state
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: HandshakeError) -> None:
+        log.warning("refusing request: %s", err)
+        await context.abort(_CODES[err.code], str(err))
+
+    async def GetDevicePluginOptions(self, request: api_pb2.Empty,
+                                     context: grpc.aio.ServicerContext
+                                     ) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions(pre_start_required=False,
+                                           get_preferred_allocation_available=True)
+
+    async def ListAndWatch(self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+                           ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        seen = self.state.version
+        yield self.state.device_list()
+        while await self.state.wait_change(seen):
+            seen = self.state.version
+            yield self.state.device_list()
+
+    async def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest,
+                                     context: grpc.aio.ServicerContext
+                                     ) -> api_pb2.PreferredAllocationResponse:
+        try:
+            pods = await self.state.pods.pods_on_node(self.state.config.node)
+            now = self.state.clock()
+            responses = []
+            for req in request.container_requests:
+                available = parse_ids(req.available_deviceIDs, "available_deviceIDs")
+                must = parse_ids(req.must_include_deviceIDs, "must_include_deviceIDs")
+                if req.allocation_size < 1 or req.allocation_size > len(available):
+                    raise HandshakeError(
+                        "INVALID_ARGUMENT",
+                        f"allocation_size {req.allocation_size} with {len(available)} devices "
+                        f"available")
+                preferred = self._assigned_gpus(pods, req.allocation_size, now)
+                chosen = preferred_shares(available, must, req.allocation_size, preferred)
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(
+                    deviceIDs=[str(s) for s in chosen]))
+            return api_pb2.PreferredAllocationResponse(container_responses=responses)
+        except HandshakeError as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from err
+
+    def _assigned_gpus(self, pods: Any, count: int, now: float) -> list[str]:
+        """The GPUs of the in-flight container this request is most likely for, or none."""
+        node = self.state.config.node
+        for pod, container, gpus in sorted(
+            in_flight(pods, node),
+            key=lambda c: (c[0].annotations.get("carpool.dev/assigned-at", ""), c[0].key),
+        ):
+            if len(gpus) == count and (pod.uid, container) not in self.state.handed_over:
+                return [g.uuid for g in gpus]
+        return []
+
+    async def Allocate(self, request: api_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> api_pb2.AllocateResponse:
+        try:
+            if not request.container_requests:
+                raise HandshakeError("INVALID_ARGUMENT", "Allocate with no container requests")
+            responses = []
+            for req in request.container_requests:
+                responses.append(await self._allocate_one(list(req.devices_ids)))
+            return api_pb2.AllocateResponse(container_responses=responses)
+        except HandshakeError as err:
+            self.state.metrics.allocations.labels(self.state.config.node, "", err.code).inc()
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from err
+
+    def _check_devices(self, ids: list[str]) -> list[ShareId]:
+        if not ids:
+            raise HandshakeError("INVALID_ARGUMENT", "a container request lists no device IDs")
+        shares = parse_ids(ids, "devices_ids")
+        known = dict(self.state.shares())
+        unknown = [str(s) for s in shares if s not in known]
+        if unknown:
+            raise HandshakeError("NOT_FOUND",
+                                 f"device IDs not advertised on node {self.state.config.node}: "
+                                 f"{', '.join(unknown)}")
+        if len(set(shares)) != len(shares):
+            raise HandshakeError("INVALID_ARGUMENT", "the same device ID appears twice")
+        gpus = [s.gpu_uuid for s in shares]
+        if len(set(gpus)) != len(gpus):
+            raise HandshakeError(
+                "INVALID_ARGUMENT",
+                f"{len(gpus)} shares but only {len(set(gpus))} distinct GPUs: each "
+                f"{self.state.config.resource_name} is a whole distinct GPU")
+        sick = [str(s) for s in shares if not known[s]]
+        if sick:
+            raise HandshakeError("FAILED_PRECONDITION",
+                                 f"devices are unhealthy: {', '.join(sick)}")
+        return shares
+
+    async def _allocate_one(self, ids: list[str]) -> api_pb2.ContainerAllocateResponse:
+        state = self.state
+        shares = self._check_devices(ids)
+        pods = await state.pods.pods_on_node(state.config.node)
+        match = match_request(pods, state.config.node, shares, state.clock(),
+                              frozenset(state.handed_over))
+        isolation = self._isolation(match)
+        setup = container_setup(isolation, match.gpus, state.config.mps)
+        assigned = [g.uuid for g in match.gpus]
+        if {s.gpu_uuid for s in shares} != set(assigned):
+            log.warning("kubelet chose %s for %s/%s but the extender assigned %s; the container "
+                        "gets the assigned GPUs", ids, match.pod.key, match.container, assigned)
+        state.handed_over.add((match.pod.uid, match.container))
+        value = allocated_annotation(match.pod, match.container, ids, assigned, datetime.now(UTC))
+        try:
+            await state.pods.mark_allocated(match.pod, value)
+        except Exception as err:  # the pod still starts; the extender's staleness timer covers it
+            log.error("could not annotate %s as allocated: %s", match.pod.key, err)
+        state.metrics.allocations.labels(state.config.node, isolation.value, "OK").inc()
+        log.info("allocated %s to %s/%s (%s)", assigned, match.pod.key, match.container,
+                 isolation.value)
+        return api_pb2.ContainerAllocateResponse(
+            envs=setup.envs,
+            mounts=[api_pb2.Mount(container_path=m.container_path, host_path=m.host_path,
+                                  read_only=m.read_only) for m in setup.mounts],
+        )
+
+    def _isolation(self, match: Match) -> Isolation:
+        mode = self.state.config.sharing_mode
+        wanted = match.isolation
+        if wanted is None:
+            wanted = Isolation.MIG if any(g.mig_instance for g in match.gpus) else Isolation(mode)
+        if wanted not in _ALLOWED[mode] and not (
+            wanted is Isolation.MIG and all(g.mig_instance for g in match.gpus)
+        ):
+            raise HandshakeError(
+                "FAILED_PRECONDITION",
+                f"pod {match.pod.key} wants {wanted.value} isolation but node "
+                f"{self.state.config.node} shares GPUs in {mode} mode")
+        return wanted
+
+    async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+
+async def register(plugin_dir: Path, endpoint: str, resource_name: str,
+                   timeout_s: float = 5.0) -> None:
+    """Announce the plugin to the kubelet's Registration service."""
+    target = f"unix://{plugin_dir / KUBELET_SOCKET}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = api_pb2_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+        await stub.Register(
+            api_pb2.RegisterRequest(
+                version=API_VERSION, endpoint=endpoint, resource_name=resource_name,
+                options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+            ),
+            timeout=timeout_s,
+        )
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
+class PluginServer:
+    """Serves the DevicePlugin service on its socket and keeps it registered.
+
+    The kubelet removes plugin sockets when it restarts and comes back with a new kubelet.sock;
+    `supervise` notices either (polling inodes: no inotify dependency) and serves and registers
+    again.
+    """
+
+    def __init__(self, state: PluginState, plugin_dir: Path, endpoint: str = ENDPOINT,
+                 poll_s: float = 1.0) -> None:
+        self.state = state
+        self.plugin_dir = plugin_dir
+        self.endpoint = endpoint
+        self.poll_s = poll_s
+        self.server: grpc.aio.Server | None = None
+        self.registrations = 0
+        self._kubelet_inode: int | None = None
+        self._socket_inode: int | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.plugin_dir / self.endpoint
+
+    async def serve(self) -> None:
+        await self.stop_serving()
+        self.socket.unlink(missing_ok=True)
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
+            DevicePluginService(self.state), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        await server.start()
+        self.server = server
+        self._socket_inode = _inode(self.socket)
+
+    async def stop_serving(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+            self.server = None
+
+    async def register(self) -> None:
+        self._kubelet_inode = _inode(self.plugin_dir / KUBELET_SOCKET)
+        await register(self.plugin_dir, self.endpoint, self.state.config.resource_name)
+        self.registrations += 1
+        log.info("registered %s with the kubelet (%s, registration %d)",
+                 self.state.config.resource_name, self.socket, self.registrations)
+
+    async def start(self) -> None:
+        await self.serve()
+        await self.register()
+
+    def needs_restart(self) -> bool:
+        kubelet = _inode(self.plugin_dir / KUBELET_SOCKET)
+        return (kubelet is not None and kubelet != self._kubelet_inode) or (
+            _inode(self.socket) != self._socket_inode)
+
+    async def supervise(self) -> None:
+        """Run forever: keep serving and registered across kubelet restarts."""
+        backoff = self.poll_s
+        while True:
+            if self.server is None or self.needs_restart():
+                if not (self.plugin_dir / KUBELET_SOCKET).exists():
+                    await asyncio.sleep(self.poll_s)
+                    continue
+                try:
+                    await self.start()
+                    backoff = self.poll_s
+                except grpc.aio.AioRpcError as err:
+                    log.warning("registration failed (%s: %s); retrying in %.0fs",
+                                err.code().name, err.details(), backoff)
+                    await self.stop_serving()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+                    continue
+            await asyncio.sleep(self.poll_s)
+
+    async def close(self) -> None:
+        await self.state.close()
+        await self.stop_serving()
+        self.socket.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""How the plugin finds the pods on its node and marks them allocated: a port and a fake.
+
+The real implementation, backed by the Kubernetes API, is in `kube.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol
+
+from carpool.deviceplugin.handshake import PodView
+
+from carpool.core.names import ANN_ALLOCATED
+
+
+class PodSource(Protocol):
+    async def pods_on_node(self, node: str) -> list[PodView]:
+        """Every pod bound to `node` (spec.nodeName), any phase."""
+        ...
+
+    async def mark_allocated(self, pod: PodView, value: str) -> None:
+        """Set the pod's `carpool.dev/allocated` annotation to `value`."""
+        ...
+
+
+class StaticPodSource:
+    """Pods held in memory: unit tests, the GPU benchmark, dry runs."""
+
+    def __init__(self, pods: list[PodView] | None = None) -> None:
+        self.pods: dict[str, PodView] = {p.key: p for p in pods or []}
+        self.marked: list[tuple[str, str]] = []
+
+    def add(self, pod: PodView) -> None:
+        self.pods[pod.key] = pod
+
+    async def pods_on_node(self, node: str) -> list[PodView]:
+        return list(self.pods.values())
+
+    async def mark_allocated(self, pod: PodView, value: str) -> None:
+        current = self.pods.get(pod.key)
+        if current is None:
+            raise LookupError(f"pod {pod.key} is gone")
+        self.pods[pod.key] = replace(current, annotations={**current.annotations,
+                                                           ANN_ALLOCATED: value})
+        self.marked.append((pod.key, value))

@@ -1,0 +1,107 @@
+"""What a container gets for its GPUs in each sharing mode: environment and mounts.
+
+Pure: the container's assigned GPUs and the node's settings in, a `ContainerSetup` out. The gRPC
+layer copies it into a `ContainerAllocateResponse`; the GPU benchmark runs real CUDA work with
+exactly this environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+
+from carpool.deviceplugin.handshake import AssignedGpu, HandshakeError
+
+from carpool.core.resources import Isolation
+
+CONTAINER_MPS_PIPE_DIR = "/run/carpool/mps"
+CONTAINER_SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class MpsSettings:
+    """Where the node's MPS control daemon lives (host paths)."""
+
+    pipe_dir: str = "/run/carpool/mps/pipe"
+    shm_dir: str = ""  # a host tmpfs shared by the daemon and clients; "" to leave /dev/shm alone
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerSetup:
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: tuple[MountSpec, ...] = ()
+
+
+def mps_memory_limit(mib: int) -> str:
+    """`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`'s value syntax: whole GiB as "8G", otherwise "1536M"."""
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def container_setup(
+    isolation: Isolation,
+    gpus: Sequence[AssignedGpu],
+    mps: MpsSettings = MpsSettings(),
+) -> ContainerSetup:
+    """Environment and mounts that give a container exactly its assigned GPUs.
+
+    GPUs are named by UUID (CUDA_VISIBLE_DEVICES accepts UUIDs), so the numbering the container
+    sees cannot disagree with the host's. MPS per-device limits index the visible devices.
+    """
+    if not gpus:
+        raise HandshakeError("FAILED_PRECONDITION", "the assignment lists no GPUs")
+    envs = {"CARPOOL_ISOLATION": isolation.value}
+    if isolation is Isolation.MIG:
+        missing = [g.uuid for g in gpus if not g.mig_instance]
+        if missing:
+            raise HandshakeError(
+                "FAILED_PRECONDITION",
+                f"MIG isolation but the assignment names no MIG instance on {', '.join(missing)}",
+            )
+        visible = ",".join(g.mig_instance for g in gpus)
+        envs |= {"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible}
+        return ContainerSetup(envs)
+
+    visible = ",".join(g.uuid for g in gpus)
+    envs |= {"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible}
+    if isolation is Isolation.EXCLUSIVE:
+        return ContainerSetup(envs)
+    envs["CARPOOL_GPU_MEMORY_LIMIT_MIB"] = ",".join(str(g.memory_mib) for g in gpus)
+    if isolation is Isolation.TIMESLICE:
+        return ContainerSetup(envs)  # no hard limit: the watchdog enforces memory
+
+    # MPS: the client joins the node's daemon through the mounted pipe directory, with its own
+    # pinned-memory cap per visible device and a share of the SMs.
+    envs["CUDA_MPS_PIPE_DIRECTORY"] = CONTAINER_MPS_PIPE_DIR
+    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+        f"{n}={mps_memory_limit(g.memory_mib)}" for n, g in enumerate(gpus) if g.memory_mib > 0
+    )
+    if not envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]:
+        del envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+    cores = max(g.cores_pct for g in gpus)  # one value per process: the largest grant
+    if 0 < cores < 100:
+        envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cores)
+    mounts = [MountSpec(CONTAINER_MPS_PIPE_DIR, mps.pipe_dir)]
+    if mps.shm_dir:
+        mounts.append(MountSpec(CONTAINER_SHM_DIR, mps.shm_dir))
+    return ContainerSetup(envs, tuple(mounts))
+
+
+def host_view(setup: ContainerSetup) -> dict[str, str]:
+    """The same environment for a process on the host (no container): mounted paths are
+    replaced by their host paths. Used by the GPU benchmark."""
+    envs = dict(setup.envs)
+    for mount in setup.mounts:
+        for key, value in envs.items():
+            if value == mount.container_path or PurePosixPath(value) == PurePosixPath(
+                mount.container_path
+            ):
+                envs[key] = mount.host_path
+    return envs

@@ -1,0 +1,336 @@
+"""The plugin against a kubelet stand-in speaking the real v1beta1 protocol over unix sockets.
+
+The fake kubelet serves Registration on kubelet.sock; on Register it dials the plugin's socket
+back, as the kubelet does, and follows ListAndWatch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from carpool.deviceplugin.agent import health_step
+from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+from carpool.deviceplugin.backends.fake import FakeBackend
+from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.health import HealthTracker
+from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
+from carpool.deviceplugin.pods import StaticPodSource
+from carpool.deviceplugin.sharing import MpsSettings
+
+from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+
+NODE = "gpu-node-1"
+NOW = 1_800_000_000.0
+
+
+class FakeKubelet(api_pb2_grpc.RegistrationServicer):
+    """Registration service; on Register, connects to the plugin and follows ListAndWatch."""
+
+    def __init__(self, plugin_dir: Path) -> None:
+        self.plugin_dir = plugin_dir
+        self.requests: list[api_pb2.RegisterRequest] = []
+        self.updates: asyncio.Queue[dict[str, str]] = asyncio.Queue()
+        self.options: api_pb2.DevicePluginOptions | None = None
+        self.channel: grpc.aio.Channel | None = None
+        self.server: grpc.aio.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def Register(self, request: api_pb2.RegisterRequest, context: Any) -> api_pb2.Empty:
+        if request.version != "v1beta1":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unsupported version")
+        self.requests.append(request)
+        self.channel = grpc.aio.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        stub = api_pb2_grpc.DevicePluginStub(self.channel)
+        self.options = await stub.GetDevicePluginOptions(api_pb2.Empty())
+        self._watch = asyncio.create_task(self._follow(stub))
+        return api_pb2.Empty()
+
+    async def _follow(self, stub: api_pb2_grpc.DevicePluginStub) -> None:
+        try:
+            async for response in stub.ListAndWatch(api_pb2.Empty()):
+                await self.updates.put({d.ID: d.health for d in response.devices})
+        except grpc.aio.AioRpcError:
+            pass  # the plugin went away (restart); a new Register starts a new watch
+
+    def stub(self) -> api_pb2_grpc.DevicePluginStub:
+        assert self.channel is not None, "plugin never registered"
+        return api_pb2_grpc.DevicePluginStub(self.channel)
+
+    async def start(self) -> None:
+        self.server = grpc.aio.server()
+        api_pb2_grpc.add_RegistrationServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{self.plugin_dir / KUBELET_SOCKET}")
+        await self.server.start()
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        if self.channel is not None:
+            await self.channel.close()
+        if self.server is not None:
+            await self.server.stop(grace=None)
+        (self.plugin_dir / KUBELET_SOCKET).unlink(missing_ok=True)
+
+
+def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int | None = None,
+        assigned_at: str = "2027-01-15T08:00:00Z", node: str = NODE) -> PodView:
+    annotations = {ANN_ASSIGNMENT: json.dumps({"node": node, "gpus": gpus}),
+                   ANN_ASSIGNED_AT: assigned_at}
+    if isolation:
+        annotations[ANN_ISOLATION] = isolation
+    return PodView("lab", name, f"uid-{name}", "Pending", False, annotations,
+                   (("main", count if count is not None else len(gpus)),))
+
+
+@pytest.fixture
+def plugin_dir() -> Iterator[Path]:
+    # unix socket paths are limited to ~107 bytes: keep the directory short
+    path = Path(tempfile.mkdtemp(prefix="cp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
+
+
+@asynccontextmanager
+async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
+                  pods: list[PodView] | None = None
+                  ) -> AsyncIterator[Running]:
+    backend = FakeBackend.from_spec(spec)
+    source = StaticPodSource(pods)
+    state = PluginState(
+        PluginConfig(NODE, sharing_mode=mode, shares_per_gpu=4,
+                     mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm")),
+        backend, source, health=HealthTracker(recover_after_s=0.0), clock=lambda: NOW,
+    )
+    kubelet = FakeKubelet(plugin_dir)
+    await kubelet.start()
+    server = PluginServer(state, plugin_dir, poll_s=0.05)
+    await server.start()
+    try:
+        yield kubelet, server, backend, source
+    finally:
+        await server.close()
+        await kubelet.stop()
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+TWO_H200 = {"node": NODE, "gpus": [{"model": "H200", "count": 2}]}
+
+
+def test_register_then_list_and_watch(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, _):
+            [request] = kubelet.requests
+            assert (request.version, request.endpoint, request.resource_name) == (
+                "v1beta1", "carpool-gpu.sock", "carpool.dev/gpu")
+            assert request.options.get_preferred_allocation_available
+            assert kubelet.options is not None
+            assert kubelet.options.get_preferred_allocation_available
+            devices = await kubelet.updates.get()
+            uuids = [g.uuid for g in backend.inventory()]
+            assert sorted(devices) == sorted(f"{u}::{n}" for u in uuids for n in range(4))
+            assert set(devices.values()) == {"Healthy"}
+    run(scenario())
+
+
+def test_reregisters_when_the_kubelet_restarts(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, server, _, _):
+            supervisor = asyncio.create_task(server.supervise())
+            await kubelet.updates.get()
+            await kubelet.stop()  # kubelet goes away, removing its socket and the plugin's
+            server.socket.unlink()
+            restarted = FakeKubelet(plugin_dir)
+            await restarted.start()
+            for _ in range(100):
+                if restarted.requests:
+                    break
+                await asyncio.sleep(0.05)
+            assert [r.endpoint for r in restarted.requests] == ["carpool-gpu.sock"]
+            assert server.registrations == 2 and server.socket.exists()
+            devices = await restarted.updates.get()
+            assert len(devices) == 8
+            supervisor.cancel()
+            await restarted.stop()
+    run(scenario())
+
+
+def test_list_and_watch_reports_a_health_flip_and_recovery(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, server, backend, _):
+            await kubelet.updates.get()
+            sick = backend.inventory()[1].uuid
+            backend.inject_xid(1, 79)  # "GPU has fallen off the bus"
+            assert await health_step(server.state, 0.0)
+            devices = await kubelet.updates.get()
+            assert {h for d, h in devices.items() if d.startswith(sick)} == {"Unhealthy"}
+            assert {h for d, h in devices.items() if not d.startswith(sick)} == {"Healthy"}
+            assert not await health_step(server.state, 0.0)  # probe still fails: stays down
+            backend.clear_fault(1)
+            assert await health_step(server.state, 0.0)
+            assert set((await kubelet.updates.get()).values()) == {"Healthy"}
+            backend.inject_xid(0, 13, persistent=False)  # an application's illegal address
+            assert not await health_step(server.state, 0.0)
+    run(scenario())
+
+
+def allocate(stub: api_pb2_grpc.DevicePluginStub, *ids: str) -> Awaitable[api_pb2.AllocateResponse]:
+    return stub.Allocate(api_pb2.AllocateRequest(
+        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(ids))]))
+
+
+def test_allocate_mps_follows_the_assignment_and_marks_the_pod(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, source):
+            gpu0, gpu1 = (g.uuid for g in backend.inventory())
+            source.add(pod("train", [{"uuid": gpu1, "index": 1, "memoryMiB": 8192, "cores": 25}],
+                           isolation="mps"))
+            stub = kubelet.stub()
+            preferred = await stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(
+                container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=[f"{gpu0}::0", f"{gpu0}::1", f"{gpu1}::3"],
+                    allocation_size=1)]))
+            assert list(preferred.container_responses[0].deviceIDs) == [f"{gpu1}::3"]
+            response = await allocate(stub, f"{gpu1}::3")
+            [container] = response.container_responses
+            assert dict(container.envs) == {
+                "CARPOOL_ISOLATION": "mps",
+                "NVIDIA_VISIBLE_DEVICES": gpu1,
+                "CUDA_VISIBLE_DEVICES": gpu1,
+                "CARPOOL_GPU_MEMORY_LIMIT_MIB": "8192",
+                "CUDA_MPS_PIPE_DIRECTORY": "/run/carpool/mps",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8G",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25",
+            }
+            assert [(m.container_path, m.host_path) for m in container.mounts] == [
+                ("/run/carpool/mps", "/run/carpool/mps/pipe"), ("/dev/shm", "/run/carpool/shm")]
+            marked = json.loads(source.pods["lab/train"].annotations[ANN_ALLOCATED])
+            assert marked["containers"]["main"] == {"deviceIDs": [f"{gpu1}::3"], "gpus": [gpu1]}
+            # the pod is no longer in flight: a second Allocate finds nobody
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, f"{gpu1}::2")
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    run(scenario())
+
+
+def test_allocate_mig_timeslice_and_exclusive(plugin_dir: Path) -> None:
+    spec = {"node": NODE, "gpus": [
+        {"model": "A100", "migInstances": [{"profile": "3g.40gb", "slices": 3, "memoryMiB": 40192},
+                                           {"profile": "1g.10gb", "slices": 1, "memoryMiB": 9856}]},
+        {"model": "A100", "count": 2},
+    ]}
+
+    async def scenario() -> None:
+        async with running(plugin_dir, spec, mode="timeslice") as (kubelet, _server, backend,
+                                                                     source):
+            mig_gpu, gpu1, gpu2 = backend.inventory()
+            mig = mig_gpu.mig_instances[1].uuid
+            stub = kubelet.stub()
+            devices = await kubelet.updates.get()
+            assert sum(d.startswith(mig_gpu.uuid) for d in devices) == 2  # one per MIG instance
+
+            source.add(pod("infer", [{"uuid": mig_gpu.uuid, "index": 0, "memoryMiB": 9856,
+                                      "cores": 0, "migInstance": mig}], isolation="mig"))
+            envs = dict((await allocate(stub, f"{mig_gpu.uuid}::1")).container_responses[0].envs)
+            assert envs["CUDA_VISIBLE_DEVICES"] == mig == envs["NVIDIA_VISIBLE_DEVICES"]
+
+            source.add(pod("notebook", [{"uuid": gpu1.uuid, "index": 1, "memoryMiB": 4096,
+                                         "cores": 30}], isolation="timeslice"))
+            envs = dict((await allocate(stub, f"{gpu1.uuid}::0")).container_responses[0].envs)
+            assert envs["CUDA_VISIBLE_DEVICES"] == gpu1.uuid
+            assert envs["CARPOOL_GPU_MEMORY_LIMIT_MIB"] == "4096"
+            assert not any(k.startswith("CUDA_MPS") for k in envs)
+
+            whole = {"memoryMiB": 81920, "cores": 100}
+            source.add(pod("big", [{"uuid": gpu1.uuid, "index": 1, **whole},
+                                   {"uuid": gpu2.uuid, "index": 2, **whole}],
+                           isolation="exclusive"))
+            response = await allocate(stub, f"{gpu1.uuid}::1", f"{gpu2.uuid}::1")
+            envs = dict(response.container_responses[0].envs)
+            assert envs == {"CARPOOL_ISOLATION": "exclusive",
+                            "CUDA_VISIBLE_DEVICES": f"{gpu1.uuid},{gpu2.uuid}",
+                            "NVIDIA_VISIBLE_DEVICES": f"{gpu1.uuid},{gpu2.uuid}"}
+
+            source.add(pod("wants-mps", [{"uuid": gpu2.uuid, "index": 2, "memoryMiB": 1024,
+                                          "cores": 10}], isolation="mps"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, f"{gpu2.uuid}::0")
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "timeslice mode" in (err.value.details() or "")
+    run(scenario())
+
+
+def test_the_kubelet_choice_is_matched_by_gpu_when_counts_tie(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, source):
+            gpu0, gpu1 = (g.uuid for g in backend.inventory())
+            # two in flight with the same count (a stale one and a fresh one): the shares' GPU
+            # decides, so neither gets the other's GPU
+            source.add(pod("old", [{"uuid": gpu0, "index": 0, "memoryMiB": 1024, "cores": 10}],
+                           assigned_at="2027-01-15T07:00:00Z"))
+            source.add(pod("new", [{"uuid": gpu1, "index": 1, "memoryMiB": 2048, "cores": 10}]))
+            envs = dict((await allocate(kubelet.stub(), f"{gpu1}::0")).container_responses[0].envs)
+            assert envs["CUDA_VISIBLE_DEVICES"] == gpu1
+            assert ANN_ALLOCATED in source.pods["lab/new"].annotations
+            assert ANN_ALLOCATED not in source.pods["lab/old"].annotations
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("ids", "code", "words"),
+    [
+        ([], grpc.StatusCode.INVALID_ARGUMENT, "no device IDs"),
+        (["not-a-share"], grpc.StatusCode.INVALID_ARGUMENT, "not a Carpool share ID"),
+        (["GPU-nope::0"], grpc.StatusCode.NOT_FOUND, "not advertised"),
+        (["{0}::0", "{0}::1"], grpc.StatusCode.INVALID_ARGUMENT, "distinct GPUs"),
+        (["{0}::0", "{1}::0"], grpc.StatusCode.FAILED_PRECONDITION, "assigned 2"),
+    ],
+)
+def test_bad_allocate_requests_get_grpc_errors(plugin_dir: Path, ids: list[str],
+                                               code: grpc.StatusCode, words: str) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, source):
+            gpu0, gpu1 = (g.uuid for g in backend.inventory())
+            source.add(pod("one", [{"uuid": gpu0, "index": 0, "memoryMiB": 1024, "cores": 10}]))
+            stub = kubelet.stub()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, *(i.format(gpu0, gpu1) for i in ids))
+            assert err.value.code() is code
+            assert words in (err.value.details() or "")
+            # still serving afterwards
+            ok = await allocate(stub, f"{gpu0}::2")
+            assert dict(ok.container_responses[0].envs)["CUDA_VISIBLE_DEVICES"] == gpu0
+    run(scenario())
+
+
+def test_unhealthy_devices_and_bad_preferred_requests_are_refused(plugin_dir: Path) -> None:
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, server, backend, source):
+            gpu0 = backend.inventory()[0].uuid
+            source.add(pod("one", [{"uuid": gpu0, "index": 0, "memoryMiB": 1024, "cores": 10}]))
+            backend.inject_xid(0, 48)  # double-bit ECC
+            await health_step(server.state, 0.0)
+            stub = kubelet.stub()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, f"{gpu0}::0")
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(
+                    container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=[f"{gpu0}::0"], allocation_size=3)]))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    run(scenario())
