@@ -1,0 +1,72 @@
+"""Run the extender: `python -m carpool.extender --port 18080 --kubeconfig PATH`.
+
+Starts the watches that feed the cache, then serves the scheduler verbs. Until the first list
+of Nodes, GpuNodes and Pods is in, /healthz answers 503 and the verbs answer with an Error
+(the scheduler retries the pod), so a restart never places a pod on a partial view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import ssl
+import sys
+
+from aiohttp import web
+
+from carpool.extender.cache import ClusterCache
+from carpool.extender.kube import KubeCluster, api_client, start_informers
+from carpool.extender.ranking import Weights
+from carpool.extender.server import DEFAULT_MAX_BODY, make_app
+from carpool.extender.service import Extender, Settings
+from carpool.extender.wire import Policy
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m carpool.extender",
+                                     description="Carpool kube-scheduler extender")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=18080)
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig file (default: in-cluster service account)")
+    parser.add_argument("--tls-cert", default=None, help="serve HTTPS with this certificate")
+    parser.add_argument("--tls-key", default=None, help="... and this key")
+    parser.add_argument("--policy", choices=Policy.ALL, default=Policy.BINPACK,
+                        help="placement policy when the job does not set one")
+    parser.add_argument("--weight-packing", type=float, default=Weights.packing)
+    parser.add_argument("--weight-temperature", type=float, default=Weights.temperature)
+    parser.add_argument("--weight-locality", type=float, default=Weights.locality)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings(args.policy, Weights(args.weight_packing, args.weight_temperature,
+                                                 args.weight_locality))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    api = api_client(args.kubeconfig)
+    cache = ClusterCache()
+    start_informers(api, cache)
+    extender = Extender(cache, KubeCluster(api), settings)
+    ssl_context = None
+    if args.tls_cert:
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
+    web.run_app(make_app(extender, max_body=args.max_body_bytes), host=args.host,
+                port=args.port, ssl_context=ssl_context, access_log=None,
+                print=lambda text: logging.getLogger(__name__).info("%s", text.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The extender's in-memory view of the cluster: nodes, their GPUs, and who holds what.
+
+Fed by watches (see `watching`) and by the extender's own binds. A pod's GPUs count as held
+from the moment bind *assumes* them (before anything is written to the API server) until the
+pod is deleted or terminates; the watch *confirms* an assumption when it shows the pod with
+the assignment annotation, and a failed bind *forgets* it. Every read and every
+choose-and-assume happens under one short lock around this memory only — never across an
+HTTP or API call — so two concurrent binds can never both take the same free capacity.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+from carpool.core import names
+from carpool.core.placement import NodeState
+from carpool.core.resources import GpuGrant, Isolation, NodeInventory
+from carpool.extender.inventory import InventoryError, inventory_from_objects
+from carpool.extender.wire import Assignment, WireError, decode_assignment
+
+IN_FLIGHT_STALE_S = 60.0  # the handshake rule's staleness timeout (see deviceplugin/README.md)
+ASSUMED_TTL_S = 300.0  # an assumption the watch never confirmed is dropped after this
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True)
+class Hold:
+    """GPUs one pod holds (or is about to hold) on one node."""
+
+    pod_key: str
+    uid: str
+    node: str
+    grants: tuple[GpuGrant, ...]
+    gpu_counts: frozenset[int]  # per-container GPU counts (the handshake compares these)
+    assigned_at: float  # epoch seconds
+    settled: bool = False  # the device plugin took it over, or the pod runs
+    assumed: bool = False  # only the extender's belief so far
+
+    def in_flight(self, now: float) -> bool:
+        """Bound (or binding) but not yet handed over, within the staleness timeout."""
+        return not self.settled and now - self.assigned_at < IN_FLIGHT_STALE_S
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One candidate node as a handler sees it: its state and the pods in flight on it."""
+
+    state: NodeState
+    in_flight: tuple[Hold, ...]
+
+
+UNKNOWN_NODE = "node is unknown to the Carpool extender (no Node object seen)"
+
+
+Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | str]
+
+
+def _parse_time(text: object) -> float | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _pod_key(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
+
+
+class ClusterCache:
+    """Thread-safe; watches call `apply_*`/`replace_*`, handlers call `views`/`reserve`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nodes: dict[str, Mapping[str, Any]] = {}
+        self._gpunodes: dict[str, Mapping[str, Any]] = {}
+        self._inventories: dict[str, NodeInventory] = {}
+        self._broken: dict[str, str] = {}  # node -> why its GpuNode could not be read
+        self._observed: dict[str, Hold] = {}  # from pod annotations, as the watch shows them
+        self._assumed: dict[str, Hold] = {}  # from our binds, until confirmed or forgotten
+        self._effective: dict[str, Hold] = {}  # assumed wins over observed
+        self._keys_on_node: dict[str, set[str]] = {}
+        self._states: dict[str, NodeState] = {}  # memoised per node; dropped on change
+        self._synced: set[str] = set()
+        self.pods_watch_healthy = False
+
+    # --- sync state --------------------------------------------------------------------
+
+    def mark_synced(self, kind: str) -> None:
+        with self._lock:
+            self._synced.add(kind)
+
+    def synced(self, kinds: Iterable[str]) -> bool:
+        with self._lock:
+            return all(k in self._synced for k in kinds)
+
+    # --- nodes -------------------------------------------------------------------------
+
+    def put_inventory(self, inventory: NodeInventory) -> None:
+        """Set a node's inventory directly (benchmarks and tests; no Node object needed)."""
+        with self._lock:
+            self._inventories[inventory.name] = inventory
+            self._states.pop(inventory.name, None)
+
+    def _rebuild_inventory(self, name: str) -> None:
+        node = self._nodes.get(name)
+        self._broken.pop(name, None)
+        self._states.pop(name, None)
+        if node is None:
+            self._inventories.pop(name, None)
+            return
+        try:
+            self._inventories[name] = inventory_from_objects(node, self._gpunodes.get(name))
+        except InventoryError as exc:
+            self._inventories.pop(name, None)
+            self._broken[name] = str(exc)
+
+    def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
+        name = str((node.get("metadata") or {}).get("name", ""))
+        with self._lock:
+            if event == "DELETED":
+                self._nodes.pop(name, None)
+            else:
+                self._nodes[name] = node
+            self._rebuild_inventory(name)
+
+    def apply_gpunode(self, event: str, gpunode: Mapping[str, Any]) -> None:
+        name = str((gpunode.get("metadata") or {}).get("name", ""))
+        with self._lock:
+            if event == "DELETED":
+                self._gpunodes.pop(name, None)
+            else:
+                self._gpunodes[name] = gpunode
+            self._rebuild_inventory(name)
+
+    def replace_nodes(self, nodes: Iterable[Mapping[str, Any]]) -> None:
+        fresh = {str(n["metadata"]["name"]): n for n in nodes}
+        with self._lock:
+            stale = set(self._nodes) | set(fresh)
+            self._nodes = fresh
+            for name in stale:
+                self._rebuild_inventory(name)
+
+    def replace_gpunodes(self, gpunodes: Iterable[Mapping[str, Any]]) -> None:
+        fresh = {str(n["metadata"]["name"]): n for n in gpunodes}
+        with self._lock:
+            stale = set(self._gpunodes) | set(fresh)
+            self._gpunodes = fresh
+            for name in stale:
+                self._rebuild_inventory(name)
+
+    # --- pods --------------------------------------------------------------------------
+
+    def _hold_from_pod(self, pod: Mapping[str, Any], now: float) -> Hold | None:
+        """The hold a pod's assignment annotation records, or None if it holds nothing."""
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        status = pod.get("status") or {}
+        text = annotations.get(names.ANN_ASSIGNMENT)
+        if not text or status.get("phase") in TERMINAL_PHASES:
+            return None
+        try:
+            assignment = decode_assignment(str(text))
+        except WireError:
+            return None  # not ours to fix; the pod holds nothing we can account
+        node_name = (pod.get("spec") or {}).get("nodeName")
+        if node_name and node_name != assignment.node:
+            return None  # bound elsewhere by someone else: the annotation is stale
+        exclusive = str(annotations.get(names.ANN_ISOLATION, "")).lower() == (
+            Isolation.EXCLUSIVE.value)
+        inventory = self._inventories.get(assignment.node)
+        totals = {g.uuid: g.memory_total_mib for g in inventory.gpus} if inventory else {}
+        counts: dict[str, int] = {}
+        for g in assignment.gpus:
+            counts[g.container] = counts.get(g.container, 0) + 1
+        assigned_at = _parse_time(annotations.get(names.ANN_ASSIGNED_AT))
+        settled = bool(annotations.get(names.ANN_ALLOCATED)) or status.get("phase") == "Running"
+        return Hold(
+            pod_key=_pod_key(pod), uid=str(meta.get("uid", "")), node=assignment.node,
+            grants=assignment.grants(exclusive, totals), gpu_counts=frozenset(counts.values()),
+            assigned_at=now if assigned_at is None else assigned_at, settled=settled,
+        )
+
+    def _refresh(self, key: str) -> None:
+        old = self._effective.pop(key, None)
+        new = self._assumed.get(key) or self._observed.get(key)
+        if old is not None:
+            self._keys_on_node.get(old.node, set()).discard(key)
+            self._states.pop(old.node, None)
+        if new is not None:
+            self._effective[key] = new
+            self._keys_on_node.setdefault(new.node, set()).add(key)
+            self._states.pop(new.node, None)
+
+    def _observe(self, pod: Mapping[str, Any], deleted: bool, now: float) -> str:
+        key = _pod_key(pod)
+        hold = None if deleted else self._hold_from_pod(pod, now)
+        if hold is None:
+            self._observed.pop(key, None)
+        else:
+            self._observed[key] = hold
+        assumed = self._assumed.get(key)
+        if assumed is not None:
+            phase = (pod.get("status") or {}).get("phase")
+            if deleted or phase in TERMINAL_PHASES or assumed.uid != hold_uid(pod) or (
+                    hold is not None and hold.node == assumed.node):
+                del self._assumed[key]  # gone, replaced, or confirmed by the watch
+        return key
+
+    def apply_pod(self, event: str, pod: Mapping[str, Any], now: float) -> None:
+        with self._lock:
+            self._refresh(self._observe(pod, event == "DELETED", now))
+
+    def replace_pods(self, pods: Iterable[Mapping[str, Any]], now: float) -> None:
+        """A relist: the listed pods are the truth; assumptions stay until confirmed."""
+        with self._lock:
+            keys = set(self._observed)
+            self._observed = {}
+            for pod in pods:
+                keys.add(self._observe(pod, False, now))
+            for key in keys | set(self._assumed):
+                self._refresh(key)
+
+    def forget(self, pod_key: str, uid: str) -> None:
+        """Drop an assumption (the bind failed)."""
+        with self._lock:
+            hold = self._assumed.get(pod_key)
+            if hold is not None and hold.uid == uid:
+                del self._assumed[pod_key]
+                self._refresh(pod_key)
+
+    def expire_assumed(self, now: float) -> list[str]:
+        """Drop assumptions the (healthy) watch never confirmed within ASSUMED_TTL_S."""
+        if not self.pods_watch_healthy:
+            return []
+        with self._lock:
+            old = [k for k, h in self._assumed.items() if now - h.assigned_at > ASSUMED_TTL_S]
+            for key in old:
+                del self._assumed[key]
+                self._refresh(key)
+            return old
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def _state(self, node: str) -> NodeState | None:
+        state = self._states.get(node)
+        if state is None:
+            inventory = self._inventories.get(node)
+            if inventory is None:
+                return None
+            keys = sorted(self._keys_on_node.get(node, ()))
+            grants = tuple(g for k in keys for g in self._effective[k].grants)
+            state = self._states[node] = NodeState(inventory, grants)
+        return state
+
+    def _view(self, node: str, exclude_key: str, now: float) -> NodeView | None:
+        state = self._state(node)
+        if state is None:
+            return None
+        keys = self._keys_on_node.get(node)
+        if not keys:
+            return NodeView(state, ())
+        if exclude_key in keys:  # the pod's own earlier hold must not block it
+            rest = sorted(keys - {exclude_key})
+            state = NodeState(state.inventory, tuple(g for k in rest
+                                                     for g in self._effective[k].grants))
+        flying = tuple(h for k in sorted(keys) if k != exclude_key
+                       and (h := self._effective[k]).in_flight(now))
+        return NodeView(state, flying)
+
+    def views(self, nodes: Iterable[str], exclude_key: str, now: float
+              ) -> dict[str, NodeView | str]:
+        """Each node's view for one pod (its own holds left out), or why there is none."""
+        with self._lock:
+            return {n: self._view(n, exclude_key, now) or self._broken.get(n, UNKNOWN_NODE)
+                    for n in nodes}
+
+    def hold_of(self, pod_key: str) -> Hold | None:
+        with self._lock:
+            return self._effective.get(pod_key)
+
+    def node_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._inventories)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"nodes": len(self._inventories), "holds": len(self._effective),
+                    "assumed": len(self._assumed)}
+
+    # --- the one write a bind makes ------------------------------------------------------
+
+    def reserve(self, pod_key: str, uid: str, node: str, gpu_counts: frozenset[int],
+                now: float, choose: Chooser) -> Assignment | str:
+        """Choose GPUs on `node` and assume them, atomically; a reason string if it can't.
+
+        `choose` runs under the lock on the node's current state (this pod's own holds left
+        out); it must be quick and pure.
+        """
+        with self._lock:
+            view = self._view(node, pod_key, now)
+            if view is None:
+                return f"{node}: {self._broken.get(node, UNKNOWN_NODE)}"
+            clash = in_flight_clash(view.in_flight, gpu_counts)
+            if clash is not None:
+                return clash
+            chosen = choose(view.state)
+            if isinstance(chosen, str):
+                return chosen
+            assignment, grants = chosen
+            self._assumed[pod_key] = Hold(pod_key, uid, node, grants, gpu_counts, now,
+                                          assumed=True)
+            self._refresh(pod_key)
+            return assignment
+
+    def settle(self, pod_key: str) -> None:
+        """Mark an assumed hold as no longer in flight (tests and simulations)."""
+        with self._lock:
+            hold = self._assumed.get(pod_key)
+            if hold is not None:
+                self._assumed[pod_key] = replace(hold, settled=True)
+                self._refresh(pod_key)
+
+
+def hold_uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid", ""))
+
+
+def in_flight_clash(in_flight: Iterable[Hold], gpu_counts: frozenset[int]) -> str | None:
+    """The handshake rule: no two in-flight pods on a node with the same per-container count."""
+    for hold in in_flight:
+        if hold.gpu_counts & gpu_counts:
+            return f"allocation in flight on this node ({hold.pod_key}); retry shortly"
+    return None

@@ -1,0 +1,145 @@
+"""An in-memory `ClusterPort` for tests and benchmarks: pods, annotations and bindings.
+
+Behaves like the API server where bind relies on it: a second Binding for a bound pod is a
+409 Conflict, a missing pod a 404. Every change can be fed to a cache (as a watch would),
+and a delay can be added to each call to widen race windows.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from carpool.extender.service import ClusterError
+
+PodListener = Callable[[str, Mapping[str, Any]], None]
+
+
+class FakeCluster:
+    def __init__(self, delay_s: float = 0.0, on_change: PodListener | None = None) -> None:
+        self._pods: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        self.delay_s = delay_s
+        self.on_change = on_change
+        self.bindings: list[tuple[str, str]] = []  # (pod key, node), in order
+        self.fail_bind: set[str] = set()  # pod keys whose Binding the "server" rejects
+
+    def add_pod(self, pod: Mapping[str, Any]) -> None:
+        meta = pod["metadata"]
+        with self._lock:
+            self._pods[f"{meta.get('namespace', 'default')}/{meta['name']}"] = copy.deepcopy(
+                dict(pod))
+        self._notify("ADDED", pod)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._pods[f"{namespace}/{name}"])
+
+    def _notify(self, event: str, pod: Mapping[str, Any]) -> None:
+        if self.on_change is not None:
+            self.on_change(event, copy.deepcopy(dict(pod)))
+
+    def _wait(self) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+
+    def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        self._wait()
+        with self._lock:
+            pod = self._pods.get(f"{namespace}/{name}")
+            if pod is None:
+                raise ClusterError(404, f'pods "{name}" not found')
+            return copy.deepcopy(pod)
+
+    def annotate_pod(self, namespace: str, name: str,
+                     annotations: Mapping[str, str | None]) -> None:
+        self._wait()
+        with self._lock:
+            pod = self._pods.get(f"{namespace}/{name}")
+            if pod is None:
+                raise ClusterError(404, f'pods "{name}" not found')
+            current = pod["metadata"].setdefault("annotations", {})
+            for key, value in annotations.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            snapshot = copy.deepcopy(pod)
+        self._notify("MODIFIED", snapshot)
+
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        self._wait()
+        key = f"{namespace}/{name}"
+        with self._lock:
+            pod = self._pods.get(key)
+            if pod is None:
+                raise ClusterError(404, f'pods "{name}" not found')
+            if uid and pod["metadata"].get("uid") != uid:
+                raise ClusterError(409, "Precondition failed: UID mismatch")
+            if key in self.fail_bind:
+                raise ClusterError(500, "injected bind failure")
+            if pod["spec"].get("nodeName"):
+                raise ClusterError(409, f"pod {name} is already assigned to node "
+                                        f"{pod['spec']['nodeName']}")
+            pod["spec"]["nodeName"] = node
+            self.bindings.append((key, node))
+            snapshot = copy.deepcopy(pod)
+        self._notify("MODIFIED", snapshot)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        with self._lock:
+            pod = self._pods.pop(f"{namespace}/{name}")
+        self._notify("DELETED", pod)
+
+
+# --- object builders (tests, benchmarks, demos) ----------------------------------------------
+
+
+def pod_object(name: str, *, gpus: int = 1, memory_gib: int = 0, cores: int = 0,
+               namespace: str = "default", uid: str | None = None,
+               annotations: Mapping[str, str] | None = None, containers: int = 1,
+               scheduler: str = "carpool-scheduler") -> dict[str, Any]:
+    """A pending pod asking for Carpool GPUs (same request in each of `containers`)."""
+    limits = {"carpool.dev/gpu": str(gpus)}
+    if memory_gib:
+        limits["carpool.dev/gpu-memory"] = str(memory_gib)
+    if cores:
+        limits["carpool.dev/gpu-cores"] = str(cores)
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+                     "annotations": dict(annotations or {})},
+        "spec": {"schedulerName": scheduler,
+                 "containers": [{"name": f"c{i}", "image": "busybox",
+                                 "resources": {"limits": dict(limits)}}
+                                for i in range(containers)]},
+        "status": {"phase": "Pending"},
+    }
+
+
+def node_object(name: str, labels: Mapping[str, str] | None = None,
+                ready: bool = True) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": dict(labels or {})},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def gpunode_object(name: str, gpus: list[Mapping[str, Any]], *, sharing: str = "mps",
+                   datasets: list[str] | None = None) -> dict[str, Any]:
+    """A GpuNode as the device plugin writes it; each GPU needs at least uuid and model."""
+    status_gpus = []
+    for i, gpu in enumerate(gpus):
+        entry = {"index": i, "memoryTotalMiB": 80 * 1024, "temperatureC": 40.0,
+                 "health": "Healthy"}
+        entry.update(gpu)
+        status_gpus.append(entry)
+    return {
+        "apiVersion": "carpool.dev/v1alpha1", "kind": "GpuNode",
+        "metadata": {"name": name},
+        "status": {"sharingMode": sharing, "gpus": status_gpus, "datasets": datasets or []},
+    }

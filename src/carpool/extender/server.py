@@ -1,0 +1,171 @@
+"""The extender's HTTP face (aiohttp): the scheduler verbs, health and Prometheus metrics.
+
+Routes are thin: read the body (size-limited), decode, call `Extender`, encode. Malformed
+requests get HTTP 400 with `{"Error": ...}`; a body over the limit gets 413. Bind runs in a
+thread pool because it makes blocking API calls; filter and prioritize are pure CPU over the
+cache and run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from carpool.extender.service import CACHE_KINDS, Extender
+from carpool.extender.wire import (
+    WireError,
+    decode_binding_args,
+    decode_extender_args,
+    parse_json,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 16 * 2**20  # a full ExtenderArgs with Nodes for ~2,000 nodes fits
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+EXTENDER_KEY = web.AppKey("extender", Extender)
+POOL_KEY = web.AppKey("bind_pool", ThreadPoolExecutor)
+
+
+class Metrics:
+    """The extender's Prometheus series, in their own registry."""
+
+    def __init__(self, extender: Extender) -> None:
+        self.registry = CollectorRegistry()
+        self.latency = Histogram("carpool_extender_request_seconds",
+                                 "Time to answer a scheduler request", ["verb"],
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("carpool_extender_requests_total", "Scheduler requests",
+                                ["verb", "outcome"], registry=self.registry)
+        self.filtered_out = Counter("carpool_extender_filtered_nodes_total",
+                                    "Nodes filter rejected", registry=self.registry)
+        cache_gauge = Gauge("carpool_extender_cache_objects", "Objects in the extender cache",
+                            ["kind"], registry=self.registry)
+        for kind in ("nodes", "holds", "assumed"):
+            cache_gauge.labels(kind).set_function(self._counter(extender, kind))
+
+    @staticmethod
+    def _counter(extender: Extender, kind: str) -> Callable[[], float]:
+        return lambda: float(extender.cache.counts()[kind])
+
+
+METRICS_KEY = web.AppKey("metrics", Metrics)
+
+
+def _bad_request(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"Error": message}, status=status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise WireError(f"request body too large: {exc.text}") from None
+    return parse_json(body)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _verb(name: str, work: Callable[[web.Request, Any], Awaitable[Any]]) -> Handler:
+    """Wrap one verb: parse, time, count, and turn bad input into 400 (never a 500)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        metrics = request.app[METRICS_KEY]
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            try:
+                body = await _read_json(request)
+            except WireError as exc:
+                outcome = "bad_request"
+                status = 413 if "too large" in str(exc) else 400
+                return _bad_request(str(exc), status)
+            try:
+                result = await work(request, body)
+            except WireError as exc:
+                outcome = "bad_request"
+                return _bad_request(str(exc))
+            if isinstance(result, dict) and result.get("Error"):
+                outcome = "error"
+            return web.json_response(result, dumps=_dumps)
+        except Exception as exc:  # a bug must not take the scheduler's extender down
+            log.exception("%s failed", name)
+            outcome = "internal_error"
+            return _bad_request(f"internal error: {type(exc).__name__}: {exc}", 500)
+        finally:
+            metrics.latency.labels(name).observe(time.perf_counter() - started)
+            metrics.requests.labels(name, outcome).inc()
+
+    return handler
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+async def _filter(request: web.Request, body: Any) -> Any:
+    extender = request.app[EXTENDER_KEY]
+    result = extender.filter(decode_extender_args(body))
+    metrics = request.app[METRICS_KEY]
+    metrics.filtered_out.inc(len(result["FailedNodes"]) + len(result["FailedAndUnresolvableNodes"]))
+    return result
+
+
+async def _prioritize(request: web.Request, body: Any) -> Any:
+    return request.app[EXTENDER_KEY].prioritize(decode_extender_args(body))
+
+
+async def _bind(request: web.Request, body: Any) -> Any:
+    args = decode_binding_args(body)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app[POOL_KEY], request.app[EXTENDER_KEY].bind,
+                                      args)
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    if request.app[EXTENDER_KEY].cache.synced(CACHE_KINDS):
+        return web.Response(text="ok\n")
+    return web.Response(status=503, text="cache not synced yet\n")
+
+
+async def _livez(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS_KEY]
+    return web.Response(body=generate_latest(metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
+             bind_threads: int = 16) -> web.Application:
+    """The aiohttp application; `max_body` bounds every request body."""
+    app = web.Application(client_max_size=max_body)
+    app[EXTENDER_KEY] = extender
+    app[METRICS_KEY] = Metrics(extender)
+    pool = ThreadPoolExecutor(max_workers=bind_threads, thread_name_prefix="bind")
+    app[POOL_KEY] = pool
+
+    async def shutdown(app: web.Application) -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(shutdown)
+    app.router.add_post("/filter", _verb("filter", _filter))
+    app.router.add_post("/prioritize", _verb("prioritize", _prioritize))
+    app.router.add_post("/bind", _verb("bind", _bind))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/livez", _livez)
+    app.router.add_get("/metrics", _metrics)
+    return app

@@ -1,0 +1,342 @@
+"""The kube-scheduler extender wire format, decoded into core types and encoded back.
+
+The extender structs (`ExtenderArgs`, `ExtenderFilterResult`, `HostPriority`,
+`ExtenderBindingArgs`, `ExtenderBindingResult`) have no JSON tags in Go, so their keys are the
+Go field names; the Pod and Node inside them are ordinary Kubernetes JSON. Everything a handler
+needs is decoded here, once, and anything malformed raises `WireError` with a message that
+says what was wrong, which the server turns into HTTP 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from carpool.core import names
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+
+MIB_PER_GIB = 1024
+MAX_NODE_NAMES = 100_000
+
+
+class WireError(ValueError):
+    """Input the extender cannot act on; the message is returned to the caller as is."""
+
+
+class Policy:
+    """Placement policy names accepted globally and per job (annotation)."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+    ALL = (BINPACK, SPREAD)
+
+
+@dataclass(frozen=True)
+class ContainerDemand:
+    """One container's GPU request (count GPUs, each with this memory and compute)."""
+
+    container: str
+    request: GpuRequest
+
+
+@dataclass(frozen=True)
+class PodDemand:
+    """What a pod asks of Carpool, decoded from its resources and annotations."""
+
+    namespace: str
+    name: str
+    uid: str
+    containers: tuple[ContainerDemand, ...]
+    dataset: str = ""
+    dataset_size_gib: float = 0.0
+    policy: str | None = None  # per-job override of the extender's policy
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def gpu_counts(self) -> frozenset[int]:
+        """Per-container GPU counts: what the in-flight handshake rule compares."""
+        return frozenset(c.request.count for c in self.containers)
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    """A filter or prioritize call: the pod and the candidate node names."""
+
+    pod: Mapping[str, Any]
+    node_names: tuple[str, ...]
+    nodes_by_name: Mapping[str, Any] | None  # full Node objects when not nodeCacheCapable
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.pod_namespace}/{self.pod_name}"
+
+
+@dataclass(frozen=True)
+class AssignedGpu:
+    """One GPU of a recorded assignment (one element of the annotation's `gpus`)."""
+
+    uuid: str
+    index: int
+    memory_mib: int
+    cores_pct: int
+    mig_instance: str = ""
+    container: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The `carpool.dev/assignment` annotation: which GPUs a pod holds on which node."""
+
+    node: str
+    gpus: tuple[AssignedGpu, ...]
+
+    def grants(self, exclusive: bool, memory_total: Mapping[str, int]) -> tuple[GpuGrant, ...]:
+        """Grants this assignment holds; exclusive ones take the whole GPU."""
+        out = []
+        for g in self.gpus:
+            if exclusive:
+                out.append(GpuGrant(g.uuid, memory_total.get(g.uuid, g.memory_mib), 100,
+                                    exclusive=True))
+            else:
+                out.append(GpuGrant(g.uuid, g.memory_mib, g.cores_pct,
+                                    mig_instance=g.mig_instance))
+        return tuple(out)
+
+
+# --- JSON helpers -------------------------------------------------------------------------
+
+
+def parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"request body is not valid JSON: {exc}") from None
+
+
+def _mapping(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise WireError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _string(value: object, what: str, required: bool = True) -> str:
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value):
+        raise WireError(f"{what} must be a non-empty string")
+    return value
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+def decode_extender_args(body: object) -> ExtenderArgs:
+    """`ExtenderArgs {Pod, Nodes, NodeNames}`; NodeNames when nodeCacheCapable, else Nodes."""
+    args = _mapping(body, "ExtenderArgs")
+    pod = _mapping(args.get("Pod"), "ExtenderArgs.Pod")
+    raw_names = args.get("NodeNames")
+    nodes_by_name: dict[str, Any] | None = None
+    if raw_names is not None:
+        if not isinstance(raw_names, list) or not all(isinstance(n, str) for n in raw_names):
+            raise WireError("ExtenderArgs.NodeNames must be a list of strings")
+        node_names = tuple(raw_names)
+    else:
+        nodes = args.get("Nodes")
+        if nodes is None:
+            raise WireError("ExtenderArgs needs NodeNames or Nodes")
+        items = _mapping(nodes, "ExtenderArgs.Nodes").get("items") or []
+        if not isinstance(items, list):
+            raise WireError("ExtenderArgs.Nodes.items must be a list")
+        nodes_by_name = {}
+        for item in items:
+            meta = _mapping(_mapping(item, "node").get("metadata"), "node.metadata")
+            nodes_by_name[_string(meta.get("name"), "node.metadata.name")] = item
+        node_names = tuple(nodes_by_name)
+    if len(node_names) > MAX_NODE_NAMES:
+        raise WireError(f"too many nodes ({len(node_names)}); limit {MAX_NODE_NAMES}")
+    return ExtenderArgs(pod, node_names, nodes_by_name)
+
+
+def decode_binding_args(body: object) -> BindingArgs:
+    """`ExtenderBindingArgs {PodName, PodNamespace, PodUID, Node}`."""
+    args = _mapping(body, "ExtenderBindingArgs")
+    return BindingArgs(
+        pod_name=_string(args.get("PodName"), "ExtenderBindingArgs.PodName"),
+        pod_namespace=_string(args.get("PodNamespace"), "ExtenderBindingArgs.PodNamespace"),
+        pod_uid=_string(args.get("PodUID"), "ExtenderBindingArgs.PodUID", required=False),
+        node=_string(args.get("Node"), "ExtenderBindingArgs.Node"),
+    )
+
+
+# --- pods ---------------------------------------------------------------------------------
+
+
+def _quantity(value: object, what: str) -> int:
+    """A whole-number Kubernetes quantity ("2", "8", "1k"); extended resources are integers."""
+    text = str(value).strip()
+    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6,
+                "G": 10**9, "T": 10**12}
+    multiplier = 1
+    for suffix, factor in suffixes.items():
+        if text.endswith(suffix):
+            text, multiplier = text[: -len(suffix)], factor
+            break
+    try:
+        number = Decimal(text) * multiplier
+    except InvalidOperation:
+        raise WireError(f"{what}: {value!r} is not a quantity") from None
+    if not number.is_finite() or number != number.to_integral_value() or number < 0:
+        raise WireError(f"{what}: {value!r} must be a non-negative whole number")
+    if number > 10**9:
+        raise WireError(f"{what}: {value!r} is implausibly large")
+    return int(number)
+
+
+def _container_request(container: Mapping[str, Any], isolation: Isolation,
+                       models: frozenset[str]) -> ContainerDemand | None:
+    name = str(container.get("name") or "")
+    resources = container.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise WireError(f"container {name!r}: resources must be an object")
+    amounts: dict[str, object] = {}
+    for section in ("requests", "limits"):  # limits win: extended resources need limits
+        values = resources.get(section) or {}
+        if not isinstance(values, Mapping):
+            raise WireError(f"container {name!r}: resources.{section} must be an object")
+        amounts.update(values)
+    if names.RESOURCE_GPU not in amounts:
+        return None
+    where = f"container {name!r} {names.RESOURCE_GPU}"
+    count = _quantity(amounts[names.RESOURCE_GPU], where)
+    if count == 0:
+        return None
+    memory_gib = _quantity(amounts.get(names.RESOURCE_GPU_MEMORY, 0),
+                           f"container {name!r} {names.RESOURCE_GPU_MEMORY}")
+    cores = _quantity(amounts.get(names.RESOURCE_GPU_CORES, 0),
+                      f"container {name!r} {names.RESOURCE_GPU_CORES}")
+    try:
+        request = GpuRequest(count=count, memory_mib=memory_gib * MIB_PER_GIB, cores_pct=cores,
+                             isolation=isolation, models=models)
+    except ValueError as exc:
+        raise WireError(f"container {name!r}: {exc}") from None
+    return ContainerDemand(name, request)
+
+
+def decode_pod(pod: Mapping[str, Any]) -> PodDemand:
+    """A pod's Carpool demand from its container resources and `carpool.dev/*` annotations."""
+    meta = _mapping(pod.get("metadata"), "Pod.metadata")
+    spec = _mapping(pod.get("spec"), "Pod.spec")
+    annotations = meta.get("annotations") or {}
+    if not isinstance(annotations, Mapping):
+        raise WireError("Pod.metadata.annotations must be an object")
+    try:
+        isolation = Isolation.parse(str(annotations.get(names.ANN_ISOLATION) or "mps"))
+    except ValueError as exc:
+        raise WireError(f"annotation {names.ANN_ISOLATION}: {exc}") from None
+    models = frozenset(m.strip() for m in str(annotations.get(names.ANN_MODELS) or "").split(",")
+                       if m.strip())
+    policy = annotations.get(names.ANN_POLICY) or None
+    if policy is not None and policy not in Policy.ALL:
+        raise WireError(f"annotation {names.ANN_POLICY}: {policy!r} is not one of "
+                        f"{', '.join(Policy.ALL)}")
+    size_text = annotations.get(names.ANN_DATASET_SIZE) or "0"
+    try:
+        dataset_size = float(size_text)
+    except (TypeError, ValueError):
+        raise WireError(f"annotation {names.ANN_DATASET_SIZE}: {size_text!r} is not a number"
+                        ) from None
+    if not 0 <= dataset_size < float("inf"):
+        raise WireError(f"annotation {names.ANN_DATASET_SIZE} must be a finite number >= 0")
+    containers_raw = spec.get("containers") or []
+    if not isinstance(containers_raw, list):
+        raise WireError("Pod.spec.containers must be a list")
+    containers = []
+    for raw in containers_raw:
+        demand = _container_request(_mapping(raw, "container"), isolation, models)
+        if demand is not None:
+            containers.append(demand)
+    return PodDemand(
+        namespace=_string(meta.get("namespace") or "default", "Pod.metadata.namespace"),
+        name=_string(meta.get("name"), "Pod.metadata.name"),
+        uid=str(meta.get("uid") or ""),
+        containers=tuple(containers),
+        dataset=str(annotations.get(names.ANN_DATASET) or ""),
+        dataset_size_gib=dataset_size,
+        policy=policy,
+    )
+
+
+# --- the assignment annotation ------------------------------------------------------------
+
+
+def encode_assignment(assignment: Assignment) -> str:
+    gpus = []
+    for g in assignment.gpus:
+        entry: dict[str, object] = {"uuid": g.uuid, "index": g.index, "memoryMiB": g.memory_mib,
+                                    "cores": g.cores_pct}
+        if g.mig_instance:
+            entry["migInstance"] = g.mig_instance
+        if g.container:
+            entry["container"] = g.container
+        gpus.append(entry)
+    return json.dumps({"node": assignment.node, "gpus": gpus}, separators=(",", ":"))
+
+
+def decode_assignment(text: str) -> Assignment:
+    """Parse `carpool.dev/assignment`; WireError if it is not what the extender writes."""
+    data = _mapping(parse_json(text.encode()), names.ANN_ASSIGNMENT)
+    gpus_raw = data.get("gpus")
+    if not isinstance(gpus_raw, list):
+        raise WireError(f"{names.ANN_ASSIGNMENT}: gpus must be a list")
+    gpus = []
+    for raw in gpus_raw:
+        g = _mapping(raw, f"{names.ANN_ASSIGNMENT} gpu")
+        index, memory, cores = g.get("index"), g.get("memoryMiB"), g.get("cores", 0)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (index, memory, cores)):
+            raise WireError(f"{names.ANN_ASSIGNMENT}: index, memoryMiB, cores must be integers")
+        assert isinstance(index, int) and isinstance(memory, int) and isinstance(cores, int)
+        gpus.append(AssignedGpu(
+            uuid=_string(g.get("uuid"), f"{names.ANN_ASSIGNMENT} gpu uuid"),
+            index=index, memory_mib=memory, cores_pct=cores,
+            mig_instance=_string(g.get("migInstance"), "migInstance", required=False),
+            container=_string(g.get("container"), "container", required=False),
+        ))
+    return Assignment(_string(data.get("node"), f"{names.ANN_ASSIGNMENT} node"), tuple(gpus))
+
+
+# --- responses ----------------------------------------------------------------------------
+
+
+def encode_filter_result(args: ExtenderArgs, passed: Sequence[str],
+                         failed: Mapping[str, str], unresolvable: Mapping[str, str],
+                         error: str = "") -> dict[str, Any]:
+    """`ExtenderFilterResult`; echoes Nodes back when the scheduler sent Nodes."""
+    result: dict[str, Any] = {
+        "NodeNames": list(passed),
+        "FailedNodes": dict(failed),
+        "FailedAndUnresolvableNodes": dict(unresolvable),
+        "Error": error,
+    }
+    if args.nodes_by_name is not None:
+        result["Nodes"] = {"items": [args.nodes_by_name[n] for n in passed]}
+        result["NodeNames"] = None
+    return result
+
+
+def encode_priorities(scores: Mapping[str, int]) -> list[dict[str, Any]]:
+    """`HostPriorityList`, in the order given."""
+    return [{"Host": host, "Score": score} for host, score in scores.items()]

@@ -1,0 +1,350 @@
+"""Extender verbs over a real cache and a fake API server (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from carpool.core import names
+from carpool.extender.cache import IN_FLIGHT_STALE_S, ClusterCache
+from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
+from carpool.extender.ranking import Weights
+from carpool.extender.service import Extender, Settings
+from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy, decode_assignment
+
+NOW = 1_800_000_000.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gpu(uuid: str, model: str = "A100", memory_gib: int = 80, temp: float = 40.0,
+        **extra: Any) -> dict[str, Any]:
+    return {"uuid": uuid, "model": model, "memoryTotalMiB": memory_gib * 1024,
+            "temperatureC": temp, **extra}
+
+
+class World:
+    """A cache fed by a fake API server's changes, as the watch would feed it."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.clock = Clock()
+        self.cache = ClusterCache()
+        for kind in ("nodes", "gpunodes", "pods"):
+            self.cache.mark_synced(kind)
+        self.cluster = FakeCluster(
+            on_change=lambda event, pod: self.cache.apply_pod(event, pod, self.clock.now))
+        self.extender = Extender(self.cache, self.cluster, settings or Settings(),
+                                 clock=self.clock)
+
+    def add_node(self, name: str, gpus: list[dict[str, Any]], labels: Mapping[str, str] = {},
+                 **kw: Any) -> None:
+        self.cache.apply_node("ADDED", node_object(name, labels))
+        self.cache.apply_gpunode("ADDED", gpunode_object(name, gpus, **kw))
+
+    def add_pod(self, name: str, **kw: Any) -> dict[str, Any]:
+        pod = pod_object(name, **kw)
+        self.cluster.add_pod(pod)
+        return pod
+
+    def filter(self, pod: Mapping[str, Any], nodes: list[str]) -> dict[str, Any]:
+        return self.extender.filter(ExtenderArgs(pod, tuple(nodes), None))
+
+    def scores(self, pod: Mapping[str, Any], nodes: list[str]) -> dict[str, int]:
+        result = self.extender.prioritize(ExtenderArgs(pod, tuple(nodes), None))
+        return {r["Host"]: r["Score"] for r in result}
+
+    def bind(self, name: str, node: str) -> str:
+        pod = self.cluster.pod("default", name)
+        return self.extender.bind(BindingArgs(name, "default", pod["metadata"]["uid"], node))[
+            "Error"]
+
+    def assignment(self, name: str) -> Any:
+        pod = self.cluster.pod("default", name)
+        return decode_assignment(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])
+
+    def run(self, name: str) -> None:
+        """The pod starts (KWOK marks it Running): its allocation is no longer in flight."""
+        pod = self.cluster.pod("default", name)
+        pod["status"]["phase"] = "Running"
+        self.cache.apply_pod("MODIFIED", pod, self.clock.now)
+
+
+def test_filter_keeps_fitting_nodes_and_explains_the_rest() -> None:
+    w = World()
+    w.add_node("a100", [gpu("a-0"), gpu("a-1")])
+    w.add_node("t4", [gpu("t-0", model="T4", memory_gib=16)])
+    w.add_node("hot", [gpu("h-0", temp=88.0, slowdownTemperatureC=90.0)])
+    w.add_node("sick", [gpu("s-0", health="Unhealthy")])
+    pod = w.add_pod("p", memory_gib=20)
+    result = w.filter(pod, ["a100", "t4", "hot", "sick", "ghost"])
+    assert result["NodeNames"] == ["a100"]
+    assert result["Error"] == ""
+    everything = {**result["FailedNodes"], **result["FailedAndUnresolvableNodes"]}
+    assert set(everything) == {"t4", "hot", "sick", "ghost"}
+    assert "16 GiB free, job needs 20 GiB" in everything["t4"]
+    assert "slowdown" in everything["hot"]
+    assert "unhealthy" in everything["sick"]
+    assert "unknown" in everything["ghost"]
+    assert all(reason.startswith("carpool: ") for reason in everything.values())
+    # too small even when empty: preemption cannot help
+    assert "t4" in result["FailedAndUnresolvableNodes"]
+
+
+def test_filter_honours_the_model_constraint() -> None:
+    w = World()
+    w.add_node("a100", [gpu("a-0")])
+    w.add_node("h200", [gpu("h-0", model="H200", memory_gib=140)])
+    pod = w.add_pod("p", memory_gib=10, annotations={names.ANN_MODELS: "H200"})
+    result = w.filter(pod, ["a100", "h200"])
+    assert result["NodeNames"] == ["h200"]
+    assert "job allows H200" in result["FailedAndUnresolvableNodes"]["a100"]
+
+
+def test_busy_node_is_resolvable_and_full_gpu_counts_assignments() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0", memory_gib=40)])
+    w.add_pod("first", memory_gib=30)
+    assert w.bind("first", "n") == ""
+    w.run("first")
+    second = w.add_pod("second", memory_gib=20)
+    result = w.filter(second, ["n"])
+    assert result["NodeNames"] == []
+    assert "10 GiB free, job needs 20 GiB" in result["FailedNodes"]["n"]
+
+
+def test_a_non_gpu_pod_passes_every_node() -> None:
+    w = World()
+    pod = pod_object("plain")
+    pod["spec"]["containers"][0]["resources"] = {}
+    assert w.filter(pod, ["x", "y"])["NodeNames"] == ["x", "y"]
+
+
+def test_a_pod_with_bad_annotations_gets_an_error_not_a_crash() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    pod = w.add_pod("p", memory_gib=1, annotations={names.ANN_ISOLATION: "teleport"})
+    result = w.filter(pod, ["n"])
+    assert "unknown isolation 'teleport'" in result["Error"]
+
+
+def test_unsynced_cache_refuses_to_decide() -> None:
+    cache = ClusterCache()
+    extender = Extender(cache, FakeCluster(), Settings())
+    result = extender.filter(ExtenderArgs(pod_object("p"), ("n",), None))
+    assert "still loading" in result["Error"]
+    assert result["NodeNames"] == []
+
+
+def test_prioritize_prefers_the_cooler_of_two_equal_nodes() -> None:
+    w = World()
+    w.add_node("cool", [gpu("c0", temp=35.0)])
+    w.add_node("warm", [gpu("w0", temp=75.0)])
+    scores = w.scores(w.add_pod("p", memory_gib=10), ["warm", "cool"])
+    assert scores == {"cool": 10, "warm": 0}
+
+
+def test_prioritize_prefers_the_node_with_the_dataset() -> None:
+    w = World()
+    w.add_node("far", [gpu("f0")])
+    w.add_node("near", [gpu("n0")], datasets=["imagenet"])
+    pod = w.add_pod("p", memory_gib=10, annotations={names.ANN_DATASET: "imagenet",
+                                                     names.ANN_DATASET_SIZE: "150"})
+    scores = w.scores(pod, ["far", "near"])
+    assert scores["near"] > scores["far"]
+
+
+def test_binpack_fills_the_used_node_and_spread_the_empty_one() -> None:
+    for policy, expected in ((Policy.BINPACK, "used"), (Policy.SPREAD, "empty")):
+        w = World(Settings(policy, Weights(packing=1, temperature=0, locality=0)))
+        w.add_node("used", [gpu("u0")])
+        w.add_node("empty", [gpu("e0")])
+        w.add_pod("resident", memory_gib=40)
+        assert w.bind("resident", "used") == ""
+        w.run("resident")
+        scores = w.scores(w.add_pod("p", memory_gib=10), ["used", "empty"])
+        assert max(scores, key=lambda n: scores[n]) == expected, policy
+
+
+def test_the_pod_annotation_overrides_the_policy() -> None:
+    w = World(Settings(Policy.BINPACK, Weights(packing=1, temperature=0, locality=0)))
+    w.add_node("used", [gpu("u0")])
+    w.add_node("empty", [gpu("e0")])
+    w.add_pod("resident", memory_gib=40)
+    assert w.bind("resident", "used") == ""
+    pod = w.add_pod("p", memory_gib=10, annotations={names.ANN_POLICY: "spread"})
+    scores = w.scores(pod, ["used", "empty"])
+    assert scores["empty"] > scores["used"]
+
+
+def test_bind_records_the_assignment_then_binds() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0", memory_gib=40), gpu("g1", memory_gib=80)])
+    w.add_pod("p", memory_gib=30, cores=25)
+    assert w.bind("p", "n") == ""
+    assert w.cluster.bindings == [("default/p", "n")]
+    assignment = w.assignment("p")
+    assert assignment.node == "n"
+    [assigned] = assignment.gpus
+    assert (assigned.uuid, assigned.index, assigned.memory_mib, assigned.cores_pct) == (
+        "g0", 0, 30 * 1024, 25)  # binpack: the tighter GPU
+    pod = w.cluster.pod("default", "p")
+    assert pod["metadata"]["annotations"][names.ANN_ASSIGNED_AT].endswith("Z")
+    raw = json.loads(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])
+    assert set(raw["gpus"][0]) >= {"uuid", "index", "memoryMiB", "cores"}
+
+
+def test_bind_is_idempotent_on_retry() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    w.add_pod("p", memory_gib=10)
+    assert w.bind("p", "n") == ""
+    first = w.assignment("p")
+    assert w.bind("p", "n") == ""  # the scheduler retried after a lost response
+    assert w.assignment("p") == first
+    assert w.cluster.bindings == [("default/p", "n")]
+
+
+def test_bind_reuses_an_assignment_a_failed_attempt_recorded() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("p", memory_gib=10)
+    w.cluster.fail_bind.add("default/p")
+    assert "injected bind failure" in w.bind("p", "n")
+    # the failed attempt gave the GPUs back and cleared the annotation
+    assert names.ANN_ASSIGNMENT not in w.cluster.pod("default", "p")["metadata"]["annotations"]
+    assert w.cache.hold_of("default/p") is None
+    w.cluster.fail_bind.clear()
+    assert w.bind("p", "n") == ""
+    assert w.cache.hold_of("default/p") is not None
+
+
+def test_bind_refuses_a_replaced_pod_and_a_pod_bound_elsewhere() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    w.add_pod("p", memory_gib=10)
+    error = w.extender.bind(BindingArgs("p", "default", "other-uid", "n"))["Error"]
+    assert "was replaced" in error
+    assert w.bind("p", "n") == ""
+    error = w.extender.bind(BindingArgs("p", "default", "uid-p", "m"))["Error"]
+    assert "already bound to n" in error
+    error = w.extender.bind(BindingArgs("gone", "default", "uid-gone", "n"))["Error"]
+    assert "no longer exists" in error
+
+
+def test_in_flight_pods_block_same_count_pods_on_their_node_until_running() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1"), gpu("g2")])
+    w.add_pod("one", memory_gib=10)
+    assert w.bind("one", "n") == ""
+    same = w.add_pod("same", memory_gib=10)
+    other = w.add_pod("pair", gpus=2, memory_gib=10)
+    result = w.filter(same, ["n"])
+    assert result["NodeNames"] == []
+    assert "allocation in flight on this node" in result["FailedNodes"]["n"]
+    assert w.filter(other, ["n"])["NodeNames"] == ["n"]  # a different count is unambiguous
+    assert "allocation in flight" in w.bind("same", "n")  # bind re-checks under the lock
+    w.run("one")
+    assert w.filter(same, ["n"])["NodeNames"] == ["n"]
+
+
+def test_in_flight_goes_stale_after_the_timeout() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("one", memory_gib=10)
+    assert w.bind("one", "n") == ""
+    same = w.add_pod("same", memory_gib=10)
+    assert w.filter(same, ["n"])["NodeNames"] == []
+    w.clock.now += IN_FLIGHT_STALE_S + 1
+    assert w.filter(same, ["n"])["NodeNames"] == ["n"]
+
+
+def test_the_device_plugins_allocated_mark_ends_in_flight() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("one", memory_gib=10)
+    assert w.bind("one", "n") == ""
+    w.cluster.annotate_pod("default", "one", {names.ANN_ALLOCATED: "g0::0"})
+    assert w.filter(w.add_pod("same", memory_gib=10), ["n"])["NodeNames"] == ["n"]
+
+
+def test_concurrent_binds_never_over_commit_a_gpu() -> None:
+    w = World()
+    w.cluster.delay_s = 0.002  # widen the window between choosing and writing
+    w.add_node("n", [gpu("g0", memory_gib=40)])
+    pods = [f"p{i}" for i in range(12)]
+    for name in pods:
+        w.add_pod(name, memory_gib=15)
+    errors: dict[str, str] = {}
+    barrier = threading.Barrier(len(pods))
+
+    def bind(name: str) -> None:
+        barrier.wait()
+        errors[name] = w.bind(name, "n")
+        if not errors[name]:
+            w.run(name)  # let the next same-count pod through the handshake rule
+
+    threads = [threading.Thread(target=bind, args=(n,)) for n in pods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bound = [n for n in pods if not errors[n]]
+    assert 1 <= len(bound) <= 2  # 40 GiB holds two 15 GiB pods, never three
+    used = sum(g.memory_mib for n in bound for g in w.assignment(n).gpus)
+    assert used <= 40 * 1024
+    assert len(w.cluster.bindings) == len(bound)
+
+
+def test_concurrent_binds_of_different_counts_share_the_node_safely() -> None:
+    w = World()
+    w.cluster.delay_s = 0.001
+    w.add_node("n", [gpu(f"g{i}", memory_gib=40) for i in range(4)])
+    shapes = {f"p{i}": (1 + i % 4, 15) for i in range(16)}
+    for name, (count, mem) in shapes.items():
+        w.add_pod(name, gpus=count, memory_gib=mem)
+    barrier = threading.Barrier(len(shapes))
+    results: dict[str, str] = {}
+
+    def bind(name: str) -> None:
+        barrier.wait()
+        results[name] = w.bind(name, "n")
+
+    threads = [threading.Thread(target=bind, args=(n,)) for n in shapes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    per_gpu: dict[str, int] = {}
+    for name, error in results.items():
+        if not error:
+            for g in w.assignment(name).gpus:
+                per_gpu[g.uuid] = per_gpu.get(g.uuid, 0) + g.memory_mib
+    assert per_gpu and max(per_gpu.values()) <= 40 * 1024
+
+
+def test_exclusive_pods_take_the_whole_gpu() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    w.add_pod("solo", annotations={names.ANN_ISOLATION: "exclusive"})
+    assert w.bind("solo", "n") == ""
+    w.run("solo")
+    result = w.filter(w.add_pod("small", memory_gib=1), ["n"])
+    assert "held exclusively" in result["FailedNodes"]["n"]
+
+
+def test_multi_container_pods_get_gpus_per_container() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0", memory_gib=40), gpu("g1", memory_gib=40)])
+    w.add_pod("p", memory_gib=30, containers=2)
+    assert w.bind("p", "n") == ""
+    gpus = w.assignment("p").gpus
+    assert {g.container for g in gpus} == {"c0", "c1"}
+    assert {g.uuid for g in gpus} == {"g0", "g1"}  # 30 + 30 GiB cannot share a 40 GiB GPU
