@@ -1,0 +1,225 @@
+"""When a queued job will start: durations learned from history and a forward simulation.
+
+The simulation keeps, per node, which grants are held over which time span ("occupancies"):
+running jobs until their expected end, and reservations made for queued jobs in queue order.
+A job's estimated start is the earliest time some node can hold it for its whole expected
+duration next to every occupancy overlapping that span. Because each queued job reserves its
+slot before the next one is looked at, a later job can only take a slot that leaves every
+earlier reservation in place (conservative backfilling): backfill never delays the estimated
+start of a higher-ranked job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from carpool.core.jobs import Job
+from carpool.core.placement import NodeState, choose_gpus, node_rejection
+from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
+
+# Scores a node for a request that fits it (grants = what choose_gpus picked); in [0, 1],
+# higher is better. The single seam where the extender's scoring plugs into admission.
+NodeRanker = Callable[[NodeState, GpuRequest, tuple[GpuGrant, ...]], float]
+
+
+def packing_score(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
+    """Prefer the node that ends up fullest (bin packing keeps whole GPUs free for big jobs).
+
+    score = (GPU memory granted on the node after placement) / (node's total GPU memory), in
+    [0, 1]; a node without GPUs scores 0.
+    """
+    total = sum(g.memory_total_mib for g in node.inventory.gpus)
+    if total <= 0:
+        return 0.0
+    used = sum(g.memory_mib for g in node.grants) + sum(g.memory_mib for g in grants)
+    return min(1.0, used / total)
+
+
+# ---------------------------------------------------------------- learned durations
+
+
+@dataclass(frozen=True)
+class DurationEstimate:
+    """Exponentially weighted history of one project's jobs of one class."""
+
+    seconds: float  # weighted mean actual run time
+    ratio: float  # weighted mean of actual / estimated run time
+    samples: int
+
+
+def update_duration_estimate(previous: DurationEstimate | None, actual_s: float,
+                             estimated_s: float, alpha: float) -> DurationEstimate:
+    """Fold one finished run in: new = alpha * observation + (1 - alpha) * old."""
+    if not 0 < alpha <= 1:
+        raise ValueError("duration learning rate alpha must be in (0, 1]")
+    ratio = actual_s / estimated_s if estimated_s > 0 else 1.0
+    if previous is None:
+        return DurationEstimate(actual_s, ratio, 1)
+    return DurationEstimate(alpha * actual_s + (1 - alpha) * previous.seconds,
+                            alpha * ratio + (1 - alpha) * previous.ratio,
+                            previous.samples + 1)
+
+
+def learn_durations(jobs: Iterable[Job], alpha: float = 0.3
+                    ) -> dict[tuple[str, JobClass], DurationEstimate]:
+    """Per (project, class) estimates from succeeded jobs' last runs, folded in end-time order
+    (ties by key), so the result does not depend on the order of `jobs`."""
+    finished: list[tuple[float, str, Job, float]] = []
+    for job in jobs:
+        if job.phase is not Phase.SUCCEEDED or not job.runs:
+            continue
+        last = max(job.runs, key=lambda r: r.attempt)
+        if last.end is not None:
+            finished.append((last.end, job.key, job, last.end - last.start))
+    finished.sort(key=lambda item: (item[0], item[1]))
+    learned: dict[tuple[str, JobClass], DurationEstimate] = {}
+    for _, _, job, actual in finished:
+        group = (job.project, job.job_class)
+        learned[group] = update_duration_estimate(learned.get(group), actual,
+                                                  job.estimated_duration_s, alpha)
+    return learned
+
+
+def expected_duration(job: Job, learned: Mapping[tuple[str, JobClass], DurationEstimate]
+                      ) -> float:
+    """How long a run of `job` is expected to take: its estimate scaled by how its project's
+    jobs of this class have compared with their estimates, never beyond its limit."""
+    history = learned.get((job.project, job.job_class))
+    duration = job.estimated_duration_s * (history.ratio if history else 1.0)
+    return max(1.0, min(duration, job.limit_s))
+
+
+def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
+    """Expected seconds until a GPU-holding job lets go of its GPUs.
+
+    A job past its expectation is given `min_remaining_s` more; never more than what its limit
+    (maxDuration, enforced) leaves, but at least `min_remaining_s`.
+    """
+    started = job.started_at
+    elapsed = max(0.0, now - started) if started is not None else 0.0
+    remaining = max(duration_s - elapsed, min_remaining_s)
+    return min(remaining, max(job.limit_s - elapsed, min_remaining_s))
+
+
+# ---------------------------------------------------------------- occupancy timeline
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Grants held on one node over [start, end)."""
+
+    job_key: str
+    start: float
+    end: float
+    grants: tuple[GpuGrant, ...]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where and when a job can run."""
+
+    start: float
+    node: str
+    grants: tuple[GpuGrant, ...]
+
+
+class Timeline:
+    """Per-node occupancy over time for one cycle's what-ifs (local state, never shared)."""
+
+    def __init__(self, nodes: Mapping[str, NodeState], now: float, ranker: NodeRanker) -> None:
+        self.now = now
+        self.ranker = ranker
+        self._base = dict(nodes)  # inventory + grants of things that are not jobs
+        self._occupancies: dict[str, list[Occupancy]] = {name: [] for name in nodes}
+        self._never: dict[tuple[str, GpuRequest], bool] = {}
+
+    @property
+    def node_names(self) -> list[str]:
+        return sorted(self._base)
+
+    def occupancies(self, node: str) -> list[Occupancy]:
+        return list(self._occupancies.get(node, ()))
+
+    def add(self, node: str, occupancy: Occupancy) -> None:
+        if node not in self._base:
+            raise KeyError(f"unknown node {node!r}")
+        self._occupancies[node].append(occupancy)
+
+    def end_at(self, job_key: str, end: float) -> None:
+        """Shorten a job's occupancy (a preempted job leaves after its grace period)."""
+        for node, occs in self._occupancies.items():
+            self._occupancies[node] = [
+                Occupancy(o.job_key, o.start, min(o.end, end), o.grants)
+                if o.job_key == job_key else o for o in occs]
+
+    def state_during(self, node: str, start: float, end: float,
+                     without: frozenset[str] = frozenset()) -> NodeState:
+        """The node with every grant held at some point of [start, end) (minus `without` jobs)."""
+        base = self._base[node]
+        held = tuple(g for o in self._occupancies[node]
+                     if o.start < end and o.end > start and o.job_key not in without
+                     for g in o.grants)
+        return base.with_grants(held) if held else base
+
+    def never_fits(self, node: str, request: GpuRequest) -> bool:
+        """True if the node cannot hold the request even with no job on it."""
+        key = (node, request)
+        if key not in self._never:
+            self._never[key] = node_rejection(self._base[node], request) is not None
+        return self._never[key]
+
+    def fits_anywhere_ever(self, request: GpuRequest) -> bool:
+        return any(not self.never_fits(n, request) for n in self._base)
+
+    def best_now(self, request: GpuRequest, duration_s: float,
+                 respect_reservations: bool = True) -> Slot | None:
+        """The best node that can hold the request from now for `duration_s`.
+
+        With `respect_reservations` the slot must leave every reservation overlapping the span
+        in place; without, only what is held now counts (a raw capacity check).
+        """
+        end = self.now + duration_s if respect_reservations else self.now + 1e-9
+        best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
+        for name in self.node_names:
+            if self.never_fits(name, request):
+                continue
+            state = self.state_during(name, self.now, end)
+            grants = choose_gpus(state, request)
+            if grants is None:
+                continue
+            score = self.ranker(state, request, grants)
+            if best is None or (-score, name) < (-best[0], best[1]):
+                best = (score, name, grants)
+        return Slot(self.now, best[1], best[2]) if best else None
+
+    def earliest(self, request: GpuRequest, duration_s: float, not_before: float) -> Slot | None:
+        """The earliest slot at or after `not_before` for the whole duration; None if no node
+        could ever hold the request. Ties go to the better-ranked node, then the name."""
+        best: tuple[float, float, str, tuple[GpuGrant, ...]] | None = None
+        for name in self.node_names:
+            if self.never_fits(name, request):
+                continue
+            times = sorted({not_before} | {o.end for o in self._occupancies[name]
+                                           if o.end > not_before})
+            for t in times:
+                if best is not None and t > best[0]:
+                    break
+                state = self.state_during(name, t, t + duration_s)
+                grants = choose_gpus(state, request)
+                if grants is None:
+                    continue
+                score = self.ranker(state, request, grants)
+                candidate = (t, -score, name, grants)
+                if best is None or candidate[:3] < best[:3]:
+                    best = candidate
+                break
+        return Slot(best[0], best[2], best[3]) if best else None
+
+
+def fluid_start(base: float, work_ahead_gpu_hours: float, capacity_gpus: float) -> float:
+    """A coarse start estimate for jobs deep in the queue: the queue ahead drains at the rate
+    of the whole cluster, start = base + work ahead / capacity."""
+    if capacity_gpus <= 0:
+        return base
+    return base + work_ahead_gpu_hours / capacity_gpus * 3600.0

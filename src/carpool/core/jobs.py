@@ -1,0 +1,233 @@
+"""Snapshots of GpuJobs and ProjectQuotas as the admission core sees them.
+
+The operator decodes its custom resources into these frozen dataclasses once per admission
+cycle; the core never sees a Kubernetes object. Times are epoch seconds, durations seconds,
+GPU memory MiB, GPU usage "GPU equivalents" (the fraction of a GPU held, as in `gpuhours`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from carpool.core.placement import NodeState
+from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
+
+
+class BudgetPolicy(enum.Enum):
+    """What a project's jobs may do once its GPU-hour budget for the period is spent."""
+
+    HOLD = "Hold"  # nothing new starts until the budget refills
+    PREEMPTIBLE_ONLY = "PreemptibleOnly"  # preemptible jobs may still run, as borrowers
+
+    @classmethod
+    def parse(cls, text: str) -> BudgetPolicy:
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(
+                f"unknown budget policy {text!r}; expected one of {', '.join(p.value for p in cls)}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One attempt's time on GPUs, as recorded in the job's status.
+
+    `fraction` is the GPU equivalents held (sum of `gpuhours.gpu_fraction` over the grants),
+    fixed when the run starts. `end` is None while the run goes on. Records are keyed by
+    `attempt`, so re-reading the same status never counts a run twice.
+    """
+
+    attempt: int
+    start: float
+    end: float | None
+    fraction: float
+    node: str = ""
+
+    def __post_init__(self) -> None:
+        if self.end is not None and self.end < self.start:
+            raise ValueError(
+                f"run {self.attempt} ends ({self.end}) before it starts ({self.start})")
+        if self.fraction < 0:
+            raise ValueError(f"run {self.attempt} has a negative GPU fraction {self.fraction}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A GpuJob: what it asks for and where it stands.
+
+    `grants`/`node` are what the job holds (or was admitted with, until its pod is bound); the
+    operator clears them once the job's pod is gone. A job in phase Preempted that still has
+    grants is terminating (its checkpoint grace runs); without grants it is queued again.
+    """
+
+    key: str  # "namespace/name"
+    project: str
+    job_class: JobClass
+    request: GpuRequest
+    submitted_at: float
+    estimated_duration_s: float
+    max_duration_s: float = 0.0  # 0: no limit beyond the estimate (the estimate is used)
+    preemptible: bool = False
+    checkpoint_grace_s: float = 30.0
+    min_runtime_s: float = 0.0  # never preempted before running this long
+    last_checkpoint_at: float | None = None
+    phase: Phase = Phase.QUEUED
+    attempts: int = 0  # admissions so far
+    node: str = ""
+    grants: tuple[GpuGrant, ...] = ()
+    borrowed: bool = False
+    runs: tuple[RunRecord, ...] = ()
+    peak_memory_mib: int | None = None  # per GPU, as the device plugin saw it
+
+    def __post_init__(self) -> None:
+        if self.key.count("/") != 1 or not all(self.key.split("/")):
+            raise ValueError(f"job key must be 'namespace/name', got {self.key!r}")
+        if not (self.estimated_duration_s > 0 and math.isfinite(self.estimated_duration_s)):
+            raise ValueError(f"{self.key}: estimated duration must be positive")
+        if self.max_duration_s < 0:
+            raise ValueError(f"{self.key}: max duration must not be negative")
+        attempts = [r.attempt for r in self.runs]
+        if len(set(attempts)) != len(attempts):
+            raise ValueError(f"{self.key}: run records repeat an attempt: {sorted(attempts)}")
+
+    @property
+    def namespace(self) -> str:
+        return self.key.split("/", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.key.split("/", 1)[1]
+
+    @property
+    def limit_s(self) -> float:
+        """The longest this job may run: maxDuration, or the estimate when none is set."""
+        return self.max_duration_s if self.max_duration_s > 0 else self.estimated_duration_s
+
+    @property
+    def holds_gpus(self) -> bool:
+        """Admitted, running, or preempted but still terminating."""
+        if self.phase.holds_gpus:
+            return True
+        return self.phase is Phase.PREEMPTED and bool(self.grants)
+
+    @property
+    def terminating(self) -> bool:
+        return self.phase is Phase.PREEMPTED and bool(self.grants)
+
+    @property
+    def waiting(self) -> bool:
+        """In the queue: new, or preempted and gone from its GPUs."""
+        return self.phase is Phase.QUEUED or (self.phase is Phase.PREEMPTED and not self.grants)
+
+    @property
+    def current_run(self) -> RunRecord | None:
+        open_runs = [r for r in self.runs if r.end is None]
+        return max(open_runs, key=lambda r: r.attempt) if open_runs else None
+
+    @property
+    def started_at(self) -> float | None:
+        run = self.current_run
+        return run.start if run else None
+
+
+@dataclass(frozen=True)
+class ProjectQuota:
+    """A ProjectQuota: who bills to the project and what it may use.
+
+    `guaranteed_gpus` (GPU equivalents) and `guaranteed_memory_mib` are the concurrent
+    guarantee; None means that dimension is not limited. Beyond the guarantee a project runs
+    only preemptible jobs, and only when `borrowing` is on (up to `borrow_limit_gpus` more GPU
+    equivalents; None: no limit but idle capacity). `budget_gpu_hours` (None: no budget) refills
+    every `period_s` seconds; periods start at `period_anchor + k * period_s`.
+    """
+
+    name: str
+    namespaces: frozenset[str]
+    guaranteed_gpus: float | None = None
+    guaranteed_memory_mib: int | None = None
+    borrowing: bool = False
+    borrow_limit_gpus: float | None = None
+    budget_gpu_hours: float | None = None
+    period_s: float = 30 * 86400.0
+    period_anchor: float = 0.0
+    on_budget_exhausted: BudgetPolicy = BudgetPolicy.HOLD
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"project {self.name}: weight must be positive")
+        if not self.period_s > 0:
+            raise ValueError(f"project {self.name}: budget period must be positive")
+        for label, value in (("guaranteed GPUs", self.guaranteed_gpus),
+                             ("guaranteed memory", self.guaranteed_memory_mib),
+                             ("borrow limit", self.borrow_limit_gpus),
+                             ("budget", self.budget_gpu_hours)):
+            if value is not None and value < 0:
+                raise ValueError(f"project {self.name}: {label} must not be negative")
+
+    def period_start(self, now: float) -> float:
+        """Start of the budget period that contains `now`."""
+        periods = math.floor((now - self.period_anchor) / self.period_s)
+        return self.period_anchor + periods * self.period_s
+
+    def period_end(self, now: float) -> float:
+        return self.period_start(now) + self.period_s
+
+
+@dataclass(frozen=True)
+class RetiredUsage:
+    """GPU use of jobs deleted from the cluster, kept so deleting a job never refunds budget.
+
+    The operator folds a job in (`accounting.retire_job`) from its deletion finalizer and
+    stores this in the ProjectQuota's status. `job_keys` makes retiring idempotent.
+    """
+
+    period_start: float = 0.0
+    gpu_hours: float = 0.0  # in the period starting at `period_start`
+    decayed_gpu_hours: float = 0.0  # fair-share usage, valid at `decayed_as_of`
+    decayed_as_of: float = 0.0
+    job_keys: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ProjectUsage:
+    """A project's use, derived from run records (see `accounting.project_usage`)."""
+
+    project: str
+    period_start: float
+    gpu_hours_used: float  # this period, running jobs counted up to now
+    decayed_gpu_hours: float  # all time, halved every half-life: the fair-share usage
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """Everything one admission cycle decides from.
+
+    `jobs` holds every GpuJob the operator knows, finished ones included (their run records
+    are the accounting). `nodes` carry the GPU inventory and any grants held by something that
+    is NOT a job in `jobs`; the core adds each GPU-holding job's own grants itself, so the
+    operator must not add them again. `retired` is per project (see RetiredUsage).
+    """
+
+    now: float
+    jobs: tuple[Job, ...]
+    quotas: Mapping[str, ProjectQuota]
+    nodes: Mapping[str, NodeState]
+    retired: Mapping[str, RetiredUsage] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        keys = [j.key for j in self.jobs]
+        if len(set(keys)) != len(keys):
+            dupes = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"snapshot lists jobs more than once: {', '.join(dupes)}")
+        for name, quota in self.quotas.items():
+            if name != quota.name:
+                raise ValueError(f"quota keyed {name!r} is named {quota.name!r}")
+
+    def quota_for_namespace(self, namespace: str) -> list[str]:
+        """Projects whose quota binds `namespace`, sorted."""
+        return sorted(q.name for q in self.quotas.values() if namespace in q.namespaces)

@@ -1,0 +1,129 @@
+"""Which running jobs to preempt so a waiting job can start, losing the least work.
+
+Who may be preempted, and by whom:
+- Never an interactive job, never a non-preemptible one, never a job that has run less than
+  its minimum runtime, never one already terminating.
+- A job within its project's guarantee (in quota) reclaims capacity borrowed by other
+  projects, and may preempt preemptible jobs of a strictly lower class.
+- A job that would itself be borrowing may preempt only borrowed jobs of a strictly lower
+  class (so two borrowers never evict an owner, and preemption cannot ping-pong: the victim
+  ranks lower than its preemptor, or is a borrower the owner may always reclaim).
+
+Choosing victims: on each node, candidates are taken in order (borrowed first, then least
+work lost since the last checkpoint, then the lowest class, then the key) until the waiting
+job fits on a what-if copy of the node with them (and jobs already terminating) gone; then
+every victim the fit does not need is put back. The node whose victim set evicts the fewest
+non-borrowed jobs, then loses the least work, then the fewest jobs, then sorts first by name
+wins. Nothing is preempted if no node would fit the job afterwards.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from carpool.core.eta import Timeline
+from carpool.core.gpuhours import gpu_hours
+from carpool.core.jobs import Job
+from carpool.core.placement import choose_gpus
+from carpool.core.resources import GpuGrant, GpuRequest, JobClass
+
+
+class PreemptionCause(enum.Enum):
+    RECLAIM = "ReclaimBorrowed"  # the victim borrowed capacity an in-quota job needs
+    HIGHER_CLASS = "HigherClass"  # the preemptor's class outranks the victim's
+
+
+def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: float
+                 ) -> PreemptionCause | None:
+    """Why `victim` may make way for `preemptor`, or None if it may not."""
+    if victim.key == preemptor.key or not victim.holds_gpus or victim.terminating:
+        return None
+    if victim.job_class is JobClass.INTERACTIVE or not victim.preemptible:
+        return None
+    started = victim.started_at
+    ran = now - started if started is not None else 0.0
+    if ran < victim.min_runtime_s:
+        return None
+    if victim.borrowed and preemptor_in_quota and victim.project != preemptor.project:
+        return PreemptionCause.RECLAIM
+    if victim.job_class > preemptor.job_class and (preemptor_in_quota or victim.borrowed):
+        return PreemptionCause.HIGHER_CLASS
+    return None
+
+
+def lost_gpu_hours(victim: Job, fraction: float, now: float) -> float:
+    """GPU-hours of work since the victim's last checkpoint (or its start): what it loses."""
+    started = victim.started_at
+    if started is None:
+        return 0.0
+    since = max(started, victim.last_checkpoint_at or started)
+    return gpu_hours(fraction, since, now)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    job: Job
+    cause: PreemptionCause
+    lost_gpu_hours: float
+
+    @property
+    def preference(self) -> tuple[int, float, int, str]:
+        return (0 if self.job.borrowed else 1, self.lost_gpu_hours,
+                -int(self.job.job_class), self.job.key)
+
+
+@dataclass(frozen=True)
+class PreemptionPlan:
+    node: str
+    victims: tuple[Candidate, ...]
+    grants: tuple[GpuGrant, ...]  # what the preemptor gets once the victims are gone
+    start: float  # when the last victim's grace period is over
+
+    @property
+    def cost(self) -> tuple[int, float, int, str]:
+        return (sum(1 for v in self.victims if not v.job.borrowed),
+                sum(v.lost_gpu_hours for v in self.victims), len(self.victims), self.node)
+
+
+def plan_preemption(request: GpuRequest, duration_s: float, candidates: Iterable[Candidate],
+                    timeline: Timeline, leaving: frozenset[str]) -> PreemptionPlan | None:
+    """The cheapest set of victims that lets `request` fit, or None.
+
+    `leaving` are jobs already terminating; the what-if runs on copies of the node states in
+    `timeline` (which also carries the reservations of higher-ranked jobs), never on them.
+    """
+    now = timeline.now
+    by_node: dict[str, list[Candidate]] = {}
+    for cand in candidates:
+        if cand.job.node:
+            by_node.setdefault(cand.job.node, []).append(cand)
+    best: PreemptionPlan | None = None
+    for node in sorted(by_node):
+        if node not in timeline.node_names or timeline.never_fits(node, request):
+            continue
+
+        def fits(victims: list[Candidate], node: str = node) -> tuple[GpuGrant, ...] | None:
+            gone = leaving | {v.job.key for v in victims}
+            return choose_gpus(timeline.state_during(node, now, now + duration_s, gone), request)
+
+        ordered = sorted(by_node[node], key=lambda c: c.preference)
+        chosen: list[Candidate] = []
+        for cand in ordered:
+            chosen.append(cand)
+            if fits(chosen) is not None:
+                break
+        else:
+            continue
+        for cand in reversed(chosen[:-1]):
+            trial = [c for c in chosen if c is not cand]
+            if fits(trial) is not None:
+                chosen = trial
+        grants = fits(chosen)
+        assert grants is not None
+        start = now + max(v.job.checkpoint_grace_s for v in chosen)
+        plan = PreemptionPlan(node, tuple(chosen), grants, start)
+        if best is None or plan.cost < best.cost:
+            best = plan
+    return best

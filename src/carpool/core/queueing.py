@@ -1,0 +1,550 @@
+"""The admission cycle: from one cluster snapshot to admit, preempt and wait decisions.
+
+`admission_cycle(snapshot, config)` is the operator's one call per cycle. It is pure: the same
+snapshot and config always give the same result, whatever the order of `snapshot.jobs`.
+
+What it does, in queue order (see `fairshare` for the order and the aging bound):
+
+1. Refuse jobs whose namespace is not bound to their project; park jobs no GPU in the cluster
+   could ever hold (no matching model, too large for every node).
+2. Judge the project's limits (`quota`): guarantee, borrowing, GPU-hour budget.
+3. Admit a job only if some node can hold it now (the shared placement core) for its whole
+   expected run without touching a reservation of a higher-ranked job; it is then recorded on
+   the node, so nothing later in the cycle takes the same GPUs.
+4. Otherwise it waits and, within the first `reservation_depth` waiting jobs, reserves the
+   earliest slot the forward simulation (`eta`) finds: that is its estimated start, and no
+   lower-ranked job may take it (backfill only fills holes). Deeper jobs get a coarse
+   estimate from the cluster's drain rate.
+5. A job that is allowed to start but finds no room may preempt (`preemption`): victims are
+   told to stop with their checkpoint grace, and the job keeps a reservation where they were.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
+from carpool.core.durations import format_duration
+from carpool.core.eta import (
+    DurationEstimate,
+    NodeRanker,
+    Occupancy,
+    Timeline,
+    expected_duration,
+    expected_remaining,
+    fluid_start,
+    learn_durations,
+)
+from carpool.core.fairshare import DEFAULT_REFERENCE_MEMORY_MIB, nominal_fraction, rank_queue
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, ProjectUsage
+from carpool.core.placement import NodeState, choose_gpus
+from carpool.core.preemption import (
+    Candidate,
+    PreemptionCause,
+    lost_gpu_hours,
+    plan_preemption,
+    victim_cause,
+)
+from carpool.core.quota import (
+    ProjectLedger,
+    Standing,
+    binding_refusal,
+    budget_reservation,
+    judge,
+)
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.scoring import Scorer, score_node
+
+
+def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
+    """Rank nodes with the extender's own score (`scoring.score_node`), so the node the
+    operator admits a job for is the one the extender would pick. Nodes the scorer cannot
+    plan for (it is stricter on CPU and memory) score 0 but stay usable."""
+    shared = scorer if scorer is not None else Scorer()
+
+    def rank(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
+        scored = score_node(node, request, shared)
+        return scored.score if scored is not None else 0.0
+
+    return rank
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Knobs of the admission cycle."""
+
+    fair_share_half_life_s: float = 7 * 86400.0  # usage counts half after this long
+    aging_step_s: float = 3600.0  # waiting this long raises a job one class (see fairshare)
+    reservation_depth: int = 64  # waiting jobs that get an exact slot; deeper: coarse ETA
+    max_preemptions_per_cycle: int = 16  # victims chosen per cycle, at most
+    preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
+    min_remaining_s: float = 60.0  # a job past its expected end is given this much more
+    duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
+    node_ranker: NodeRanker = field(default_factory=extender_ranker)
+
+    def __post_init__(self) -> None:
+        if self.fair_share_half_life_s <= 0:
+            raise ValueError("fair-share half-life must be positive")
+        if self.aging_step_s < 0 or self.reservation_depth < 0:
+            raise ValueError("aging step and reservation depth must not be negative")
+        if self.max_preemptions_per_cycle < 0 or self.min_remaining_s <= 0:
+            raise ValueError("preemption cap must not be negative; min remaining must be > 0")
+
+
+class WaitReason(enum.Enum):
+    """Why a queued job is not admitted this cycle (the GpuJob status reason)."""
+
+    UNKNOWN_PROJECT = "UnknownProject"
+    UNBOUND_NAMESPACE = "UnboundNamespace"
+    NO_MATCHING_GPU_MODEL = "NoMatchingGpuModel"
+    TOO_LARGE = "TooLargeForAnyNode"
+    BUDGET = "Budget"
+    QUOTA = "Quota"
+    CAPACITY = "Capacity"
+    BEHIND_HIGHER_RANKED = "BehindHigherRanked"
+    PREEMPTING = "Preempting"  # victims were told to stop; waiting for them to leave
+
+    @property
+    def refused(self) -> bool:
+        """The spec or the quotas must change before the job can ever run."""
+        return self in (WaitReason.UNKNOWN_PROJECT, WaitReason.UNBOUND_NAMESPACE)
+
+    @property
+    def competes_for_capacity(self) -> bool:
+        return self in (WaitReason.CAPACITY, WaitReason.BEHIND_HIGHER_RANKED,
+                        WaitReason.PREEMPTING)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Start this job: create its pod for `node`; `grants` are the GPUs the core picked."""
+
+    job_key: str
+    node: str
+    grants: tuple[GpuGrant, ...]
+    borrowed: bool  # beyond the project's guarantee or budget: preemptible, reclaimed first
+    gpu_fraction: float  # GPU equivalents held (for the run record)
+    attempt: int  # the job's attempts after this admission
+    position: int  # its place in the queue when admitted (1 = head)
+    message: str
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """Stop this job: delete its pod with `grace_s` (SIGTERM first); it goes back to the queue
+    keeping its submit time."""
+
+    victim_key: str
+    preemptor_key: str
+    node: str
+    cause: PreemptionCause
+    grace_s: float
+    lost_gpu_hours: float  # work since its last checkpoint
+    message: str
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Keep this job queued; show why, where it stands and when it should start."""
+
+    job_key: str
+    reason: WaitReason
+    message: str
+    position: int  # 1 = head of the queue; 0 for refused jobs
+    ahead: int  # higher-ranked jobs also waiting for GPUs
+    estimated_start: float | None  # None: cannot be estimated (refused, never fits)
+    coarse_estimate: bool = False  # beyond the reservation depth: drain-rate estimate
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """This running job passed its maxDuration: stop it (with its grace period)."""
+
+    job_key: str
+    ran_s: float
+    max_duration_s: float
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class ProjectStatus:
+    """A ProjectQuota's status after this cycle's decisions."""
+
+    project: str
+    period_start: float
+    period_end: float
+    budget_gpu_hours: float | None
+    used_gpu_hours: float  # this period, running jobs up to now
+    remaining_gpu_hours: float | None  # budget - used (None: no budget)
+    reserved_gpu_hours: float  # what running jobs may still use this period
+    fair_share_usage: float  # decayed GPU-hours
+    running_gpus: float  # GPU equivalents held, borrowed included
+    borrowed_gpus: float
+    running_jobs: int
+    pending_jobs: int
+    memory_efficiency: float | None  # peak / requested GPU memory over jobs with a peak
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    now: float
+    admissions: tuple[Admission, ...]
+    preemptions: tuple[Preemption, ...]
+    waits: tuple[Wait, ...]
+    expiries: tuple[Expiry, ...]
+    projects: tuple[ProjectStatus, ...]
+
+    def wait_for(self, job_key: str) -> Wait | None:
+        return next((w for w in self.waits if w.job_key == job_key), None)
+
+    def admission_for(self, job_key: str) -> Admission | None:
+        return next((a for a in self.admissions if a.job_key == job_key), None)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _fmt_time(delta_s: float) -> str:
+    return format_duration(delta_s)
+
+
+def _memory_of(request: GpuRequest, grants: tuple[GpuGrant, ...], reference_mib: int) -> int:
+    if grants:
+        return sum(g.memory_mib for g in grants)
+    per_gpu = reference_mib if request.isolation is Isolation.EXCLUSIVE else request.memory_mib
+    return request.count * per_gpu
+
+
+@dataclass
+class _Holder:
+    job: Job
+    fraction: float
+    memory_mib: int
+    end: float
+
+
+@dataclass
+class _Cycle:
+    """Working state of one cycle (never escapes `admission_cycle`)."""
+
+    snapshot: ClusterSnapshot
+    config: AdmissionConfig
+    learned: dict[tuple[str, JobClass], DurationEstimate]
+    usage: dict[str, ProjectUsage]
+    reference_mib: int
+    timeline: Timeline
+    ledgers: dict[str, ProjectLedger]
+    holders: list[_Holder]
+    models: frozenset[str]
+    capacity_gpus: float
+    leaving: set[str] = field(default_factory=set)
+    running_spans: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
+    now_fail: dict[GpuRequest, float] = field(default_factory=dict)
+    raw_fail: set[GpuRequest] = field(default_factory=set)
+    preemptions: list[Preemption] = field(default_factory=list)
+
+
+def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
+    now = snapshot.now
+    nodes = snapshot.nodes
+    learned = learn_durations(snapshot.jobs, config.duration_learning_rate)
+    by_project: dict[str, list[Job]] = {}
+    for job in snapshot.jobs:
+        by_project.setdefault(job.project, []).append(job)
+    usage = {
+        name: project_usage(quota, by_project.get(name, ()), now, config.fair_share_half_life_s,
+                            snapshot.retired.get(name))
+        for name, quota in snapshot.quotas.items()}
+    memories = [g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus]
+    reference_mib = max(memories, default=DEFAULT_REFERENCE_MEMORY_MIB)
+    timeline = Timeline(nodes, now, config.node_ranker)
+    ledgers = {name: ProjectLedger(q, used_gpu_hours=usage[name].gpu_hours_used)
+               for name, q in snapshot.quotas.items()}
+    holders: list[_Holder] = []
+    spans: dict[str, list[tuple[float, float, int]]] = {}
+    for job in sorted((j for j in snapshot.jobs if j.holds_gpus), key=lambda j: j.key):
+        nominal = nominal_fraction(job.request, reference_mib)
+        fraction = held_fraction(job, nodes, nominal)
+        memory = _memory_of(job.request, job.grants, reference_mib)
+        remaining = expected_remaining(job, now, expected_duration(job, learned),
+                                       config.min_remaining_s)
+        if job.terminating:
+            remaining = min(remaining, job.checkpoint_grace_s)
+        end = now + remaining
+        holders.append(_Holder(job, fraction, memory, end))
+        if job.grants and job.node in nodes:
+            timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
+        ledger = ledgers.get(job.project)
+        if ledger is not None:
+            reserve = budget_reservation(fraction, now, job.started_at, job.limit_s,
+                                         ledger.quota.period_end(now))
+            ledger.add(fraction, memory, job.borrowed, reserve)
+            spans.setdefault(job.project, []).append((end, fraction, memory))
+    models = frozenset(g.model for n in nodes.values() for g in n.inventory.gpus)
+    capacity = float(sum(1 for n in nodes.values() if n.inventory.ready
+                         for g in n.inventory.gpus if g.healthy))
+    leaving = {h.job.key for h in holders if h.job.terminating}
+    return _Cycle(snapshot, config, learned, usage, reference_mib, timeline, ledgers, holders,
+                  models, capacity, leaving=leaving, running_spans=spans)
+
+
+def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: int
+                   ) -> float | None:
+    """Earliest time the project's own running jobs leave room for this much more use."""
+    cap_g = quota.guaranteed_gpus if quota.guaranteed_gpus is not None else math.inf
+    cap_m = quota.guaranteed_memory_mib if quota.guaranteed_memory_mib is not None else math.inf
+    if gpus > cap_g + 1e-9 or memory_mib > cap_m:
+        return None
+    spans = sorted(cycle.running_spans.get(quota.name, []))
+    times = [cycle.snapshot.now] + [end for end, _, _ in spans]
+    for t in times:
+        held_g = sum(f for end, f, _ in spans if end > t)
+        held_m = sum(m for end, _, m in spans if end > t)
+        if held_g + gpus <= cap_g + 1e-9 and held_m + memory_mib <= cap_m:
+            return t
+    return times[-1]
+
+
+def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
+    config = cycle.config
+    now = cycle.snapshot.now
+    budget = config.max_preemptions_per_cycle - len(cycle.preemptions)
+    if budget <= 0:
+        return []
+    candidates = []
+    for holder in cycle.holders:
+        victim = holder.job
+        if victim.key in cycle.leaving:
+            continue
+        cause = victim_cause(job, in_quota, victim, now)
+        if cause is not None:
+            candidates.append(Candidate(victim, cause, lost_gpu_hours(victim, holder.fraction,
+                                                                      now)))
+    plan = plan_preemption(job.request, duration, candidates, cycle.timeline,
+                           frozenset(cycle.leaving))
+    if plan is None or len(plan.victims) > budget:
+        return []
+    out = []
+    for chosen in plan.victims:
+        v = chosen.job
+        cycle.leaving.add(v.key)
+        cycle.timeline.end_at(v.key, now + v.checkpoint_grace_s)
+        what = ("reclaims capacity borrowed by" if chosen.cause is PreemptionCause.RECLAIM
+                else f"({job.job_class.label}) outranks")
+        out.append(Preemption(
+            v.key, job.key, plan.node, chosen.cause, v.checkpoint_grace_s,
+            chosen.lost_gpu_hours,
+            f"{job.key} {what} {v.key} ({v.job_class.label}, project {v.project}) on "
+            f"{plan.node}; {chosen.lost_gpu_hours:.2f} GPU-hours since its last checkpoint"))
+    cycle.timeline.add(plan.node, Occupancy(job.key, plan.start, plan.start + duration,
+                                            plan.grants))
+    return out
+
+
+# ---------------------------------------------------------------- the cycle
+
+
+def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = None
+                    ) -> CycleResult:
+    """Decide, from one immutable snapshot, which jobs start, which stop and why others wait."""
+    config = config if config is not None else AdmissionConfig()
+    cycle = _build_cycle(snapshot, config)
+    now = snapshot.now
+    timeline = cycle.timeline
+
+    expiries = tuple(
+        Expiry(h.job.key, now - started, h.job.max_duration_s, h.job.checkpoint_grace_s)
+        for h in cycle.holders
+        if h.job.phase is Phase.RUNNING and h.job.max_duration_s > 0
+        and (started := h.job.started_at) is not None and now - started >= h.job.max_duration_s)
+
+    waiting = [j for j in snapshot.jobs if j.waiting]
+    durations = {j.key: expected_duration(j, cycle.learned) for j in waiting}
+    expected_gpu_hours = {
+        j.key: nominal_fraction(j.request, cycle.reference_mib) * durations[j.key] / 3600.0
+        for j in waiting}
+    weights = {name: q.weight for name, q in snapshot.quotas.items()}
+    decayed = {name: u.decayed_gpu_hours for name, u in cycle.usage.items()}
+    ranked = rank_queue(waiting, decayed, weights, now, config.aging_step_s, expected_gpu_hours)
+
+    admissions: list[Admission] = []
+    waits: list[Wait] = []
+    status_admitted: dict[str, list[tuple[float, bool]]] = {}
+    reservations = 0
+    latest_reserved = now
+    work_beyond_depth = 0.0
+    position = 0
+    ahead = 0
+
+    for _, job in ranked:
+        request = job.request
+        refusal = binding_refusal(job, snapshot.quotas)
+        if refusal is not None:
+            refused = (WaitReason.UNKNOWN_PROJECT if refusal.unknown_project
+                       else WaitReason.UNBOUND_NAMESPACE)
+            waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
+            continue
+        position += 1
+        if request.models and not request.models & cycle.models:
+            waits.append(Wait(job.key, WaitReason.NO_MATCHING_GPU_MODEL,
+                              f"no node has a GPU of model {', '.join(sorted(request.models))}; "
+                              f"the cluster has {', '.join(sorted(cycle.models)) or 'no GPUs'}",
+                              position, ahead, None))
+            continue
+        if not timeline.fits_anywhere_ever(request):
+            waits.append(Wait(job.key, WaitReason.TOO_LARGE,
+                              f"no node could hold {request.count} GPU(s) of "
+                              f"{request.memory_mib // 1024} GiB ({request.isolation.value}) "
+                              f"even if it were empty", position, ahead, None))
+            continue
+
+        duration = durations[job.key]
+        slot = None
+        if duration < cycle.now_fail.get(request, math.inf):
+            slot = timeline.best_now(request, duration)
+            if slot is None:
+                cycle.now_fail[request] = duration
+        if slot is not None:
+            fraction = grants_fraction(slot.grants, snapshot.nodes[slot.node].inventory)
+            memory = _memory_of(request, slot.grants, cycle.reference_mib)
+        else:
+            fraction = nominal_fraction(request, cycle.reference_mib)
+            memory = _memory_of(request, (), cycle.reference_mib)
+        ledger = cycle.ledgers[job.project]
+        quota = ledger.quota
+        period_end = quota.period_end(now)
+        reserve = budget_reservation(fraction, now, None, job.limit_s, period_end)
+        verdict = judge(job, ledger, fraction, memory, reserve)
+
+        if verdict.standing.may_start and slot is not None:
+            ledger.add(fraction, memory, verdict.borrowed, reserve)
+            timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
+            cycle.running_spans.setdefault(job.project, []).append(
+                (now + duration, fraction, memory))
+            status_admitted.setdefault(job.project, []).append((fraction, verdict.borrowed))
+            admissions.append(Admission(
+                job.key, slot.node, slot.grants, verdict.borrowed, fraction, job.attempts + 1,
+                position, f"admitted to {slot.node}: {verdict.message}"))
+            continue
+
+        not_before = now
+        reason: WaitReason
+        message: str
+        estimable = True
+        if verdict.standing is Standing.OVER_BUDGET:
+            reason, message = WaitReason.BUDGET, verdict.message
+            budget = quota.budget_gpu_hours or 0.0
+            full_period = fraction * min(job.limit_s, quota.period_s) / 3600.0
+            not_before = period_end
+            if full_period > budget:
+                estimable = False
+                message += "; more than a whole period's budget"
+            else:
+                message += f"; the budget refills in {_fmt_time(period_end - now)}"
+        elif verdict.standing is Standing.OVER_QUOTA:
+            reason, message = WaitReason.QUOTA, verdict.message
+            free_at = _quota_free_at(cycle, quota, fraction, memory)
+            if free_at is None:
+                estimable = False
+                message += "; the job alone exceeds the guarantee"
+            else:
+                not_before = free_at
+        else:
+            raw_fits = False
+            if request not in cycle.raw_fail:
+                raw_fits = timeline.best_now(request, duration, False) is not None
+                if not raw_fits:
+                    cycle.raw_fail.add(request)
+            leaving = frozenset(cycle.leaving)
+            pending = bool(leaving) and any(
+                choose_gpus(timeline.state_during(n, now, now + duration, leaving), request)
+                for n in timeline.node_names if not timeline.never_fits(n, request))
+            if raw_fits:
+                reason = WaitReason.BEHIND_HIGHER_RANKED
+                message = (f"GPUs are free but reserved for {ahead} higher-ranked waiting "
+                           f"job(s) this job would delay")
+            elif pending:
+                reason = WaitReason.PREEMPTING
+                message = f"waiting for {len(leaving)} preempted job(s) to leave"
+            else:
+                reason = WaitReason.CAPACITY
+                message = f"no node has room now; {ahead} higher-ranked job(s) wait for GPUs"
+                preempted: list[Preemption] = []
+                if not verdict.budget_exhausted:
+                    eta = timeline.earliest(request, duration, now)
+                    if eta is None or eta.start - now > config.preempt_after_wait_s:
+                        preempted = _try_preempt(cycle, job,
+                                                 verdict.standing is Standing.IN_QUOTA, duration)
+                if preempted:
+                    cycle.preemptions.extend(preempted)
+                    ledger.add(fraction, memory, verdict.borrowed, reserve)
+                    victims = ", ".join(p.victim_key for p in preempted)
+                    start = now + max(p.grace_s for p in preempted)
+                    waits.append(Wait(job.key, WaitReason.PREEMPTING,
+                                      f"preempting {victims}; starts when they leave",
+                                      position, ahead, start))
+                    ahead += 1
+                    reservations += 1
+                    latest_reserved = max(latest_reserved, start)
+                    continue
+            if verdict.budget_exhausted:
+                message = f"{verdict.message}; {message}"
+
+        estimate: float | None = None
+        coarse = False
+        if estimable and reservations < config.reservation_depth:
+            found = timeline.earliest(request, duration, not_before)
+            if found is not None:
+                timeline.add(found.node, Occupancy(job.key, found.start,
+                                                   found.start + duration, found.grants))
+                estimate = found.start
+                reservations += 1
+                latest_reserved = max(latest_reserved, found.start)
+        elif estimable:
+            estimate = max(not_before, fluid_start(latest_reserved, work_beyond_depth,
+                                                   cycle.capacity_gpus))
+            coarse = True
+            work_beyond_depth += expected_gpu_hours[job.key]
+        if estimate is not None:
+            message += f"; estimated start in {_fmt_time(estimate - now)}"
+        waits.append(Wait(job.key, reason, message, position, ahead, estimate, coarse))
+        if reason.competes_for_capacity:
+            ahead += 1
+
+    projects = _project_statuses(cycle, status_admitted, waits)
+    return CycleResult(now, tuple(admissions), tuple(cycle.preemptions), tuple(waits), expiries,
+                       projects)
+
+
+def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool]]],
+                      waits: list[Wait]) -> tuple[ProjectStatus, ...]:
+    snapshot = cycle.snapshot
+    now = snapshot.now
+    pending: dict[str, int] = {}
+    job_project = {j.key: j.project for j in snapshot.jobs}
+    for wait in waits:
+        project = job_project[wait.job_key]
+        pending[project] = pending.get(project, 0) + 1
+    out = []
+    for name in sorted(snapshot.quotas):
+        quota = snapshot.quotas[name]
+        usage = cycle.usage[name]
+        mine = [h for h in cycle.holders if h.job.project == name]
+        new = admitted.get(name, [])
+        running = sum(h.fraction for h in mine) + sum(f for f, _ in new)
+        borrowed = (sum(h.fraction for h in mine if h.job.borrowed)
+                    + sum(f for f, b in new if b))
+        reserved = sum(budget_reservation(h.fraction, now, h.job.started_at, h.job.limit_s,
+                                          quota.period_end(now)) for h in mine)
+        efficiency = memory_efficiency(j for j in snapshot.jobs if j.project == name).ratio
+        budget = quota.budget_gpu_hours
+        out.append(ProjectStatus(
+            name, usage.period_start, usage.period_start + quota.period_s, budget,
+            usage.gpu_hours_used,
+            None if budget is None else budget - usage.gpu_hours_used,
+            reserved, usage.decayed_gpu_hours, running, borrowed, len(mine) + len(new),
+            pending.get(name, 0), efficiency))
+    return tuple(out)

@@ -1,0 +1,180 @@
+"""Project quotas: namespace binding, concurrent guarantees, borrowing and GPU-hour budgets.
+
+Rules (the admission cycle applies them to every job before it may start):
+
+- Binding: a job's namespace must be listed by exactly the ProjectQuota its spec names.
+- Concurrent use is counted in GPU equivalents (the `gpuhours` fraction of the grants) and in
+  granted GPU memory. A job starts *in quota* while the project's in-quota use plus the job
+  stays within the guarantee. Beyond it a job may *borrow* idle capacity only if the project
+  allows borrowing, the job is preemptible and not interactive (borrowed jobs are reclaimed
+  first, and interactive or non-preemptible jobs are never preempted), and the borrow limit
+  holds. Without borrowing the guarantee is also the cap on the project's total use.
+- Budget: hard GPU-hours per period. Admission reserves the job's worst case in this period:
+  fraction x min(limit, time left in the period), where the limit is maxDuration (enforced by
+  the operator) or the estimate. A job starts only if the GPU-hours already used this period,
+  plus what the project's running jobs may still use this period (their reservations), plus
+  its own reservation fit in the budget. So with maxDuration enforced, a Hold project's use in
+  a period never exceeds its budget. Running jobs are charged continuously from their records.
+- Spent budget: policy Hold holds new jobs until the period refills; PreemptibleOnly still
+  starts preemptible, non-interactive jobs, as borrowers on capacity nobody else wants now.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota
+from carpool.core.resources import JobClass
+
+
+class Standing(enum.Enum):
+    """How a job would start, as far as its project's limits go."""
+
+    IN_QUOTA = "InQuota"  # within the guarantee and the budget
+    BORROWING = "Borrowing"  # beyond the guarantee, on idle capacity, reclaimable
+    OVER_QUOTA = "OverQuota"  # beyond what the project may use concurrently
+    OVER_BUDGET = "OverBudget"  # the period's GPU-hours would run out
+
+    @property
+    def may_start(self) -> bool:
+        return self in (Standing.IN_QUOTA, Standing.BORROWING)
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Why a job cannot be billed to a project, or None in `binding_refusal`."""
+
+    unknown_project: bool
+    message: str
+
+
+def binding_refusal(job: Job, quotas: Mapping[str, ProjectQuota]) -> Binding | None:
+    """Refuse jobs naming a project that does not exist or does not bind their namespace."""
+    quota = quotas.get(job.project)
+    if quota is None:
+        return Binding(True, f"project {job.project!r} has no ProjectQuota")
+    if job.namespace not in quota.namespaces:
+        bound = sorted(q.name for q in quotas.values() if job.namespace in q.namespaces)
+        hint = (f"; namespace {job.namespace!r} bills to {', '.join(bound)}" if bound
+                else f"; namespace {job.namespace!r} is bound to no project")
+        return Binding(False, f"namespace {job.namespace!r} is not bound to project "
+                              f"{job.project!r}{hint}")
+    return None
+
+
+@dataclass
+class ProjectLedger:
+    """A project's concurrent use and budget commitment while a cycle adds jobs (local state)."""
+
+    quota: ProjectQuota
+    in_quota_gpus: float = 0.0
+    in_quota_memory_mib: int = 0
+    borrowed_gpus: float = 0.0
+    borrowed_memory_mib: int = 0
+    used_gpu_hours: float = 0.0  # this period, from records
+    reserved_gpu_hours: float = 0.0  # what holders may still use this period
+
+    @property
+    def total_gpus(self) -> float:
+        return self.in_quota_gpus + self.borrowed_gpus
+
+    @property
+    def total_memory_mib(self) -> int:
+        return self.in_quota_memory_mib + self.borrowed_memory_mib
+
+    @property
+    def committed_gpu_hours(self) -> float:
+        return self.used_gpu_hours + self.reserved_gpu_hours
+
+    def add(self, gpus: float, memory_mib: int, borrowed: bool, reserved_gpu_hours: float) -> None:
+        if borrowed:
+            self.borrowed_gpus += gpus
+            self.borrowed_memory_mib += memory_mib
+        else:
+            self.in_quota_gpus += gpus
+            self.in_quota_memory_mib += memory_mib
+        self.reserved_gpu_hours += reserved_gpu_hours
+
+
+def budget_reservation(fraction: float, now: float, started_at: float | None, limit_s: float,
+                       period_end: float) -> float:
+    """GPU-hours a job may still use before the period ends, if it runs to its limit."""
+    start = started_at if started_at is not None else now
+    until = min(start + limit_s, period_end)
+    return fraction * max(0.0, until - now) / 3600.0
+
+
+def may_borrow(job: Job, quota: ProjectQuota) -> bool:
+    return quota.borrowing and job.preemptible and job.job_class is not JobClass.INTERACTIVE
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}".rstrip("0").rstrip(".") if math.isfinite(x) else "unlimited"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    standing: Standing
+    message: str
+    budget_exhausted: bool = False  # started (if at all) only because of PreemptibleOnly
+
+    @property
+    def borrowed(self) -> bool:
+        return self.standing is Standing.BORROWING
+
+
+def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int, reservation: float
+          ) -> Verdict:
+    """Whether `job`, holding `gpus` GPU equivalents and `memory_mib`, may start now."""
+    quota = ledger.quota
+    g_gpus = quota.guaranteed_gpus if quota.guaranteed_gpus is not None else math.inf
+    g_mem = quota.guaranteed_memory_mib if quota.guaranteed_memory_mib is not None else math.inf
+    borrows_ok = may_borrow(job, quota)
+    if quota.borrowing:
+        limit = quota.borrow_limit_gpus if quota.borrow_limit_gpus is not None else math.inf
+        cap_gpus, cap_mem = g_gpus + limit, math.inf
+    else:
+        cap_gpus, cap_mem = g_gpus, g_mem
+    eps = 1e-9
+    within_cap = (ledger.total_gpus + gpus <= cap_gpus + eps
+                  and ledger.total_memory_mib + memory_mib <= cap_mem)
+    within_guarantee = (within_cap and ledger.in_quota_gpus + gpus <= g_gpus + eps
+                        and ledger.in_quota_memory_mib + memory_mib <= g_mem)
+
+    budget_ok = True
+    if quota.budget_gpu_hours is not None:
+        budget_ok = ledger.committed_gpu_hours + reservation <= quota.budget_gpu_hours + eps
+    if not budget_ok:
+        idle_ok = (quota.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY and job.preemptible
+                   and job.job_class is not JobClass.INTERACTIVE and within_cap)
+        budget = quota.budget_gpu_hours or 0.0
+        message = (f"project {quota.name} has used {_fmt(ledger.used_gpu_hours)} of "
+                   f"{_fmt(budget)} GPU-hours this period and its running jobs may use "
+                   f"{_fmt(ledger.reserved_gpu_hours)} more; this job may need "
+                   f"{_fmt(reservation)}")
+        if idle_ok:
+            return Verdict(Standing.BORROWING, message + "; runs preemptible on idle GPUs", True)
+        if quota.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY:
+            message += "; only preemptible, non-interactive jobs run once the budget is spent"
+        return Verdict(Standing.OVER_BUDGET, message)
+
+    if within_guarantee:
+        return Verdict(Standing.IN_QUOTA, f"within project {quota.name}'s guarantee")
+    usage = (f"project {quota.name} runs {_fmt(ledger.in_quota_gpus)} of {_fmt(g_gpus)} "
+             f"guaranteed GPUs and {ledger.in_quota_memory_mib // 1024} of "
+             f"{_fmt(g_mem / 1024)} GiB guaranteed memory (+{_fmt(ledger.borrowed_gpus)} "
+             f"borrowed); this job needs {_fmt(gpus)} GPUs and {memory_mib // 1024} GiB")
+    if borrows_ok and within_cap:
+        return Verdict(Standing.BORROWING, usage + "; borrows idle capacity (preemptible)")
+    if not quota.borrowing:
+        why = "borrowing is off for the project"
+    elif not job.preemptible:
+        why = "only preemptible jobs may borrow"
+    elif job.job_class is JobClass.INTERACTIVE:
+        why = "interactive jobs may not borrow"
+    else:
+        why = f"the borrow limit is {_fmt(cap_gpus - g_gpus)} GPUs"
+    return Verdict(Standing.OVER_QUOTA, f"{usage}; {why}")
