@@ -97,6 +97,8 @@ class Telemetry:
             unhealthy=state.health.unhealthy,
             datasets=cached_datasets(self.dataset_dir),
             pod_peaks=[PodPeak(ns, name, gpu, mib) for (ns, name, gpu), mib in self.peaks.items()],
+            shares_per_gpu=state.config.shares_per_gpu,
+            health_reasons={u: state.health.reason(u) for u in state.health.unhealthy},
         )
         now = self.monotonic()
         if not should_publish(self._last, self._last_at, status, now, self.thresholds):

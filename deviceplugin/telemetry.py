@@ -5,7 +5,7 @@ cluster; `should_publish` decides when a new status is worth a PATCH (rate limit
 
 Schema (camelCase, matching the GpuNode CRD's status):
     driverVersion: str, cudaVersion: str, sharingMode: "mps"|"mig"|"timeslice"|"exclusive",
-    datasets: [str], heartbeat: RFC 3339 str,
+    sharesPerGpu: int (when known), datasets: [str], heartbeat: RFC 3339 str,
     gpus: [{index, uuid, model, memoryTotalMiB, memoryUsedMiB, temperatureC,
             slowdownTemperatureC, powerW, utilizationPct, health: "Healthy"|"Unhealthy",
             migInstances: [{uuid, profile, slices, memoryMiB}]}],
@@ -39,8 +39,8 @@ def rfc3339(now: datetime) -> str:
     return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def gpu_status(gpu: GpuFacts, healthy: bool) -> dict[str, Any]:
-    return {
+def gpu_status(gpu: GpuFacts, healthy: bool, reason: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {
         "index": gpu.index,
         "uuid": gpu.uuid,
         "model": gpu.model,
@@ -56,6 +56,9 @@ def gpu_status(gpu: GpuFacts, healthy: bool) -> dict[str, Any]:
             for m in gpu.mig_instances
         ],
     }
+    if not healthy:
+        out["healthReason"] = reason or "the driver does not answer for this GPU"
+    return out
 
 
 def gpunode_status(
@@ -68,15 +71,19 @@ def gpunode_status(
     unhealthy: Collection[str] = frozenset(),
     datasets: Iterable[str] = (),
     pod_peaks: Iterable[PodPeak] = (),
+    shares_per_gpu: int | None = None,
+    health_reasons: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The full status object; `unhealthy` holds GPU UUIDs the health tracker has marked."""
-    return {
+    """The full status object; `unhealthy` holds GPU UUIDs the health tracker has marked,
+    `health_reasons` why (by UUID)."""
+    reasons = health_reasons or {}
+    status: dict[str, Any] = {
         "driverVersion": driver_version,
         "cudaVersion": cuda_version,
         "sharingMode": sharing_mode,
         "datasets": sorted(set(datasets)),
         "gpus": [
-            gpu_status(g, g.healthy and g.uuid not in unhealthy)
+            gpu_status(g, g.healthy and g.uuid not in unhealthy, reasons.get(g.uuid, ""))
             for g in sorted(gpus, key=lambda g: g.index)
         ],
         "pods": [
@@ -86,6 +93,9 @@ def gpunode_status(
         ],
         "heartbeat": rfc3339(now),
     }
+    if shares_per_gpu is not None:
+        status["sharesPerGpu"] = shares_per_gpu
+    return status
 
 
 def status_from_backend(
@@ -96,6 +106,7 @@ def status_from_backend(
     unhealthy: Collection[str] = frozenset(),
     datasets: Iterable[str] = (),
     pod_peaks: Iterable[PodPeak] = (),
+    shares_per_gpu: int | None = None,
 ) -> dict[str, Any]:
     """`gpunode_status` over a `GpuBackend`'s current readings."""
     return gpunode_status(
@@ -107,6 +118,7 @@ def status_from_backend(
         unhealthy=unhealthy,
         datasets=datasets,
         pod_peaks=pod_peaks,
+        shares_per_gpu=shares_per_gpu,
     )
 
 

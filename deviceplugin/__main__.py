@@ -1,0 +1,137 @@
+"""`python -m carpool.deviceplugin --node-name N --backend nvml|fake ...`: run the node agent.
+
+Serves the kubelet device plugin API (and keeps it registered across kubelet restarts), runs
+the MPS control daemon in MPS mode, watches GPU health, enforces time-sliced memory grants,
+publishes the node's GpuNode status and serves Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from carpool.deviceplugin.devices import SHARING_MODES
+from carpool.deviceplugin.plugin import DEFAULT_PLUGIN_DIR, ENDPOINT, PluginConfig
+
+log = logging.getLogger("carpool.deviceplugin")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m carpool.deviceplugin", description=__doc__)
+    p.add_argument("--node-name", default=os.environ.get("NODE_NAME", ""),
+                   help="this node's name (default: $NODE_NAME)")
+    p.add_argument("--backend", choices=("nvml", "fake"), default="nvml")
+    p.add_argument("--fake-spec", type=Path, help="fake backend: a YAML node spec")
+    p.add_argument("--openb-node-list", type=Path,
+                   help="fake backend: take this node's row from an openb node list CSV")
+    p.add_argument("--sharing-mode", choices=SHARING_MODES, default="mps")
+    p.add_argument("--shares-per-gpu", type=int, default=8,
+                   help="carpool.dev/gpu devices advertised per GPU (MPS/timeslice)")
+    p.add_argument("--plugin-dir", type=Path, default=Path(DEFAULT_PLUGIN_DIR))
+    p.add_argument("--endpoint", default=ENDPOINT, help="socket file name in --plugin-dir")
+    p.add_argument("--mps-pipe-dir", type=Path, default=Path("/run/carpool/mps/pipe"))
+    p.add_argument("--mps-log-dir", type=Path, default=Path("/run/carpool/mps/log"))
+    p.add_argument("--mps-shm-dir", default="",
+                   help="host tmpfs mounted as the clients' /dev/shm (empty: none)")
+    p.add_argument("--no-manage-mps", action="store_true",
+                   help="do not start the MPS control daemon (another container runs it)")
+    p.add_argument("--dataset-dir", type=Path,
+                   help="cache directory whose sub-folders are datasets")
+    p.add_argument("--metrics-port", type=int, default=9400, help="0 disables the endpoint")
+    p.add_argument("--publish-interval", type=float, default=30.0,
+                   help="GpuNode heartbeat, seconds (changes past thresholds go out sooner)")
+    p.add_argument("--health-interval", type=float, default=5.0)
+    p.add_argument("--recover-after", type=float, default=60.0,
+                   help="seconds without errors before a probed GPU is Healthy again")
+    p.add_argument("--watchdog-interval", type=float, default=5.0)
+    p.add_argument("--watchdog-strikes", type=int, default=3)
+    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"),
+                   help="default: in-cluster configuration")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if not args.node_name:
+        p.error("--node-name (or $NODE_NAME) is required")
+    if args.shares_per_gpu < 1:
+        p.error("--shares-per-gpu must be at least 1")
+    if args.backend == "fake" and not (args.fake_spec or args.openb_node_list):
+        p.error("--backend fake needs --fake-spec or --openb-node-list")
+    return args
+
+
+def make_backend(args: argparse.Namespace) -> Any:
+    if args.backend == "nvml":
+        from carpool.deviceplugin.backends.nvml import NvmlBackend
+        return NvmlBackend()
+    from carpool.deviceplugin.backends.fake import FakeBackend
+    if args.fake_spec:
+        return FakeBackend.from_yaml(args.fake_spec)
+    with args.openb_node_list.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("sn") == args.node_name:
+                return FakeBackend.from_openb_row(row)
+    raise SystemExit(f"node {args.node_name} is not in {args.openb_node_list}")
+
+
+async def run(args: argparse.Namespace) -> None:
+    from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step, run_every
+    from carpool.deviceplugin.health import HealthTracker
+    from carpool.deviceplugin.kube import KubernetesCluster, load_config
+    from carpool.deviceplugin.mps import MpsDaemon
+    from carpool.deviceplugin.plugin import PluginServer, PluginState
+    from carpool.deviceplugin.sharing import MpsSettings
+    from carpool.deviceplugin.telemetry import PublishThresholds
+    from prometheus_client import start_http_server
+
+    backend = make_backend(args)
+    mps = MpsDaemon(args.mps_pipe_dir, args.mps_log_dir)
+    if args.sharing_mode == "mps" and args.backend == "nvml" and not args.no_manage_mps:
+        await asyncio.to_thread(mps.start)
+        log.info("MPS control daemon answering on %s", args.mps_pipe_dir)
+    cluster = KubernetesCluster(load_config(args.kubeconfig), args.node_name)
+    config = PluginConfig(args.node_name, args.sharing_mode, args.shares_per_gpu,
+                          MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir))
+    state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
+    if args.metrics_port:
+        start_http_server(args.metrics_port, registry=state.metrics.registry)
+    server = PluginServer(state, args.plugin_dir, args.endpoint)
+    telemetry = Telemetry(state, cluster, args.dataset_dir,
+                          PublishThresholds(interval_s=args.publish_interval))
+    watchdog = Watchdog(state, cluster, telemetry, max_strikes=args.watchdog_strikes)
+    tasks = [
+        asyncio.create_task(server.supervise()),
+        asyncio.create_task(run_every(0.0, lambda: health_step(state, args.health_interval),
+                                      "health check")),
+        asyncio.create_task(run_every(min(5.0, args.publish_interval), telemetry.step,
+                                      "GpuNode status")),
+        asyncio.create_task(run_every(args.watchdog_interval, watchdog.step, "watchdog")),
+    ]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await server.close()
+        backend.close()
+        if args.sharing_mode == "mps" and args.backend == "nvml" and not args.no_manage_mps:
+            await asyncio.to_thread(mps.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
