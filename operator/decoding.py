@@ -1,0 +1,133 @@
+"""GpuJob and ProjectQuota objects (dicts from the API) into the core's dataclasses.
+
+Everything the API server's schema already guarantees is trusted; what it cannot check
+(quantities that parse, MIG profile names) raises ValueError with the field's path, which
+the operator shows as the job's Failed reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from carpool.operator.following import parse_time
+
+from carpool.core.durations import parse_duration
+from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RunRecord
+from carpool.core.quantities import quantity_mib
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+
+_MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
+
+
+def gpu_request_from_spec(spec: Mapping[str, Any]) -> GpuRequest:
+    """The GpuRequest of a GpuJob spec."""
+    gpu = spec.get("gpu") or {}
+    isolation = Isolation.parse(str(gpu.get("isolation", "mps")))
+    try:
+        memory_mib = quantity_mib(gpu.get("memory", 0))
+    except ValueError as err:
+        raise ValueError(f"spec.gpu.memory: {err}") from None
+    mig_slices = 0
+    if isolation is Isolation.MIG and gpu.get("migProfile"):
+        match = _MIG_PROFILE.match(str(gpu["migProfile"]))
+        if not match:
+            raise ValueError(f"spec.gpu.migProfile: want e.g. '1g.18gb', got {gpu['migProfile']!r}")
+        mig_slices = int(match.group(1))  # memory is matched by spec.gpu.memory, not the name
+    return GpuRequest(
+        count=int(gpu.get("count", 1)),
+        memory_mib=memory_mib,
+        cores_pct=int(gpu.get("cores", 0) or 0),
+        isolation=isolation,
+        models=frozenset(str(m) for m in gpu.get("models") or ()),
+        mig_slices=mig_slices,
+    )
+
+
+DEFAULT_ESTIMATE_S = {
+    JobClass.INTERACTIVE: 3600.0, JobClass.SHORT: 3600.0,
+    JobClass.LONG: 12 * 3600.0, JobClass.BATCH: 4 * 3600.0,
+}
+
+
+def _seconds(spec: Mapping[str, Any], path: str, default: float = 0.0) -> float:
+    node: Any = spec
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    if not node:
+        return default
+    try:
+        return parse_duration(str(node))
+    except ValueError as err:
+        raise ValueError(f"spec.{path}: {err}") from None
+
+
+def runs_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[RunRecord, ...]:
+    runs = []
+    for record in history:
+        start = parse_time(record.get("start"))
+        if start is None:
+            continue
+        end = parse_time(record.get("end"))
+        runs.append(RunRecord(attempt=int(record.get("attempt", 0)), start=start,
+                              end=max(end, start) if end is not None else None,
+                              fraction=float(record.get("fraction", 0.0)),
+                              node=str(record.get("node", ""))))
+    return tuple(runs)
+
+
+def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
+                    grants: tuple[GpuGrant, ...], node: str,
+                    history: Sequence[Mapping[str, Any]]) -> Job:
+    """A core Job from a GpuJob object and the state its pods show (see reconciling)."""
+    meta = obj["metadata"]
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    job_class = JobClass.parse(str(spec.get("class", "batch")))
+    submitted = parse_time(status.get("submitTime")) or parse_time(meta.get("creationTimestamp"))
+    return Job(
+        key=f"{meta['namespace']}/{meta['name']}",
+        project=str(spec.get("project", "")),
+        job_class=job_class,
+        request=gpu_request_from_spec(spec),
+        submitted_at=submitted or 0.0,
+        estimated_duration_s=_seconds(spec, "estimatedDuration",
+                                      DEFAULT_ESTIMATE_S[job_class]) or 1.0,
+        max_duration_s=_seconds(spec, "maxDuration"),
+        preemptible=bool(spec.get("preemptible", False)),
+        checkpoint_grace_s=_seconds(spec, "checkpoint.gracePeriod", 30.0),
+        min_runtime_s=_seconds(spec, "checkpoint.minRuntime"),
+        last_checkpoint_at=parse_time(status.get("lastCheckpointTime")),
+        phase=phase,
+        attempts=attempts,
+        node=node,
+        grants=grants,
+        borrowed=bool(status.get("borrowed", False)),
+        runs=runs_from_history(history),
+        peak_memory_mib=status.get("peakMemoryMiB"),
+    )
+
+
+def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
+    """A core ProjectQuota from a ProjectQuota object."""
+    meta = obj["metadata"]
+    spec = obj.get("spec") or {}
+    hours = spec.get("gpuHours") or {}
+    concurrent = spec.get("concurrent") or {}
+    borrowing = spec.get("borrowing") or {}
+    memory = concurrent.get("memory")
+    return ProjectQuota(
+        name=meta["name"],
+        namespaces=frozenset(spec.get("namespaces") or ()),
+        guaranteed_gpus=float(concurrent["gpus"]) if "gpus" in concurrent else None,
+        guaranteed_memory_mib=quantity_mib(memory) if memory is not None else None,
+        borrowing=bool(borrowing.get("enabled", False)),
+        borrow_limit_gpus=float(borrowing["maxGpus"]) if "maxGpus" in borrowing else None,
+        budget_gpu_hours=float(hours["budget"]) if "budget" in hours else None,
+        period_s=_seconds(spec, "gpuHours.period", 30 * 86400.0),
+        period_anchor=parse_time(hours.get("periodAnchor"))
+        or parse_time(meta.get("creationTimestamp")) or 0.0,
+        on_budget_exhausted=BudgetPolicy.parse(str(hours.get("onExhausted", "Hold"))),
+        weight=float(spec.get("weight", 1.0)),
+    )

@@ -1,0 +1,93 @@
+"""What a GpuJob's pods say about it: phase, node, GPUs, start and end times.
+
+Pure functions over Pod dicts. The operator derives a job's state from its pods on every
+pass rather than remembering events, so a restart (or a missed event) changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.core import names
+
+Obj = dict[str, Any]
+
+
+def parse_time(text: str | None) -> float | None:
+    """RFC 3339 to epoch seconds."""
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def format_time(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The facts of one job pod the operator acts on."""
+
+    name: str
+    namespace: str
+    attempt: int
+    phase: str  # Pending | Running | Succeeded | Failed
+    node: str
+    assignment: Obj | None
+    started: float | None
+    finished: float | None
+    deleting: bool
+    exit_reason: str
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+def attempt_of(pod_name: str) -> int:
+    tail = pod_name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def view_pod(pod: Obj) -> PodView:
+    meta = pod.get("metadata", {})
+    status = pod.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    assignment = None
+    if raw := annotations.get(names.ANN_ASSIGNMENT):
+        try:
+            parsed = json.loads(raw)
+            assignment = parsed if isinstance(parsed, dict) else None
+        except ValueError:
+            assignment = None
+    started = parse_time(status.get("startTime"))
+    finished = None
+    exit_reason = ""
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        if running := state.get("running"):
+            started = parse_time(running.get("startedAt")) or started
+        if term := state.get("terminated"):
+            started = parse_time(term.get("startedAt")) or started
+            end = parse_time(term.get("finishedAt"))
+            if end is not None:
+                finished = max(finished or end, end)
+            exit_reason = term.get("reason") or exit_reason
+    phase = status.get("phase") or "Pending"
+    if phase in ("Succeeded", "Failed") and finished is None:
+        finished = parse_time(meta.get("deletionTimestamp")) or started
+    return PodView(
+        name=meta.get("name", ""),
+        namespace=meta.get("namespace", ""),
+        attempt=attempt_of(meta.get("name", "")),
+        phase=phase,
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        assignment=assignment,
+        started=started if phase != "Pending" else None,
+        finished=finished,
+        deleting=bool(meta.get("deletionTimestamp")),
+        exit_reason=exit_reason or status.get("reason") or "",
+    )

@@ -1,0 +1,123 @@
+"""The operator's access to the API server: list, create, patch, delete, events.
+
+A thin port over the kubernetes client that speaks plain dicts (raw JSON, no model
+deserialization: listing thousands of GpuJobs stays fast). Every call is synchronous; the
+async shell runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from carpool.core import names
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, component: str = "carpool-operator"):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.events = client.EventsV1Api(api)
+        self.component = component
+
+    @staticmethod
+    def _items(response: Any) -> list[Obj]:
+        return list(json.loads(response.data)["items"])
+
+    def list_gpujobs(self) -> list[Obj]:
+        return self._items(self.custom.list_cluster_custom_object(
+            names.GROUP, names.VERSION, names.GPUJOB_PLURAL, _preload_content=False))
+
+    def list_quotas(self) -> list[Obj]:
+        return self._items(self.custom.list_cluster_custom_object(
+            names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, _preload_content=False))
+
+    def list_gpunodes(self) -> list[Obj]:
+        return self._items(self.custom.list_cluster_custom_object(
+            names.GROUP, names.VERSION, names.GPUNODE_PLURAL, _preload_content=False))
+
+    def list_nodes(self) -> list[Obj]:
+        return self._items(self.core.list_node(_preload_content=False))
+
+    def list_managed_pods(self) -> list[Obj]:
+        return self._items(self.core.list_pod_for_all_namespaces(
+            label_selector=f"{names.LABEL_MANAGED}=true", _preload_content=False))
+
+    def list_namespaces(self) -> list[Obj]:
+        return self._items(self.core.list_namespace(_preload_content=False))
+
+    def create_pod(self, pod: Obj) -> bool:
+        """Create the pod; False if it already exists (an earlier pass created it)."""
+        try:
+            self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod,
+                                            _preload_content=False)
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+        body = client.V1DeleteOptions(grace_period_seconds=grace_seconds)
+        try:
+            self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def patch_job_status(self, namespace: str, name: str, status: Obj) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name,
+                {"status": status}, _preload_content=False)
+        except ApiException as err:
+            if err.status != 404:  # deleted meanwhile: nothing to record
+                raise
+
+    def patch_quota_status(self, name: str, status: Obj) -> None:
+        try:
+            self.custom.patch_cluster_custom_object_status(
+                names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, name,
+                {"status": status}, _preload_content=False)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
+              action: str = "Reconcile") -> None:
+        """Record a Kubernetes Event on `regarding`; failures are logged, never raised."""
+        meta = regarding.get("metadata", {})
+        now = dt.datetime.now(dt.UTC)
+        namespace = meta.get("namespace") or "default"
+        body: Obj = {
+            "metadata": {"generateName": f"{meta.get('name', 'carpool')}.",
+                         "namespace": namespace},
+            "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "reportingController": f"{names.GROUP}/{self.component}",
+            "reportingInstance": self.component,
+            "action": action,
+            "reason": reason,
+            "note": note[:1024],
+            "type": type_,
+            "regarding": {
+                "apiVersion": regarding.get("apiVersion"),
+                "kind": regarding.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+            },
+        }
+        try:
+            self.events.create_namespaced_event(namespace, body,
+                                                _preload_content=False)
+        except Exception as err:
+            log.warning("event %s on %s not recorded: %s", reason, meta.get("name"), err)

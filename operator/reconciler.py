@@ -1,0 +1,310 @@
+"""One reconcile pass: list, derive each job's state from its pods, decide, act.
+
+The pass is the imperative shell around `carpool.core.queueing.admission_cycle`: it decodes
+the cluster into a `ClusterSnapshot`, asks the core, then carries out the decisions (create
+pods, delete victims, write statuses and Events). Everything is re-derived each pass, so a
+killed operator resumes exactly where the cluster is: a pod's deterministic name
+(`<job>-<attempt>`) makes a repeated admission fail with 409 instead of running twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from carpool.operator import metrics
+from carpool.operator.decoding import job_from_object, quota_from_object
+from carpool.operator.following import PodView, format_time, view_pod
+from carpool.operator.kube import Kube, Obj
+from carpool.operator.pods import build_pod, pod_name
+from carpool.operator.reconciling import observe
+
+from carpool.core import names
+from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota
+from carpool.core.placement import NodeState
+from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
+from carpool.core.resources import GpuGrant, NodeInventory, Phase
+
+log = logging.getLogger(__name__)
+ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less
+
+
+@dataclass
+class ReconcilerConfig:
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
+        return cls(AdmissionConfig(
+            fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
+            aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
+        ))
+
+
+def grants_from_assignment(assignment: Mapping[str, Any] | None) -> tuple[GpuGrant, ...]:
+    if not assignment:
+        return ()
+    return tuple(
+        GpuGrant(gpu_uuid=str(g.get("uuid", "")), memory_mib=int(g.get("memoryMiB", 0)),
+                 cores_pct=int(g.get("cores", 0)), exclusive=bool(g.get("exclusive", False)),
+                 mig_instance=str(g.get("migInstance", "")))
+        for g in assignment.get("gpus") or [])
+
+
+def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
+    out = []
+    for grant in grants:
+        gpu = inventory.gpu(grant.gpu_uuid) if inventory else None
+        entry: Obj = {"uuid": grant.gpu_uuid, "memoryMiB": grant.memory_mib,
+                      "cores": grant.cores_pct}
+        if gpu is not None:
+            entry.update(index=gpu.index, model=gpu.model)
+        out.append(entry)
+    return out
+
+
+def _job_key(obj: Obj) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+@dataclass
+class PassState:
+    """What one pass read and derived, before the core decides."""
+
+    objects: dict[str, Obj] = field(default_factory=dict)
+    jobs: list[Job] = field(default_factory=list)
+    phases: dict[str, Phase] = field(default_factory=dict)
+    patches: dict[str, Obj] = field(default_factory=dict)
+    inventories: dict[str, NodeInventory] = field(default_factory=dict)
+
+
+class Reconciler:
+    def __init__(self, api: Any, config: ReconcilerConfig):
+        self.kube = Kube(api)
+        self.config = config
+        self.last_result: CycleResult | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _inventories(self, now: float) -> dict[str, NodeInventory]:
+        labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
+                  for n in self.kube.list_nodes()}
+        out: dict[str, NodeInventory] = {}
+        for gn in self.kube.list_gpunodes():
+            name = gn["metadata"]["name"]
+            if name not in labels:
+                continue  # the Node is gone; its GpuNode is stale
+            try:
+                out[name] = inventory_from_gpunode(name, gn.get("status") or {}, labels[name])
+            except ValueError as err:
+                log.warning("ignoring GpuNode %s: %s", name, err)
+        return out
+
+    def read(self, now: float) -> PassState:
+        state = PassState(inventories=self._inventories(now))
+        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
+                  for g in inv.gpus}
+        pods: dict[str, list[PodView]] = {}
+        for pod in self.kube.list_managed_pods():
+            job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
+            if job_ref:
+                pods.setdefault(job_ref, []).append(view_pod(pod))
+        for obj in self.kube.list_gpujobs():
+            key = _job_key(obj)
+            state.objects[key] = obj
+            obs = observe(obj, pods.get(key, []), totals, now)
+            status = obj.get("status") or {}
+            patch = dict(obs.status)
+            if not status.get("submitTime"):
+                patch["submitTime"] = obj["metadata"].get("creationTimestamp")
+            if not status.get("phase"):
+                patch.setdefault("phase", Phase.QUEUED.value)
+            for type_, reason, note in obs.events:
+                self.kube.event(obj, reason, note, type_)
+            merged = {**status, **patch}
+            if obs.live_pod is not None and obs.live_pod.assignment:
+                grants = grants_from_assignment(obs.live_pod.assignment)
+                node = obs.live_pod.node or str(obs.live_pod.assignment.get("node", ""))
+            elif obs.phase.holds_gpus or (obs.phase is Phase.PREEMPTED and obs.live_pod):
+                grants = grants_from_assignment({"gpus": merged.get("gpus") or []})
+                node = str(merged.get("node") or "")
+            else:
+                grants, node = (), ""
+            try:
+                job = job_from_object(obj, obs.phase, obs.attempts, grants, node,
+                                      merged.get("history") or [])
+            except ValueError as err:
+                if not obs.phase.finished:
+                    patch.update(phase=Phase.FAILED.value, reason="InvalidSpec", message=str(err))
+                    self.kube.event(obj, "InvalidSpec", str(err), "Warning")
+                state.patches[key] = patch
+                continue
+            if job.holds_gpus and node not in state.inventories:
+                job = _detached(job)  # its node is gone: it holds nothing we can see
+            state.jobs.append(job)
+            state.phases[key] = obs.phase
+            if patch:
+                state.patches[key] = patch
+        return state
+
+    def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
+        quotas: dict[str, ProjectQuota] = {}
+        objects: dict[str, Obj] = {}
+        for obj in self.kube.list_quotas():
+            try:
+                quota = quota_from_object(obj)
+            except ValueError as err:
+                log.warning("ignoring ProjectQuota %s: %s", obj["metadata"]["name"], err)
+                continue
+            quotas[quota.name] = quota
+            objects[quota.name] = obj
+        return quotas, objects
+
+    # -- one pass --------------------------------------------------------------------------
+
+    def run_pass(self, now: float, still_leader: Callable[[], bool] = lambda: True) -> CycleResult:
+        started = time.monotonic()
+        state = self.read(now)
+        quotas, quota_objects = self.quotas()
+        nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
+        snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes)
+        result = admission_cycle(snapshot, self.config.admission)
+        if not still_leader():
+            log.info("lost leadership during the pass; not acting on it")
+            return result
+        self._apply(state, result, now)
+        self._write_quota_status(result, quota_objects)
+        self._flush(state)
+        self._record_metrics(state, result)
+        self.last_result = result
+        metrics.PASS_SECONDS.observe(time.monotonic() - started)
+        return result
+
+    # -- acting ----------------------------------------------------------------------------
+
+    def _apply(self, state: PassState, result: CycleResult, now: float) -> None:
+        jobs = {j.key: j for j in state.jobs}
+        for admission in result.admissions:
+            self._admit(state, jobs[admission.job_key], admission, now)
+        for preemption in result.preemptions:
+            victim = jobs[preemption.victim_key]
+            obj = state.objects[victim.key]
+            patch = state.patches.setdefault(victim.key, {})
+            patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
+                         reason=f"Preempted{preemption.cause.value.title().replace('_', '')}",
+                         message=preemption.message)
+            self.kube.event(obj, "Preempted", preemption.message, "Warning", "Preempt")
+            self.kube.event(state.objects[preemption.preemptor_key], "Preempting",
+                            f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
+            metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
+            self._flush_one(state, victim.key)  # record intent before the pod goes
+            self.kube.delete_pod(victim.namespace, _pod_name_of(victim),
+                                 max(0, math.ceil(preemption.grace_s)))
+        for expiry in result.expiries:
+            job = jobs[expiry.job_key]
+            obj = state.objects[job.key]
+            note = (f"ran {expiry.ran_s:.0f}s, over its maxDuration of "
+                    f"{expiry.max_duration_s:.0f}s; stopped")
+            history = [dict(r, end=r.get("end") or format_time(now),
+                            outcome=r.get("outcome") or "MaxDurationExceeded")
+                       for r in (state.patches.get(job.key, {}).get("history")
+                                 or (obj.get("status") or {}).get("history") or [])]
+            state.patches.setdefault(job.key, {}).update(
+                phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
+                completionTime=format_time(now), history=history)
+            self.kube.event(obj, "MaxDurationExceeded", note, "Warning", "Stop")
+            self._flush_one(state, job.key)
+            self.kube.delete_pod(job.namespace, _pod_name_of(job),
+                                 max(0, math.ceil(expiry.grace_s)))
+        for wait in result.waits:
+            obj = state.objects[wait.job_key]
+            status = obj.get("status") or {}
+            estimate = (format_time(round(wait.estimated_start / ESTIMATE_ROUNDING_S)
+                                    * ESTIMATE_ROUNDING_S)
+                        if wait.estimated_start is not None else None)
+            patch = state.patches.setdefault(wait.job_key, {})
+            fields = {"reason": wait.reason.value, "message": wait.message,
+                      "queuePosition": wait.position or None, "estimatedStart": estimate}
+            for key, value in fields.items():
+                if status.get(key) != value:
+                    patch[key] = value
+            if status.get("reason") != wait.reason.value:
+                self.kube.event(obj, wait.reason.value, wait.message,
+                                "Warning" if wait.reason.refused else "Normal", "Queue")
+
+    def _admit(self, state: PassState, job: Job, admission: Any, now: float) -> None:
+        obj = state.objects[job.key]
+        pod = build_pod(obj, job.request, admission.attempt)
+        created = self.kube.create_pod(pod)
+        inventory = state.inventories.get(admission.node)
+        patch = state.patches.setdefault(job.key, {})
+        patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
+                     node=admission.node, gpus=grants_to_status(admission.grants, inventory),
+                     borrowed=admission.borrowed, admitTime=format_time(now),
+                     podName=pod["metadata"]["name"], reason="Admitted",
+                     message=admission.message, queuePosition=None, estimatedStart=None,
+                     preemptingAttempt=None)
+        if created:
+            self.kube.event(obj, "Admitted", admission.message, "Normal", "Admit")
+            cls = job.job_class.label
+            metrics.ADMISSIONS.labels(job.project, cls).inc()
+            metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
+
+    def _flush_one(self, state: PassState, key: str) -> None:
+        patch = state.patches.pop(key, None)
+        if patch:
+            namespace, name = key.split("/", 1)
+            self.kube.patch_job_status(namespace, name, patch)
+
+    def _flush(self, state: PassState) -> None:
+        for key in list(state.patches):
+            self._flush_one(state, key)
+
+    def _write_quota_status(self, result: CycleResult, objects: Mapping[str, Obj]) -> None:
+        for project in result.projects:
+            obj = objects.get(project.project)
+            if obj is None:
+                continue
+            status: Obj = {
+                "usedGpuHours": round(project.used_gpu_hours, 4),
+                "remainingGpuHours": (round(project.remaining_gpu_hours, 4)
+                                      if project.remaining_gpu_hours is not None else None),
+                "periodStart": format_time(project.period_start),
+                "running": {"gpus": round(project.running_gpus, 4), "jobs": project.running_jobs},
+                "borrowed": {"gpus": round(project.borrowed_gpus, 4)},
+                "pending": project.pending_jobs,
+                "memoryEfficiency": (round(project.memory_efficiency, 4)
+                                     if project.memory_efficiency is not None else None),
+            }
+            current = obj.get("status") or {}
+            if any(current.get(k) != v for k, v in status.items()):
+                self.kube.patch_quota_status(project.project, status)
+
+    def _record_metrics(self, state: PassState, result: CycleResult) -> None:
+        lengths: dict[tuple[str, str], int] = {}
+        jobs = {j.key: j for j in state.jobs}
+        for wait in result.waits:
+            job = jobs[wait.job_key]
+            key = (job.project, job.job_class.label)
+            lengths[key] = lengths.get(key, 0) + 1
+        metrics.QUEUE_LENGTH.clear()
+        for (project_name, cls), count in lengths.items():
+            metrics.QUEUE_LENGTH.labels(project_name, cls).set(count)
+        for project in result.projects:
+            metrics.GPU_HOURS.labels(project.project).set(project.used_gpu_hours)
+            metrics.RUNNING_GPUS.labels(project.project).set(project.running_gpus)
+            if project.remaining_gpu_hours is not None:
+                metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
+
+
+def _pod_name_of(job: Job) -> str:
+    return pod_name(job.name, job.attempts)
+
+
+def _detached(job: Job) -> Job:
+    return replace(job, grants=(), node="")

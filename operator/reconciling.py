@@ -1,0 +1,163 @@
+"""A GpuJob's state derived from its pods, every pass (level-triggered, restart-safe).
+
+The pods are the truth about what runs: a job holds GPUs exactly while it has a live pod, and
+it is finished exactly when its current attempt's pod finished. The job's status keeps what
+pods cannot: how many attempts were made, which attempt is being preempted, and one usage
+record per attempt (start, end, GPU fraction) from which GPU-hours are recomputed, never added
+up incrementally, so a replayed pass cannot count twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from carpool.operator.following import PodView, format_time, parse_time
+
+from carpool.core.gpuhours import gpu_fraction, gpu_hours
+from carpool.core.resources import GpuGrant, Phase
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the pods say: the job's phase now and the status fields to write."""
+
+    phase: Phase
+    attempts: int
+    status: Obj
+    events: tuple[tuple[str, str, str], ...] = ()  # (type, reason, note)
+    live_pod: PodView | None = None
+
+
+def assignment_fraction(assignment: Mapping[str, Any] | None,
+                        memory_totals: Mapping[str, int]) -> float:
+    """GPUs held by an assignment, by the one GPU-hour definition (core.gpuhours)."""
+    if not assignment:
+        return 0.0
+    total = 0.0
+    for gpu in assignment.get("gpus") or []:
+        grant = GpuGrant(
+            gpu_uuid=str(gpu.get("uuid", "")),
+            memory_mib=int(gpu.get("memoryMiB", 0)),
+            cores_pct=int(gpu.get("cores", 0)),
+            exclusive=bool(gpu.get("exclusive", False)),
+            mig_instance=str(gpu.get("migInstance", "")),
+        )
+        total += gpu_fraction(grant, memory_totals.get(grant.gpu_uuid, 0),
+                              int(gpu.get("migSlices", 0)))
+    return total
+
+
+def history_gpu_hours(history: Iterable[Mapping[str, Any]], now: float,
+                      since: float = 0.0) -> float:
+    """GPU-hours of a job's usage records, the open one counted up to `now`, from `since`."""
+    total = 0.0
+    for record in history:
+        start = parse_time(record.get("start"))
+        if start is None:
+            continue
+        end = parse_time(record.get("end")) or now
+        total += gpu_hours(float(record.get("fraction", 0.0)), max(start, since), end)
+    return total
+
+
+def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
+            outcome: str | None) -> list[Obj]:
+    """History with the record of `pod`'s attempt opened, updated or closed."""
+    out = [dict(r) for r in history]
+    rec = next((r for r in out if r.get("attempt") == pod.attempt), None)
+    if rec is None:
+        if pod.started is None:
+            return out
+        rec = {"attempt": pod.attempt, "node": pod.node, "fraction": round(fraction, 6),
+               "start": format_time(pod.started)}
+        out.append(rec)
+    if outcome and not rec.get("end"):
+        rec["end"] = format_time(pod.finished or now)
+        rec["outcome"] = outcome
+    return out
+
+
+def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
+            now: float) -> Observation:
+    """Derive `job`'s phase and status from its pods (see the module docstring)."""
+    status: Obj = job.get("status") or {}
+    phase = Phase(status.get("phase", Phase.QUEUED.value))
+    pods = sorted(pods, key=lambda p: p.attempt)
+    attempts = max([int(status.get("attempts", 0))] + [p.attempt for p in pods])
+    history: list[Obj] = list(status.get("history") or [])
+    preempting = status.get("preemptingAttempt")
+    events: list[tuple[str, str, str]] = []
+    patch: Obj = {}
+
+    if phase.finished:
+        return Observation(phase, attempts, {})
+
+    current = next((p for p in pods if p.attempt == attempts), None)
+    if current is None:
+        if attempts == 0 or phase is Phase.QUEUED:
+            unchanged = attempts == int(status.get("attempts", 0))
+            return Observation(Phase.QUEUED, attempts, {} if unchanged else {"attempts": attempts})
+        # The pod of the current attempt is gone: preempted (we deleted it) or lost.
+        reason = "Preempted" if preempting == attempts else "PodLost"
+        history = [dict(r, end=r.get("end") or format_time(now), outcome=r.get("outcome") or reason)
+                   for r in history]
+        patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
+                 "preemptingAttempt": None, "node": None, "gpus": None,
+                 "reason": reason, "message": f"attempt {attempts} ended ({reason}); requeued"}
+        events.append(("Normal" if reason == "Preempted" else "Warning", "Requeued",
+                       f"attempt {attempts} ended ({reason}); back in the queue"))
+        return Observation(Phase.QUEUED, attempts, patch, tuple(events))
+
+    fraction = assignment_fraction(current.assignment, memory_totals)
+    gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
+            for g in (current.assignment or {}).get("gpus") or []]
+    if current.terminal and preempting != attempts:
+        outcome = current.phase
+        history = _record(history, current, fraction, now, outcome)
+        new_phase = Phase.SUCCEEDED if outcome == "Succeeded" else Phase.FAILED
+        patch = {"phase": new_phase.value, "attempts": attempts, "history": history,
+                 "completionTime": format_time(current.finished or now),
+                 "reason": outcome if outcome == "Succeeded" else (current.exit_reason or "Failed"),
+                 "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
+        if current.node:
+            patch["node"] = current.node
+        events.append(("Normal" if new_phase is Phase.SUCCEEDED else "Warning",
+                       new_phase.value, f"attempt {attempts} {outcome.lower()} on {current.node}"))
+        return Observation(new_phase, attempts, patch, tuple(events), current)
+
+    if current.deleting or preempting == attempts:
+        new_phase = Phase.PREEMPTED
+    elif current.phase == "Running":
+        new_phase = Phase.RUNNING
+    else:
+        new_phase = Phase.ADMITTED
+    history = _record(history, current, fraction, now, None)
+    patch = {"phase": new_phase.value, "attempts": attempts, "history": history}
+    if current.node:
+        patch["node"] = current.node
+    if gpus:
+        patch["gpus"] = gpus
+    if new_phase is Phase.RUNNING and not status.get("startTime") and current.started:
+        patch["startTime"] = format_time(current.started)
+    if new_phase is Phase.RUNNING and phase is not Phase.RUNNING:
+        patch.update(reason="Running", message=f"running on {current.node}")
+        events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
+                       f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
+    return Observation(new_phase, attempts, patch, tuple(events), current)
+
+
+@dataclass
+class StatusDiff:
+    """Collects only the status fields that change, so unchanged jobs cost no API call."""
+
+    current: Obj
+    changes: Obj = field(default_factory=dict)
+
+    def set(self, values: Mapping[str, Any]) -> None:
+        for key, value in values.items():
+            if self.current.get(key) != value:
+                self.changes[key] = value

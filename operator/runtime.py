@@ -1,0 +1,100 @@
+"""The operator's long-running parts: leader election, the reconcile loop, metrics.
+
+Started by kopf's startup handler; the loop runs a pass when poked by a watch event (batched:
+events arriving during a pass cause one more pass, not one each) or every resync period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from carpool.operator.leadership import LeaderElector, LeaseConfig
+from carpool.operator.reconciler import Reconciler, ReconcilerConfig
+from kubernetes import client, config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RuntimeConfig:
+    namespace: str = "default"
+    resync_seconds: float = 5.0
+    min_pass_interval: float = 0.2
+    metrics_port: int = 0  # 0: no metrics server
+
+
+def load_api_client(kubeconfig: str | None) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
+
+
+class OperatorRuntime:
+    def __init__(self, api: client.ApiClient, runtime: RuntimeConfig,
+                 reconciler_config: ReconcilerConfig, identity: str | None = None):
+        self.config = runtime
+        self.elector = LeaderElector(api, LeaseConfig(namespace=runtime.namespace), identity)
+        self.reconciler = Reconciler(api, reconciler_config)
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> OperatorRuntime:
+        api = load_api_client(env.get("CARPOOL_KUBECONFIG") or env.get("KUBECONFIG"))
+        runtime = RuntimeConfig(
+            namespace=env.get("CARPOOL_NAMESPACE", "default"),
+            resync_seconds=float(env.get("CARPOOL_RESYNC_SECONDS", "5")),
+            metrics_port=int(env.get("CARPOOL_METRICS_PORT", "0")),
+        )
+        return cls(api, runtime, ReconcilerConfig.from_environment(env),
+                   env.get("CARPOOL_IDENTITY"))
+
+    def start(self) -> None:
+        if self.config.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.config.metrics_port)
+        self._tasks = [asyncio.create_task(self.elector.run(self._stop)),
+                       asyncio.create_task(self._loop())]
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.resync_seconds)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            if not self.elector.is_leader():
+                continue
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self.reconciler.run_pass, time.time(),
+                                        self.elector.is_leader)
+            except Exception:
+                log.exception("reconcile pass failed; retrying")
+                await asyncio.sleep(1.0)
+            spent = time.monotonic() - started
+            if spent < self.config.min_pass_interval:
+                await asyncio.sleep(self.config.min_pass_interval - spent)
