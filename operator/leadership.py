@@ -13,6 +13,7 @@ import datetime as dt
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,10 @@ class LeaseConfig:
 
 
 class LeaderElector:
-    """Acquires and renews one Lease; `is_leader()` is true only while the lease is ours."""
+    """Acquires and renews one Lease; `is_leader()` is true only while the lease is ours.
+
+    `is_leader()` reads a monotonic clock only, so the reconcile thread may call it.
+    """
 
     def __init__(self, api: client.ApiClient, config: LeaseConfig,
                  identity: str | None = None):
@@ -48,7 +52,8 @@ class LeaderElector:
     def is_leader(self) -> bool:
         if self._renewed_at is None:
             return False
-        return asyncio.get_running_loop().time() - self._renewed_at < self.config.lease_seconds * 0.66
+        renew_deadline = self.config.lease_seconds * 0.66
+        return time.monotonic() - self._renewed_at < renew_deadline
 
     async def run(self, stop: asyncio.Event) -> None:
         """Try to acquire or renew every retry period until `stop` is set; then release."""
@@ -58,11 +63,10 @@ class LeaderElector:
             except Exception as err:  # API down: keep trying, leadership lapses by itself
                 log.warning("lease %s: %s", self.config.name, err)
                 held = False
-            loop_time = asyncio.get_running_loop().time()
             if held:
                 if self._renewed_at is None:
                     log.info("became leader as %s", self.identity)
-                self._renewed_at = loop_time
+                self._renewed_at = time.monotonic()
             elif self._renewed_at is not None and not self.is_leader():
                 log.info("lost leadership")
                 self._renewed_at = None
