@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from carpool.cli import nodes
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="carpool", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True)
+    nodes.register(commands)
     args = parser.parse_args(argv)
-    del args
-    return 0
+    # each command sets `run` (set_defaults) to a function of the parsed args returning the status
+    return int(args.run(args))
 
 
 if __name__ == "__main__":
