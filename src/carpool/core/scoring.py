@@ -1,0 +1,502 @@
+"""How good a node (and which GPUs on it) is for a pod: pure score terms and their combination.
+
+Every term is a pure function with values in [0, 1] (1 = best) and its formula in its docstring.
+The extender's prioritize and bind, the operator's admission hints and the placement benchmark
+all go through `Scorer.plan`, so the replayed numbers are the extender's.
+
+A node is reduced to a `NodeProfile` (hashable: free CPU and memory, and per usable GPU its
+model, idle compute in milli and free memory). Identical nodes share a profile, so a scorer
+memoises fragmentation and plans per profile; that is what makes replaying 10,000 pods over
+1,213 nodes take about a second in pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from carpool.core.placement import TEMPERATURE_MARGIN_C, NodeState
+from carpool.core.resources import Gpu, GpuRequest, Isolation
+from carpool.core.workload import MILLI_PER_GPU, Demand, TargetWorkload
+
+UNLIMITED = 1 << 62  # free CPU or memory on a node that does not report a limit
+FRAGMENTATION_SCALE_MILLI = 1000.0  # a change of one whole GPU moves the term by sigmoid(1)
+COOL_TEMPERATURE_C = 30.0  # at or below this a GPU counts as fully cool
+LOCALITY_SCALE_GIB_HOPS = 100.0  # moving 100 GiB one hop costs half the locality term
+MAX_MEMO_ENTRIES = 500_000  # a long-running extender clears its memo past this
+
+
+class GpuSlot(NamedTuple):
+    """One usable GPU as placement sees it."""
+
+    model: str
+    idle_milli: int  # compute left, in thousandths of the GPU
+    memory_free_mib: int
+
+
+class NodeProfile(NamedTuple):
+    """What scoring needs about a node; equal for nodes that are interchangeable."""
+
+    cpu_free_milli: int
+    memory_free_mib: int
+    cpu_total_milli: int  # 0: not constrained
+    gpus: tuple[GpuSlot, ...]  # usable GPUs, sorted
+
+    @property
+    def idle_milli(self) -> int:
+        return sum(s.idle_milli for s in self.gpus)
+
+
+class Strategy(enum.Enum):
+    """Binpack fills nodes that are already in use; spread prefers the emptiest nodes."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+    @classmethod
+    def parse(cls, text: str) -> Strategy:
+        try:
+            return cls(text.lower())
+        except ValueError:
+            raise ValueError(f"unknown strategy {text!r}; expected binpack or spread") from None
+
+
+@dataclass(frozen=True)
+class ScoringPolicy:
+    """Weights of the score terms (any non-negative numbers; the score divides by their sum).
+
+    `cpu_scale_milli` and `gpu_scale_milli` normalise leftovers in the packing term: the
+    largest node's CPU and GPU capacity (the openb cluster's are 128 cores and 8 GPUs).
+    """
+
+    fragmentation: float = 1.0
+    packing: float = 0.05
+    alignment: float = 0.0
+    temperature: float = 0.02
+    locality: float = 0.2
+    strategy: Strategy = Strategy.BINPACK
+    cpu_scale_milli: int = 128_000
+    gpu_scale_milli: int = 8 * MILLI_PER_GPU
+
+    def __post_init__(self) -> None:
+        weights = (self.fragmentation, self.packing, self.alignment, self.temperature,
+                   self.locality)
+        if any(w < 0 or math.isnan(w) for w in weights) or sum(weights) <= 0:
+            raise ValueError("score weights must be non-negative with a positive sum")
+        if self.cpu_scale_milli <= 0 or self.gpu_scale_milli <= 0:
+            raise ValueError("packing scales must be positive")
+
+    @property
+    def profile_weight(self) -> float:
+        """Total weight of the terms that depend on the node profile alone."""
+        return self.fragmentation + self.packing + self.alignment
+
+
+# Presets: the published baselines, reimplemented on the same terms, and Carpool's default.
+BEST_FIT = ScoringPolicy(fragmentation=0.0, packing=1.0, temperature=0.0, locality=0.0)
+DOT_PRODUCT = ScoringPolicy(fragmentation=0.0, packing=0.0, alignment=1.0, temperature=0.0,
+                            locality=0.0)
+FGD = ScoringPolicy(fragmentation=1.0, packing=0.0, temperature=0.0, locality=0.0)
+CARPOOL = ScoringPolicy()
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset a job reads: its size and the zones that hold a copy."""
+
+    name: str
+    size_gib: float
+    zones: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.size_gib < 0:
+            raise ValueError("dataset size must not be negative")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The best way to put one demand on one node: its score, GPU slots and the node after."""
+
+    score: float  # in [0, 1]
+    slots: tuple[GpuSlot, ...]  # the GPU slots taken (one per GPU of the demand)
+    after: NodeProfile
+    fragmentation_delta: float  # F(after) - F(before), milli-GPU
+
+
+# --- profiles -------------------------------------------------------------------------------
+
+
+def gpu_slot(gpu: Gpu, memory_free_mib: int, cores_free_pct: int) -> GpuSlot:
+    """A GPU's slot: idle = min(10 x free cores %, 1000 x free memory / total memory)."""
+    by_memory = (MILLI_PER_GPU * max(memory_free_mib, 0) // gpu.memory_total_mib
+                 if gpu.memory_total_mib > 0 else MILLI_PER_GPU)
+    idle = max(0, min(cores_free_pct * MILLI_PER_GPU // 100, by_memory))
+    return GpuSlot(gpu.model, idle, max(memory_free_mib, 0))
+
+
+def usable(gpu: Gpu) -> bool:
+    """Whether placement may use this GPU at all (healthy, not cordoned, not near slowdown)."""
+    return (gpu.healthy and not gpu.cordoned
+            and gpu.temperature_c < gpu.slowdown_temp_c - TEMPERATURE_MARGIN_C)
+
+
+def profile_of(node: NodeState) -> NodeProfile:
+    """The node's profile; GPUs held exclusively count as fully used."""
+    inv = node.inventory
+    slots = []
+    for free in node.free():
+        if not usable(free.gpu):
+            continue
+        if free.exclusive_taken:
+            slots.append(GpuSlot(free.gpu.model, 0, 0))
+        else:
+            slots.append(gpu_slot(free.gpu, free.memory_mib, free.cores_pct))
+    cpu_free = inv.cpu_milli - node.cpu_used_milli if inv.cpu_milli > 0 else UNLIMITED
+    memory_free = inv.memory_mib - node.memory_used_mib if inv.memory_mib > 0 else UNLIMITED
+    return NodeProfile(cpu_free, memory_free, inv.cpu_milli, tuple(sorted(slots)))
+
+
+def slot_fits(slot: GpuSlot, demand: Demand) -> bool:
+    return (slot.idle_milli >= demand.gpu_milli and slot.memory_free_mib >= demand.gpu_memory_mib
+            and demand.allows_model(slot.model))
+
+
+def host_fits(profile: NodeProfile, demand: Demand) -> bool:
+    return (profile.cpu_free_milli >= demand.cpu_milli
+            and profile.memory_free_mib >= demand.memory_mib)
+
+
+def fits(profile: NodeProfile, demand: Demand) -> bool:
+    """CPU and memory are hard limits; `gpu_count` GPUs must each fit one GPU's share."""
+    if not host_fits(profile, demand):
+        return False
+    if demand.gpu_count == 0:
+        return True
+    return sum(1 for s in profile.gpus if slot_fits(s, demand)) >= demand.gpu_count
+
+
+def take(profile: NodeProfile, demand: Demand, slots: Sequence[GpuSlot]) -> NodeProfile:
+    """The profile after `demand` takes `slots` (one per GPU); raises if a slot is missing."""
+    remaining = list(profile.gpus)
+    for slot in slots:
+        remaining.remove(slot)
+        remaining.append(GpuSlot(slot.model, slot.idle_milli - demand.gpu_milli,
+                                 slot.memory_free_mib - demand.gpu_memory_mib))
+    return NodeProfile(profile.cpu_free_milli - demand.cpu_milli,
+                       profile.memory_free_mib - demand.memory_mib,
+                       profile.cpu_total_milli, tuple(sorted(remaining)))
+
+
+# --- score terms (each pure, in [0, 1], 1 = best) --------------------------------------------
+
+
+def fragmentation(profile: NodeProfile, workload: TargetWorkload) -> float:
+    """F_n(M) = sum_m p_m F_n(m), in milli-GPU (FGD's fragmentation of node n for workload M).
+
+    F_n(m) = the node's whole idle GPU if m cannot fit (CPU, memory, model or not enough GPUs
+    that can each take m's share); otherwise sum of idle_g over the GPUs g that cannot take m.
+    """
+    slots = profile.gpus
+    idle_total = 0
+    for s in slots:
+        idle_total += s.idle_milli
+    if idle_total == 0:
+        return 0.0
+    cpu_free = profile.cpu_free_milli
+    memory_free = profile.memory_free_mib
+    distinct = _distinct_slots(slots)
+    compiled, weight_total = _compiled(workload)
+    # Integer arithmetic throughout: equal fragmentation must compare equal, or float noise
+    # (not the policy) decides between nodes that tie.
+    usable_sum = 0  # sum over fitting shapes of w_m x (idle on GPUs that can take m)
+    for count, need, need_memory, models, hosts in compiled:
+        usable_count = 0
+        usable_idle = 0
+        for (model, idle, memory), n in distinct:
+            if idle >= need and memory >= need_memory and (not models or model in models):
+                usable_count += n
+                usable_idle += n * idle
+        if usable_count < count or usable_idle == 0:
+            continue
+        w_fitting = 0
+        for cpu, memory_mib, w in hosts:
+            if cpu <= cpu_free and memory_mib <= memory_free:
+                w_fitting += w
+        usable_sum += w_fitting * usable_idle
+    return (weight_total * idle_total - usable_sum) / weight_total
+
+
+WEIGHT_RESOLUTION = 1 << 24  # probabilities become integer weights of this resolution
+_Compiled = tuple[tuple[int, int, int, frozenset[str], tuple[tuple[int, int, int], ...]], ...]
+_COMPILED: dict[int, tuple[TargetWorkload, _Compiled, int]] = {}
+
+
+def _compiled(workload: TargetWorkload) -> tuple[_Compiled, int]:
+    """The workload's shapes grouped by their GPU part (count, share, memory, models), with
+    integer weights, and the weights' total."""
+    entry = _COMPILED.get(id(workload))
+    if entry is None or entry[0] is not workload:
+        groups: dict[tuple[int, int, int, frozenset[str]], list[tuple[int, int, int]]] = {}
+        total = 0
+        for demand, p in workload.shapes:
+            key = (demand.gpu_count, demand.gpu_milli, demand.gpu_memory_mib, demand.models)
+            weight = max(1, round(p * WEIGHT_RESOLUTION))
+            total += weight
+            groups.setdefault(key, []).append((demand.cpu_milli, demand.memory_mib, weight))
+        compiled = tuple((*key, tuple(hosts)) for key, hosts in groups.items())
+        if len(_COMPILED) > 64:
+            _COMPILED.clear()
+        entry = _COMPILED[id(workload)] = (workload, compiled, max(total, 1))
+    return entry[1], entry[2]
+
+
+def _distinct_slots(slots: tuple[GpuSlot, ...]) -> list[tuple[GpuSlot, int]]:
+    """Sorted slots as (slot, multiplicity) runs."""
+    runs: list[tuple[GpuSlot, int]] = []
+    for slot in slots:
+        if runs and runs[-1][0] == slot:
+            runs[-1] = (slot, runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
+
+
+def fragmentation_term(delta_milli: float, scale: float = FRAGMENTATION_SCALE_MILLI) -> float:
+    """sigmoid(-dF / scale) = 1 / (1 + exp(dF / scale)); dF = F(after) - F(before).
+
+    0.5 when placing leaves fragmentation unchanged; above when it fills fragmented GPUs.
+    FGD's own node score is the same sigmoid, rounded to an integer 0..100; unrounded here.
+    """
+    x = delta_milli / scale
+    if x > 700:
+        return 0.0
+    return 1.0 / (1.0 + math.exp(x))
+
+
+def packing_term(after: NodeProfile, cpu_scale_milli: int, gpu_scale_milli: int) -> float:
+    """Best fit: 1 - [0.5 cpu_left / cpu_scale + 0.5 gpu_left / gpu_scale], clamped to [0, 1].
+
+    cpu_left and gpu_left are what the node has free after the placement (gpu in milli).
+    A node without a CPU limit contributes no CPU part.
+    """
+    cpu_left = after.cpu_free_milli if after.cpu_total_milli > 0 else 0
+    value = 1.0 - 0.5 * cpu_left / cpu_scale_milli - 0.5 * after.idle_milli / gpu_scale_milli
+    return min(1.0, max(0.0, value))
+
+
+def alignment_term(before: NodeProfile, demand: Demand) -> float:
+    """Tetris' dot product, lower is better: 1 - (r_cpu f_cpu + r_gpu f_gpu) / 2.
+
+    r = demand / node capacity and f = free / node capacity, per resource (GPU capacity is
+    1000 per usable GPU); both in [0, 1].
+    """
+    gpu_capacity = MILLI_PER_GPU * len(before.gpus)
+    dot = 0.0
+    if before.cpu_total_milli > 0:
+        dot += (min(demand.cpu_milli, before.cpu_total_milli) / before.cpu_total_milli
+                * min(before.cpu_free_milli, before.cpu_total_milli) / before.cpu_total_milli)
+    if gpu_capacity > 0:
+        dot += (min(demand.gpu_total_milli, gpu_capacity) / gpu_capacity
+                * min(before.idle_milli, gpu_capacity) / gpu_capacity)
+    return 1.0 - dot / 2.0
+
+
+def temperature_term(temperature_c: float, slowdown_c: float,
+                     cool_c: float = COOL_TEMPERATURE_C) -> float:
+    """Prefer cool GPUs (hot ones throttle): (slowdown - t) / (slowdown - cool), clamped.
+
+    1 at or below `cool_c`, 0 at the GPU's slowdown temperature.
+    """
+    if slowdown_c <= cool_c:
+        return 1.0 if temperature_c <= cool_c else 0.0
+    return min(1.0, max(0.0, (slowdown_c - temperature_c) / (slowdown_c - cool_c)))
+
+
+def zone_hops(zone: str, dataset_zones: Iterable[str]) -> int:
+    """Distance to the nearest copy: 1 same zone, 2 same region (zone minus its last '-part'),
+    3 elsewhere or unknown."""
+    best = 3
+    region = zone.rsplit("-", 1)[0] if zone else ""
+    for other in dataset_zones:
+        if zone and other == zone:
+            return 1
+        if region and other.rsplit("-", 1)[0] == region:
+            best = 2
+    return best
+
+
+def locality_term(cached: bool, size_gib: float, hops: int,
+                  scale: float = LOCALITY_SCALE_GIB_HOPS) -> float:
+    """1 if the dataset is cached on the node, else 1 / (1 + size_gib x hops / scale).
+
+    The cost of fetching grows with the data moved and the distance it travels.
+    """
+    if cached:
+        return 1.0
+    return 1.0 / (1.0 + max(size_gib, 0.0) * max(hops, 0) / scale)
+
+
+def combine(weights_and_terms: Iterable[tuple[float, float]]) -> float:
+    """sum w_i t_i / sum w_i over the terms with positive weight (0 if none)."""
+    num = 0.0
+    den = 0.0
+    for weight, term in weights_and_terms:
+        if weight > 0:
+            num += weight * term
+            den += weight
+    return num / den if den > 0 else 0.0
+
+
+# --- planning -------------------------------------------------------------------------------
+
+
+class Scorer:
+    """A policy plus a target workload, with memos keyed by profile (safe to share; pure)."""
+
+    def __init__(self, policy: ScoringPolicy = CARPOOL,
+                 workload: TargetWorkload | None = None) -> None:
+        self.policy = policy
+        self.workload = workload if workload is not None else TargetWorkload()
+        self._fragmentation: dict[NodeProfile, float] = {}
+        self._plans: dict[tuple[NodeProfile, Demand], Plan | None] = {}
+
+    def fragmentation(self, profile: NodeProfile) -> float:
+        """Memoised `fragmentation(profile, workload)`."""
+        value = self._fragmentation.get(profile)
+        if value is None:
+            if len(self._fragmentation) > MAX_MEMO_ENTRIES:
+                self._fragmentation.clear()
+            value = self._fragmentation[profile] = fragmentation(profile, self.workload)
+        return value
+
+    def profile_score(self, before: NodeProfile, after: NodeProfile, demand: Demand,
+                      delta: float) -> float:
+        """The policy's profile terms combined (fragmentation, packing, alignment), in [0, 1]."""
+        policy = self.policy
+        packing = 0.0
+        if policy.packing > 0:
+            packing = packing_term(after, policy.cpu_scale_milli, policy.gpu_scale_milli)
+            if policy.strategy is Strategy.SPREAD:
+                packing = 1.0 - packing
+        return combine((
+            (policy.fragmentation, fragmentation_term(delta) if policy.fragmentation > 0 else 0),
+            (policy.packing, packing),
+            (policy.alignment, alignment_term(before, demand) if policy.alignment > 0 else 0),
+        ))
+
+    def plan(self, profile: NodeProfile, demand: Demand) -> Plan | None:
+        """Best GPU slots for `demand` on a node with this profile, or None if it cannot fit.
+
+        GPUs are chosen one at a time by the same score as nodes; ties go to the GPU with the
+        least idle compute (tightest fit), then the least free memory.
+        """
+        key = (profile, demand)
+        try:
+            return self._plans[key]
+        except KeyError:
+            pass
+        if len(self._plans) > MAX_MEMO_ENTRIES:
+            self._plans.clear()
+        result = self._plans[key] = self.plan_uncached(profile, demand)
+        return result
+
+    def plan_uncached(self, profile: NodeProfile, demand: Demand) -> Plan | None:
+        """`plan` without its memo, for callers that memoise by their own keys."""
+        return self._plan(profile, demand) if fits(profile, demand) else None
+
+    def _plan(self, profile: NodeProfile, demand: Demand) -> Plan:
+        use_fragmentation = self.policy.fragmentation > 0
+        before_f = self.fragmentation(profile) if use_fragmentation else 0.0
+        if demand.gpu_count == 0:
+            after = take(profile, demand, ())
+            delta = self.fragmentation(after) - before_f if use_fragmentation else 0.0
+            return Plan(self.profile_score(profile, after, demand, delta), (), after, delta)
+        current = profile
+        chosen: list[GpuSlot] = []
+        best: tuple[float, int, int] = (0.0, 0, 0)
+        best_after = profile
+        best_delta = 0.0
+        for _ in range(demand.gpu_count):
+            candidates = sorted({s for s in current.gpus if slot_fits(s, demand)})
+            best_slot: GpuSlot | None = None
+            for slot in candidates:
+                after = take(current, demand, (slot,))
+                delta = self.fragmentation(after) - before_f if use_fragmentation else 0.0
+                score = self.profile_score(profile, after, demand, delta)
+                rank = (score, -slot.idle_milli, -slot.memory_free_mib)
+                if best_slot is None or rank > best:
+                    best, best_slot, best_after, best_delta = rank, slot, after, delta
+            if best_slot is None:  # fits() said enough GPUs fit; unreachable
+                raise AssertionError("no GPU fits a demand that fits")
+            chosen.append(best_slot)
+            current = best_after
+        return Plan(best[0], tuple(chosen), best_after, best_delta)
+
+
+# --- the extender's entry points ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeScore:
+    """A node's score for one pod and the GPUs it would use (indices on the node)."""
+
+    score: float  # in [0, 1]
+    gpu_indices: tuple[int, ...]
+    plan: Plan = field(repr=False)
+
+
+def _gpus_for(node: NodeState, request: GpuRequest, plan: Plan) -> tuple[int, ...]:
+    """Concrete GPU indices for the plan's slots: among equal slots the coolest, then lowest."""
+    candidates: list[tuple[GpuSlot, float, int]] = []
+    for free in node.free():
+        if not usable(free.gpu) or free.exclusive_taken:
+            continue
+        if request.isolation is Isolation.EXCLUSIVE and free.grants:
+            continue
+        slot = gpu_slot(free.gpu, free.memory_mib, free.cores_pct)
+        candidates.append((slot, free.gpu.temperature_c, free.gpu.index))
+    candidates.sort(key=lambda c: (c[1], c[2]))
+    chosen: list[int] = []
+    for slot in plan.slots:
+        match = next((c for c in candidates if c[0] == slot and c[2] not in chosen), None)
+        if match is None:
+            raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
+        chosen.append(match[2])
+    return tuple(chosen)
+
+
+def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = None, *,
+               cpu_milli: int = 0, memory_mib: int = 0,
+               dataset: Dataset | None = None) -> NodeScore | None:
+    """The node's score in [0, 1] for `request` and the GPUs it would use; None if it cannot.
+
+    score = combine(profile terms from `Scorer.plan`, temperature of the chosen GPUs,
+    data locality) with the scorer's policy weights. Callers filter with `node_rejection`
+    first; this only ranks. Multiply by 10 for the extender's 0..10 priorities.
+    """
+    scorer = scorer if scorer is not None else Scorer()
+    policy = scorer.policy
+    profile = profile_of(node)
+    demand = Demand.from_request(request, cpu_milli=cpu_milli, memory_mib=memory_mib)
+    plan = scorer.plan(profile, demand)
+    if plan is None:
+        return None
+    indices = _gpus_for(node, request, plan)
+    by_index = {g.index: g for g in node.inventory.gpus}
+    temperature = (sum(temperature_term(by_index[i].temperature_c, by_index[i].slowdown_temp_c)
+                       for i in indices) / len(indices)) if indices else 1.0
+    locality = 1.0
+    if dataset is not None:
+        locality = locality_term(dataset.name in node.inventory.datasets, dataset.size_gib,
+                                 zone_hops(node.inventory.zone, dataset.zones))
+    score = combine(((policy.profile_weight, plan.score), (policy.temperature, temperature),
+                     (policy.locality, locality)))
+    return NodeScore(score, indices, plan)
+
+
+def extender_priority(score: float) -> int:
+    """A [0, 1] score on the extender API's 0..10 integer scale."""
+    return max(0, min(10, round(10 * score)))
