@@ -48,7 +48,8 @@ e2e: dev binaries ## Long end-to-end runs (real kubelet node, load and faults)
 cluster: dev binaries ## Start the local cluster (real control plane, KWOK nodes, Carpool scheduler)
 	@$(PY) -m carpool.devcluster up
 
-cluster-down: dev ## Stop the local cluster
+cluster-down: dev ## Stop the local cluster (and the demo's operator and extender)
+	@$(PY) -m carpool.stack down
 	@$(PY) -m carpool.devcluster down
 
 demo: dev binaries ## Bring up Carpool on the local cluster with simulated GPU nodes and show it working

@@ -1,0 +1,204 @@
+"""`make demo`: Carpool on a local cluster with simulated GPU nodes, start to finish.
+
+Brings up the cluster (building Kubernetes once), starts the extender and the operator, creates
+simulated GPU nodes of mixed models and temperatures and two projects with quotas, then submits
+interactive, short, long and batch jobs and narrates what happens: queueing with reasons and
+estimated starts, a preemption of borrowed work, placement on exact GPUs, and at the end the
+GPU-hours report. Simulated jobs last seconds, so the whole story takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from carpool import devcluster, simnodes, stack
+from carpool.core import names
+
+NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
+    {"name": "h200-a", "zone": "zone-a", "sharing": "mps", "datasets": ["imagenet"],
+     "gpus": [{"model": "H200", "count": 3, "temperatureC": 45},
+              {"model": "H200", "count": 1, "temperatureC": 86}]},  # hot: near slowdown
+    {"name": "a100-b", "zone": "zone-b", "sharing": "mps", "datasets": ["c4"],
+     "gpus": [{"model": "A100", "count": 4, "temperatureC": 52}]},
+    {"name": "t4-c", "zone": "zone-c", "sharing": "timeslice",
+     "gpus": [{"model": "T4", "count": 2, "temperatureC": 60}]},
+]}
+
+QUOTAS = [
+    {"name": "vision", "namespaces": ["vision"], "concurrent": {"gpus": 6, "memory": "600Gi"},
+     "gpuHours": {"budget": 500, "period": "7d"}, "borrowing": {"enabled": True}, "weight": 2},
+    {"name": "nlp", "namespaces": ["nlp"], "concurrent": {"gpus": 2},
+     "gpuHours": {"budget": 200, "period": "7d", "onExhausted": "PreemptibleOnly"},
+     "borrowing": {"enabled": True}, "weight": 1},
+]
+
+
+def gpujob(name: str, namespace: str, job_class: str, gpu: dict[str, Any], seconds: int,
+           preemptible: bool = False, dataset: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "project": namespace, "class": job_class, "gpu": gpu,
+        "estimatedDuration": f"{seconds}s", "simulatedDuration": f"{seconds}s",
+        "preemptible": preemptible,
+        "template": {"spec": {"containers": [{"name": "main", "image": "lab/trainer:1.0"}]}},
+    }
+    if preemptible:
+        spec["checkpoint"] = {"gracePeriod": "5s"}
+    if dataset:
+        spec["dataset"] = {"name": dataset, "size": "150Gi"}
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+
+
+EXCLUSIVE = {"count": 1, "isolation": "exclusive"}
+
+NLP_BATCH = [gpujob(f"pretrain-shard-{i}", "nlp", "batch", EXCLUSIVE, 150, preemptible=True)
+             for i in range(6)]
+VISION_JOBS = [
+    gpujob("notebook", "vision", "interactive", EXCLUSIVE, 40),
+    gpujob("finetune-a", "vision", "short",
+           {"count": 1, "memory": "24Gi", "cores": 50, "isolation": "mps"}, 30, dataset="imagenet"),
+    gpujob("finetune-b", "vision", "short",
+           {"count": 1, "memory": "24Gi", "cores": 50, "isolation": "mps"}, 30, dataset="imagenet"),
+    gpujob("detector-long", "vision", "long",
+           {"count": 4, "isolation": "exclusive", "models": ["H200", "A100"]}, 60),
+    gpujob("sweep-0", "vision", "batch",
+           {"count": 1, "memory": "10Gi", "cores": 25, "isolation": "mps"}, 20),
+    gpujob("sweep-1", "vision", "batch",
+           {"count": 1, "memory": "10Gi", "cores": 25, "isolation": "mps"}, 20),
+]
+
+
+class Narrator:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def say(self, text: str) -> None:
+        print(f"\n[{time.monotonic() - self.started:6.1f}s] {text}", flush=True)
+
+
+def _jobs(cluster: devcluster.Cluster) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", "gpujobs", "-A", "-o", "json").stdout
+    return list(json.loads(out)["items"])
+
+
+def _show(cluster: devcluster.Cluster) -> None:
+    print(cluster.kubectl("get", "gpujobs", "-A", "-o", "wide").stdout, flush=True)
+
+
+def _wait(until: Callable[[], bool], timeout: float, interval: float = 1.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if until():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def _phase_counts(jobs: Sequence[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for job in jobs:
+        phase = (job.get("status") or {}).get("phase", "New")
+        counts[phase] = counts.get(phase, 0) + 1
+    return counts
+
+
+def _report(cluster: devcluster.Cluster) -> str:
+    from carpool.reporting import gpu_hours_report, render_report
+
+    quotas = json.loads(cluster.kubectl("get", "projectquotas", "-o", "json").stdout)["items"]
+    return render_report(gpu_hours_report(_jobs(cluster), quotas, since=None, now=time.time()))
+
+
+def run(log_dir: Path) -> int:
+    say = Narrator().say
+    progress = devcluster.Progress(sys.stdout)
+    cluster = devcluster.up(progress=progress)
+    say("Starting Carpool: CRDs, the scheduler extender and the operator")
+    processes = stack.start_detached(cluster, log_dir)
+    print(f"    extender pid {processes['extender']}, operator pid {processes['operator']}; "
+          f"logs in {log_dir}")
+    api = cluster.api()
+
+    say("Creating simulated GPU nodes (KWOK): H200s (one running hot), A100s, T4s")
+    nodes = simnodes.parse_nodes(NODES)
+    simnodes.apply_nodes(api, nodes)
+    print(simnodes.summary(nodes))
+
+    say("Two projects: vision (6 GPUs guaranteed, weight 2) and nlp (2 GPUs, may borrow)")
+    for ns in ("vision", "nlp"):
+        cluster.kubectl("create", "namespace", ns, check=False)
+    quotas = [{"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+               "metadata": {"name": q["name"]}, "spec": {k: v for k, v in q.items() if k != "name"}}
+              for q in QUOTAS]
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(quotas))
+    # A rerun starts from a clean queue.
+    cluster.kubectl("delete", "gpujobs", "--all", "-n", "vision", "--wait=true", check=False)
+    cluster.kubectl("delete", "gpujobs", "--all", "-n", "nlp", "--wait=true", check=False)
+
+    say("nlp submits 6 preemptible batch shards, one whole GPU each: 2 in its guarantee, "
+        "4 borrowed from idle GPUs")
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(NLP_BATCH))
+    _wait(lambda: _phase_counts(_jobs(cluster)).get("Running", 0) >= 6, 60)
+    _show(cluster)
+
+    say("vision submits an interactive notebook, two short fine-tunes, a 4-GPU long job and "
+        "two batch sweeps. vision is within its guarantee, so borrowed nlp shards get "
+        "preempted (5s checkpoint grace) and requeued")
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(VISION_JOBS))
+    time.sleep(8)
+    _show(cluster)
+    preempted = [j["metadata"]["name"] for j in _jobs(cluster)
+                 if int((j.get("status") or {}).get("attempts", 0)) > 1
+                 or (j.get("status") or {}).get("phase") == "Preempted"]
+    print(f"    preempted so far: {', '.join(preempted) or 'none yet'}")
+
+    say("Waiting jobs say why they wait and when they will start (status.reason, "
+        "status.estimatedStart):")
+    for job in _jobs(cluster):
+        status = job.get("status") or {}
+        if status.get("phase") in ("Queued", "Preempted"):
+            print(f"    {job['metadata']['namespace']}/{job['metadata']['name']}: "
+                  f"{status.get('reason')} — {status.get('message')}")
+
+    say("Letting the queue drain (simulated jobs last 20-150 s)...")
+    done = _wait(lambda: all((j.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                             for j in _jobs(cluster)), 420, 5)
+    _show(cluster)
+    if not done:
+        print("    (some jobs are still running; the report counts them up to now)")
+
+    say("GPU-hours by project (`kubectl carpool report`):")
+    print(_report(cluster))
+
+    kubeconfig = cluster.kubeconfig
+    print(f"""
+Explore:
+  export KUBECONFIG={kubeconfig}
+  {cluster.bin_dir}/kubectl get gpujobs -A           # queue, phases, nodes, estimated starts
+  {cluster.bin_dir}/kubectl describe gpujob -n vision detector-long
+  .venv/bin/kubectl-carpool queue | quota | nodes | why -n nlp pretrain-shard-0
+  {cluster.bin_dir}/kubectl apply -f examples/gpujobs.yaml
+Stop:
+  make cluster-down      # stops the operator, the extender and the cluster
+""")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m carpool.demo", description=__doc__)
+    parser.add_argument("--log-dir", type=Path,
+                        default=devcluster.cache_dir() / "demo-logs")
+    args = parser.parse_args(argv)
+    return run(args.log_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

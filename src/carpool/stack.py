@@ -1,0 +1,109 @@
+"""Carpool's own processes on the local cluster: the operator and the extender.
+
+Used by the demo and the integration tests; on a real cluster the Helm chart runs them. The
+operator starts as users would start it, `kopf run -m carpool.operator.handlers`, with
+PYTHONSAFEPATH so the repo root (and its `operator/` folder) never lands on sys.path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from carpool import crds, devcluster
+
+
+def start_operator(kubeconfig: Path, log_path: Path, env: Mapping[str, str] | None = None,
+                   identity: str = "") -> subprocess.Popen[bytes]:
+    """Spawn the operator (kopf, all namespaces, no kopf peering: we elect with a Lease)."""
+    environment = dict(os.environ, PYTHONSAFEPATH="1", KUBECONFIG=str(kubeconfig),
+                       CARPOOL_KUBECONFIG=str(kubeconfig), **(env or {}))
+    if identity:
+        environment["CARPOOL_IDENTITY"] = identity
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
+             "--log-format=plain", "-m", "carpool.operator.handlers"],
+            env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def running_stack(cluster: devcluster.Cluster, log_dir: Path,
+                  operator_env: Mapping[str, str] | None = None
+                  ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """CRDs applied, the extender on the scheduler's port and one operator, for the block."""
+    crds.apply_crds(cluster.api())
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+    paths = devcluster.ClusterPaths.for_name(cluster.name)
+    devcluster.stop_extender(paths)  # one left by `make cluster` would hold the port
+    deadline = time.monotonic() + 10
+    while devcluster.port_open(cluster.extender_port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        processes["extender"] = devcluster.start_extender(
+            cluster.kubeconfig, cluster.extender_port, log_dir / "extender.log")
+        processes["operator"] = start_operator(cluster.kubeconfig, log_dir / "operator.log",
+                                               operator_env)
+        yield processes
+    finally:
+        for process in processes.values():
+            devcluster.stop_process(process)
+
+
+def _operator_pid_file(cluster_name: str) -> Path:
+    return devcluster.ClusterPaths.for_name(cluster_name).workdir / "carpool-operator.pid"
+
+
+def _alive(pid_file: Path, marker: bytes) -> int | None:
+    try:
+        pid = int(pid_file.read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    return pid if marker in cmdline else None
+
+
+def start_detached(cluster: devcluster.Cluster, log_dir: Path) -> dict[str, int]:
+    """CRDs, extender and operator left running after this process exits (for `make demo`);
+    `stop_detached` (run by `make cluster-down`) ends them."""
+    crds.apply_crds(cluster.api())
+    paths = devcluster.ClusterPaths.for_name(cluster.name)
+    stop_detached(cluster.name)
+    extender = devcluster.start_extender(cluster.kubeconfig, cluster.extender_port,
+                                         log_dir / "extender.log")
+    paths.extender_pid.parent.mkdir(parents=True, exist_ok=True)
+    paths.extender_pid.write_text(str(extender.pid))
+    operator = start_operator(cluster.kubeconfig, log_dir / "operator.log",
+                              {"CARPOOL_RESYNC_SECONDS": "2"})
+    _operator_pid_file(cluster.name).write_text(str(operator.pid))
+    return {"extender": extender.pid, "operator": operator.pid}
+
+
+def stop_detached(cluster_name: str | None = None) -> None:
+    name = cluster_name or devcluster.cluster_name()
+    devcluster.stop_extender(devcluster.ClusterPaths.for_name(name))
+    pid_file = _operator_pid_file(name)
+    pid = _alive(pid_file, b"carpool.operator")
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 15)
+    pid_file.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["down"]:
+        stop_detached()
+    else:
+        sys.exit("usage: python -m carpool.stack down")

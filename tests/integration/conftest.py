@@ -1,0 +1,24 @@
+"""Fixtures for tests that need Carpool itself running on the local cluster."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from carpool import devcluster, stack
+
+
+@pytest.fixture(scope="session")
+def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """The extender and one operator running against the cluster for the whole session."""
+    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
+    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}) as processes:
+        processes_with_logs = dict(processes)
+        yield processes_with_logs
+        for name in processes:
+            if processes[name].poll() is not None:
+                print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")

@@ -1,0 +1,131 @@
+"""The operator's pure shell helpers: pod manifests, decoding, state derived from pods."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from carpool.core import names
+from carpool.core.resources import Isolation, JobClass, Phase
+from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
+from carpool.operator.following import view_pod
+from carpool.operator.pods import build_pod, pod_name
+from carpool.operator.reconciling import history_gpu_hours, observe
+
+UUID = "GPU-aaaa"
+
+
+def _job(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    base = {
+        "project": "vision", "class": "short",
+        "gpu": {"count": 1, "memory": "20Gi", "cores": 50, "isolation": "mps"},
+        "estimatedDuration": "10m", "maxDuration": "1h", "simulatedDuration": "30s",
+        "checkpoint": {"gracePeriod": "45s"},
+        "template": {"metadata": {"labels": {"app": "x"}},
+                     "spec": {"containers": [{"name": "main", "image": "img"}]}},
+    }
+    base.update(spec)
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": "train", "namespace": "team", "uid": "u-1",
+                         "creationTimestamp": "2026-11-29T10:00:00Z"},
+            "spec": base, "status": status or {}}
+
+
+def _pod(attempt: int, phase: str, *, started: str | None = None, finished: str | None = None,
+         node: str = "n1", deleting: bool = False) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if phase == "Running":
+        state = {"running": {"startedAt": started}}
+    elif phase in ("Succeeded", "Failed"):
+        state = {"terminated": {"startedAt": started, "finishedAt": finished,
+                                "reason": "Completed" if phase == "Succeeded" else "Error"}}
+    meta: dict[str, Any] = {
+        "name": f"train-{attempt}", "namespace": "team",
+        "annotations": {names.ANN_ASSIGNMENT: json.dumps(
+            {"node": node, "gpus": [{"uuid": UUID, "index": 0, "memoryMiB": 20480,
+                                     "cores": 50}]})}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-29T11:00:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node},
+            "status": {"phase": phase, "startTime": started,
+                       "containerStatuses": [{"state": state}] if state else []}}
+
+
+def test_pod_carries_resources_annotations_and_owner() -> None:
+    job = _job()
+    pod = build_pod(job, gpu_request_from_spec(job["spec"]), attempt=2)
+    assert pod["metadata"]["name"] == "train-2"
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "20",
+                      names.RESOURCE_GPU_CORES: "50"}
+    assert pod["spec"]["schedulerName"] == names.SCHEDULER_NAME
+    assert pod["spec"]["preemptionPolicy"] == "Never"
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 45
+    assert pod["spec"]["activeDeadlineSeconds"] == 3600
+    assert pod["metadata"]["annotations"][names.ANN_SIM_DURATION] == "30"
+    assert pod["metadata"]["labels"]["app"] == "x"
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "GpuJob" and owner["uid"] == "u-1" and owner["controller"]
+
+
+def test_long_job_names_stay_valid_and_distinct() -> None:
+    a, b = pod_name("x" * 70, 1), pod_name("x" * 69 + "y", 1)
+    assert len(a) <= 63 and len(b) <= 63 and a != b and a.endswith("-1")
+
+
+def test_decoding_reports_the_field() -> None:
+    with pytest.raises(ValueError, match=r"spec.gpu.memory"):
+        gpu_request_from_spec({"gpu": {"count": 1, "memory": "lots"}})
+    request = gpu_request_from_spec({"gpu": {"count": 2, "memory": "16Gi", "isolation": "mig",
+                                             "migProfile": "2g.35gb", "models": ["H200"]}})
+    assert (request.count, request.memory_mib, request.isolation, request.mig_slices) == (
+        2, 16384, Isolation.MIG, 2)
+
+
+def test_job_and_quota_decoding() -> None:
+    job = job_from_object(_job(), Phase.QUEUED, 0, (), "", [])
+    assert job.key == "team/train" and job.job_class is JobClass.SHORT
+    assert job.estimated_duration_s == 600 and job.checkpoint_grace_s == 45
+    quota = quota_from_object({"metadata": {"name": "vision",
+                                            "creationTimestamp": "2026-11-01T00:00:00Z"},
+                               "spec": {"namespaces": ["team"], "concurrent": {"gpus": 4},
+                                        "gpuHours": {"budget": 100, "period": "7d"}}})
+    assert quota.guaranteed_gpus == 4 and quota.budget_gpu_hours == 100
+    assert quota.period_s == 7 * 86400
+
+
+def test_phases_follow_the_pod() -> None:
+    job = _job({"phase": "Admitted", "attempts": 1})
+    running = observe(job, [view_pod(_pod(1, "Running", started="2026-11-29T10:00:00Z"))],
+                      {UUID: 143771}, now=0)
+    assert running.phase is Phase.RUNNING
+    assert running.status["startTime"] == "2026-11-29T10:00:00Z"
+    assert running.status["history"][0]["fraction"] == pytest.approx(0.5)
+    done = observe(_job({"phase": "Running", "attempts": 1, "history": running.status["history"]}),
+                   [view_pod(_pod(1, "Succeeded", started="2026-11-29T10:00:00Z",
+                                  finished="2026-11-29T12:00:00Z"))], {UUID: 143771}, now=0)
+    assert done.phase is Phase.SUCCEEDED
+    # 2 hours at half a GPU (cores 50% > memory 20/140 GiB).
+    assert history_gpu_hours(done.status["history"], now=0) == pytest.approx(1.0)
+    again = observe(_job({"phase": "Succeeded", "attempts": 1, "history": done.status["history"]}),
+                    [], {}, now=0)
+    assert again.status == {}  # finished jobs are never touched again
+
+
+def test_preempted_pod_gone_requeues_with_attempts_kept() -> None:
+    job = _job({"phase": "Preempted", "attempts": 1, "preemptingAttempt": 1,
+                "history": [{"attempt": 1, "start": "2026-11-29T10:00:00Z", "fraction": 1}]})
+    obs = observe(job, [], {}, now=1_800_000_000)
+    assert obs.phase is Phase.QUEUED
+    assert obs.status["attempts"] == 1
+    assert obs.status["history"][0]["outcome"] == "Preempted"
+    assert obs.status["history"][0]["end"]
+
+
+def test_a_pod_created_before_a_crash_is_adopted() -> None:
+    """The operator died between creating attempt 1's pod and writing attempts=1."""
+    job = _job({"phase": "Queued", "attempts": 0})
+    obs = observe(job, [view_pod(_pod(1, "Pending"))], {}, now=0)
+    assert obs.phase is Phase.ADMITTED and obs.attempts == 1
