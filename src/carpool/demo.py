@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -111,10 +113,12 @@ def _phase_counts(jobs: Sequence[dict[str, Any]]) -> dict[str, int]:
 
 
 def _report(cluster: devcluster.Cluster) -> str:
-    from carpool.reporting import gpu_hours_report, render_report
-
-    quotas = json.loads(cluster.kubectl("get", "projectquotas", "-o", "json").stdout)["items"]
-    return render_report(gpu_hours_report(_jobs(cluster), quotas, since=None, now=time.time()))
+    """The kubectl plugin's report, run as a user would run it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "carpool.cli.kubectl_plugin", "report", "--since", "1d",
+         "--kubeconfig", str(cluster.kubeconfig)],
+        capture_output=True, text=True, check=False, env=dict(os.environ, PYTHONSAFEPATH="1"))
+    return result.stdout + result.stderr
 
 
 def run(log_dir: Path) -> int:

@@ -6,13 +6,13 @@ import json
 from typing import Any
 
 import pytest
-
-from carpool.core import names
-from carpool.core.resources import Isolation, JobClass, Phase
 from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import history_gpu_hours, observe
+
+from carpool.core import names
+from carpool.core.resources import Isolation, JobClass, Phase
 
 UUID = "GPU-aaaa"
 
