@@ -10,11 +10,12 @@ from typing import Any
 from carpool.core import names
 from carpool.extender.cache import IN_FLIGHT_STALE_S, ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
-from carpool.extender.ranking import Weights
+from carpool.core.scoring import ScoringPolicy
 from carpool.extender.service import Extender, Settings
 from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy, decode_assignment
 
 NOW = 1_800_000_000.0
+PACKING_ONLY = ScoringPolicy(fragmentation=0, packing=1, temperature=0, locality=0)
 
 
 class Clock:
@@ -163,7 +164,7 @@ def test_prioritize_prefers_the_node_with_the_dataset() -> None:
 
 def test_binpack_fills_the_used_node_and_spread_the_empty_one() -> None:
     for policy, expected in ((Policy.BINPACK, "used"), (Policy.SPREAD, "empty")):
-        w = World(Settings(policy, Weights(packing=1, temperature=0, locality=0)))
+        w = World(Settings(policy, PACKING_ONLY))
         w.add_node("used", [gpu("u0")])
         w.add_node("empty", [gpu("e0")])
         w.add_pod("resident", memory_gib=40)
@@ -174,7 +175,7 @@ def test_binpack_fills_the_used_node_and_spread_the_empty_one() -> None:
 
 
 def test_the_pod_annotation_overrides_the_policy() -> None:
-    w = World(Settings(Policy.BINPACK, Weights(packing=1, temperature=0, locality=0)))
+    w = World(Settings(Policy.BINPACK, PACKING_ONLY))
     w.add_node("used", [gpu("u0")])
     w.add_node("empty", [gpu("e0")])
     w.add_pod("resident", memory_gib=40)

@@ -40,6 +40,15 @@ class NodeState:
         return self.inventory.name
 
     def free(self) -> list[GpuFree]:
+        """What is left on each GPU; computed once per state (a NodeState never changes), as
+        fit, scoring and GPU choice each ask for it many times per scheduling cycle."""
+        cached: tuple[GpuFree, ...] | None = self.__dict__.get("_free_memo")
+        if cached is None:
+            cached = tuple(self._compute_free())
+            object.__setattr__(self, "_free_memo", cached)
+        return list(cached)
+
+    def _compute_free(self) -> list[GpuFree]:
         by_gpu: dict[str, list[GpuGrant]] = {}
         for grant in self.grants:
             by_gpu.setdefault(grant.gpu_uuid, []).append(grant)

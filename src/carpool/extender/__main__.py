@@ -11,12 +11,13 @@ import argparse
 import logging
 import ssl
 import sys
+from dataclasses import replace
 
 from aiohttp import web
 
+from carpool.core.scoring import CARPOOL
 from carpool.extender.cache import ClusterCache
 from carpool.extender.kube import KubeCluster, api_client, start_informers
-from carpool.extender.ranking import Weights
 from carpool.extender.server import DEFAULT_MAX_BODY, make_app
 from carpool.extender.service import Extender, Settings
 from carpool.extender.wire import Policy
@@ -33,9 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tls-key", default=None, help="... and this key")
     parser.add_argument("--policy", choices=Policy.ALL, default=Policy.BINPACK,
                         help="placement policy when the job does not set one")
-    parser.add_argument("--weight-packing", type=float, default=Weights.packing)
-    parser.add_argument("--weight-temperature", type=float, default=Weights.temperature)
-    parser.add_argument("--weight-locality", type=float, default=Weights.locality)
+    for term in ("fragmentation", "packing", "alignment", "temperature", "locality"):
+        parser.add_argument(f"--weight-{term}", type=float, default=getattr(CARPOOL, term),
+                            help=f"weight of the {term} score term (default %(default)s)")
+    parser.add_argument("--static-workload", action="store_true",
+                        help="do not learn the target workload from the pods seen")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -49,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = Settings(args.policy, Weights(args.weight_packing, args.weight_temperature,
-                                                 args.weight_locality))
+        scoring = replace(CARPOOL, fragmentation=args.weight_fragmentation,
+                          packing=args.weight_packing, alignment=args.weight_alignment,
+                          temperature=args.weight_temperature, locality=args.weight_locality)
+        settings = Settings(args.policy, scoring, learn_workload=not args.static_workload)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

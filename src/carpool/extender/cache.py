@@ -46,11 +46,12 @@ class Hold:
 
 
 @dataclass(frozen=True)
-class NodeView:
-    """One candidate node as a handler sees it: its state and the pods in flight on it."""
+class Snapshot:
+    """Candidate nodes as one pod's handlers see them (the pod's own holds left out)."""
 
-    state: NodeState
-    in_flight: tuple[Hold, ...]
+    states: dict[str, NodeState]  # the known nodes among those asked for
+    missing: dict[str, str]  # the others, with the reason there is no state
+    in_flight: dict[str, tuple[Hold, ...]]  # only nodes with another pod in flight
 
 
 UNKNOWN_NODE = "node is unknown to the Carpool extender (no Node object seen)"
@@ -86,6 +87,7 @@ class ClusterCache:
         self._assumed: dict[str, Hold] = {}  # from our binds, until confirmed or forgotten
         self._effective: dict[str, Hold] = {}  # assumed wins over observed
         self._keys_on_node: dict[str, set[str]] = {}
+        self._unsettled: set[str] = set()  # effective holds that may still be in flight
         self._states: dict[str, NodeState] = {}  # memoised per node; dropped on change
         self._synced: set[str] = set()
         self.pods_watch_healthy = False
@@ -190,13 +192,20 @@ class ClusterCache:
     def _refresh(self, key: str) -> None:
         old = self._effective.pop(key, None)
         new = self._assumed.get(key) or self._observed.get(key)
+        self._unsettled.discard(key)
+        same_grants = (old is not None and new is not None and old.node == new.node
+                       and old.grants == new.grants)
         if old is not None:
             self._keys_on_node.get(old.node, set()).discard(key)
-            self._states.pop(old.node, None)
+            if not same_grants:  # keep the memoised state (and its evaluations) when we can
+                self._states.pop(old.node, None)
         if new is not None:
             self._effective[key] = new
             self._keys_on_node.setdefault(new.node, set()).add(key)
-            self._states.pop(new.node, None)
+            if not same_grants:
+                self._states.pop(new.node, None)
+            if not new.settled:
+                self._unsettled.add(key)
 
     def _observe(self, pod: Mapping[str, Any], deleted: bool, now: float) -> str:
         key = _pod_key(pod)
@@ -259,27 +268,39 @@ class ClusterCache:
             state = self._states[node] = NodeState(inventory, grants)
         return state
 
-    def _view(self, node: str, exclude_key: str, now: float) -> NodeView | None:
-        state = self._state(node)
-        if state is None:
-            return None
-        keys = self._keys_on_node.get(node)
-        if not keys:
-            return NodeView(state, ())
-        if exclude_key in keys:  # the pod's own earlier hold must not block it
-            rest = sorted(keys - {exclude_key})
-            state = NodeState(state.inventory, tuple(g for k in rest
-                                                     for g in self._effective[k].grants))
-        flying = tuple(h for k in sorted(keys) if k != exclude_key
-                       and (h := self._effective[k]).in_flight(now))
-        return NodeView(state, flying)
+    def _without(self, state: NodeState, node: str, exclude_key: str) -> NodeState:
+        rest = sorted(self._keys_on_node.get(node, set()) - {exclude_key})
+        return NodeState(state.inventory, tuple(g for k in rest for g in self._effective[k].grants))
 
-    def views(self, nodes: Iterable[str], exclude_key: str, now: float
-              ) -> dict[str, NodeView | str]:
-        """Each node's view for one pod (its own holds left out), or why there is none."""
+    def _in_flight(self, node: str, exclude_key: str, now: float) -> tuple[Hold, ...]:
+        return tuple(h for k in sorted(self._keys_on_node.get(node, ()))
+                     if k != exclude_key and (h := self._effective[k]).in_flight(now))
+
+    def snapshot(self, nodes: Iterable[str], exclude_key: str, now: float) -> Snapshot:
+        """The asked-for nodes' states for one pod; cheap for nodes that have not changed."""
+        states: dict[str, NodeState] = {}
+        missing: dict[str, str] = {}
+        in_flight: dict[str, tuple[Hold, ...]] = {}
         with self._lock:
-            return {n: self._view(n, exclude_key, now) or self._broken.get(n, UNKNOWN_NODE)
-                    for n in nodes}
+            memo = self._states
+            for name in nodes:
+                state = memo.get(name) or self._state(name)
+                if state is None:
+                    missing[name] = self._broken.get(name, UNKNOWN_NODE)
+                else:
+                    states[name] = state
+            own = self._effective.get(exclude_key)
+            if own is not None and own.node in states:
+                states[own.node] = self._without(states[own.node], own.node, exclude_key)
+            stale = []
+            for key in sorted(self._unsettled):
+                hold = self._effective[key]
+                if not hold.in_flight(now):
+                    stale.append(key)
+                elif key != exclude_key and hold.node in states:
+                    in_flight[hold.node] = (*in_flight.get(hold.node, ()), hold)
+            self._unsettled.difference_update(stale)
+        return Snapshot(states, missing, in_flight)
 
     def hold_of(self, pod_key: str) -> Hold | None:
         with self._lock:
@@ -304,13 +325,15 @@ class ClusterCache:
         out); it must be quick and pure.
         """
         with self._lock:
-            view = self._view(node, pod_key, now)
-            if view is None:
+            state = self._state(node)
+            if state is None:
                 return f"{node}: {self._broken.get(node, UNKNOWN_NODE)}"
-            clash = in_flight_clash(view.in_flight, gpu_counts)
+            if pod_key in self._keys_on_node.get(node, ()):
+                state = self._without(state, node, pod_key)
+            clash = in_flight_clash(self._in_flight(node, pod_key, now), gpu_counts)
             if clash is not None:
                 return clash
-            chosen = choose(view.state)
+            chosen = choose(state)
             if isinstance(chosen, str):
                 return chosen
             assignment, grants = chosen

@@ -31,10 +31,10 @@ def api_client(kubeconfig: str | None, pool_size: int = 32) -> Any:
     """A client for the given kubeconfig, or the in-cluster service account."""
     configuration = client.Configuration()
     if kubeconfig:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
+        config.load_kube_config(
             config_file=kubeconfig, client_configuration=configuration)
     else:
-        config.load_incluster_config(  # type: ignore[no-untyped-call]
+        config.load_incluster_config(
             client_configuration=configuration)
     configuration.connection_pool_maxsize = pool_size
     return client.ApiClient(configuration)
@@ -118,7 +118,7 @@ class Informer(threading.Thread):
         return str(data["metadata"]["resourceVersion"])
 
     def _watch(self, resource_version: str) -> str:
-        watcher: Any = watch.Watch()  # type: ignore[no-untyped-call]
+        watcher: Any = watch.Watch()
         stream = watcher.stream(
             self._list_fn, *self._args, resource_version=resource_version,
             timeout_seconds=WATCH_TIMEOUT_S, allow_watch_bookmarks=True, deserialize=False,

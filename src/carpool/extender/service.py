@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from carpool.core import names
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
-from carpool.extender.cache import ClusterCache, NodeView, in_flight_clash
-from carpool.extender.ranking import Placement, Weights, node_score, place, scale_scores
+from carpool.core.scoring import CARPOOL, ScoringPolicy
+from carpool.extender.cache import ClusterCache, in_flight_clash
+from carpool.extender.ranking import Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     AssignedGpu,
     Assignment,
@@ -62,8 +63,11 @@ class ClusterPort(Protocol):
 
 @dataclass(frozen=True)
 class Settings:
+    """The default policy (a job may override it) and the score weights."""
+
     policy: str = Policy.BINPACK
-    weights: Weights = field(default_factory=Weights)
+    scoring: ScoringPolicy = CARPOOL
+    learn_workload: bool = True  # fragmentation against the shapes seen so far
 
     def __post_init__(self) -> None:
         if self.policy not in Policy.ALL:
@@ -100,15 +104,6 @@ def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
     return len(mig) == len(set(mig))
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Filter's outcome for one node."""
-
-    placement: Placement | None
-    reason: str = ""
-    unresolvable: bool = False
-
-
 class Extender:
     """The extender's verbs over a cache and a cluster port."""
 
@@ -118,27 +113,10 @@ class Extender:
         self.cluster = cluster
         self.settings = settings
         self.clock = clock
+        self.ranker = Ranker(settings.scoring, settings.learn_workload)
 
     def _policy(self, demand: PodDemand) -> str:
         return demand.policy or self.settings.policy
-
-    def _judge(self, view: NodeView | str, demand: PodDemand, policy: str) -> Verdict:
-        if isinstance(view, str):
-            return Verdict(None, view, unresolvable=True)
-        placement = place(view.state, demand, policy)
-        if isinstance(placement, str):
-            empty = NodeState(view.state.inventory)
-            return Verdict(None, placement,
-                           unresolvable=isinstance(place(empty, demand, policy), str))
-        clash = in_flight_clash(view.in_flight, demand.gpu_counts)
-        if clash is not None:
-            return Verdict(None, clash)
-        return Verdict(placement)
-
-    def _verdicts(self, args: ExtenderArgs, demand: PodDemand) -> dict[str, Verdict]:
-        views = self.cache.views(args.node_names, demand.key, self.clock())
-        policy = self._policy(demand)
-        return {name: self._judge(view, demand, policy) for name, view in views.items()}
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
         """ExtenderFilterResult: nodes where every GPU container fits, reasons for the rest."""
@@ -150,16 +128,28 @@ class Extender:
             return encode_filter_result(args, [], {}, {}, f"pod not understood: {exc}")
         if not demand.containers:  # not a Carpool GPU pod: nothing for us to restrict
             return encode_filter_result(args, list(args.node_names), {}, {})
+        policy = self._policy(demand)
+        self.ranker.observe(demand)
+        snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
+        evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
+        counts = demand.gpu_counts
         passed: list[str] = []
         failed: dict[str, str] = {}
-        unresolvable: dict[str, str] = {}
-        for name, verdict in self._verdicts(args, demand).items():
-            if verdict.placement is not None:
-                passed.append(name)
-            elif verdict.unresolvable:
-                unresolvable[name] = f"carpool: {verdict.reason}"
+        unresolvable = {name: f"carpool: {reason}" for name, reason in snapshot.missing.items()}
+        for name, evaluation in evaluations.items():
+            if evaluation.placement is None:
+                inventory = snapshot.states[name].inventory
+                if self.ranker.fits_when_empty(inventory, demand, policy):
+                    failed[name] = f"carpool: {evaluation.reason}"
+                else:
+                    unresolvable[name] = f"carpool: {evaluation.reason}"
+                continue
+            flying = snapshot.in_flight.get(name)
+            clash = in_flight_clash(flying, counts) if flying else None
+            if clash is not None:
+                failed[name] = f"carpool: {clash}"
             else:
-                failed[name] = f"carpool: {verdict.reason}"
+                passed.append(name)
         return encode_filter_result(args, passed, failed, unresolvable)
 
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
@@ -170,15 +160,9 @@ class Extender:
         if not demand.containers:
             return encode_priorities({n: 0 for n in args.node_names})
         policy = self._policy(demand)
-        weights = self.settings.weights
-        raw: dict[str, float] = {}
-        views = self.cache.views(args.node_names, demand.key, self.clock())
-        for name, view in views.items():
-            if isinstance(view, str):
-                continue
-            placement = place(view.state, demand, policy)
-            if not isinstance(placement, str):
-                raw[name] = node_score(view.state, demand, placement, policy, weights)
+        snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
+        evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
+        raw = {name: e.placement.score for name, e in evaluations.items() if e.placement}
         return encode_priorities(scale_scores(raw, args.node_names))
 
     # --- bind ----------------------------------------------------------------------------
@@ -225,10 +209,11 @@ class Extender:
                 grants = previous.grants(exclusive, totals)
                 if fits_exactly(state, grants):
                     return previous, grants
-            placement = place(state, demand, policy)
-            if isinstance(placement, str):
-                return placement
-            return assignment_of(state, demand, placement), placement.grants
+            evaluation = self.ranker.evaluate(state, demand, policy)
+            if evaluation.placement is None:
+                return evaluation.reason
+            return (assignment_of(state, demand, evaluation.placement),
+                    evaluation.placement.grants)
 
         reserved = self.cache.reserve(demand.key, uid, args.node, demand.gpu_counts, now,
                                       choose)
