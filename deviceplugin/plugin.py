@@ -326,8 +326,8 @@ class PluginServer:
         api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
             DevicePluginService(self.state), server)
         server.add_insecure_port(f"unix://{self.socket}")
+        self.server = server  # before start(): a cancelled start must still be stopped
         await server.start()
-        self.server = server
         self._socket_inode = _inode(self.socket)
 
     async def stop_serving(self) -> None:

@@ -7,6 +7,7 @@ back, as the kubelet does, and follows ListAndWatch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
@@ -151,21 +152,25 @@ def test_reregisters_when_the_kubelet_restarts(plugin_dir: Path) -> None:
     async def scenario() -> None:
         async with running(plugin_dir, TWO_H200) as (kubelet, server, _, _):
             supervisor = asyncio.create_task(server.supervise())
-            await kubelet.updates.get()
-            await kubelet.stop()  # kubelet goes away, removing its socket and the plugin's
-            server.socket.unlink()
             restarted = FakeKubelet(plugin_dir)
-            await restarted.start()
-            for _ in range(100):
-                if restarted.requests:
-                    break
-                await asyncio.sleep(0.05)
-            assert [r.endpoint for r in restarted.requests] == ["carpool-gpu.sock"]
-            assert server.registrations == 2 and server.socket.exists()
-            devices = await restarted.updates.get()
-            assert len(devices) == 8
-            supervisor.cancel()
-            await restarted.stop()
+            try:
+                await kubelet.updates.get()
+                await kubelet.stop()  # kubelet goes away, removing its socket and the plugin's
+                server.socket.unlink()
+                await restarted.start()
+                for _ in range(200):
+                    if server.registrations == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [r.endpoint for r in restarted.requests] == ["carpool-gpu.sock"]
+                assert server.registrations == 2 and server.socket.exists()
+                devices = await restarted.updates.get()
+                assert len(devices) == 8
+            finally:
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervisor
+                await restarted.stop()
     run(scenario())
 
 
