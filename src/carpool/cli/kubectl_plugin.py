@@ -1,10 +1,378 @@
-"""`kubectl carpool`: queue, why, quota, nodes, report."""
+"""`kubectl carpool`: the queue, why a job waits, quotas, GPU nodes and GPU-hour reports.
+
+Installed as `kubectl-carpool` on PATH, so kubectl finds it as a plugin. Reads GpuJobs,
+ProjectQuotas, GpuNodes and Pods; writes nothing. The reports themselves are pure functions
+in `carpool.reporting`; this module only fetches objects and renders tables or JSON.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TextIO
+
+from carpool import reporting
+from carpool.cli.tables import Table, render, render_csv, table
+from carpool.core import names
+
+Obj = dict[str, Any]
+REQUEST_TIMEOUT_S = 15
 
 
-def main(argv: list[str] | None = None) -> int:
-    print("kubectl carpool: not implemented yet", file=sys.stderr)
-    return 2
+class PluginError(Exception):
+    """A failure to show the user as one line (`error: ...`), exit status 1."""
+
+
+class ClusterReader(Protocol):
+    """What the plugin reads; a namespace of None means all namespaces."""
+
+    def list_gpujobs(self, namespace: str | None) -> list[Obj]: ...
+
+    def get_gpujob(self, namespace: str, name: str) -> Obj | None: ...
+
+    def list_quotas(self) -> list[Obj]: ...
+
+    def list_gpunodes(self) -> list[Obj]: ...
+
+    def list_pods(self, namespace: str | None) -> list[Obj]: ...
+
+
+class KubeReader:
+    """`ClusterReader` over the API server (raw JSON: no model classes, fast for big lists)."""
+
+    def __init__(self, api: Any) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            response = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
+                          **kwargs)
+        except ApiException as err:
+            if err.status == 404 and what.endswith("s"):
+                raise PluginError(f"the API server does not serve {what}; are the Carpool "
+                                  f"CRDs installed? (helm install carpool ./helm/carpool)"
+                                  ) from None
+            if err.status == 404:
+                return None
+            if err.status in (401, 403):
+                raise PluginError(f"not allowed to read {what}: {_api_message(err)}") from None
+            raise PluginError(f"reading {what}: {_api_message(err)}") from None
+        except (HTTPError, OSError) as err:
+            raise PluginError(f"cannot reach the cluster: {err}") from None
+        return json.loads(response.data)
+
+    def _custom_list(self, plural: str, namespace: str | None) -> list[Obj]:
+        args = (names.GROUP, names.VERSION)
+        if namespace is None:
+            data = self._call(plural, self.custom.list_cluster_custom_object, *args, plural)
+        else:
+            data = self._call(plural, self.custom.list_namespaced_custom_object, *args,
+                              namespace, plural)
+        return list(data.get("items") or [])
+
+    def list_gpujobs(self, namespace: str | None) -> list[Obj]:
+        return self._custom_list(names.GPUJOB_PLURAL, namespace)
+
+    def get_gpujob(self, namespace: str, name: str) -> Obj | None:
+        data = self._call("gpujob", self.custom.get_namespaced_custom_object, names.GROUP,
+                          names.VERSION, namespace, names.GPUJOB_PLURAL, name)
+        return dict(data) if data is not None else None
+
+    def list_quotas(self) -> list[Obj]:
+        return self._custom_list(names.PROJECTQUOTA_PLURAL, None)
+
+    def list_gpunodes(self) -> list[Obj]:
+        return self._custom_list(names.GPUNODE_PLURAL, None)
+
+    def list_pods(self, namespace: str | None) -> list[Obj]:
+        if namespace is None:
+            data = self._call("pods", self.core.list_pod_for_all_namespaces)
+        else:
+            data = self._call("pods", self.core.list_namespaced_pod, namespace)
+        return list(data.get("items") or [])
+
+
+def _api_message(err: Any) -> str:
+    try:
+        return str(json.loads(err.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{err.status} {err.reason}"
+
+
+def connect(kubeconfig: str | None, context: str | None) -> tuple[ClusterReader, str]:
+    """A reader for the kubeconfig (or $KUBECONFIG, ~/.kube/config, in-cluster) and the
+    namespace its current context names ('default' when none)."""
+    from kubernetes import config
+    from kubernetes.config.config_exception import ConfigException
+
+    try:
+        api = config.new_client_from_config(config_file=kubeconfig, context=context)
+        _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        if context:
+            contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)
+            active = next((c for c in contexts if c.get("name") == context), active)
+        namespace = str((active or {}).get("context", {}).get("namespace") or "default")
+    except (ConfigException, OSError) as err:
+        if kubeconfig is None and context is None:
+            try:
+                from kubernetes import client
+
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                return KubeReader(client.ApiClient(configuration)), "default"
+            except ConfigException:
+                pass
+        raise PluginError(f"no cluster to talk to: {err} (pass --kubeconfig or set "
+                          f"KUBECONFIG)") from None
+    return KubeReader(api), namespace
+
+
+# --- commands -----------------------------------------------------------------------------
+
+
+def _scope(args: argparse.Namespace, default_all: bool) -> str | None:
+    """The namespace to read, None for all: -A wins, then -n, then the command's default."""
+    if args.all_namespaces:
+        return None
+    if args.namespace:
+        return str(args.namespace)
+    return None if default_all else str(args.context_namespace)
+
+
+def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    entries = reporting.waiting_jobs(reader.list_gpujobs(_scope(args, default_all=True)))
+    if args.project:
+        entries = [e for e in entries if e.project == args.project]
+    groups = reporting.queue_groups(entries)
+    if args.output == "json":
+        return {"groups": groups, "jobs": entries}
+    group_table = table(
+        ["project", "class", "waiting", "gpus", "head", "next-start", "reasons"],
+        [[g.project, g.job_class, g.waiting, g.gpus, g.head_position,
+          reporting.relative(reporting.parse_time(g.earliest_start), now),
+          ", ".join(f"{r} {n}" if n > 1 else r for r, n in g.reasons.items())]
+         for g in groups])
+    headers = ["pos", "job", "project", "class", "gpus", "memory", "waiting", "est-start",
+               "reason"]
+    if args.output == "wide":
+        headers.append("message")
+    rows = []
+    for e in entries:
+        row: list[object] = [e.position, f"{e.namespace}/{e.name}", e.project, e.job_class,
+                             e.gpus, e.memory,
+                             reporting.relative(reporting.parse_time(e.submitted), now)
+                             .removesuffix(" ago"),
+                             reporting.relative(reporting.parse_time(e.estimated_start), now),
+                             e.reason]
+        if args.output == "wide":
+            row.append(e.message)
+        rows.append(row)
+    if not entries:
+        return "No GpuJobs are waiting."
+    return [group_table, table(headers, rows)]
+
+
+def cmd_why(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    namespace = args.namespace or args.context_namespace
+    name = args.job
+    if "/" in name:
+        namespace, name = name.split("/", 1)
+    job = reader.get_gpujob(namespace, name)
+    if job is None:
+        raise PluginError(f"GpuJob {name!r} not found in namespace {namespace!r} "
+                          f"(kubectl get gpujobs -n {namespace})")
+    project = str((job.get("spec") or {}).get("project", ""))
+    quota = next((q for q in reader.list_quotas()
+                  if (q.get("metadata") or {}).get("name") == project), None)
+    phase = (job.get("status") or {}).get("phase") or ""
+    waiting = phase in reporting.WAITING_PHASES
+    explanation = reporting.explain(
+        job, quota,
+        reader.list_gpujobs(None) if waiting else [],
+        reader.list_gpunodes() if waiting else [],
+        reader.list_pods(None) if waiting else [], now)
+    if args.output == "json":
+        return explanation
+    if not explanation.waiting:
+        return explanation.summary
+    lines = [explanation.summary, ""]
+    body = table(["topic", "verdict", "detail"],
+                 [[f.topic.value, "BLOCKING" if f.blocking else "ok", f.text]
+                  for f in explanation.findings if f.topic is not reporting.Topic.STATUS])
+    lines.append(render(body))
+    return "\n".join(lines)
+
+
+def cmd_quota(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    views = reporting.quota_views(reader.list_quotas())
+    scope = _scope(args, default_all=True)
+    if scope is not None:
+        views = [v for v in views if scope in v.namespaces]
+    if args.output == "json":
+        return views
+    if not views:
+        return "No ProjectQuotas" + (f" bill namespace {scope}." if scope else " exist.")
+
+    def percent_used(v: reporting.QuotaView) -> str:
+        if not v.budget_gpu_hours or v.used_gpu_hours is None:
+            return "-"
+        return f"{100 * v.used_gpu_hours / v.budget_gpu_hours:.0f}%"
+
+    return table(
+        ["project", "budget", "period", "used", "remaining", "used%", "refills", "guaranteed",
+         "running", "borrowed", "pending", "mem-eff"],
+        [[v.project, reporting.fmt_number(v.budget_gpu_hours), v.period or None,
+          reporting.fmt_number(v.used_gpu_hours), reporting.fmt_number(v.remaining_gpu_hours),
+          percent_used(v),
+          reporting.relative(reporting.parse_time(v.period_end), now) if v.period_end else None,
+          reporting.fmt_number(v.guaranteed_gpus) + ("+borrow" if v.borrowing else ""),
+          f"{reporting.fmt_number(v.running_gpus)} ({v.running_jobs} jobs)",
+          reporting.fmt_number(v.borrowed_gpus), v.pending,
+          f"{100 * v.memory_efficiency:.0f}%" if v.memory_efficiency is not None else None]
+         for v in views])
+
+
+def _gib(mib: float | None) -> str:
+    return "-" if mib is None else f"{mib / 1024:.1f}"
+
+
+def cmd_nodes(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    views = reporting.node_views(reader.list_gpunodes(), reader.list_pods(None), now)
+    if args.output == "json":
+        return views
+    if not views:
+        return "No GpuNodes (is the Carpool device plugin running on the GPU nodes?)."
+    rows = []
+    for node in views:
+        age = reporting.relative(reporting.parse_time(node.heartbeat), now)
+        for i, g in enumerate(node.gpus or ()):
+            temp = "-" if g.temperature_c is None else f"{g.temperature_c:.0f}"
+            if g.slowdown_temperature_c is not None:
+                temp += f"/{g.slowdown_temperature_c:.0f}C"
+            health = g.health + (f" ({g.health_reason})" if g.health_reason else "")
+            if g.cordoned:
+                health += ",cordoned"
+            shares = " ".join(
+                f"{s.namespace}/{s.pod}("
+                + ("whole" if s.exclusive else (s.mig_instance and "mig") or
+                   f"{_gib(s.memory_mib)}Gi" + (f",{s.cores_pct}%" if s.cores_pct else ""))
+                + ")" for s in g.shares)
+            rows.append([node.name if i == 0 else "", node.sharing_mode if i == 0 else "",
+                         age if i == 0 else "", g.index, g.model, health, temp,
+                         None if g.utilization_pct is None else f"{g.utilization_pct:.0f}%",
+                         f"{_gib(g.memory_used_mib)}/{_gib(g.memory_total_mib)}",
+                         _gib(g.memory_free_mib), len(g.shares), shares or None])
+        if not node.gpus:
+            rows.append([node.name, node.sharing_mode, age, None, None, None, None, None,
+                         None, None, 0, None])
+    return table(["node", "sharing", "heartbeat", "gpu", "model", "health", "temp", "util",
+                  "mem-used/total-gib", "free-gib", "pods", "shares"], rows)
+
+
+def cmd_report(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    try:
+        since = reporting.parse_since(args.since, now)
+        report = reporting.usage_report(reader.list_gpujobs(_scope(args, default_all=True)),
+                                        since, now, by=args.by)
+    except ValueError as err:
+        raise PluginError(str(err)) from None
+    if args.output == "json":
+        return report
+    first = "project" if args.by == "project" else "job"
+    if args.output == "csv":
+        by_job = args.by == "job"
+        headers = [first] + (["project"] if by_job else []) + ["jobs", "runs", "gpu_hours",
+                                                               "share"]
+        rows = [[r.key] + ([r.project] if by_job else [])
+                + [r.jobs, r.runs, f"{r.gpu_hours:.4f}", f"{r.share:.4f}"] for r in report.rows]
+        return render_csv(table(headers, rows))
+    rows = [[r.key, r.jobs, r.runs, f"{r.gpu_hours:.2f}", f"{100 * r.share:.1f}%"]
+            for r in report.rows]
+    rows.append(["TOTAL", sum(r.jobs for r in report.rows), sum(r.runs for r in report.rows),
+                 f"{report.total_gpu_hours:.2f}", "100.0%" if report.rows else None])
+    header = f"GPU-hours from {report.since} to {report.until}"
+    return [header, table([first, "jobs", "runs", "gpu-hours", "share"], rows)]
+
+
+COMMANDS: dict[str, Callable[[ClusterReader, argparse.Namespace, float], Any]] = {
+    "queue": cmd_queue, "why": cmd_why, "quota": cmd_quota, "nodes": cmd_nodes,
+    "report": cmd_report,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, "
+                        "~/.kube/config, or in-cluster)")
+    common.add_argument("--context", help="kubeconfig context to use")
+    common.add_argument("-n", "--namespace", help="namespace (default: the context's)")
+    common.add_argument("-A", "--all-namespaces", action="store_true",
+                        help="all namespaces")
+    parser = argparse.ArgumentParser(
+        prog="kubectl carpool",
+        description="Carpool's view of the GPU queue, quotas and nodes.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str, outputs: Sequence[str]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+        p.add_argument("-o", "--output", choices=outputs, default="table")
+        return p
+
+    queue = add("queue", "waiting GpuJobs per project and class: positions, estimated "
+                "starts, reasons (all namespaces unless -n)", ("table", "wide", "json"))
+    queue.add_argument("--project", help="only this project")
+    why = add("why", "why a GpuJob waits: quota, budget, capacity, constraints, with numbers",
+              ("table", "json"))
+    why.add_argument("job", metavar="JOB", help="GpuJob name (or NAMESPACE/NAME)")
+    add("quota", "ProjectQuotas: budgets, GPU-hours used and left, running, borrowed, "
+        "pending, memory efficiency (-n: those that bill the namespace)", ("table", "json"))
+    add("nodes", "GPU nodes: per GPU model, health, temperature, memory, and the pods "
+        "sharing it", ("table", "json"))
+    report = add("report", "GPU-hours by project (or job) over a window, from the jobs' "
+                 "run history", ("table", "csv", "json"))
+    report.add_argument("--since", default="7d",
+                        help="window start: a duration back from now (7d, 12h) or a date "
+                        "(2026-11-01); default 7d")
+    report.add_argument("--by", choices=("project", "job"), default="project")
+    return parser
+
+
+def emit(result: Any, output: str, out: TextIO) -> None:
+    """Print a command's result: JSON data, a string, a Table, or a list of those."""
+    if output == "json":
+        out.write(reporting.dumps(result) + "\n")
+        return
+    parts = result if isinstance(result, list) else [result]
+    texts = [render(p) if isinstance(p, Table) else str(p).rstrip("\n") for p in parts]
+    out.write("\n\n".join(texts) + "\n")
+
+
+def main(argv: list[str] | None = None, reader: ClusterReader | None = None,
+         now: float | None = None, out: TextIO | None = None) -> int:
+    """Entry point; tests pass a canned `reader` and a fixed `now`."""
+    args = build_parser().parse_args(argv)
+    stdout = out or sys.stdout
+    try:
+        if reader is None:
+            reader, args.context_namespace = connect(args.kubeconfig, args.context)
+        elif not hasattr(args, "context_namespace"):
+            args.context_namespace = "default"
+        result = COMMANDS[args.command](reader, args, time.time() if now is None else now)
+    except PluginError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    emit(result, args.output, stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
