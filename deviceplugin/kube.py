@@ -4,12 +4,13 @@ Events. The kubernetes client is synchronous, so calls run in worker threads."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from carpool.deviceplugin.handshake import PodView
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from carpool.core.names import ANN_ALLOCATED, GPUNODE_PLURAL, GROUP, RESOURCE_GPU, VERSION
@@ -18,10 +19,11 @@ COMPONENT = "carpool-device-plugin"
 
 
 def load_config(kubeconfig: str | None) -> client.ApiClient:
+    kube_config: Any = importlib.import_module("kubernetes.config")  # untyped loaders
     if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        kube_config.load_kube_config(config_file=kubeconfig)
     else:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        kube_config.load_incluster_config()
     return client.ApiClient()
 
 
