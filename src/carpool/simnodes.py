@@ -431,13 +431,24 @@ def api_client(kubeconfig: str | Path | None = None) -> Any:
 def apply_node(api: Any, node: SimNode, now: datetime) -> None:
     """Create or update one node's Node and GpuNode, status included (idempotent)."""
     from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
 
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
-    applied = core.patch_node(node.name, node_manifest(node), field_manager=FIELD_MANAGER,
-                              force=True, _content_type=APPLY_PATCH)
-    core.patch_node_status(node.name, node_status_manifest(node), field_manager=FIELD_MANAGER,
-                           force=True, _content_type=APPLY_PATCH)
+    # Create the Node with its status in one request: KWOK initialises a node's status the
+    # moment it appears, and one it saw without capacity gets KWOK's defaults (cpu "1k").
+    try:
+        applied = core.create_node({**node_manifest(node),
+                                    "status": node_status_manifest(node)["status"]},
+                                   field_manager=FIELD_MANAGER)
+    except ApiException as err:
+        if err.status != 409:
+            raise
+        applied = core.patch_node(node.name, node_manifest(node), field_manager=FIELD_MANAGER,
+                                  force=True, _content_type=APPLY_PATCH)
+        core.patch_node_status(node.name, node_status_manifest(node),
+                               field_manager=FIELD_MANAGER, force=True,
+                               _content_type=APPLY_PATCH)
     uid = applied.metadata.uid if applied.metadata else None
     custom.patch_cluster_custom_object(
         GROUP, VERSION, GPUNODE_PLURAL, node.name, gpunode_manifest(node, uid),
