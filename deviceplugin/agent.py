@@ -51,22 +51,26 @@ class ClusterWriter(Protocol):
 
 
 async def health_step(state: PluginState, wait_s: float) -> bool:
-    """Take driver events (waiting up to `wait_s`), re-probe unhealthy GPUs, refresh readings;
-    wakes ListAndWatch streams when a GPU's health changed. Returns whether it did."""
+    """Take driver events (waiting up to `wait_s`), re-probe unhealthy GPUs, refresh readings.
+    Wakes the ListAndWatch streams when the advertised devices changed (a GPU's health, or its
+    MIG instances); returns whether they did."""
     backend = state.backend
     events = await asyncio.to_thread(backend.health_events, wait_s)
     now = state.clock()
-    changed = state.health.record(events, now)
-    changed |= await asyncio.to_thread(state.health.recheck, backend.probe, now)
+    devices_before = state.shares()
+    health_changed = state.health.record(events, now)
+    health_changed |= await asyncio.to_thread(state.health.recheck, backend.probe, now)
     state.gpus = await asyncio.to_thread(backend.inventory)
     state.metrics.observe(state.gpus, state.health.unhealthy)
-    if changed:
+    if health_changed:
         sick = sorted(state.health.unhealthy)
         log.warning("GPU health changed; unhealthy now: %s", sick or "none")
         state.metrics.health_changes.labels(state.config.node,
                                             "Unhealthy" if sick else "Healthy").inc()
-        await state.changed()
-    return changed
+    if state.shares() == devices_before:
+        return False
+    await state.changed()
+    return True
 
 
 @dataclass

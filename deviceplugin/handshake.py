@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
@@ -132,7 +132,7 @@ def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str]
             pass
     containers[container] = {"deviceIDs": list(device_ids), "gpus": list(gpus)}
     return json.dumps({"containers": containers,
-                       "at": now.astimezone().isoformat(timespec="seconds")},
+                       "at": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
                       separators=(",", ":"), sort_keys=True)
 
 
@@ -197,34 +197,28 @@ def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
     return out
 
 
-def match_request(
+def expected_container(
     pods: Iterable[PodView],
     node: str,
-    shares: Sequence[ShareId],
+    count: int,
     now: float,
     handed_over: frozenset[tuple[str, str]] = frozenset(),
-) -> Match:
-    """The one in-flight container this Allocate(`shares`) is for.
+    share_gpus: frozenset[str] = frozenset(),
+) -> Match | None:
+    """The in-flight container a request for `count` GPUs is for, or None.
 
-    Candidates are in-flight containers whose GPU count equals len(shares) and that this plugin
-    has not already served (`handed_over`: (pod uid, container)). Ranked by: assigned GPUs equal
-    to the shares' GPUs (what GetPreferredAllocation steered the kubelet to), then fresh before
-    stale, then bind time, then name, so a tie is broken the same way every time.
+    Candidates are in-flight containers with `count` assigned GPUs that this plugin has not
+    already served (`handed_over`: (pod uid, container)). Ranked by: assigned GPUs equal to
+    `share_gpus` (what GetPreferredAllocation steered the kubelet to), then fresh before stale,
+    then bind time, then name, so a tie is broken the same way every time.
     """
-    count = len(shares)
-    share_gpus = {s.gpu_uuid for s in shares}
     candidates = [
         (pod, container, gpus)
         for pod, container, gpus in in_flight(pods, node)
         if len(gpus) == count and (pod.uid, container) not in handed_over
     ]
     if not candidates:
-        raise HandshakeError(
-            "FAILED_PRECONDITION",
-            f"no pod in flight on node {node} has a container assigned {count} "
-            f"carpool.dev/gpu (the extender records the assignment at bind; was the pod "
-            f"scheduled by the Carpool scheduler?)",
-        )
+        return None
 
     def rank(c: Candidate) -> tuple[bool, bool, float, str, str]:
         pod, container, gpus = c
@@ -234,6 +228,27 @@ def match_request(
 
     pod, container, gpus = min(candidates, key=rank)
     return Match(pod, container, gpus, _isolation(pod))
+
+
+def match_request(
+    pods: Iterable[PodView],
+    node: str,
+    shares: Sequence[ShareId],
+    now: float,
+    handed_over: frozenset[tuple[str, str]] = frozenset(),
+) -> Match:
+    """The one in-flight container this Allocate(`shares`) is for (see `expected_container`);
+    `HandshakeError` FAILED_PRECONDITION when there is none."""
+    match = expected_container(pods, node, len(shares), now, handed_over,
+                               frozenset(s.gpu_uuid for s in shares))
+    if match is None:
+        raise HandshakeError(
+            "FAILED_PRECONDITION",
+            f"no pod in flight on node {node} has a container assigned {len(shares)} "
+            f"carpool.dev/gpu (the extender records the assignment at bind; was the pod "
+            f"scheduled by the Carpool scheduler?)",
+        )
+    return match
 
 
 def preferred_shares(

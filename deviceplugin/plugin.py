@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import grpc
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
@@ -23,8 +22,9 @@ from carpool.deviceplugin.devices import advertised_shares
 from carpool.deviceplugin.handshake import (
     HandshakeError,
     Match,
+    PodView,
     allocated_annotation,
-    in_flight,
+    expected_container,
     match_request,
     preferred_shares,
 )
@@ -178,16 +178,11 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             await self._abort(context, err)
             raise AssertionError("unreachable") from err
 
-    def _assigned_gpus(self, pods: Any, count: int, now: float) -> list[str]:
+    def _assigned_gpus(self, pods: list[PodView], count: int, now: float) -> list[str]:
         """The GPUs of the in-flight container this request is most likely for, or none."""
-        node = self.state.config.node
-        for pod, container, gpus in sorted(
-            in_flight(pods, node),
-            key=lambda c: (c[0].annotations.get("carpool.dev/assigned-at", ""), c[0].key),
-        ):
-            if len(gpus) == count and (pod.uid, container) not in self.state.handed_over:
-                return [g.uuid for g in gpus]
-        return []
+        match = expected_container(pods, self.state.config.node, count, now,
+                                   frozenset(self.state.handed_over))
+        return [g.uuid for g in match.gpus] if match else []
 
     async def Allocate(self, request: api_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> api_pb2.AllocateResponse:
