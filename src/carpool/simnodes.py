@@ -34,6 +34,7 @@ from carpool.core.names import (
 )
 from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.deviceplugin.backends.fake import DEFAULT_CUDA, DEFAULT_DRIVER, FakeBackend
+from carpool.deviceplugin.devices import share_count
 from carpool.deviceplugin.telemetry import status_from_backend
 
 LABEL_SIMULATED = f"{GROUP}/simulated"  # "true" on every Node and GpuNode made here
@@ -122,18 +123,11 @@ class SimNode:
         return FakeBackend.from_spec(self.backend_spec())
 
 
-def shares_of_gpu(group: SimGpuGroup, sharing: str, shares_per_gpu: int) -> int:
-    """`carpool.dev/gpu` shares one GPU advertises: 1 when exclusive, one per MIG instance
-    on a MIG GPU, otherwise `shares_per_gpu` (the most jobs that may share it)."""
-    if sharing == "exclusive":
-        return 1
-    if group.mig_instances:
-        return len(group.mig_instances)
-    return shares_per_gpu
-
-
 def advertised_shares(node: SimNode) -> int:
-    return sum(shares_of_gpu(g, node.sharing, node.shares_per_gpu) * g.count for g in node.gpus)
+    """`carpool.dev/gpu` the node advertises: the device plugin's own per-GPU share count
+    (one per MIG instance on a MIG GPU, one on an exclusive node, else `shares_per_gpu`)."""
+    return sum(share_count(g, node.sharing, node.shares_per_gpu)
+               for g in node.backend().inventory())
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -403,9 +397,8 @@ def node_status_manifest(node: SimNode) -> dict[str, Any]:
 def gpunode_status(node: SimNode, now: datetime) -> dict[str, Any]:
     """The GpuNode status the device plugin would publish for this node's (fake) GPUs."""
     status = status_from_backend(node.backend(), sharing_mode=node.sharing, now=now,
-                                 datasets=node.datasets)
+                                 datasets=node.datasets, shares_per_gpu=node.shares_per_gpu)
     status["zone"] = node.zone
-    status["sharesPerGpu"] = 1 if node.sharing == "exclusive" else node.shares_per_gpu
     return status
 
 
