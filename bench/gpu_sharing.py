@@ -196,13 +196,14 @@ def tail(err: Any) -> str:
     return str(err.read())[-3000:]
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     latencies = sorted(x for r in results for x in r["latencies_ms"])
     seconds = max(r["seconds"] for r in results)
     requests = sum(r["requests"] for r in results)
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     return {"req_per_s": requests / seconds, "p50_ms": statistics.median(latencies),
-            "p99_ms": p99, "requests": requests}
+            "p99_ms": p99, "requests": requests,
+            "per_process_req_per_s": [round(r["requests"] / r["seconds"], 1) for r in results]}
 
 
 def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
