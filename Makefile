@@ -62,7 +62,7 @@ helm-lint: binaries ## Lint the Helm chart
 	@$$(bash hack/build-k8s.sh | tail -1)/helm lint helm/carpool
 
 gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing benchmark
-	@python3 bench/gpu_sharing.py
+	@python3 bench/gpu_sharing.py $(GPU_CHECK_ARGS)
 
 clean: ## Remove the virtualenv and caches in the repo
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
