@@ -148,16 +148,16 @@ def test_cli_create_and_delete(api: client.ApiClient, cluster: Any, prefix: str,
     path.write_text(yaml.safe_dump({"nodes": [
         {"name": f"{prefix}-cli", "replicas": 2, "zone": "zone-q", "sharing": "exclusive",
          "gpus": [{"model": "H100", "count": 8}]}]}))
-    kubeconfig = ["nodes", "--kubeconfig", str(cluster.kubeconfig)]
-    assert cli.main([*kubeconfig, "create", "--from", str(path)]) == 0
-    assert cli.main([*kubeconfig, "create", "--from", str(path)]) == 0  # idempotent
+    kubeconfig = ["--kubeconfig", str(cluster.kubeconfig)]
+    assert cli.main(["nodes", "create", "--from", str(path), *kubeconfig]) == 0
+    assert cli.main(["nodes", "create", "--from", str(path), *kubeconfig]) == 0  # idempotent
     names = [f"{prefix}-cli-0", f"{prefix}-cli-1"]
     for name in names:
         assert gpunode(api, name)["status"]["sharingMode"] == "exclusive"
         node = client.CoreV1Api(api).read_node(name)
         assert node.status.allocatable[RESOURCE_GPU] == "8"  # exclusive: one share per GPU
 
-    assert cli.main([*kubeconfig, "delete", "--from", str(path)]) == 0
+    assert cli.main(["nodes", "delete", "--from", str(path), *kubeconfig]) == 0
     for name in names:
         with pytest.raises(ApiException) as gone:
             client.CoreV1Api(api).read_node(name)

@@ -33,12 +33,15 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
                              f"else {simnodes.DEFAULT_SHARES_PER_GPU})")
 
 
+def _add_kubeconfig(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubeconfig", type=Path,
+                        help="cluster to talk to (default: $KUBECONFIG or ~/.kube/config)")
+
+
 def register(commands: Any) -> None:
     """Add the `nodes` command to the `carpool` parser's sub-commands."""
     nodes = commands.add_parser("nodes", help="simulated GPU nodes (KWOK) with GpuNode status",
                                 description=__doc__)
-    nodes.add_argument("--kubeconfig", type=Path,
-                       help="cluster to talk to (default: $KUBECONFIG or ~/.kube/config)")
     actions = nodes.add_subparsers(dest="action", required=True)
 
     create = actions.add_parser("create", help="create or update nodes (idempotent)")
@@ -47,6 +50,7 @@ def register(commands: Any) -> None:
                         help="print the Node and GpuNode objects instead of applying them")
     create.add_argument("--skip-crds", action="store_true",
                         help="do not apply the Carpool CRDs first")
+    _add_kubeconfig(create)
     create.set_defaults(run=guarded(run_create))
 
     delete = actions.add_parser("delete", help="delete nodes and their GpuNodes")
@@ -57,12 +61,14 @@ def register(commands: Any) -> None:
                        const=Path(os.environ.get("CARPOOL_TRACES", "../shared/traces/openb"))
                        / DEFAULT_OPENB)
     delete.add_argument("--limit", type=int, metavar="N")
+    _add_kubeconfig(delete)
     delete.set_defaults(run=guarded(run_delete), shares_per_gpu=None)
 
     heartbeat = actions.add_parser(
         "heartbeat", help="keep simulated GpuNodes' heartbeats fresh, as live plugins would")
     heartbeat.add_argument("--interval", type=float, default=30.0, metavar="SECONDS")
     heartbeat.add_argument("--once", action="store_true", help="beat once and exit")
+    _add_kubeconfig(heartbeat)
     heartbeat.set_defaults(run=guarded(run_heartbeat))
 
 
