@@ -9,7 +9,7 @@ export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down demo bench proto helm-lint gpu-check clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down demo bench proto helm-lint chart-crds images gpu-check clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -58,8 +58,16 @@ demo: dev binaries ## Bring up Carpool on the local cluster with simulated GPU n
 bench: dev ## Run the benchmarks under bench/
 	@$(PY) bench/placement.py
 
-helm-lint: binaries ## Lint the Helm chart
-	@$$(bash hack/build-k8s.sh | tail -1)/helm lint helm/carpool
+helm-lint: binaries ## Lint the Helm chart (and check its CRD copies match crds/)
+	@bash hack/sync-chart-crds.sh --check
+	@$$(bash hack/build-k8s.sh | tail -1)/helm lint --strict helm/carpool
+
+chart-crds: ## Copy crds/ into the Helm chart (after editing a CRD)
+	@bash hack/sync-chart-crds.sh
+
+images: ## Build the container images (docker or podman): carpool and carpool-mps
+	@$${CONTAINER_TOOL:-docker} build -f docker/Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool:$${IMAGE_TAG:-0.1.0} .
+	@$${CONTAINER_TOOL:-docker} build -f docker/mps.Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool-mps:$${IMAGE_TAG:-0.1.0} docker
 
 gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing benchmark
 	@python3 bench/gpu_sharing.py $(GPU_CHECK_ARGS)
