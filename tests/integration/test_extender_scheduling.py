@@ -297,7 +297,7 @@ def test_a_job_restricted_to_a_model_lands_only_there(
 
 def test_of_two_equal_nodes_the_cooler_wins(
         core: Any, namespace: str, scheduler: Any, nodes: Nodes, pods: list[str]) -> None:
-    warm, cool = nodes.add(nodes.node("warm", temperature=75.0),
+    _warm, cool = nodes.add(nodes.node("warm", temperature=75.0),
                            nodes.node("cool", temperature=35.0))
     name = f"cool-{RUN}"
     pods.append(name)
@@ -307,7 +307,7 @@ def test_of_two_equal_nodes_the_cooler_wins(
 
 def test_the_node_with_the_dataset_cached_wins(
         core: Any, namespace: str, scheduler: Any, nodes: Nodes, pods: list[str]) -> None:
-    far, near = nodes.add(nodes.node("far"), nodes.node("near", datasets=["imagenet"]))
+    _far, near = nodes.add(nodes.node("far"), nodes.node("near", datasets=["imagenet"]))
     name = f"data-{RUN}"
     pods.append(name)
     core.create_namespaced_pod(namespace, gpu_pod(name, memory_gib=10, annotations={
