@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -391,3 +393,18 @@ def test_kubectl_get_gpujobs_wide(
                               "NODE", "EST-START", "QUEUE", "REASON", "GPU-HOURS", "AGE"]
     shown = next(r for r in rows if r.startswith("shown "))
     assert shown.split()[1:6] == ["vision", "batch", "1", "8Gi", "mps"]
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("file", ["gpujobs.yaml", "projectquotas.yaml"])
+def test_examples_are_valid(api: client.ApiClient, namespace: str, file: str) -> None:
+    documents = [d for d in yaml.safe_load_all((EXAMPLES / file).read_text()) if d]
+    assert documents
+    for body in documents:
+        if body["kind"] == "GpuJob":
+            body["metadata"]["namespace"] = namespace
+            assert create_job(api, namespace, body)["spec"]["template"]
+        else:
+            assert create_quota(api, body)["spec"]["weight"] > 0
