@@ -111,9 +111,13 @@ def _api_message(err: Any) -> str:
 def connect(kubeconfig: str | None, context: str | None) -> tuple[ClusterReader, str]:
     """A reader for the kubeconfig (or $KUBECONFIG, ~/.kube/config, in-cluster) and the
     namespace its current context names ('default' when none)."""
+    from pathlib import Path
+
     from kubernetes import config
     from kubernetes.config.config_exception import ConfigException
 
+    if kubeconfig and not Path(kubeconfig).is_file():
+        raise PluginError(f"no cluster to talk to: kubeconfig {kubeconfig} does not exist")
     try:
         api = config.new_client_from_config(config_file=kubeconfig, context=context)
         _, active = config.list_kube_config_contexts(config_file=kubeconfig)
