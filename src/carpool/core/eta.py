@@ -11,6 +11,7 @@ start of a higher-ranked job.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -125,18 +126,40 @@ class Slot:
 
 
 class Timeline:
-    """Per-node occupancy over time for one cycle's what-ifs (local state, never shared)."""
+    """Per-node occupancy over time for one cycle's what-ifs (local state, never shared).
+
+    Fit checks are memoised by (node, the exact set of occupancies that overlap the span,
+    request): the node's state is a function of that set alone, and occupancies are only
+    appended or shortened, so a cycle with thousands of jobs of a few shapes asks the
+    placement core only once per distinct situation.
+    """
 
     def __init__(self, nodes: Mapping[str, NodeState], now: float, ranker: NodeRanker) -> None:
         self.now = now
         self.ranker = ranker
         self._base = dict(nodes)  # inventory + grants of things that are not jobs
+        self._names = sorted(nodes)
         self._occupancies: dict[str, list[Occupancy]] = {name: [] for name in nodes}
-        self._never: dict[tuple[str, GpuRequest], bool] = {}
+        self._starts: dict[str, list[float]] = {name: [] for name in nodes}  # sorted
+        self._versions: dict[str, int] = dict.fromkeys(nodes, 0)
+        self._now_ids: dict[tuple[str, int, int], tuple[int, ...]] = {}
+        self._request_ids: dict[GpuRequest, int] = {}
+        self._hosts: dict[int, tuple[str, ...]] = {}  # request id -> nodes that could ever fit
+        self._fits: dict[tuple[str, tuple[int, ...], int],
+                         tuple[float, tuple[GpuGrant, ...]] | None] = {}
+
+    def _request_id(self, request: GpuRequest) -> int:
+        """A small int per distinct request, so the hot loops hash ints, not dataclasses."""
+        rid = self._request_ids.get(request)
+        if rid is None:
+            rid = self._request_ids[request] = len(self._request_ids)
+            self._hosts[rid] = tuple(n for n in self._names
+                                     if node_rejection(self._base[n], request) is None)
+        return rid
 
     @property
     def node_names(self) -> list[str]:
-        return sorted(self._base)
+        return list(self._names)
 
     def occupancies(self, node: str) -> list[Occupancy]:
         return list(self._occupancies.get(node, ()))
@@ -145,51 +168,89 @@ class Timeline:
         if node not in self._base:
             raise KeyError(f"unknown node {node!r}")
         self._occupancies[node].append(occupancy)
+        bisect.insort(self._starts[node], occupancy.start)
+        self._versions[node] += 1
 
     def end_at(self, job_key: str, end: float) -> None:
         """Shorten a job's occupancy (a preempted job leaves after its grace period)."""
         for node, occs in self._occupancies.items():
-            self._occupancies[node] = [
-                Occupancy(o.job_key, o.start, min(o.end, end), o.grants)
-                if o.job_key == job_key else o for o in occs]
+            for i, o in enumerate(occs):
+                if o.job_key == job_key and o.end > end:
+                    occs[i] = Occupancy(o.job_key, o.start, end, o.grants)
+                    self._versions[node] += 1
+
+    def _overlapping(self, node: str, start: float, end: float,
+                     without: frozenset[str]) -> tuple[int, ...]:
+        return tuple(i for i, o in enumerate(self._occupancies[node])
+                     if o.start < end and o.end > start and o.job_key not in without)
+
+    def _state(self, node: str, ids: tuple[int, ...]) -> NodeState:
+        base = self._base[node]
+        occs = self._occupancies[node]
+        held = tuple(g for i in ids for g in occs[i].grants)
+        return base.with_grants(held) if held else base
 
     def state_during(self, node: str, start: float, end: float,
                      without: frozenset[str] = frozenset()) -> NodeState:
         """The node with every grant held at some point of [start, end) (minus `without` jobs)."""
-        base = self._base[node]
-        held = tuple(g for o in self._occupancies[node]
-                     if o.start < end and o.end > start and o.job_key not in without
-                     for g in o.grants)
-        return base.with_grants(held) if held else base
+        return self._state(node, self._overlapping(node, start, end, without))
+
+    def fit_during(self, node: str, request: GpuRequest, start: float, end: float,
+                   without: frozenset[str] = frozenset()
+                   ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+        """(ranker score, grants) if `request` fits the node over [start, end), else None."""
+        return self._fit(node, request, self._request_id(request), start, end, without)
+
+    def _ids_from_now(self, node: str, end: float) -> tuple[int, ...]:
+        """Occupancies overlapping [now, end): memoised by how many start before `end`, which
+        with the node's version pins the set down (occupancies only grow or shorten)."""
+        starting = bisect.bisect_left(self._starts[node], end)
+        key = (node, self._versions[node], starting)
+        ids = self._now_ids.get(key)
+        if ids is None:
+            ids = self._now_ids[key] = self._overlapping(node, self.now, end, frozenset())
+        return ids
+
+    def _fit(self, node: str, request: GpuRequest, rid: int, start: float, end: float,
+             without: frozenset[str] = frozenset()
+             ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+        if start == self.now and not without:
+            ids = self._ids_from_now(node, end)
+        else:
+            ids = self._overlapping(node, start, end, without)
+        key = (node, ids, rid)
+        if key not in self._fits:
+            state = self._state(node, ids)
+            grants = choose_gpus(state, request)
+            self._fits[key] = (None if grants is None
+                               else (self.ranker(state, request, grants), grants))
+        return self._fits[key]
 
     def never_fits(self, node: str, request: GpuRequest) -> bool:
         """True if the node cannot hold the request even with no job on it."""
-        key = (node, request)
-        if key not in self._never:
-            self._never[key] = node_rejection(self._base[node], request) is not None
-        return self._never[key]
+        return node not in self._hosts[self._request_id(request)]
 
     def fits_anywhere_ever(self, request: GpuRequest) -> bool:
-        return any(not self.never_fits(n, request) for n in self._base)
+        return bool(self._hosts[self._request_id(request)])
 
     def best_now(self, request: GpuRequest, duration_s: float,
-                 respect_reservations: bool = True) -> Slot | None:
+                 respect_reservations: bool = True,
+                 without: frozenset[str] = frozenset()) -> Slot | None:
         """The best node that can hold the request from now for `duration_s`.
 
         With `respect_reservations` the slot must leave every reservation overlapping the span
-        in place; without, only what is held now counts (a raw capacity check).
+        in place; without, only what is held now counts (a raw capacity check). `without`
+        jobs are treated as gone.
         """
         end = self.now + duration_s if respect_reservations else self.now + 1e-9
         best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
-        for name in self.node_names:
-            if self.never_fits(name, request):
+        rid = self._request_id(request)
+        for name in self._hosts[rid]:
+            fit = self._fit(name, request, rid, self.now, end, without)
+            if fit is None:
                 continue
-            state = self.state_during(name, self.now, end)
-            grants = choose_gpus(state, request)
-            if grants is None:
-                continue
-            score = self.ranker(state, request, grants)
-            if best is None or (-score, name) < (-best[0], best[1]):
+            score, grants = fit
+            if best is None or score > best[0]:
                 best = (score, name, grants)
         return Slot(self.now, best[1], best[2]) if best else None
 
@@ -197,20 +258,17 @@ class Timeline:
         """The earliest slot at or after `not_before` for the whole duration; None if no node
         could ever hold the request. Ties go to the better-ranked node, then the name."""
         best: tuple[float, float, str, tuple[GpuGrant, ...]] | None = None
-        for name in self.node_names:
-            if self.never_fits(name, request):
-                continue
+        rid = self._request_id(request)
+        for name in self._hosts[rid]:
             times = sorted({not_before} | {o.end for o in self._occupancies[name]
                                            if o.end > not_before})
             for t in times:
                 if best is not None and t > best[0]:
                     break
-                state = self.state_during(name, t, t + duration_s)
-                grants = choose_gpus(state, request)
-                if grants is None:
+                fit = self._fit(name, request, rid, t, t + duration_s)
+                if fit is None:
                     continue
-                score = self.ranker(state, request, grants)
-                candidate = (t, -score, name, grants)
+                candidate = (t, -fit[0], name, fit[1])
                 if best is None or candidate[:3] < best[:3]:
                     best = candidate
                 break

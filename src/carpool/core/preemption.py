@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from carpool.core.eta import Timeline
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.jobs import Job
-from carpool.core.placement import choose_gpus
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass
 
 
@@ -106,7 +105,8 @@ def plan_preemption(request: GpuRequest, duration_s: float, candidates: Iterable
 
         def fits(victims: list[Candidate], node: str = node) -> tuple[GpuGrant, ...] | None:
             gone = leaving | {v.job.key for v in victims}
-            return choose_gpus(timeline.state_during(node, now, now + duration_s, gone), request)
+            fit = timeline.fit_during(node, request, now, now + duration_s, gone)
+            return fit[1] if fit is not None else None
 
         ordered = sorted(by_node[node], key=lambda c: c.preference)
         chosen: list[Candidate] = []

@@ -40,7 +40,7 @@ from carpool.core.eta import (
 )
 from carpool.core.fairshare import DEFAULT_REFERENCE_MEMORY_MIB, nominal_fraction, rank_queue
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, ProjectUsage
-from carpool.core.placement import NodeState, choose_gpus
+from carpool.core.placement import NodeState
 from carpool.core.preemption import (
     Candidate,
     PreemptionCause,
@@ -80,6 +80,7 @@ class AdmissionConfig:
     aging_step_s: float = 3600.0  # waiting this long raises a job one class (see fairshare)
     reservation_depth: int = 64  # waiting jobs that get an exact slot; deeper: coarse ETA
     max_preemptions_per_cycle: int = 16  # victims chosen per cycle, at most
+    max_preemption_attempts_per_cycle: int = 32  # victim searches per cycle, at most
     preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
     duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
@@ -245,6 +246,8 @@ class _Cycle:
     now_fail: dict[GpuRequest, float] = field(default_factory=dict)
     raw_fail: set[GpuRequest] = field(default_factory=set)
     preemptions: list[Preemption] = field(default_factory=list)
+    preempt_attempts: int = 0
+    preempt_fail: set[tuple[GpuRequest, JobClass, bool, str]] = field(default_factory=set)
 
 
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
@@ -306,6 +309,19 @@ def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: 
         if held_g + gpus <= cap_g + 1e-9 and held_m + memory_mib <= cap_m:
             return t
     return times[-1]
+
+
+def _worth_preempting(cycle: _Cycle, job: Job, duration: float) -> bool:
+    """Preempt only within the per-cycle caps, and only if waiting would take longer than
+    `preempt_after_wait_s`."""
+    config = cycle.config
+    if (len(cycle.preemptions) >= config.max_preemptions_per_cycle
+            or cycle.preempt_attempts >= config.max_preemption_attempts_per_cycle):
+        return False
+    if config.preempt_after_wait_s <= 0:
+        return True
+    eta = cycle.timeline.earliest(job.request, duration, cycle.snapshot.now)
+    return eta is None or eta.start - cycle.snapshot.now > config.preempt_after_wait_s
 
 
 def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
@@ -372,7 +388,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
     admissions: list[Admission] = []
     waits: list[Wait] = []
-    status_admitted: dict[str, list[tuple[float, bool]]] = {}
+    status_admitted: dict[str, list[tuple[float, bool, float]]] = {}
     reservations = 0
     latest_reserved = now
     work_beyond_depth = 0.0
@@ -424,7 +440,8 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
             cycle.running_spans.setdefault(job.project, []).append(
                 (now + duration, fraction, memory))
-            status_admitted.setdefault(job.project, []).append((fraction, verdict.borrowed))
+            status_admitted.setdefault(job.project, []).append(
+                (fraction, verdict.borrowed, reserve))
             admissions.append(Admission(
                 job.key, slot.node, slot.grants, verdict.borrowed, fraction, job.attempts + 1,
                 position, f"admitted to {slot.node}: {verdict.message}"))
@@ -459,9 +476,8 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                 if not raw_fits:
                     cycle.raw_fail.add(request)
             leaving = frozenset(cycle.leaving)
-            pending = bool(leaving) and any(
-                choose_gpus(timeline.state_during(n, now, now + duration, leaving), request)
-                for n in timeline.node_names if not timeline.never_fits(n, request))
+            pending = bool(leaving) and timeline.best_now(request, duration,
+                                                          without=leaving) is not None
             if raw_fits:
                 reason = WaitReason.BEHIND_HIGHER_RANKED
                 message = (f"GPUs are free but reserved for {ahead} higher-ranked waiting "
@@ -473,11 +489,14 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                 reason = WaitReason.CAPACITY
                 message = f"no node has room now; {ahead} higher-ranked job(s) wait for GPUs"
                 preempted: list[Preemption] = []
-                if not verdict.budget_exhausted:
-                    eta = timeline.earliest(request, duration, now)
-                    if eta is None or eta.start - now > config.preempt_after_wait_s:
-                        preempted = _try_preempt(cycle, job,
-                                                 verdict.standing is Standing.IN_QUOTA, duration)
+                if not verdict.budget_exhausted and _worth_preempting(cycle, job, duration):
+                    in_quota = verdict.standing is Standing.IN_QUOTA
+                    attempt = (request, job.job_class, in_quota, job.project)
+                    if attempt not in cycle.preempt_fail:
+                        cycle.preempt_attempts += 1
+                        preempted = _try_preempt(cycle, job, in_quota, duration)
+                        if not preempted:
+                            cycle.preempt_fail.add(attempt)
                 if preempted:
                     cycle.preemptions.extend(preempted)
                     ledger.add(fraction, memory, verdict.borrowed, reserve)
@@ -519,13 +538,15 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                        projects)
 
 
-def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool]]],
+def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool, float]]],
                       waits: list[Wait]) -> tuple[ProjectStatus, ...]:
     snapshot = cycle.snapshot
     now = snapshot.now
     pending: dict[str, int] = {}
     job_project = {j.key: j.project for j in snapshot.jobs}
     for wait in waits:
+        if wait.reason.refused:
+            continue
         project = job_project[wait.job_key]
         pending[project] = pending.get(project, 0) + 1
     out = []
@@ -534,11 +555,12 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
         usage = cycle.usage[name]
         mine = [h for h in cycle.holders if h.job.project == name]
         new = admitted.get(name, [])
-        running = sum(h.fraction for h in mine) + sum(f for f, _ in new)
+        running = sum(h.fraction for h in mine) + sum(f for f, _, _ in new)
         borrowed = (sum(h.fraction for h in mine if h.job.borrowed)
-                    + sum(f for f, b in new if b))
-        reserved = sum(budget_reservation(h.fraction, now, h.job.started_at, h.job.limit_s,
-                                          quota.period_end(now)) for h in mine)
+                    + sum(f for f, b, _ in new if b))
+        reserved = sum((budget_reservation(h.fraction, now, h.job.started_at, h.job.limit_s,
+                                           quota.period_end(now)) for h in mine), 0.0)
+        reserved += sum(r for _, _, r in new)
         efficiency = memory_efficiency(j for j in snapshot.jobs if j.project == name).ratio
         budget = quota.budget_gpu_hours
         out.append(ProjectStatus(
