@@ -65,6 +65,21 @@ class SimMig:
 
 
 @dataclass(frozen=True)
+class Taint:
+    """A Node taint, e.g. to keep one test's pods apart from another's."""
+
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"
+
+    def manifest(self) -> dict[str, str]:
+        out = {"key": self.key, "effect": self.effect}
+        if self.value:
+            out["value"] = self.value
+        return out
+
+
+@dataclass(frozen=True)
 class SimGpuGroup:
     """`count` identical GPUs of one node (one `gpus` entry of the YAML)."""
 
@@ -93,6 +108,7 @@ class SimNode:
     driver_version: str = DEFAULT_DRIVER
     cuda_version: str = DEFAULT_CUDA
     labels: tuple[tuple[str, str], ...] = field(default=())
+    taints: tuple[Taint, ...] = ()  # none by default: KWOK manages nodes by annotation
 
     @property
     def gpu_count(self) -> int:
@@ -133,7 +149,8 @@ def advertised_shares(node: SimNode) -> int:
 # --- parsing ------------------------------------------------------------------------------
 
 _NODE_KEYS = {"name", "replicas", "zone", "sharing", "cpu", "memory", "pods", "sharesPerGpu",
-              "datasets", "driverVersion", "cudaVersion", "labels", "gpus"}
+              "datasets", "driverVersion", "cudaVersion", "labels", "taints", "gpus"}
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _GPU_KEYS = {"model", "count", "memoryTotalMiB", "temperatureC", "slowdownTemperatureC",
              "powerW", "migInstances"}
 _MIG_KEYS = {"profile", "slices", "memoryMiB"}
@@ -210,6 +227,17 @@ def _gpu_group(where: str, raw: object) -> SimGpuGroup:
     )
 
 
+def _taint(where: str, raw: object) -> Taint:
+    obj = _mapping(where, raw)
+    _check_keys(where, obj, {"key", "value", "effect"})
+    effect = str(obj.get("effect", "NoSchedule"))
+    if effect not in _TAINT_EFFECTS:
+        raise ValueError(f"{where}.effect: must be one of {', '.join(_TAINT_EFFECTS)}, "
+                         f"got {effect!r}")
+    return Taint(key=_text(f"{where}.key", obj.get("key")), value=str(obj.get("value", "")),
+                 effect=effect)
+
+
 def _node_name(where: str, value: object) -> str:
     name = _text(where, value)
     if not _DNS_SUBDOMAIN.match(name):
@@ -243,6 +271,8 @@ def _nodes_from_entry(where: str, raw: object, default_shares: int) -> list[SimN
             raise ValueError(f"{where}: {key} value {value!r} is not a valid label value")
     datasets = tuple(_text(f"{where}.datasets[{i}]", d)
                      for i, d in enumerate(_list(f"{where}.datasets", obj.get("datasets", []))))
+    taints = tuple(_taint(f"{where}.taints[{i}]", t)
+                   for i, t in enumerate(_list(f"{where}.taints", obj.get("taints", []))))
     replicas = _positive_int(f"{where}.replicas", obj.get("replicas", 1))
     names = [base] if "replicas" not in obj else [f"{base}-{n}" for n in range(replicas)]
     return [
@@ -257,6 +287,7 @@ def _nodes_from_entry(where: str, raw: object, default_shares: int) -> list[SimN
                                  obj.get("driverVersion", DEFAULT_DRIVER)),
             cuda_version=_text(f"{where}.cudaVersion", obj.get("cudaVersion", DEFAULT_CUDA)),
             labels=tuple(sorted(labels.items())),
+            taints=taints,
         )
         for name in names
     ]
@@ -373,8 +404,8 @@ def node_resources(node: SimNode) -> dict[str, str]:
 def node_manifest(node: SimNode) -> dict[str, Any]:
     """The KWOK Node (metadata and spec; its status is applied through /status).
 
-    No taint: this cluster has no real kubelets for pods to prefer, and Carpool's pods then
-    need no KWOK toleration. KWOK manages the node because of its annotation.
+    No taint unless asked for: KWOK manages the node because of its annotation, and Carpool's
+    pods then need no toleration.
     """
     return {
         "apiVersion": "v1",
@@ -384,7 +415,7 @@ def node_manifest(node: SimNode) -> dict[str, Any]:
             "labels": node_labels(node),
             "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
         },
-        "spec": {},
+        "spec": {"taints": [t.manifest() for t in node.taints]} if node.taints else {},
     }
 
 
@@ -424,24 +455,17 @@ def api_client(kubeconfig: str | Path | None = None) -> Any:
 def apply_node(api: Any, node: SimNode, now: datetime) -> None:
     """Create or update one node's Node and GpuNode, status included (idempotent)."""
     from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
 
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
-    # Create the Node with its status in one request: KWOK initialises a node's status the
-    # moment it appears, and one it saw without capacity gets KWOK's defaults (cpu "1k").
-    try:
-        applied = core.create_node({**node_manifest(node),
-                                    "status": node_status_manifest(node)["status"]},
-                                   field_manager=FIELD_MANAGER)
-    except ApiException as err:
-        if err.status != 409:
-            raise
-        applied = core.patch_node(node.name, node_manifest(node), field_manager=FIELD_MANAGER,
-                                  force=True, _content_type=APPLY_PATCH)
-        core.patch_node_status(node.name, node_status_manifest(node),
-                               field_manager=FIELD_MANAGER, force=True,
-                               _content_type=APPLY_PATCH)
+    # The status goes in with the Node itself: KWOK initialises a node's status the moment it
+    # appears, and one it saw without capacity gets KWOK's defaults (cpu "1k"). On an existing
+    # Node the main endpoint ignores status, so it is applied through /status as well.
+    status = node_status_manifest(node)
+    applied = core.patch_node(node.name, {**node_manifest(node), "status": status["status"]},
+                              field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
+    core.patch_node_status(node.name, status, field_manager=FIELD_MANAGER, force=True,
+                           _content_type=APPLY_PATCH)
     uid = applied.metadata.uid if applied.metadata else None
     custom.patch_cluster_custom_object(
         GROUP, VERSION, GPUNODE_PLURAL, node.name, gpunode_manifest(node, uid),

@@ -109,11 +109,15 @@ def test_nodes_from_yaml_become_ready_kwok_nodes_with_gpunodes(
 
 def test_applying_again_updates_in_place(api: client.ApiClient, prefix: str) -> None:
     nodes = renamed(simnodes.load_nodes_yaml(EXAMPLE), prefix)
-    simnodes.apply_nodes(api, nodes, NOW)
-    hotter = [dataclasses.replace(n, datasets=("laion",)) if n.name.endswith("a100-0") else n
-              for n in nodes]
+    tainted = [dataclasses.replace(n, taints=(simnodes.Taint("maintenance"),)) for n in nodes]
+    simnodes.apply_nodes(api, tainted, NOW)
+    core = client.CoreV1Api(api)
+    assert core.read_node(f"{prefix}-a100-0").spec.taints[0].key == "maintenance"
+    changed = [dataclasses.replace(n, datasets=("laion",)) if n.name.endswith("a100-0") else n
+               for n in nodes]
     later = NOW + timedelta(minutes=5)
-    simnodes.apply_nodes(api, hotter, later)
+    simnodes.apply_nodes(api, changed, later)
+    assert not core.read_node(f"{prefix}-a100-0").spec.taints  # what the file dropped goes
     mine = [n for n in simnodes.simulated_node_names(api) if n.startswith(f"{prefix}-")]
     assert sorted(mine) == sorted(n.name for n in nodes)
     status = gpunode(api, f"{prefix}-a100-0")["status"]

@@ -144,6 +144,16 @@ def test_node_manifest_is_a_kwok_node_with_equal_capacity_and_allocatable() -> N
         "cpu": "1500m", "memory": "8192Mi", "pods": "110", RESOURCE_GPU: "16"}
 
 
+def test_taints_are_opt_in() -> None:
+    (node,) = simnodes.parse_nodes(node_doc(taints=[{"key": "team", "value": "a"},
+                                                    {"key": "gpu", "effect": "NoExecute"}]))
+    assert simnodes.node_manifest(node)["spec"] == {"taints": [
+        {"key": "team", "value": "a", "effect": "NoSchedule"},
+        {"key": "gpu", "effect": "NoExecute"}]}
+    with pytest.raises(ValueError, match=r"nodes\[0\].taints\[0\].effect"):
+        simnodes.parse_nodes(node_doc(taints=[{"key": "k", "effect": "Never"}]))
+
+
 def test_mixed_model_nodes_are_labelled_mixed() -> None:
     (node,) = simnodes.parse_nodes(node_doc(gpus=[{"model": "A100"}, {"model": "H100"}]))
     assert simnodes.node_labels(node)[simnodes.LABEL_GPU_MODEL] == "mixed"
