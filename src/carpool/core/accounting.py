@@ -44,8 +44,8 @@ def held_fraction(job: Job, nodes: Mapping[str, NodeState], fallback: float) -> 
 
 
 def run_gpu_hours(run: RunRecord, now: float) -> float:
-    """GPU-hours of one run; an open run counts up to `now`."""
-    return gpu_hours(run.fraction, run.start, run.end if run.end is not None else now)
+    """GPU-hours of one run up to `now` (an open run, or a record from a clock ahead of ours)."""
+    return gpu_hours(run.fraction, run.start, min(run.end if run.end is not None else now, now))
 
 
 def run_gpu_hours_between(run: RunRecord, window_start: float, window_end: float,

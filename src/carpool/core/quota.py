@@ -163,10 +163,16 @@ def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int, reserva
 
     if within_guarantee:
         return Verdict(Standing.IN_QUOTA, f"within project {quota.name}'s guarantee")
-    usage = (f"project {quota.name} runs {_fmt(ledger.in_quota_gpus)} of {_fmt(g_gpus)} "
-             f"guaranteed GPUs and {ledger.in_quota_memory_mib // 1024} of "
-             f"{_fmt(g_mem / 1024)} GiB guaranteed memory (+{_fmt(ledger.borrowed_gpus)} "
-             f"borrowed); this job needs {_fmt(gpus)} GPUs and {memory_mib // 1024} GiB")
+    usage = f"project {quota.name} runs {_fmt(ledger.in_quota_gpus)} of {_fmt(g_gpus)} " \
+            "guaranteed GPUs"
+    if math.isfinite(g_mem):
+        usage += (f" and {_fmt(ledger.in_quota_memory_mib / 1024)} of {_fmt(g_mem / 1024)} GiB "
+                  "guaranteed GPU memory")
+    if ledger.borrowed_gpus > 0:
+        usage += f" (+{_fmt(ledger.borrowed_gpus)} borrowed)"
+    usage += f"; this job needs {_fmt(gpus)} GPUs"
+    if math.isfinite(g_mem):
+        usage += f" and {_fmt(memory_mib / 1024)} GiB"
     if borrows_ok and within_cap:
         return Verdict(Standing.BORROWING, usage + "; borrows idle capacity (preemptible)")
     if not quota.borrowing:
