@@ -1,0 +1,333 @@
+"""The Helm chart rendered with `helm template` and read back: kinds, RBAC, the scheduler's
+configuration, component flags, values checks, CRD copies and the Grafana dashboard.
+
+Component flags are parsed with the components' own argument parsers, so a renamed flag fails
+here rather than in a crash-looping pod.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool import crds
+from carpool.core import names
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "carpool"
+NAMESPACE = "carpool-system"
+Obj = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    """Helm from hack/build-k8s.sh (built once per machine; its last line is the bin dir)."""
+    built = subprocess.run(["bash", str(REPO / "hack" / "build-k8s.sh")], check=True,
+                           stdout=subprocess.PIPE, text=True, cwd=REPO)
+    return Path(built.stdout.strip().splitlines()[-1]) / "helm"
+
+
+def render(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(helm), "template", "carpool", str(CHART), "--namespace", NAMESPACE,
+         "--kube-version", "1.35.4", *args],
+        capture_output=True, text=True, timeout=60)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm template failed: {result.stderr}")
+    return result
+
+
+def objects(helm: Path, *args: str) -> list[Obj]:
+    return [o for o in yaml.safe_load_all(render(helm, *args).stdout) if o]
+
+
+def find(objs: list[Obj], kind: str, name: str) -> Obj:
+    matches = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+@pytest.fixture(scope="module")
+def default(helm: Path) -> list[Obj]:
+    return objects(helm)
+
+
+def rules_of(objs: list[Obj], role: str) -> list[Obj]:
+    return list(find(objs, "ClusterRole", role)["rules"])
+
+
+def granted(rules: list[Obj]) -> set[tuple[str, str, str]]:
+    return {(group, resource, verb) for r in rules for group in r["apiGroups"]
+            for resource in r["resources"] for verb in r["verbs"]}
+
+
+def test_default_install_has_every_component(default: list[Obj]) -> None:
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in default
+                   if o["kind"] in ("Deployment", "DaemonSet", "Service", "ConfigMap"))
+    assert kinds == [
+        ("ConfigMap", "carpool-dashboard"),
+        ("ConfigMap", "carpool-scheduler-config"),
+        ("DaemonSet", "carpool-device-plugin-exclusive"),
+        ("DaemonSet", "carpool-device-plugin-mig"),
+        ("DaemonSet", "carpool-device-plugin-mps"),
+        ("DaemonSet", "carpool-device-plugin-timeslice"),
+        ("DaemonSet", "carpool-mps-daemon"),
+        ("Deployment", "carpool-extender"),
+        ("Deployment", "carpool-operator"),
+        ("Deployment", "carpool-scheduler"),
+        ("Service", "carpool-device-plugin-metrics"),
+        ("Service", "carpool-extender"),
+        ("Service", "carpool-operator-metrics"),
+    ]
+    assert not [o for o in default if o["kind"] == "ServiceMonitor"]  # opt-in
+    assert all(o["metadata"].get("namespace") == NAMESPACE for o in default
+               if o["kind"] not in ("ClusterRole", "ClusterRoleBinding")
+               and not (o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == "kube-system"))
+
+
+def test_no_role_grants_secrets_or_wildcards(default: list[Obj]) -> None:
+    for role in (o for o in default if o["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            where = f"{role['kind']}/{role['metadata']['name']}"
+            assert "secrets" not in rule["resources"], where
+            assert "*" not in rule["resources"] + rule["verbs"] + rule["apiGroups"], where
+
+
+def test_operator_rbac(default: list[Obj]) -> None:
+    rules = granted(rules_of(default, "carpool-operator"))
+    group = names.GROUP
+    for verb in ("get", "list", "watch"):
+        for resource in ("gpujobs", "projectquotas", "gpunodes"):
+            assert (group, resource, verb) in rules
+    assert {(group, "gpujobs/status", "patch"), (group, "projectquotas/status", "patch"),
+            ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "watch"),
+            ("events.k8s.io", "events", "create")} <= rules
+    # the specs belong to users and the platform team; the operator writes only statuses
+    assert not {v for g, r, v in rules if g == group and "/" not in r} - {"get", "list", "watch"}
+    assert not [r for r in rules if r[1] in ("configmaps", "secrets", "serviceaccounts")]
+    lease_role = find(default, "Role", "carpool-operator-leader")
+    assert granted(lease_role["rules"]) == {("coordination.k8s.io", "leases", v)
+                                            for v in ("create", "get", "update")}
+    assert lease_role["rules"][1]["resourceNames"] == ["carpool-operator"]
+
+
+def test_device_plugin_rbac_is_its_node_agent_work_only(default: list[Obj]) -> None:
+    assert granted(rules_of(default, "carpool-device-plugin")) == {
+        ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "patch"),
+        (names.GROUP, "gpunodes", "get"), (names.GROUP, "gpunodes", "create"),
+        (names.GROUP, "gpunodes/status", "get"), (names.GROUP, "gpunodes/status", "update"),
+        (names.GROUP, "gpunodes/status", "patch"),
+        ("", "events", "create"), ("", "events", "patch"),
+    }
+
+
+def test_extender_rbac(default: list[Obj]) -> None:
+    assert granted(rules_of(default, "carpool-extender")) == {
+        ("", "nodes", "get"), ("", "nodes", "list"), ("", "nodes", "watch"),
+        ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "patch"),
+        ("", "pods/binding", "create"),
+        (names.GROUP, "gpunodes", "get"), (names.GROUP, "gpunodes", "list"),
+        (names.GROUP, "gpunodes", "watch"),
+    }
+
+
+def test_every_service_account_is_bound_to_its_own_role(default: list[Obj]) -> None:
+    accounts = {o["metadata"]["name"] for o in default if o["kind"] == "ServiceAccount"}
+    assert accounts == {"carpool-operator", "carpool-extender", "carpool-scheduler",
+                        "carpool-device-plugin"}
+    for binding in (o for o in default if o["kind"] == "ClusterRoleBinding"):
+        (subject,) = binding["subjects"]
+        assert subject["namespace"] == NAMESPACE
+        role = binding["roleRef"]["name"]
+        assert role == subject["name"] or (subject["name"] == "carpool-scheduler"
+                                           and role.startswith("system:"))
+    pods = [o["spec"]["template"]["spec"] for o in default
+            if o["kind"] in ("Deployment", "DaemonSet")]
+    assert {p.get("serviceAccountName") for p in pods} == accounts | {None}
+    mps = find(default, "DaemonSet", "carpool-mps-daemon")["spec"]["template"]["spec"]
+    assert mps["automountServiceAccountToken"] is False
+
+
+def scheduler_config(objs: list[Obj]) -> Obj:
+    config: Obj = yaml.safe_load(
+        find(objs, "ConfigMap", "carpool-scheduler-config")["data"]["config.yaml"])
+    return config
+
+
+def test_scheduler_calls_the_extender_for_carpool_resources(default: list[Obj]) -> None:
+    config = scheduler_config(default)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["profiles"] == [{"schedulerName": names.SCHEDULER_NAME}]
+    assert config["leaderElection"]["resourceName"] == "carpool-scheduler"
+    assert config["leaderElection"]["resourceNamespace"] == NAMESPACE
+    (extender,) = config["extenders"]
+    service = find(default, "Service", "carpool-extender")
+    port = service["spec"]["ports"][0]["port"]
+    assert extender["urlPrefix"] == f"http://carpool-extender.{NAMESPACE}.svc:{port}/"
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter", "prioritize", "bind")
+    assert extender["nodeCacheCapable"] is True
+    assert extender["weight"] > 0
+    assert extender["managedResources"] == [
+        {"name": r, "ignoredByScheduler": True}
+        for r in (names.RESOURCE_GPU, names.RESOURCE_GPU_MEMORY, names.RESOURCE_GPU_CORES)]
+    deployment = find(default, "Deployment", "carpool-scheduler")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--config=/etc/carpool-scheduler/config.yaml" in container["command"]
+    assert container["volumeMounts"][0]["mountPath"] == "/etc/carpool-scheduler"
+
+
+def test_scheduler_restarts_when_its_configuration_changes(helm: Path) -> None:
+    def checksum(*args: str) -> str:
+        objs = objects(helm, *args)
+        annotations = find(objs, "Deployment", "carpool-scheduler")["spec"]["template"][
+            "metadata"]["annotations"]
+        return str(annotations["checksum/config"])
+
+    assert checksum() != checksum("--set", "scheduler.extenderTimeout=30s")
+
+
+def container(obj: Obj) -> Obj:
+    (c,) = obj["spec"]["template"]["spec"]["containers"]
+    return dict(c)
+
+
+def test_operator_deployment(default: list[Obj]) -> None:
+    operator = find(default, "Deployment", "carpool-operator")
+    c = container(operator)
+    assert operator["spec"]["replicas"] == 2
+    assert c["command"][:4] == ["kopf", "run", "--standalone", "--all-namespaces"]
+    assert c["command"][-2:] == ["-m", "carpool.operator.handlers"]
+    assert "--liveness=http://0.0.0.0:8080/healthz" in c["command"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["CARPOOL_NAMESPACE"]["valueFrom"] == {"fieldRef":
+                                                     {"fieldPath": "metadata.namespace"}}
+    assert env["CARPOOL_METRICS_PORT"]["value"] == "9090"
+    assert env["PYTHONSAFEPATH"]["value"] == "1"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_extender_flags_parse(default: list[Obj]) -> None:
+    from carpool.extender.__main__ import parse_args
+
+    c = container(find(default, "Deployment", "carpool-extender"))
+    assert c["command"] == ["python", "-m", "carpool.extender"]
+    args = parse_args(c["args"])
+    assert (args.port, args.policy) == (18080, "binpack")
+    assert {p["path"] for p in (c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"])
+            } == {"/livez", "/healthz"}
+
+
+@pytest.mark.parametrize("mode", ["mps", "mig", "timeslice", "exclusive"])
+def test_device_plugin_per_sharing_label(default: list[Obj], mode: str) -> None:
+    from carpool.deviceplugin.__main__ import parse_args
+
+    daemonset = find(default, "DaemonSet", f"carpool-device-plugin-{mode}")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {names.LABEL_SHARING: mode}
+    c = container(daemonset)
+    args = parse_args([*c["args"], "--node-name", "n"])
+    assert args.sharing_mode == mode
+    assert args.backend == "nvml"
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}
+            } in c["env"]
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/var/lib/kubelet/device-plugins" in mounts
+    if mode == "mps":
+        # the MPS daemon DaemonSet runs the control daemon; the plugin only points clients at it
+        assert args.no_manage_mps
+        assert str(args.mps_pipe_dir) == "/run/carpool/mps/pipe"
+        assert "/run/carpool/mps" in mounts
+    assert spec["hostPID"] is (mode == "timeslice")
+
+
+def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
+    daemonset = find(default, "DaemonSet", "carpool-mps-daemon")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {names.LABEL_SHARING: "mps"}
+    env = {e["name"]: e["value"] for e in container(daemonset)["env"]}
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/carpool/mps/pipe"
+    host_paths = {v["hostPath"]["path"] for v in spec["volumes"]}
+    assert host_paths == {"/run/carpool/mps", "/run/carpool/mps/shm"}
+
+
+def test_values_switch_components(helm: Path) -> None:
+    objs = objects(helm, "--set", "devicePlugin.sharingModes={mig}", "--set",
+                   "scheduler.enabled=false", "--set", "metrics.serviceMonitor.enabled=true",
+                   "--set-string", "devicePlugin.nodeSelector.nvidia\\.com/gpu\\.present=true")
+    daemonsets = {o["metadata"]["name"]: o for o in objs if o["kind"] == "DaemonSet"}
+    assert list(daemonsets) == ["carpool-device-plugin-mig"]  # no MPS nodes: no MPS daemon
+    assert daemonsets["carpool-device-plugin-mig"]["spec"]["template"]["spec"][
+        "nodeSelector"] == {names.LABEL_SHARING: "mig", "nvidia.com/gpu.present": "true"}
+    assert not [o for o in objs if "scheduler" in o["metadata"]["name"]]
+    monitors = sorted(o["metadata"]["name"] for o in objs if o["kind"] == "ServiceMonitor")
+    assert monitors == ["carpool-device-plugin", "carpool-extender", "carpool-operator"]
+    none = objects(helm, "--set", "rbac.create=false")
+    assert not [o for o in none if o["kind"].endswith(("Role", "RoleBinding"))]
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    ("operator.replicas=two", "at '/operator/replicas': got string, want integer"),
+    ("devicePlugin.sharingModes={mps,gpu}", "/devicePlugin/sharingModes/1"),
+    ("extender.policy=random", "/extender/policy"),
+    ("operatr.enabled=false", "additional properties 'operatr' not allowed"),
+])
+def test_schema_refuses_bad_values(helm: Path, flag: str, message: str) -> None:
+    result = render(helm, "--set", flag, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_chart_crds_are_the_repository_crds(helm: Path) -> None:
+    check = subprocess.run(["bash", str(REPO / "hack" / "sync-chart-crds.sh"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + "\n(run make chart-crds)"
+    rendered = [o for o in objects(helm, "--include-crds")
+                if o["kind"] == "CustomResourceDefinition"]
+    assert sorted(rendered, key=lambda c: c["metadata"]["name"]) == sorted(
+        crds.load_crds(), key=lambda c: c["metadata"]["name"])
+
+
+def metric_names() -> set[str]:
+    """Every series name the operator and device plugin can expose."""
+    from carpool.deviceplugin.metrics import GpuMetrics
+    from carpool.operator import metrics as operator_metrics
+    from prometheus_client import REGISTRY
+
+    assert operator_metrics.QUEUE_LENGTH is not None  # imported: registered in REGISTRY
+    families = [*REGISTRY.collect(), *GpuMetrics("n").registry.collect()]
+    out = set()
+    for family in families:
+        for suffix in ("", "_total", "_bucket", "_count", "_sum"):
+            out.add(family.name + suffix)
+    return out
+
+
+def dashboard_exprs(dashboard: Obj) -> Iterator[str]:
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            yield str(target["expr"])
+
+
+def test_dashboard_queries_only_metrics_that_exist(default: list[Obj]) -> None:
+    data = find(default, "ConfigMap", "carpool-dashboard")
+    assert data["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(data["data"]["carpool.json"])
+    exprs = list(dashboard_exprs(dashboard))
+    used = {m for e in exprs for m in re.findall(r"\bcarpool_[a-z_]+", e)}
+    assert used <= metric_names(), used - metric_names()
+    for wanted in ("carpool_queue_length", "carpool_wait_seconds_bucket",
+                   "carpool_project_gpu_hours", "carpool_project_budget_remaining_gpu_hours",
+                   "carpool_gpu_temperature_celsius", "carpool_gpu_memory_used_mib"):
+        assert wanted in used
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
