@@ -366,13 +366,16 @@ def main() -> int:
     client_requests = [(f"mps-{n}", "mps", 8 * GIB, 25) for n in range(4)]
     slice_requests = [(f"ts-{n}", "timeslice", 8 * GIB, 25) for n in range(4)]
     exclusive_request = [("exclusive", "exclusive", 0, 100)]
+    # the same memory caps without an SM cap: what the 25 % thread limit costs in throughput
+    open_requests = [(f"mps-open-{n}", "mps", 8 * GIB, 0) for n in range(4)]
 
     if args.dry_run:
         from carpool.deviceplugin.backends.fake import FakeBackend
 
         backend: Any = FakeBackend.from_spec({"node": "bench-node", "gpus": [{"model": "H200"}]})
         answers = asyncio.run(plugin_allocations(
-            backend, pipe_dir, exclusive_request + slice_requests + client_requests))
+            backend, pipe_dir, exclusive_request + slice_requests + client_requests
+            + open_requests))
         for a in answers:
             print(json.dumps({**a, "hostEnv": host_env(a)}), flush=True)
         part_a(backend)
@@ -386,9 +389,9 @@ def main() -> int:
     report["nvml_event_gpus"] = backend.event_gpus
     gpu = backend.inventory()[0]
     answers = asyncio.run(plugin_allocations(
-        backend, pipe_dir, exclusive_request + slice_requests + client_requests))
+        backend, pipe_dir, exclusive_request + slice_requests + client_requests + open_requests))
     report["allocate"] = answers
-    excl, slices, clients = answers[0], answers[1:5], answers[5:]
+    excl, slices, clients, opened = answers[0], answers[1:5], answers[5:9], answers[9:13]
     log("(b) Allocate answers for the four 8 GiB / 25 % MPS containers:")
     for a in clients:
         print(json.dumps({"pod": a["pod"], "deviceIDs": a["deviceIDs"], "envs": a["envs"],
@@ -418,10 +421,20 @@ def main() -> int:
         mps = summarize(run_workers(["resnet", str(args.seconds)], [host_env(a) for a in clients]))
         rows.append(("MPS, 4 processes (8 GiB / 25 % each)", mps))
         log(f"    {mps}")
+        log("(c) MPS: 4 processes, 8 GiB each, no SM cap")
+        uncapped = summarize(run_workers(["resnet", str(args.seconds)],
+                                         [host_env(a) for a in opened]))
+        rows.append(("MPS, 4 processes (8 GiB each, no SM cap)", uncapped))
+        log(f"    {uncapped}")
         report["mps_server_list"] = daemon.command("get_server_list")
     finally:
         daemon.stop()
         log("MPS control daemon stopped")
+
+    log("(c) exclusive again (drift check)")
+    again = summarize(run_workers(["resnet", str(args.seconds)], [host_env(excl)]))
+    rows.append(("exclusive, 1 process (repeat)", again))
+    log(f"    {again}")
 
     log("(d) time-slice watchdog: a pod granted 4 GiB holding 6 GiB")
     try:
@@ -452,7 +465,9 @@ def main() -> int:
     print()
     print(f"memory caps: 10 GiB refused and 6 GiB allowed in all 4 MPS clients: {caps_ok}")
     print(f"target MPS >= 4x exclusive throughput: {mps_ok[0]}; p99 <= 1.2x exclusive: "
-          f"{mps_ok[1]}")
+          f"{mps_ok[1]} (25 % SM cap); without the SM cap: "
+          f"{uncapped['req_per_s'] / base['req_per_s']:.2f}x, p99 "
+          f"{uncapped['p99_ms'] / base['p99_ms']:.2f}x")
     if args.json:
         for r in report.get("allocate", []):
             r.pop("allocatedAnnotation", None)
