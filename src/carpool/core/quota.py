@@ -154,7 +154,7 @@ def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int, reserva
         message = (f"project {quota.name} has used {_fmt(ledger.used_gpu_hours)} of "
                    f"{_fmt(budget)} GPU-hours this period and its running jobs may use "
                    f"{_fmt(ledger.reserved_gpu_hours)} more; this job may need "
-                   f"{_fmt(reservation)}")
+                   f"{_fmt(reservation)} GPU-hours")
         if idle_ok:
             return Verdict(Standing.BORROWING, message + "; runs preemptible on idle GPUs", True)
         if quota.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY:
