@@ -9,7 +9,7 @@ import pytest
 from carpool.core.eta import packing_score
 from carpool.core.jobs import BudgetPolicy, ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
-from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
+from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
 from carpool.core.quota import ProjectLedger, Standing, binding_refusal, budget_reservation, judge
 from carpool.core.resources import (
     Gpu,
@@ -53,11 +53,16 @@ def running(j: Job, node_name: str, gpu_indices: list[int], started: float,
 
 
 def cycle(jobs: list[Job], quotas: list[ProjectQuota], now: float = 0.0,
-          nodes: list[NodeState] | None = None):  # type: ignore[no-untyped-def]
+          nodes: list[NodeState] | None = None) -> CycleResult:
     nodes = nodes if nodes is not None else [node()]
     snap = ClusterSnapshot(now, tuple(jobs), {q.name: q for q in quotas},
                            {n.name: n for n in nodes})
     return admission_cycle(snap, CONFIG)
+
+
+def reason(result: CycleResult, key: str) -> WaitReason | None:
+    wait = result.wait_for(key)
+    return wait.reason if wait is not None else None
 
 
 # ---------------------------------------------------------------- binding
@@ -166,8 +171,7 @@ def test_budget_counts_running_jobs_remaining_reservation() -> None:
     first = running(job("a/j0", max_duration_s=3 * HOUR), "n1", [0], started=0.0)
     # at 1h: used 1, j0 may use 2 more, a new 2h job needs 2 → 5 > 4
     result = cycle([first, job("a/j1", submitted=1, max_duration_s=2 * HOUR)], [q], now=HOUR)
-    assert result.wait_for("a/j1") is not None
-    assert result.wait_for("a/j1").reason is WaitReason.BUDGET  # type: ignore[union-attr]
+    assert reason(result, "a/j1") is WaitReason.BUDGET
     status = result.projects[0]
     assert status.used_gpu_hours == pytest.approx(1.0)
     assert status.reserved_gpu_hours == pytest.approx(2.0)
@@ -179,7 +183,7 @@ def test_refill_releases_held_jobs() -> None:
     spent = job("a/old", phase=Phase.SUCCEEDED, runs=(RunRecord(1, 0, 2 * HOUR, 1.0),))
     held = job("a/new", submitted=3 * HOUR)
     before = cycle([spent, held], [q], now=5 * HOUR)
-    assert before.wait_for("a/new").reason is WaitReason.BUDGET  # type: ignore[union-attr]
+    assert reason(before, "a/new") is WaitReason.BUDGET
     after = cycle([spent, held], [q], now=10 * HOUR)
     assert [a.job_key for a in after.admissions] == ["a/new"]
 
