@@ -47,7 +47,10 @@ class NodeProfile(NamedTuple):
 
     @property
     def idle_milli(self) -> int:
-        return sum(s.idle_milli for s in self.gpus)
+        total = 0
+        for slot in self.gpus:
+            total += slot.idle_milli
+        return total
 
 
 class Strategy(enum.Enum):
@@ -73,7 +76,8 @@ class ScoringPolicy:
     """
 
     fragmentation: float = 1.0
-    packing: float = 0.05
+    balance: float = 1.0
+    packing: float = 0.0
     alignment: float = 0.0
     temperature: float = 0.02
     locality: float = 0.2
@@ -82,8 +86,8 @@ class ScoringPolicy:
     gpu_scale_milli: int = 8 * MILLI_PER_GPU
 
     def __post_init__(self) -> None:
-        weights = (self.fragmentation, self.packing, self.alignment, self.temperature,
-                   self.locality)
+        weights = (self.fragmentation, self.balance, self.packing, self.alignment,
+                   self.temperature, self.locality)
         if any(w < 0 or math.isnan(w) for w in weights) or sum(weights) <= 0:
             raise ValueError("score weights must be non-negative with a positive sum")
         if self.cpu_scale_milli <= 0 or self.gpu_scale_milli <= 0:
@@ -92,15 +96,17 @@ class ScoringPolicy:
     @property
     def profile_weight(self) -> float:
         """Total weight of the terms that depend on the node profile alone."""
-        return self.fragmentation + self.packing + self.alignment
+        return self.fragmentation + self.balance + self.packing + self.alignment
 
 
 # Presets: the published baselines, reimplemented on the same terms, and Carpool's default.
-BEST_FIT = ScoringPolicy(fragmentation=0.0, packing=1.0, temperature=0.0, locality=0.0)
-DOT_PRODUCT = ScoringPolicy(fragmentation=0.0, packing=0.0, alignment=1.0, temperature=0.0,
+BEST_FIT = ScoringPolicy(fragmentation=0.0, balance=0.0, packing=1.0, temperature=0.0,
+                         locality=0.0)
+DOT_PRODUCT = ScoringPolicy(fragmentation=0.0, balance=0.0, alignment=1.0, temperature=0.0,
                             locality=0.0)
-FGD = ScoringPolicy(fragmentation=1.0, packing=0.0, temperature=0.0, locality=0.0)
+FGD = ScoringPolicy(fragmentation=1.0, balance=0.0, temperature=0.0, locality=0.0)
 CARPOOL = ScoringPolicy()
+PRESETS = {"best-fit": BEST_FIT, "dot-product": DOT_PRODUCT, "fgd": FGD, "carpool": CARPOOL}
 
 
 @dataclass(frozen=True)
@@ -171,11 +177,19 @@ def host_fits(profile: NodeProfile, demand: Demand) -> bool:
 
 def fits(profile: NodeProfile, demand: Demand) -> bool:
     """CPU and memory are hard limits; `gpu_count` GPUs must each fit one GPU's share."""
-    if not host_fits(profile, demand):
+    if (profile.cpu_free_milli < demand.cpu_milli
+            or profile.memory_free_mib < demand.memory_mib):
         return False
-    if demand.gpu_count == 0:
+    needed = demand.gpu_count
+    if needed == 0:
         return True
-    return sum(1 for s in profile.gpus if slot_fits(s, demand)) >= demand.gpu_count
+    need, need_memory, models = demand.gpu_milli, demand.gpu_memory_mib, demand.models
+    for model, idle, memory in profile.gpus:
+        if idle >= need and memory >= need_memory and (not models or model in models):
+            needed -= 1
+            if needed == 0:
+                return True
+    return False
 
 
 def take(profile: NodeProfile, demand: Demand, slots: Sequence[GpuSlot]) -> NodeProfile:
@@ -205,40 +219,32 @@ def fragmentation(profile: NodeProfile, workload: TargetWorkload) -> float:
         idle_total += s.idle_milli
     if idle_total == 0:
         return 0.0
+    compiled = _compiled(workload)
+    usable = compiled.usable.get(slots)
+    if usable is None:
+        usable = compiled.usable_idle(slots)
     cpu_free = profile.cpu_free_milli
     memory_free = profile.memory_free_mib
-    distinct = _distinct_slots(slots)
-    compiled, weight_total = _compiled(workload)
     # Integer arithmetic throughout: equal fragmentation must compare equal, or float noise
     # (not the policy) decides between nodes that tie.
     usable_sum = 0  # sum over fitting shapes of w_m x (idle on GPUs that can take m)
-    for count, need, need_memory, models, hosts in compiled:
-        usable_count = 0
-        usable_idle = 0
-        for (model, idle, memory), n in distinct:
-            if idle >= need and memory >= need_memory and (not models or model in models):
-                usable_count += n
-                usable_idle += n * idle
-        if usable_count < count or usable_idle == 0:
-            continue
-        w_fitting = 0
-        for cpu, memory_mib, w in hosts:
-            if cpu <= cpu_free and memory_mib <= memory_free:
-                w_fitting += w
-        usable_sum += w_fitting * usable_idle
+    for usable_idle, hosts in zip(usable, compiled.hosts, strict=True):
+        if usable_idle:
+            for cpu, memory_mib, w in hosts:
+                if cpu <= cpu_free and memory_mib <= memory_free:
+                    usable_sum += w * usable_idle
+    weight_total = compiled.weight_total
     return (weight_total * idle_total - usable_sum) / weight_total
 
 
 WEIGHT_RESOLUTION = 1 << 24  # probabilities become integer weights of this resolution
-_Compiled = tuple[tuple[int, int, int, frozenset[str], tuple[tuple[int, int, int], ...]], ...]
-_COMPILED: dict[int, tuple[TargetWorkload, _Compiled, int]] = {}
 
 
-def _compiled(workload: TargetWorkload) -> tuple[_Compiled, int]:
-    """The workload's shapes grouped by their GPU part (count, share, memory, models), with
-    integer weights, and the weights' total."""
-    entry = _COMPILED.get(id(workload))
-    if entry is None or entry[0] is not workload:
+class _CompiledWorkload:
+    """A workload's shapes grouped by GPU part (count, share, memory, models) with integer
+    weights, plus a memo of how much idle GPU each group can use on a given set of GPUs."""
+
+    def __init__(self, workload: TargetWorkload) -> None:
         groups: dict[tuple[int, int, int, frozenset[str]], list[tuple[int, int, int]]] = {}
         total = 0
         for demand, p in workload.shapes:
@@ -246,11 +252,40 @@ def _compiled(workload: TargetWorkload) -> tuple[_Compiled, int]:
             weight = max(1, round(p * WEIGHT_RESOLUTION))
             total += weight
             groups.setdefault(key, []).append((demand.cpu_milli, demand.memory_mib, weight))
-        compiled = tuple((*key, tuple(hosts)) for key, hosts in groups.items())
+        self.workload = workload
+        self.gpu_parts = tuple(groups)
+        self.hosts = tuple(tuple(hosts) for hosts in groups.values())
+        self.weight_total = max(total, 1)
+        self.usable: dict[tuple[GpuSlot, ...], tuple[int, ...]] = {}
+
+    def usable_idle(self, slots: tuple[GpuSlot, ...]) -> tuple[int, ...]:
+        """Per group: idle on the GPUs that can take its share, or 0 if too few can."""
+        distinct = _distinct_slots(slots)
+        out = []
+        for count, need, need_memory, models in self.gpu_parts:
+            usable_count = 0
+            usable_idle = 0
+            for (model, idle, memory), n in distinct:
+                if idle >= need and memory >= need_memory and (not models or model in models):
+                    usable_count += n
+                    usable_idle += n * idle
+            out.append(usable_idle if usable_count >= count else 0)
+        if len(self.usable) > MAX_MEMO_ENTRIES:
+            self.usable.clear()
+        result = self.usable[slots] = tuple(out)
+        return result
+
+
+_COMPILED: dict[int, _CompiledWorkload] = {}
+
+
+def _compiled(workload: TargetWorkload) -> _CompiledWorkload:
+    entry = _COMPILED.get(id(workload))
+    if entry is None or entry.workload is not workload:
         if len(_COMPILED) > 64:
             _COMPILED.clear()
-        entry = _COMPILED[id(workload)] = (workload, compiled, max(total, 1))
-    return entry[1], entry[2]
+        entry = _COMPILED[id(workload)] = _CompiledWorkload(workload)
+    return entry
 
 
 def _distinct_slots(slots: tuple[GpuSlot, ...]) -> list[tuple[GpuSlot, int]]:
@@ -274,6 +309,27 @@ def fragmentation_term(delta_milli: float, scale: float = FRAGMENTATION_SCALE_MI
     if x > 700:
         return 0.0
     return 1.0 / (1.0 + math.exp(x))
+
+
+def stranded_gpu(profile: NodeProfile, cpu_per_gpu_milli: float) -> float:
+    """S_n = max(0, idle_gpu - cpu_free / rho), in milli-GPU: idle GPU the node's free CPU
+    cannot feed when pods bring rho CPU milli per milli-GPU (the target workload's ratio).
+
+    0 for nodes without a CPU limit, or when rho is 0.
+    """
+    if profile.cpu_total_milli <= 0 or cpu_per_gpu_milli <= 0:
+        return 0.0
+    return max(0.0, profile.idle_milli - profile.cpu_free_milli / cpu_per_gpu_milli)
+
+
+def balance_term(delta_stranded_milli: float,
+                 scale: float = FRAGMENTATION_SCALE_MILLI) -> float:
+    """sigmoid(-dS / scale), dS = S(after) - S(before) from `stranded_gpu`.
+
+    FGD counts CPU only when it blocks the very next pod; this term sees CPU running out a
+    few pods ahead, so CPU-heavy pods go where CPU is plentiful relative to idle GPU.
+    """
+    return fragmentation_term(delta_stranded_milli, scale)
 
 
 def packing_term(after: NodeProfile, cpu_scale_milli: int, gpu_scale_milli: int) -> float:
@@ -360,6 +416,7 @@ class Scorer:
                  workload: TargetWorkload | None = None) -> None:
         self.policy = policy
         self.workload = workload if workload is not None else TargetWorkload()
+        self._cpu_per_gpu = self.workload.cpu_per_gpu_milli
         self._fragmentation: dict[NodeProfile, float] = {}
         self._plans: dict[tuple[NodeProfile, Demand], Plan | None] = {}
 
@@ -381,8 +438,13 @@ class Scorer:
             packing = packing_term(after, policy.cpu_scale_milli, policy.gpu_scale_milli)
             if policy.strategy is Strategy.SPREAD:
                 packing = 1.0 - packing
+        balance = 0.0
+        if policy.balance > 0:
+            rho = self._cpu_per_gpu
+            balance = balance_term(stranded_gpu(after, rho) - stranded_gpu(before, rho))
         return combine((
             (policy.fragmentation, fragmentation_term(delta) if policy.fragmentation > 0 else 0),
+            (policy.balance, balance),
             (policy.packing, packing),
             (policy.alignment, alignment_term(before, demand) if policy.alignment > 0 else 0),
         ))

@@ -83,6 +83,13 @@ class TargetWorkload:
         if self.shapes and abs(total - 1.0) > 1e-6:
             raise ValueError(f"shape probabilities must sum to 1, got {total:.6f}")
 
+    @property
+    def cpu_per_gpu_milli(self) -> float:
+        """CPU milli the expected GPU pods bring per milli-GPU: sum p cpu / sum p gpu (0 if none).
+        """
+        gpu = sum(p * d.gpu_total_milli for d, p in self.shapes)
+        return sum(p * d.cpu_milli for d, p in self.shapes) / gpu if gpu > 0 else 0.0
+
     @classmethod
     def from_demands(cls, demands: Iterable[Demand],
                      coverage: float = DEFAULT_COVERAGE) -> TargetWorkload:
