@@ -4,10 +4,12 @@ Who may be preempted, and by whom:
 - Never an interactive job, never a non-preemptible one, never a job that has run less than
   its minimum runtime, never one already terminating.
 - A job within its project's guarantee (in quota) reclaims capacity borrowed by other
-  projects, and may preempt preemptible jobs of a strictly lower class.
+  projects, and may preempt preemptible jobs of a strictly lower class (after aging: the
+  level each would have in the queue now).
 - A job that would itself be borrowing may preempt only borrowed jobs of a strictly lower
-  class (so two borrowers never evict an owner, and preemption cannot ping-pong: the victim
-  ranks lower than its preemptor, or is a borrower the owner may always reclaim).
+  class (so borrowers never evict an owner, and preemption cannot ping-pong: the victim
+  ranks lower than its preemptor, or is a borrower that the admission cycle considers only
+  after every job within its limits).
 
 Choosing victims: on each node, candidates are taken in order (borrowed first, then least
 work lost since the last checkpoint, then the lowest class, then the key) until the waiting
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from carpool.core.eta import Timeline
+from carpool.core.fairshare import effective_level
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.jobs import Job
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass
@@ -34,9 +37,15 @@ class PreemptionCause(enum.Enum):
     HIGHER_CLASS = "HigherClass"  # the preemptor's class outranks the victim's
 
 
-def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: float
-                 ) -> PreemptionCause | None:
-    """Why `victim` may make way for `preemptor`, or None if it may not."""
+def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: float,
+                 aging_step_s: float = 0.0) -> PreemptionCause | None:
+    """Why `victim` may make way for `preemptor`, or None if it may not.
+
+    Classes are compared after aging, as if both jobs were queued now (`fairshare`): a victim
+    that would rank as high as its preemptor once requeued is left alone, so an old job that
+    waited long for its GPUs is not thrown back, and aging cannot make two jobs take turns
+    evicting each other.
+    """
     if victim.key == preemptor.key or not victim.holds_gpus or victim.terminating:
         return None
     if victim.job_class is JobClass.INTERACTIVE or not victim.preemptible:
@@ -47,7 +56,9 @@ def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: flo
         return None
     if victim.borrowed and preemptor_in_quota and victim.project != preemptor.project:
         return PreemptionCause.RECLAIM
-    if victim.job_class > preemptor.job_class and (preemptor_in_quota or victim.borrowed):
+    outranked = (effective_level(victim, now, aging_step_s)
+                 > effective_level(preemptor, now, aging_step_s))
+    if outranked and (preemptor_in_quota or victim.borrowed):
         return PreemptionCause.HIGHER_CLASS
     return None
 

@@ -38,7 +38,12 @@ from carpool.core.eta import (
     fluid_start,
     learn_durations,
 )
-from carpool.core.fairshare import DEFAULT_REFERENCE_MEMORY_MIB, nominal_fraction, rank_queue
+from carpool.core.fairshare import (
+    DEFAULT_REFERENCE_MEMORY_MIB,
+    effective_level,
+    nominal_fraction,
+    rank_queue,
+)
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
@@ -247,7 +252,7 @@ class _Cycle:
     raw_fail: set[GpuRequest] = field(default_factory=set)
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
-    preempt_fail: set[tuple[GpuRequest, JobClass, bool, str]] = field(default_factory=set)
+    preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
 
 
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
@@ -335,7 +340,7 @@ def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> li
         victim = holder.job
         if victim.key in cycle.leaving:
             continue
-        cause = victim_cause(job, in_quota, victim, now)
+        cause = victim_cause(job, in_quota, victim, now, config.aging_step_s)
         if cause is not None:
             candidates.append(Candidate(victim, cause, lost_gpu_hours(victim, holder.fraction,
                                                                       now)))
@@ -365,11 +370,16 @@ def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> li
 
 def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = None
                     ) -> CycleResult:
-    """Decide, from one immutable snapshot, which jobs start, which stop and why others wait."""
+    """Decide, from one immutable snapshot, which jobs start, which stop and why others wait.
+
+    Jobs that would start within their project's limits are decided first, in queue order;
+    jobs that would borrow (beyond their guarantee, or on a spent PreemptibleOnly budget) come
+    after them, in queue order, and take only what the first pass left idle. So a borrower
+    never grabs the GPUs an owner just reclaimed from it.
+    """
     config = config if config is not None else AdmissionConfig()
     cycle = _build_cycle(snapshot, config)
     now = snapshot.now
-    timeline = cycle.timeline
 
     expiries = tuple(
         Expiry(h.job.key, now - started, h.job.max_duration_s, h.job.checkpoint_grace_s)
@@ -386,38 +396,71 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     decayed = {name: u.decayed_gpu_hours for name, u in cycle.usage.items()}
     ranked = rank_queue(waiting, decayed, weights, now, config.aging_step_s, expected_gpu_hours)
 
-    admissions: list[Admission] = []
-    waits: list[Wait] = []
-    status_admitted: dict[str, list[tuple[float, bool, float]]] = {}
-    reservations = 0
-    latest_reserved = now
-    work_beyond_depth = 0.0
+    walk = _Walk(cycle, durations, expected_gpu_hours)
+    borrowers: list[tuple[int, Job]] = []
     position = 0
-    ahead = 0
-
     for _, job in ranked:
-        request = job.request
         refusal = binding_refusal(job, snapshot.quotas)
         if refusal is not None:
             refused = (WaitReason.UNKNOWN_PROJECT if refusal.unknown_project
                        else WaitReason.UNBOUND_NAMESPACE)
-            waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
+            walk.waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
             continue
         position += 1
-        if request.models and not request.models & cycle.models:
-            waits.append(Wait(job.key, WaitReason.NO_MATCHING_GPU_MODEL,
-                              f"no node has a GPU of model {', '.join(sorted(request.models))}; "
-                              f"the cluster has {', '.join(sorted(cycle.models)) or 'no GPUs'}",
-                              position, ahead, None))
-            continue
-        if not timeline.fits_anywhere_ever(request):
-            waits.append(Wait(job.key, WaitReason.TOO_LARGE,
-                              f"no node could hold {request.count} GPU(s) of "
-                              f"{request.memory_mib // 1024} GiB ({request.isolation.value}) "
-                              f"even if it were empty", position, ahead, None))
-            continue
+        if not walk.consider(job, position, borrowers_allowed=False):
+            borrowers.append((position, job))
+    for position, job in borrowers:
+        walk.consider(job, position, borrowers_allowed=True)
 
-        duration = durations[job.key]
+    waits = tuple(sorted(walk.waits, key=lambda w: (w.position, w.job_key)))
+    projects = _project_statuses(cycle, walk.admitted_by_project, waits)
+    return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
+                       projects)
+
+
+class _Walk:
+    """The per-job decisions of one cycle, in the order jobs are considered."""
+
+    def __init__(self, cycle: _Cycle, durations: Mapping[str, float],
+                 expected_gpu_hours: Mapping[str, float]) -> None:
+        self.cycle = cycle
+        self.durations = durations
+        self.expected_gpu_hours = expected_gpu_hours
+        self.admissions: list[Admission] = []
+        self.waits: list[Wait] = []
+        self.admitted_by_project: dict[str, list[tuple[float, bool, float]]] = {}
+        self.reservations = 0
+        self.latest_reserved = cycle.snapshot.now
+        self.work_beyond_depth = 0.0
+        self.ahead = 0  # jobs decided so far that wait for GPUs
+
+    def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
+              estimate: float | None = None, coarse: bool = False) -> None:
+        self.waits.append(Wait(job.key, reason, message, position, self.ahead, estimate, coarse))
+        if reason.competes_for_capacity:
+            self.ahead += 1
+
+    def consider(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
+        """Admit, preempt for, or park one job; False if it would borrow and borrowers are not
+        considered yet (the caller comes back to it)."""
+        cycle = self.cycle
+        snapshot, timeline = cycle.snapshot, cycle.timeline
+        now = snapshot.now
+        request = job.request
+        if request.models and not request.models & cycle.models:
+            self._wait(job, WaitReason.NO_MATCHING_GPU_MODEL,
+                       f"no node has a GPU of model {', '.join(sorted(request.models))}; "
+                       f"the cluster has {', '.join(sorted(cycle.models)) or 'no GPUs'}",
+                       position)
+            return True
+        if not timeline.fits_anywhere_ever(request):
+            self._wait(job, WaitReason.TOO_LARGE,
+                       f"no node could hold {request.count} GPU(s) of "
+                       f"{request.memory_mib // 1024} GiB ({request.isolation.value}) even if "
+                       f"it were empty", position)
+            return True
+
+        duration = self.durations[job.key]
         slot = None
         if duration < cycle.now_fail.get(request, math.inf):
             slot = timeline.best_now(request, duration)
@@ -434,18 +477,20 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         period_end = quota.period_end(now)
         reserve = budget_reservation(fraction, now, None, job.limit_s, period_end)
         verdict = judge(job, ledger, fraction, memory, reserve)
+        if verdict.borrowed and not borrowers_allowed:
+            return False
 
         if verdict.standing.may_start and slot is not None:
             ledger.add(fraction, memory, verdict.borrowed, reserve)
             timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
             cycle.running_spans.setdefault(job.project, []).append(
                 (now + duration, fraction, memory))
-            status_admitted.setdefault(job.project, []).append(
+            self.admitted_by_project.setdefault(job.project, []).append(
                 (fraction, verdict.borrowed, reserve))
-            admissions.append(Admission(
+            self.admissions.append(Admission(
                 job.key, slot.node, slot.grants, verdict.borrowed, fraction, job.attempts + 1,
                 position, f"admitted to {slot.node}: {verdict.message}"))
-            continue
+            return True
 
         not_before = now
         reason: WaitReason
@@ -470,76 +515,82 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             else:
                 not_before = free_at
         else:
-            raw_fits = False
-            if request not in cycle.raw_fail:
-                raw_fits = timeline.best_now(request, duration, False) is not None
-                if not raw_fits:
-                    cycle.raw_fail.add(request)
-            leaving = frozenset(cycle.leaving)
-            pending = bool(leaving) and timeline.best_now(request, duration,
-                                                          without=leaving) is not None
-            if raw_fits:
-                reason = WaitReason.BEHIND_HIGHER_RANKED
-                message = (f"GPUs are free but reserved for {ahead} higher-ranked waiting "
-                           f"job(s) this job would delay")
-            elif pending:
-                reason = WaitReason.PREEMPTING
-                message = f"waiting for {len(leaving)} preempted job(s) to leave"
-            else:
-                reason = WaitReason.CAPACITY
-                message = f"no node has room now; {ahead} higher-ranked job(s) wait for GPUs"
-                preempted: list[Preemption] = []
-                if not verdict.budget_exhausted and _worth_preempting(cycle, job, duration):
-                    in_quota = verdict.standing is Standing.IN_QUOTA
-                    attempt = (request, job.job_class, in_quota, job.project)
-                    if attempt not in cycle.preempt_fail:
-                        cycle.preempt_attempts += 1
-                        preempted = _try_preempt(cycle, job, in_quota, duration)
-                        if not preempted:
-                            cycle.preempt_fail.add(attempt)
+            reason, message = self._capacity_reason(job, duration)
+            if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
+                preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
                 if preempted:
-                    cycle.preemptions.extend(preempted)
                     ledger.add(fraction, memory, verdict.borrowed, reserve)
-                    victims = ", ".join(p.victim_key for p in preempted)
                     start = now + max(p.grace_s for p in preempted)
-                    waits.append(Wait(job.key, WaitReason.PREEMPTING,
-                                      f"preempting {victims}; starts when they leave",
-                                      position, ahead, start))
-                    ahead += 1
-                    reservations += 1
-                    latest_reserved = max(latest_reserved, start)
-                    continue
+                    victims = ", ".join(p.victim_key for p in preempted)
+                    self._wait(job, WaitReason.PREEMPTING,
+                               f"preempting {victims}; starts when they leave in about "
+                               f"{_fmt_time(start - now)}", position, start)
+                    self.reservations += 1
+                    self.latest_reserved = max(self.latest_reserved, start)
+                    return True
             if verdict.budget_exhausted:
                 message = f"{verdict.message}; {message}"
 
-        estimate: float | None = None
-        coarse = False
-        if estimable and reservations < config.reservation_depth:
-            found = timeline.earliest(request, duration, not_before)
-            if found is not None:
-                timeline.add(found.node, Occupancy(job.key, found.start,
-                                                   found.start + duration, found.grants))
-                estimate = found.start
-                reservations += 1
-                latest_reserved = max(latest_reserved, found.start)
-        elif estimable:
-            estimate = max(not_before, fluid_start(latest_reserved, work_beyond_depth,
-                                                   cycle.capacity_gpus))
-            coarse = True
-            work_beyond_depth += expected_gpu_hours[job.key]
+        estimate, coarse = self._reserve(job, duration, not_before) if estimable else (None, False)
         if estimate is not None:
             message += f"; estimated start in {_fmt_time(estimate - now)}"
-        waits.append(Wait(job.key, reason, message, position, ahead, estimate, coarse))
-        if reason.competes_for_capacity:
-            ahead += 1
+        self._wait(job, reason, message, position, estimate, coarse)
+        return True
 
-    projects = _project_statuses(cycle, status_admitted, waits)
-    return CycleResult(now, tuple(admissions), tuple(cycle.preemptions), tuple(waits), expiries,
-                       projects)
+    def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
+        """Why a job the project limits allow finds no slot now."""
+        cycle = self.cycle
+        request = job.request
+        if request not in cycle.raw_fail:
+            if cycle.timeline.best_now(request, duration, False) is not None:
+                return (WaitReason.BEHIND_HIGHER_RANKED,
+                        f"GPUs are free but reserved for {self.ahead} higher-ranked waiting "
+                        f"job(s) this job would delay")
+            cycle.raw_fail.add(request)
+        leaving = frozenset(cycle.leaving)
+        if leaving and cycle.timeline.best_now(request, duration, without=leaving) is not None:
+            return (WaitReason.PREEMPTING,
+                    f"waiting for {len(leaving)} preempted job(s) to leave")
+        return (WaitReason.CAPACITY,
+                f"no node has room now; {self.ahead} higher-ranked job(s) wait for GPUs")
+
+    def _preempt(self, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
+        cycle = self.cycle
+        if not _worth_preempting(cycle, job, duration):
+            return []
+        attempt = (job.request, effective_level(job, cycle.snapshot.now,
+                                                cycle.config.aging_step_s), in_quota, job.project)
+        if attempt in cycle.preempt_fail:
+            return []
+        cycle.preempt_attempts += 1
+        preempted = _try_preempt(cycle, job, in_quota, duration)
+        if preempted:
+            cycle.preemptions.extend(preempted)
+        else:
+            cycle.preempt_fail.add(attempt)
+        return preempted
+
+    def _reserve(self, job: Job, duration: float, not_before: float
+                 ) -> tuple[float | None, bool]:
+        """Reserve the job's earliest slot (within the reservation depth) or estimate coarsely."""
+        cycle = self.cycle
+        if self.reservations < cycle.config.reservation_depth:
+            found = cycle.timeline.earliest(job.request, duration, not_before)
+            if found is None:
+                return None, False
+            cycle.timeline.add(found.node, Occupancy(job.key, found.start,
+                                                     found.start + duration, found.grants))
+            self.reservations += 1
+            self.latest_reserved = max(self.latest_reserved, found.start)
+            return found.start, False
+        estimate = max(not_before, fluid_start(self.latest_reserved, self.work_beyond_depth,
+                                               cycle.capacity_gpus))
+        self.work_beyond_depth += self.expected_gpu_hours[job.key]
+        return estimate, True
 
 
 def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool, float]]],
-                      waits: list[Wait]) -> tuple[ProjectStatus, ...]:
+                      waits: tuple[Wait, ...]) -> tuple[ProjectStatus, ...]:
     snapshot = cycle.snapshot
     now = snapshot.now
     pending: dict[str, int] = {}

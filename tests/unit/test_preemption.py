@@ -1,0 +1,251 @@
+"""Preemption: who may be preempted, victims losing the least work, what-if fit checks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from carpool.core.eta import Occupancy, Timeline, packing_score
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
+from carpool.core.placement import NodeState
+from carpool.core.preemption import (
+    Candidate,
+    PreemptionCause,
+    lost_gpu_hours,
+    plan_preemption,
+    victim_cause,
+)
+from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    JobClass,
+    NodeInventory,
+    Phase,
+)
+
+GIB = 1024
+HOUR = 3600.0
+CONFIG = AdmissionConfig(node_ranker=packing_score)
+
+
+def node(name: str = "n1", gpus: int = 2) -> NodeState:
+    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", "H100", 80 * GIB)
+                                               for i in range(gpus))))
+
+
+def job(key: str, project: str, cls: JobClass, count: int = 1, preemptible: bool = True,
+        submitted: float = 0.0, **kw: object) -> Job:
+    return Job(key, project, cls, GpuRequest(count, 10 * GIB, isolation=Isolation.EXCLUSIVE),
+               submitted, 10 * HOUR, preemptible=preemptible, **kw)  # type: ignore[arg-type]
+
+
+def run_on(j: Job, gpu_indices: list[int], started: float, node_name: str = "n1",
+           borrowed: bool = False, checkpoint: float | None = None,
+           submitted: float | None = None) -> Job:
+    """`j` running on `gpu_indices` since `started`, submitted a minute before unless told."""
+    grants = tuple(GpuGrant(f"{node_name}-g{i}", 80 * GIB, 100, exclusive=True)
+                   for i in gpu_indices)
+    return replace(j, phase=Phase.RUNNING, node=node_name, grants=grants, attempts=1,
+                   borrowed=borrowed, last_checkpoint_at=checkpoint,
+                   submitted_at=started - 60 if submitted is None else submitted,
+                   runs=(RunRecord(1, started, None, float(len(grants))),))
+
+
+def quotas(*names: str, **kw: object) -> dict[str, ProjectQuota]:
+    return {n: ProjectQuota(n, frozenset({n}), **kw) for n in names}  # type: ignore[arg-type]
+
+
+def cycle(jobs: list[Job], quota_map: dict[str, ProjectQuota], now: float,
+          nodes: list[NodeState] | None = None, config: AdmissionConfig = CONFIG
+          ) -> CycleResult:
+    nodes = nodes if nodes is not None else [node()]
+    return admission_cycle(ClusterSnapshot(now, tuple(jobs), quota_map,
+                                           {n.name: n for n in nodes}), config)
+
+
+# ---------------------------------------------------------------- eligibility
+
+
+def test_never_interactive_nonpreemptible_too_young_or_terminating() -> None:
+    short = job("a/s", "a", JobClass.SHORT)
+    now = 10 * HOUR
+    assert victim_cause(short, True, run_on(job("b/b", "b", JobClass.BATCH), [0], 0), now) \
+        is PreemptionCause.HIGHER_CLASS
+    inter = run_on(job("b/i", "b", JobClass.INTERACTIVE), [0], 0)
+    assert victim_cause(job("a/x", "a", JobClass.INTERACTIVE), True, inter, now) is None
+    pinned = run_on(job("b/p", "b", JobClass.BATCH, preemptible=False), [0], 0)
+    assert victim_cause(short, True, pinned, now) is None
+    young = run_on(job("b/y", "b", JobClass.BATCH, min_runtime_s=HOUR), [0], now - 60)
+    assert victim_cause(short, True, young, now) is None
+    assert victim_cause(short, True, replace(young, min_runtime_s=30), now) is not None
+    leaving = replace(run_on(job("b/t", "b", JobClass.BATCH), [0], 0), phase=Phase.PREEMPTED)
+    assert victim_cause(short, True, leaving, now) is None
+
+
+def test_same_or_higher_class_is_safe_unless_borrowed_from_another_project() -> None:
+    now = 10 * HOUR
+    batch = job("a/b", "a", JobClass.BATCH)
+    peer = run_on(job("b/b", "b", JobClass.BATCH), [0], 0)
+    assert victim_cause(batch, True, peer, now) is None
+    borrower = replace(peer, borrowed=True)
+    assert victim_cause(batch, True, borrower, now) is PreemptionCause.RECLAIM
+    assert victim_cause(batch, False, borrower, now) is None  # borrowers don't evict borrowers
+    own_borrower = replace(borrower, key="a/b2", project="a")
+    assert victim_cause(batch, True, own_borrower, now) is None
+
+
+def test_borrowing_preemptor_takes_only_lower_class_borrowers() -> None:
+    now = 10 * HOUR
+    short = job("a/s", "a", JobClass.SHORT)
+    owner_batch = run_on(job("b/b", "b", JobClass.BATCH), [0], 0)
+    assert victim_cause(short, False, owner_batch, now) is None
+    assert victim_cause(short, False, replace(owner_batch, borrowed=True), now) \
+        is PreemptionCause.HIGHER_CLASS
+
+
+def test_lost_work_counts_from_the_last_checkpoint() -> None:
+    victim = run_on(job("b/b", "b", JobClass.BATCH, count=2), [0, 1], started=0,
+                    checkpoint=3 * HOUR)
+    assert lost_gpu_hours(victim, 2.0, 4 * HOUR) == pytest.approx(2.0)
+    assert lost_gpu_hours(replace(victim, last_checkpoint_at=None), 2.0, 4 * HOUR) \
+        == pytest.approx(8.0)
+    assert lost_gpu_hours(job("b/q", "b", JobClass.BATCH), 1.0, 4 * HOUR) == 0.0
+
+
+# ---------------------------------------------------------------- choosing victims
+
+
+def _timeline(jobs: list[Job], nodes: list[NodeState], now: float) -> Timeline:
+    timeline = Timeline({n.name: n for n in nodes}, now, packing_score)
+    for j in jobs:
+        timeline.add(j.node, Occupancy(j.key, now, now + HOUR, j.grants))
+    return timeline
+
+
+def test_victims_lose_the_least_work_and_only_as_many_as_needed() -> None:
+    now = 10 * HOUR
+    old = run_on(job("b/old", "b", JobClass.BATCH), [0], 0, checkpoint=2 * HOUR)  # 8h lost
+    fresh = run_on(job("b/new", "b", JobClass.BATCH), [1], 9 * HOUR)  # 1h lost
+    timeline = _timeline([old, fresh], [node()], now)
+    cands = [Candidate(v, PreemptionCause.HIGHER_CLASS, lost_gpu_hours(v, 1.0, now))
+             for v in (old, fresh)]
+    request = GpuRequest(1, 10 * GIB, isolation=Isolation.EXCLUSIVE)
+    plan = plan_preemption(request, HOUR, cands, timeline, frozenset())
+    assert plan is not None and [v.job.key for v in plan.victims] == ["b/new"]
+    assert plan.grants[0].gpu_uuid == "n1-g1"
+    both = GpuRequest(2, 10 * GIB, isolation=Isolation.EXCLUSIVE)
+    plan2 = plan_preemption(both, HOUR, cands, timeline, frozenset())
+    assert plan2 is not None and {v.job.key for v in plan2.victims} == {"b/old", "b/new"}
+
+
+def test_borrowed_victims_go_first() -> None:
+    now = 10 * HOUR
+    borrowed = run_on(job("c/x", "c", JobClass.SHORT), [0], 0, borrowed=True)  # 10h lost
+    owned = run_on(job("b/y", "b", JobClass.BATCH), [1], 9.5 * HOUR)  # 0.5h lost
+    timeline = _timeline([borrowed, owned], [node()], now)
+    cands = [Candidate(borrowed, PreemptionCause.RECLAIM, 10.0),
+             Candidate(owned, PreemptionCause.HIGHER_CLASS, 0.5)]
+    plan = plan_preemption(GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE), HOUR, cands,
+                           timeline, frozenset())
+    assert plan is not None and [v.job.key for v in plan.victims] == ["c/x"]
+
+
+def test_no_preemption_when_the_freed_capacity_is_not_enough() -> None:
+    now = 10 * HOUR
+    victim = run_on(job("b/v", "b", JobClass.BATCH), [0], 0)
+    pinned = run_on(job("b/p", "b", JobClass.BATCH, preemptible=False), [1], 0)
+    timeline = _timeline([victim, pinned], [node()], now)
+    cands = [Candidate(victim, PreemptionCause.HIGHER_CLASS, 1.0)]
+    two = GpuRequest(2, 0, isolation=Isolation.EXCLUSIVE)
+    assert plan_preemption(two, HOUR, cands, timeline, frozenset()) is None
+
+
+# ---------------------------------------------------------------- in the admission cycle
+
+
+def test_short_job_preempts_another_projects_batch_job() -> None:
+    now = 5 * HOUR
+    batch0 = run_on(job("b/b0", "b", JobClass.BATCH, checkpoint_grace_s=45), [0], 0)
+    batch1 = run_on(job("b/b1", "b", JobClass.BATCH), [1], 4 * HOUR)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now - 10)
+    result = cycle([batch0, batch1, short], quotas("a", "b"), now)
+    assert not result.admissions
+    assert [(p.victim_key, p.preemptor_key, p.cause) for p in result.preemptions] == [
+        ("b/b1", "a/s", PreemptionCause.HIGHER_CLASS)]
+    assert result.preemptions[0].grace_s == 30.0
+    wait = result.wait_for("a/s")
+    assert wait is not None and wait.reason is WaitReason.PREEMPTING
+    assert wait.estimated_start == pytest.approx(now + 30)
+
+
+def test_next_cycle_waits_for_the_victim_instead_of_preempting_more() -> None:
+    now = 5 * HOUR
+    leaving = replace(run_on(job("b/b1", "b", JobClass.BATCH), [1], 4 * HOUR),
+                      phase=Phase.PREEMPTED)
+    other = run_on(job("b/b0", "b", JobClass.BATCH), [0], 0)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now - 10)
+    result = cycle([other, leaving, short], quotas("a", "b"), now + 5)
+    assert not result.preemptions
+    wait = result.wait_for("a/s")
+    assert wait is not None and wait.reason is WaitReason.PREEMPTING
+    # once the victim is gone (operator cleared its grants) the short job starts
+    gone = replace(leaving, grants=(), node="", runs=(RunRecord(1, 4 * HOUR, now + 20, 1.0),))
+    result = cycle([other, gone, short], quotas("a", "b"), now + 30)
+    assert [a.job_key for a in result.admissions] == ["a/s"]
+
+
+def test_in_quota_job_reclaims_borrowed_capacity() -> None:
+    now = HOUR
+    borrower = run_on(job("b/x", "b", JobClass.SHORT), [0, 1], 0, borrowed=True)
+    owner = job("a/o", "a", JobClass.BATCH, submitted=now - 1)
+    qs = {"a": ProjectQuota("a", frozenset({"a"}), guaranteed_gpus=1),
+          "b": ProjectQuota("b", frozenset({"b"}), guaranteed_gpus=0, borrowing=True)}
+    result = cycle([borrower, owner], qs, now)
+    assert [(p.victim_key, p.cause) for p in result.preemptions] == [
+        ("b/x", PreemptionCause.RECLAIM)]
+    assert "reclaims capacity borrowed by b/x" in result.preemptions[0].message
+
+
+def test_a_job_that_waited_long_is_not_thrown_back_by_a_newer_higher_class_job() -> None:
+    now = 5 * HOUR
+    step = AdmissionConfig(node_ranker=packing_score).aging_step_s
+    waited = run_on(job("b/old", "b", JobClass.BATCH), [0, 1], now - 60, submitted=0)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now)
+    assert victim_cause(short, True, waited, now, step) is None
+    assert victim_cause(short, True, waited, now, 0.0) is PreemptionCause.HIGHER_CLASS
+    result = cycle([waited, short], quotas("a", "b"), now)
+    assert not result.preemptions
+
+
+def test_interactive_and_nonpreemptible_jobs_are_never_victims() -> None:
+    now = 5 * HOUR
+    inter = run_on(job("b/i", "b", JobClass.INTERACTIVE), [0], 0)
+    pinned = run_on(job("b/p", "b", JobClass.BATCH, preemptible=False), [1], 0)
+    short = job("a/s", "a", JobClass.INTERACTIVE, submitted=now)
+    result = cycle([inter, pinned, short], quotas("a", "b"), now)
+    assert not result.preemptions
+    assert result.wait_for("a/s") is not None
+    assert result.wait_for("a/s").reason is WaitReason.CAPACITY  # type: ignore[union-attr]
+
+
+def test_preemption_waits_out_a_short_remaining_time_when_asked() -> None:
+    now = 5 * HOUR
+    victim = run_on(replace(job("b/b", "b", JobClass.BATCH), estimated_duration_s=HOUR + 60),
+                    [0, 1], now - HOUR)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now)
+    patient = AdmissionConfig(node_ranker=packing_score, preempt_after_wait_s=600)
+    assert not cycle([victim, short], quotas("a", "b"), now, config=patient).preemptions
+    assert cycle([victim, short], quotas("a", "b"), now).preemptions
+
+
+def test_preemptions_per_cycle_are_capped() -> None:
+    now = 5 * HOUR
+    victims = [run_on(job(f"b/b{i}", "b", JobClass.BATCH), [i], now - 600) for i in range(2)]
+    shorts = [job(f"a/s{i}", "a", JobClass.SHORT, submitted=now + i) for i in range(2)]
+    capped = AdmissionConfig(node_ranker=packing_score, max_preemptions_per_cycle=1)
+    assert len(cycle(victims + shorts, quotas("a", "b"), now, config=capped).preemptions) == 1
+    assert len(cycle(victims + shorts, quotas("a", "b"), now).preemptions) == 2
