@@ -1,0 +1,210 @@
+"""The Helm chart against the real API server: `helm install` into a fresh namespace, every
+object accepted and stored, the installed RBAC enforced as intended (asked of the API
+server's own authorizer with `kubectl auth can-i --as`), then `helm uninstall` removes it all.
+
+Images cannot be pulled here (no registry), so the pods stay Pending: the point is that the
+API server takes every object the chart makes, with its admission and validation. Helm
+installs a chart's crds/ only when a CRD is missing and never touches existing ones, so when
+another test already applied the CRDs the install shares them; the CRD files themselves are
+checked by a server-side dry-run apply, which validates them as a create or an update.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool import crds, devcluster
+from carpool.core import names
+
+pytestmark = pytest.mark.cluster
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "carpool"
+
+
+def helm(cluster: devcluster.Cluster, *args: str, check: bool = True
+         ) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(cluster.bin_dir / "helm"), "--kubeconfig",
+                             str(cluster.kubeconfig), *args],
+                            capture_output=True, text=True, timeout=180)
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{result.stderr}")
+    return result
+
+
+def existing_crds(cluster: devcluster.Cluster) -> set[str]:
+    out = cluster.kubectl("get", "crd", "-o", "name").stdout.split()
+    return {line.removeprefix("customresourcedefinition.apiextensions.k8s.io/") for line in out}
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+    namespace: str
+    objects: list[dict[str, Any]]
+    crds_preexisting: bool
+
+
+@pytest.fixture(scope="module")
+def release(cluster: devcluster.Cluster) -> Iterator[Release]:
+    suffix = uuid.uuid4().hex[:6]
+    name, namespace = f"carpool-it-{suffix}", f"carpool-helm-{suffix}"
+    preexisting = set(crds.CRD_NAMES) <= existing_crds(cluster)
+    helm(cluster, "install", name, str(CHART), "--namespace", namespace, "--create-namespace",
+         "--wait=false", "--set", "operator.resyncSeconds=2")
+    try:
+        manifest = helm(cluster, "get", "manifest", name, "--namespace", namespace).stdout
+        objects = [o for o in yaml.safe_load_all(manifest) if o]
+        yield Release(name, namespace, objects, preexisting)
+    finally:
+        helm(cluster, "uninstall", name, "--namespace", namespace, check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_every_object_is_stored(cluster: devcluster.Cluster, release: Release) -> None:
+    assert len(release.objects) >= 30
+    manifest = yaml.safe_dump_all(release.objects)
+    stored = json.loads(cluster.kubectl("get", "-f", "-", "-o", "json", stdin=manifest).stdout)
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in stored["items"])
+    assert kinds == sorted((o["kind"], o["metadata"]["name"]) for o in release.objects)
+    for obj in stored["items"]:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        assert obj["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
+
+
+def test_workloads_made_pods_the_api_server_admitted(cluster: devcluster.Cluster,
+                                                     release: Release) -> None:
+    """Deployments got their pods created (pod admission passed), with the chart's specs."""
+    selector = f"app.kubernetes.io/instance={release.name}"
+    deadline_pods: list[dict[str, Any]] = []
+    for _ in range(60):
+        pods = json.loads(cluster.kubectl("get", "pods", "-n", release.namespace, "-l",
+                                          selector, "-o", "json").stdout)["items"]
+        deadline_pods = pods
+        components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"]
+                            for p in pods)
+        if components == ["extender", "operator", "operator", "scheduler"]:
+            break
+        subprocess.run(["sleep", "0.5"], check=True)
+    components = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"]
+                        for p in deadline_pods)
+    assert components == ["extender", "operator", "operator", "scheduler"]
+    operator = next(p for p in deadline_pods
+                    if p["metadata"]["labels"]["app.kubernetes.io/component"] == "operator")
+    assert operator["spec"]["serviceAccountName"] == f"{release.name}-operator"
+
+
+def test_scheduler_configuration_is_stored(cluster: devcluster.Cluster,
+                                           release: Release) -> None:
+    config_map = json.loads(cluster.kubectl(
+        "get", "configmap", f"{release.name}-scheduler-config", "-n", release.namespace,
+        "-o", "json").stdout)
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config["profiles"][0]["schedulerName"] == names.SCHEDULER_NAME
+    assert config["extenders"][0]["urlPrefix"] == (
+        f"http://{release.name}-extender.{release.namespace}.svc:18080/")
+
+
+def can_i(cluster: devcluster.Cluster, release: Release, account: str, verb: str,
+          resource: str, namespace: str | None = None) -> bool:
+    """Ask the API server's authorizer; `resource` may be `TYPE/SUBRESOURCE` or `TYPE:NAME`."""
+    kind, _, subresource = resource.partition("/")
+    kind = kind.replace(":", "/")  # kubectl's TYPE/NAME form
+    args = ["auth", "can-i", verb, kind,
+            f"--as=system:serviceaccount:{release.namespace}:{release.name}-{account}"]
+    args += [f"--subresource={subresource}"] if subresource else []
+    args += ["-n", namespace] if namespace else []
+    result = cluster.kubectl(*args, check=False)
+    assert result.stdout.strip() in ("yes", "no"), result.stderr
+    return result.stdout.strip() == "yes"
+
+
+@pytest.mark.parametrize(("account", "verb", "resource", "allowed"), [
+    ("operator", "list", "gpujobs.carpool.dev", True),
+    ("operator", "patch", "gpujobs.carpool.dev/status", True),
+    ("operator", "patch", "projectquotas.carpool.dev/status", True),
+    ("operator", "create", "pods", True),
+    ("operator", "delete", "pods", True),
+    ("operator", "create", "events.events.k8s.io", True),
+    ("operator", "get", "secrets", False),
+    ("operator", "list", "secrets", False),
+    ("operator", "get", "configmaps", False),
+    ("operator", "patch", "gpujobs.carpool.dev", False),
+    ("operator", "delete", "gpujobs.carpool.dev", False),
+    ("operator", "update", "projectquotas.carpool.dev", False),
+    ("extender", "create", "pods/binding", True),
+    ("extender", "patch", "pods", True),
+    ("extender", "watch", "gpunodes.carpool.dev", True),
+    ("extender", "delete", "pods", False),
+    ("extender", "get", "secrets", False),
+    ("device-plugin", "patch", "pods", True),
+    ("device-plugin", "patch", "gpunodes.carpool.dev/status", True),
+    ("device-plugin", "create", "gpunodes.carpool.dev", True),
+    ("device-plugin", "patch", "gpunodes.carpool.dev", False),
+    ("device-plugin", "delete", "pods", False),
+    ("device-plugin", "list", "gpujobs.carpool.dev", False),
+    ("device-plugin", "get", "secrets", False),
+    ("scheduler", "create", "pods/binding", True),
+])
+def test_rbac_as_enforced(cluster: devcluster.Cluster, release: Release, account: str,
+                          verb: str, resource: str, allowed: bool) -> None:
+    assert can_i(cluster, release, account, verb, resource, "default") is allowed
+
+
+def test_leases_only_in_the_release_namespace(cluster: devcluster.Cluster,
+                                              release: Release) -> None:
+    assert can_i(cluster, release, "operator", "create", "leases.coordination.k8s.io",
+                 release.namespace)
+    assert not can_i(cluster, release, "operator", "create", "leases.coordination.k8s.io",
+                     "default")
+    # system:kube-scheduler lets any scheduler create Leases, but renew only its own name
+    assert can_i(cluster, release, "scheduler", "update",
+                 "leases.coordination.k8s.io:carpool-scheduler", release.namespace)
+    assert can_i(cluster, release, "operator", "update",
+                 "leases.coordination.k8s.io:carpool-operator", release.namespace)
+    assert not can_i(cluster, release, "operator", "update",
+                     "leases.coordination.k8s.io:kube-scheduler", release.namespace)
+
+
+def test_chart_crds_are_accepted(cluster: devcluster.Cluster, release: Release) -> None:
+    """The chart's CRD files pass the API server's validation (a dry-run create, or update
+    of the CRDs in place), and after the install every Carpool CRD is served."""
+    rendered = helm(cluster, "template", "x", str(CHART), "--include-crds", "--kube-version", "1.35.4").stdout
+    chart_crds = [o for o in yaml.safe_load_all(rendered)
+                  if o and o["kind"] == "CustomResourceDefinition"]
+    assert sorted(c["metadata"]["name"] for c in chart_crds) == sorted(crds.CRD_NAMES)
+    result = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
+                             "--field-manager=carpool-chart-check", "-f", "-",
+                             stdin=yaml.safe_dump_all(chart_crds))
+    assert result.stdout.count("(server dry run)") == 3
+    for name in crds.CRD_NAMES:
+        crd = json.loads(cluster.kubectl("get", "crd", name, "-o", "json").stdout)
+        conditions = {c["type"]: c["status"] for c in crd["status"]["conditions"]}
+        assert conditions["Established"] == "True"
+
+
+def test_uninstall_removes_everything_but_the_crds(cluster: devcluster.Cluster) -> None:
+    suffix = uuid.uuid4().hex[:6]
+    name, namespace = f"carpool-rm-{suffix}", f"carpool-helm-rm-{suffix}"
+    helm(cluster, "install", name, str(CHART), "--namespace", namespace, "--create-namespace",
+         "--wait=false")
+    try:
+        helm(cluster, "uninstall", name, "--namespace", namespace, "--wait")
+        roles = cluster.kubectl("get", "clusterroles", "-l",
+                                f"app.kubernetes.io/instance={name}", "-o", "name").stdout
+        assert roles.strip() == ""
+        left = cluster.kubectl("get", "deployments,daemonsets,services,configmaps,"
+                               "serviceaccounts", "-n", namespace, "-l",
+                               f"app.kubernetes.io/instance={name}", "-o", "name").stdout
+        assert left.strip() == ""
+        assert set(crds.CRD_NAMES) <= existing_crds(cluster)  # helm keeps CRDs (and data)
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
