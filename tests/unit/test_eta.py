@@ -1,0 +1,150 @@
+"""ETA: learned durations, remaining time, the occupancy timeline and coarse estimates."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from carpool.core.eta import (
+    DurationEstimate,
+    Occupancy,
+    Timeline,
+    expected_duration,
+    expected_remaining,
+    fluid_start,
+    learn_durations,
+    packing_score,
+    update_duration_estimate,
+)
+from carpool.core.jobs import Job, RunRecord
+from carpool.core.placement import NodeState
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    JobClass,
+    NodeInventory,
+    Phase,
+)
+
+GIB = 1024
+HOUR = 3600.0
+WHOLE = GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE)
+
+
+def node(name: str, gpus: int = 2) -> NodeState:
+    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", "H100", 80 * GIB)
+                                               for i in range(gpus))))
+
+
+def whole(node_name: str, index: int) -> tuple[GpuGrant, ...]:
+    return (GpuGrant(f"{node_name}-g{index}", 80 * GIB, 100, exclusive=True),)
+
+
+def finished(key: str, estimate: float, actual: float, end: float, project: str = "a",
+             cls: JobClass = JobClass.SHORT) -> Job:
+    return Job(key, project, cls, WHOLE, 0.0, estimate, phase=Phase.SUCCEEDED,
+               runs=(RunRecord(1, end - actual, end, 1.0),))
+
+
+def test_ewma_update() -> None:
+    first = update_duration_estimate(None, 100, 50, 0.5)
+    assert first == DurationEstimate(100, 2.0, 1)
+    second = update_duration_estimate(first, 200, 200, 0.5)
+    assert second == DurationEstimate(150, 1.5, 2)
+    with pytest.raises(ValueError, match="alpha"):
+        update_duration_estimate(None, 1, 1, 0)
+
+
+def test_learning_is_per_project_and_class_and_order_independent() -> None:
+    jobs = [finished("a/1", 100, 200, 1000), finished("a/2", 100, 100, 2000),
+            finished("b/1", 100, 50, 1500, project="b"),
+            finished("a/3", 100, 300, 3000, cls=JobClass.BATCH)]
+    learned = learn_durations(jobs, alpha=0.5)
+    assert learned[("a", JobClass.SHORT)].ratio == pytest.approx(0.5 * 1.0 + 0.5 * 2.0)
+    assert learned[("b", JobClass.SHORT)].ratio == pytest.approx(0.5)
+    assert learned[("a", JobClass.BATCH)].samples == 1
+    shuffled = list(jobs)
+    random.Random(4).shuffle(shuffled)
+    assert learn_durations(shuffled, alpha=0.5) == learned
+    running = Job("a/r", "a", JobClass.SHORT, WHOLE, 0, 100, phase=Phase.RUNNING,
+                  runs=(RunRecord(1, 0, None, 1.0),))
+    assert learn_durations([running]) == {}
+
+
+def test_expected_duration_scales_the_estimate_within_the_limit() -> None:
+    learned = {("a", JobClass.SHORT): DurationEstimate(500, 1.5, 3)}
+    j = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, max_duration_s=1200)
+    assert expected_duration(j, learned) == 1200  # 1500 capped at maxDuration
+    assert expected_duration(j, {}) == 1000
+    other = Job("a/y", "a", JobClass.BATCH, WHOLE, 0, 1000)
+    assert expected_duration(other, learned) == 1000
+
+
+def test_expected_remaining() -> None:
+    j = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, max_duration_s=2000,
+            phase=Phase.RUNNING, runs=(RunRecord(1, 100, None, 1.0),))
+    assert expected_remaining(j, 400, 1000, 60) == 700
+    assert expected_remaining(j, 1500, 1000, 60) == 60  # past its expectation
+    assert expected_remaining(j, 2095, 1000, 60) == 60  # past its limit: ends any moment
+    queued = Job("a/q", "a", JobClass.SHORT, WHOLE, 0, 1000)
+    assert expected_remaining(queued, 400, 1000, 60) == 1000
+
+
+def test_earliest_slot_waits_for_the_first_gpu_to_free() -> None:
+    timeline = Timeline({"n1": node("n1"), "n2": node("n2")}, 0.0, packing_score)
+    timeline.add("n1", Occupancy("x", 0, 500, whole("n1", 0)))
+    timeline.add("n1", Occupancy("y", 0, 900, whole("n1", 1)))
+    timeline.add("n2", Occupancy("z", 0, 700, whole("n2", 0) + whole("n2", 1)))
+    slot = timeline.earliest(WHOLE, 100, 0.0)
+    assert slot is not None and (slot.start, slot.node) == (500, "n1")
+    assert slot.grants[0].gpu_uuid == "n1-g0"
+    two = GpuRequest(2, 0, isolation=Isolation.EXCLUSIVE)
+    slot2 = timeline.earliest(two, 100, 0.0)
+    assert slot2 is not None and (slot2.start, slot2.node) == (700, "n2")
+    late = timeline.earliest(WHOLE, 100, 800.0)
+    assert late is not None and late.start == 800
+
+
+def test_a_reservation_blocks_overlapping_spans_but_not_earlier_holes() -> None:
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    timeline.add("n1", Occupancy("big", 1000, 2000, whole("n1", 0)))
+    short = timeline.best_now(WHOLE, 900)
+    assert short is not None and short.start == 0  # finishes before the reservation
+    assert timeline.best_now(WHOLE, 1100) is None  # would delay it
+    assert timeline.best_now(WHOLE, 1100, respect_reservations=False) is not None
+    slot = timeline.earliest(WHOLE, 1100, 0.0)
+    assert slot is not None and slot.start == 2000
+
+
+def test_end_at_shortens_a_job_and_without_ignores_it() -> None:
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    timeline.add("n1", Occupancy("victim", 0, 5000, whole("n1", 0)))
+    assert timeline.best_now(WHOLE, 10) is None
+    assert timeline.best_now(WHOLE, 10, without=frozenset({"victim"})) is not None
+    timeline.end_at("victim", 30)
+    slot = timeline.earliest(WHOLE, 10, 0.0)
+    assert slot is not None and slot.start == 30
+
+
+def test_never_fits_and_unknown_nodes() -> None:
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    four = GpuRequest(4, 0, isolation=Isolation.EXCLUSIVE)
+    assert timeline.never_fits("n1", four) and not timeline.fits_anywhere_ever(four)
+    assert timeline.earliest(four, 10, 0.0) is None
+    with pytest.raises(KeyError, match="unknown node"):
+        timeline.add("nope", Occupancy("x", 0, 1, ()))
+
+
+def test_packing_score_prefers_the_fuller_node() -> None:
+    empty, half = node("a"), node("b").with_grants(whole("b", 0))
+    assert packing_score(half, WHOLE, whole("b", 1)) == 1.0
+    assert packing_score(empty, WHOLE, whole("a", 0)) == 0.5
+    assert packing_score(NodeState(NodeInventory("c", ())), WHOLE, ()) == 0.0
+
+
+def test_fluid_start_drains_at_cluster_rate() -> None:
+    assert fluid_start(100.0, 8.0, 4.0) == pytest.approx(100 + 2 * HOUR)
+    assert fluid_start(100.0, 8.0, 0.0) == 100.0
