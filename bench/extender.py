@@ -9,6 +9,13 @@ scheduling loops at once. The API server behind bind is the in-memory fake, with
 reported Running to the cache at once, as KWOK would. Prints p50/p99 per verb.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py [--pods 2000] [--concurrency 4]
+
+With `--cluster` it instead measures end to end on the running local cluster (`make cluster`):
+1,000 tainted KWOK GPU nodes, a private kube-scheduler run twice on the same nodes — once
+without extenders (pods ask for CPU only) and once calling a fresh Carpool extender (pods ask
+for Carpool GPUs) — and pods/s from the first bind to the last, read from a watch.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py --cluster [--nodes 1000] [--pods 1000]
 """
 
 from __future__ import annotations
@@ -94,6 +101,19 @@ def serve(port: int, api_delay_s: float) -> None:
 
     cluster = FakeCluster(delay_s=api_delay_s, on_change=watch)
     extender = Extender(cache, cluster, Settings())
+    server_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
+
+    def timed(verb: str, method: Any) -> Any:
+        def wrapper(args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(args)
+            finally:
+                server_ms[verb].append((time.perf_counter() - started) * 1000)
+        return wrapper
+
+    extender.filter = timed("filter", extender.filter)  # type: ignore[method-assign]
+    extender.prioritize = timed("prioritize", extender.prioritize)  # type: ignore[method-assign]
     app = make_app(extender)
 
     async def add_pods(request: web.Request) -> web.Response:
@@ -102,7 +122,14 @@ def serve(port: int, api_delay_s: float) -> None:
         return web.Response(text="ok")
 
     async def stats(request: web.Request) -> web.Response:
-        return web.json_response({"memo_hits": extender.ranker.hits,
+        both = [f + p for f, p in zip(server_ms["filter"], server_ms["prioritize"],
+                                      strict=False)]
+        return web.json_response({
+            "server_ms": {verb: {"p50": round(percentile(v, 0.5), 2),
+                                 "p99": round(percentile(v, 0.99), 2)}
+                          for verb, v in (*server_ms.items(), ("filter+prioritize", both))
+                          if v},
+            "memo_hits": extender.ranker.hits,
                                   "workload_rebuilds": extender.ranker.workload_rebuilds,
                                   "memo_misses": extender.ranker.misses,
                                   **cache.counts()})
@@ -181,8 +208,164 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
         async with session.get(f"{base}/bench/stats") as resp:
             stats = await resp.json()
     print(f"pods {len(pods)}: {outcomes}; {len(pods) / elapsed:.0f} pods/s through "
-          f"filter+prioritize+bind; server {stats}")
+          f"filter+prioritize+bind")
+    print(f"server-side handler time (no HTTP, no JSON): {stats.pop('server_ms')}")
+    print(f"server: {stats}")
     return timings
+
+
+# --- end to end on the local cluster -----------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait(probe: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not probe():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
+               extender_port: int | None) -> subprocess.Popen[bytes]:
+    import yaml
+
+    config: dict[str, Any] = {
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        # the defaults (50 qps) would cap binds at 50/s in both runs alike; lift them
+        "clientConnection": {"kubeconfig": str(kubeconfig), "qps": 5000, "burst": 5000},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": name}],
+    }
+    if extender_port is not None:
+        config["extenders"] = [{
+            "urlPrefix": f"http://127.0.0.1:{extender_port}/", "filterVerb": "filter",
+            "prioritizeVerb": "prioritize", "bindVerb": "bind", "weight": 5,
+            "nodeCacheCapable": True, "httpTimeout": "10s",
+            "managedResources": [{"name": r, "ignoredByScheduler": True} for r in (
+                "carpool.dev/gpu", "carpool.dev/gpu-memory", "carpool.dev/gpu-cores")]}]
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (workdir / f"{name}.log").open("wb")
+    return subprocess.Popen([str(bin_dir / "kube-scheduler"), f"--config={path}",
+                             "--secure-port=0"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _bind_times(core: Any, namespace: str, selector: str, count: int,
+                timeout: float) -> list[float]:
+    """Times at which the watch saw each selected pod of the namespace get its node."""
+    from kubernetes import watch
+
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    stream: Any = watch.Watch()
+    for event in stream.stream(core.list_namespaced_pod, namespace, label_selector=selector,
+                               timeout_seconds=int(timeout), deserialize=False):
+        pod = event["object"]
+        if pod.get("spec", {}).get("nodeName"):
+            seen.setdefault(pod["metadata"]["name"], time.monotonic())
+        if len(seen) >= count or time.monotonic() > deadline:
+            stream.stop()
+    return sorted(seen.values())
+
+
+def bench_cluster(args: argparse.Namespace) -> int:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    from carpool import devcluster, simnodes
+
+    paths = devcluster.ClusterPaths.for_name(None)
+    bin_dir = devcluster.known_bin_dir(paths)
+    if bin_dir is None or not devcluster.inspect(paths, bin_dir).healthy:
+        raise SystemExit("no healthy local cluster; run `make cluster` first")
+    api = simnodes.api_client(paths.kubeconfig)
+    core = client.CoreV1Api(api)
+    run = f"{random.randrange(16**6):06x}"
+    taint = {"key": "carpool.dev/bench", "value": run, "effect": "NoSchedule"}
+    nodes = [simnodes.SimNode(name=f"bench-{run}-{i:04d}",
+                              gpus=(simnodes.SimGpuGroup(model="A100", count=8),))
+             for i in range(args.nodes)]
+    workdir = Path(tempfile.mkdtemp(prefix="carpool-bench-"))
+    namespace = f"bench-{run}"
+    processes: list[subprocess.Popen[bytes]] = []
+    results: dict[str, float] = {}
+    try:
+        started = time.monotonic()
+        simnodes.apply_nodes(api, nodes, datetime.now(UTC), workers=16)
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda n: core.patch_node(n.name, {"spec": {"taints": [taint]}}),
+                          nodes))
+        print(f"{args.nodes} KWOK nodes (8 GPUs each) created in "
+              f"{time.monotonic() - started:.0f}s")
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+        port = _free_port()
+        log = (workdir / "extender.log").open("wb")
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "carpool.extender", "--port", str(port), "--host",
+             "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "WARNING"],
+            env=dict(os.environ, PYTHONSAFEPATH="1"), stdout=log, stderr=subprocess.STDOUT))
+
+        def extender_ready() -> bool:
+            import urllib.request
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                return False
+            for line in text.splitlines():
+                if line.startswith('carpool_extender_cache_objects{kind="nodes"}'):
+                    return bool(float(line.split()[-1]) >= args.nodes)
+            return False
+
+        _wait(extender_ready, 120, "the extender to see every node")
+        toleration = {"key": taint["key"], "operator": "Equal", "value": run,
+                      "effect": "NoSchedule"}
+        for label, with_extender in (("without extender", False), ("with extender", True)):
+            scheduler_name = f"bench-{'carpool' if with_extender else 'plain'}-{run}"
+            limits = ({"carpool.dev/gpu": "1", "carpool.dev/gpu-memory": "10"}
+                      if with_extender else {})
+            pods = [{"apiVersion": "v1", "kind": "Pod",
+                     "metadata": {"name": f"{scheduler_name}-{i:05d}",
+                                  "labels": {"bench": scheduler_name}},
+                     "spec": {"schedulerName": scheduler_name,
+                              "tolerations": [toleration, devcluster.KWOK_TOLERATION],
+                              "containers": [{"name": "main", "image": "registry.invalid/x:1",
+                                              "resources": {"requests": {"cpu": "100m"},
+                                                            "limits": limits}}]}}
+                    for i in range(args.pods)]
+            with ThreadPoolExecutor(16) as pool:  # all pending before the scheduler starts
+                list(pool.map(lambda p: core.create_namespaced_pod(namespace, p), pods))
+            processes.append(_scheduler(bin_dir, paths.kubeconfig, workdir, scheduler_name,
+                                        port if with_extender else None))
+            times = _bind_times(core, namespace, f"bench={scheduler_name}", args.pods, 600)
+            rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+            results[label] = rate
+            print(f"{label:<17} {len(times)} of {args.pods} pods bound; "
+                  f"{rate:.0f} pods/s (first to last bind)")
+            processes[-1].terminate()
+        if results.get("without extender"):
+            ratio = results["with extender"] / results["without extender"]
+            print(f"ratio with/without: {ratio:.2f}")
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)
+        core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+        core.delete_namespace(namespace)
+        simnodes.delete_nodes(api, [n.name for n in nodes], workers=16)
+    return 0
 
 
 def main() -> int:
@@ -193,7 +376,12 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18181)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", action="store_true",
+                        help="end to end on the local cluster: pods/s with vs without extender")
+    parser.add_argument("--nodes", type=int, default=1000, help="KWOK nodes for --cluster")
     args = parser.parse_args()
+    if args.cluster:
+        return bench_cluster(args)
     if args.serve:
         serve(args.port, args.api_delay_ms / 1000)
         return 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from carpool.extender.service import ClusterError
 
-PodListener = Callable[[str, Mapping[str, Any]], None]
+PodListener = Callable[[str, dict[str, Any]], None]
 
 
 class FakeCluster:

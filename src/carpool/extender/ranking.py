@@ -23,8 +23,9 @@ from carpool.extender.wire import PodDemand, Policy
 
 MAX_SCORE = 10  # the extender API's MaxExtenderPriority
 MAX_MEMO_ENTRIES = 200_000
-WORKLOAD_WINDOW = 5_000  # demands remembered for the target workload
-WORKLOAD_REFRESH = 200  # new demands before the target workload is rebuilt
+WORKLOAD_WINDOW = 5_000  # pods remembered for the target workload
+WORKLOAD_FIRST = 50  # pods seen before the first target workload is built
+WORKLOAD_REFRESH = 1_000  # further pods between checks whether it has drifted
 
 
 @dataclass(frozen=True)
@@ -117,12 +118,15 @@ def scale_scores(raw: Mapping[str, float], nodes: Sequence[str]) -> dict[str, in
 class WorkloadTracker:
     """The demand shapes recently seen, as FGD's target workload (most frequent 95 %)."""
 
-    def __init__(self, window: int = WORKLOAD_WINDOW, refresh: int = WORKLOAD_REFRESH) -> None:
+    def __init__(self, window: int = WORKLOAD_WINDOW, first: int = WORKLOAD_FIRST,
+                 refresh: int = WORKLOAD_REFRESH) -> None:
         self._recent: deque[Demand] = deque(maxlen=window)
         self._seen: deque[str] = deque(maxlen=window)
         self._seen_set: set[str] = set()
         self._since_refresh = 0
+        self._first = first
         self._refresh = refresh
+        self._built = False
         self._lock = threading.Lock()
 
     def observe(self, uid: str, demands: Sequence[Demand]) -> bool:
@@ -136,9 +140,10 @@ class WorkloadTracker:
             self._seen_set.add(uid)
             self._recent.extend(demands)
             self._since_refresh += 1
-            due = self._since_refresh >= self._refresh or len(self._seen) <= 10
+            due = self._since_refresh >= (self._refresh if self._built else self._first)
             if due:
                 self._since_refresh = 0
+                self._built = True
             return due
 
     def workload(self) -> TargetWorkload:
