@@ -1,0 +1,218 @@
+"""The admission cycle: order, placement, backfill, waits with reasons and estimates."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from carpool.core.eta import packing_score
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
+from carpool.core.placement import NodeState
+from carpool.core.queueing import (
+    AdmissionConfig,
+    CycleResult,
+    WaitReason,
+    admission_cycle,
+    extender_ranker,
+)
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    JobClass,
+    NodeInventory,
+    Phase,
+)
+
+GIB = 1024
+HOUR = 3600.0
+CONFIG = AdmissionConfig(node_ranker=packing_score)
+
+
+def node(name: str = "n1", gpus: int = 2, model: str = "H100", memory_gib: int = 80) -> NodeState:
+    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", model, memory_gib * GIB)
+                                               for i in range(gpus))))
+
+
+def job(key: str, project: str = "a", cls: JobClass = JobClass.BATCH, count: int = 1,
+        submitted: float = 0.0, estimate: float = HOUR, exclusive: bool = True,
+        memory_gib: int = 10, models: frozenset[str] = frozenset(), **kw: object) -> Job:
+    request = GpuRequest(count, memory_gib * GIB, models=models,
+                         isolation=Isolation.EXCLUSIVE if exclusive else Isolation.MPS)
+    return Job(key, project, cls, request, submitted, estimate, **kw)  # type: ignore[arg-type]
+
+
+def run_on(j: Job, gpu_indices: list[int], started: float, node_name: str = "n1") -> Job:
+    grants = tuple(GpuGrant(f"{node_name}-g{i}", 80 * GIB, 100, exclusive=True)
+                   for i in gpu_indices)
+    return replace(j, phase=Phase.RUNNING, node=node_name, grants=grants, attempts=1,
+                   runs=(RunRecord(1, started, None, float(len(grants))),))
+
+
+def quotas(*names: str, **kw: object) -> dict[str, ProjectQuota]:
+    return {n: ProjectQuota(n, frozenset({n}), **kw) for n in names}  # type: ignore[arg-type]
+
+
+def cycle(jobs: list[Job], now: float = 0.0, nodes: list[NodeState] | None = None,
+          quota_map: dict[str, ProjectQuota] | None = None,
+          config: AdmissionConfig = CONFIG) -> CycleResult:
+    nodes = nodes if nodes is not None else [node()]
+    quota_map = quota_map if quota_map is not None else quotas("a", "b", "c")
+    return admission_cycle(ClusterSnapshot(now, tuple(jobs), quota_map,
+                                           {n.name: n for n in nodes}), config)
+
+
+def admitted(result: CycleResult) -> list[str]:
+    return [a.job_key for a in result.admissions]
+
+
+def test_admits_what_fits_with_node_grants_and_attempt() -> None:
+    result = cycle([job("a/j", count=2)])
+    (adm,) = result.admissions
+    assert adm.node == "n1" and {g.gpu_uuid for g in adm.grants} == {"n1-g0", "n1-g1"}
+    assert (adm.attempt, adm.position, adm.borrowed, adm.gpu_fraction) == (1, 1, False, 2.0)
+    assert "within project a's guarantee" in adm.message
+
+
+def test_higher_class_goes_first_when_only_one_fits() -> None:
+    jobs = [job("a/batch", count=2, submitted=0), job("b/short", "b", JobClass.SHORT, count=2,
+                                                      submitted=10)]
+    result = cycle(jobs, now=20)
+    assert admitted(result) == ["b/short"]
+    wait = result.wait_for("a/batch")
+    assert wait is not None and wait.reason is WaitReason.CAPACITY
+    assert wait.position == 2 and wait.estimated_start == pytest.approx(20 + HOUR)
+
+
+def test_a_cycle_never_hands_the_same_gpus_out_twice() -> None:
+    jobs = [job(f"a/j{i}", submitted=i) for i in range(5)]
+    result = cycle(jobs, now=10)
+    assert admitted(result) == ["a/j0", "a/j1"]
+    uuids = [g.gpu_uuid for a in result.admissions for g in a.grants]
+    assert len(uuids) == len(set(uuids))
+    starts = [w.estimated_start for w in result.waits]
+    assert starts == [pytest.approx(10 + HOUR)] * 2 + [pytest.approx(10 + 2 * HOUR)]
+    assert [w.ahead for w in result.waits] == [0, 1, 2]
+
+
+def test_shared_gpus_pack_fractional_jobs() -> None:
+    jobs = [job(f"a/j{i}", exclusive=False, memory_gib=30, submitted=i) for i in range(6)]
+    result = cycle(jobs)
+    assert len(result.admissions) == 4  # two 30 GiB slices per 80 GiB GPU
+    assert all(a.gpu_fraction == pytest.approx(30 / 80) for a in result.admissions)
+
+
+def test_lighter_project_goes_first_at_equal_class() -> None:
+    history = job("a/old", count=2, phase=Phase.SUCCEEDED,
+                  runs=(RunRecord(1, 0, 10 * HOUR, 2.0),))
+    jobs = [history, job("a/new", count=2, submitted=11 * HOUR),
+            job("b/new", "b", count=2, submitted=11 * HOUR + 5)]
+    result = cycle(jobs, now=11 * HOUR + 10)
+    assert admitted(result) == ["b/new"]
+
+
+def test_result_does_not_depend_on_the_order_of_jobs() -> None:
+    jobs = [job(f"{p}/j{i}", p, JobClass(i % 4), count=1 + i % 2, submitted=i * 7 % 5,
+                exclusive=i % 3 == 0, memory_gib=10 + 5 * (i % 4))
+            for i, p in enumerate("abcabcabcabc")]
+    jobs[0] = run_on(jobs[0], [0], started=0)
+    first = cycle(jobs, now=100, nodes=[node("n1"), node("n2")])
+    for seed in range(3):
+        shuffled = list(jobs)
+        random.Random(seed).shuffle(shuffled)
+        assert cycle(shuffled, now=100, nodes=[node("n1"), node("n2")]) == first
+
+
+def test_backfill_fills_holes_that_delay_nobody() -> None:
+    running = run_on(job("a/run", estimate=2 * HOUR), [0], started=0)
+    big = job("b/big", "b", count=2, submitted=10)  # waits for a/run to end at 2h
+    fits_hole = job("c/small", "c", submitted=20, estimate=HOUR)
+    too_long = job("d/long", "d", submitted=30, estimate=3 * HOUR)
+    result = cycle([running, big, fits_hole, too_long], now=HOUR - 60,
+                   quota_map=quotas("a", "b", "c", "d"))
+    assert admitted(result) == ["c/small"]
+    blocked = result.wait_for("d/long")
+    assert blocked is not None and blocked.reason is WaitReason.CAPACITY  # c/small took it
+    big_wait = result.wait_for("b/big")
+    assert big_wait is not None and big_wait.reason is WaitReason.CAPACITY
+    assert big_wait.estimated_start == pytest.approx(2 * HOUR)
+
+
+def test_behind_higher_ranked_when_free_gpus_are_reserved() -> None:
+    running = run_on(job("a/run", estimate=2 * HOUR), [0], started=0)
+    big = job("b/big", "b", count=2, submitted=10)
+    too_long = job("d/long", "d", submitted=30, estimate=3 * HOUR)
+    result = cycle([running, big, too_long], now=60, quota_map=quotas("a", "b", "d"))
+    wait = result.wait_for("d/long")
+    assert wait is not None and wait.reason is WaitReason.BEHIND_HIGHER_RANKED
+    assert wait.ahead == 1 and "reserved for 1 higher-ranked" in wait.message
+    assert wait.estimated_start == pytest.approx(3 * HOUR)  # after b/big's reserved hour
+
+
+def test_no_matching_model_and_too_large() -> None:
+    jobs = [job("a/a100", models=frozenset({"A100"})), job("a/huge", count=8)]
+    result = cycle(jobs)
+    model = result.wait_for("a/a100")
+    assert model is not None and model.reason is WaitReason.NO_MATCHING_GPU_MODEL
+    assert "cluster has H100" in model.message and model.estimated_start is None
+    huge = result.wait_for("a/huge")
+    assert huge is not None and huge.reason is WaitReason.TOO_LARGE
+
+
+def test_model_constraint_picks_the_matching_node() -> None:
+    nodes = [node("h", model="H100"), node("a", model="A100")]
+    result = cycle([job("a/j", models=frozenset({"A100"}))], nodes=nodes)
+    assert [(a.job_key, a.node) for a in result.admissions] == [("a/j", "a")]
+
+
+def test_expired_jobs_are_reported() -> None:
+    over = run_on(job("a/over", max_duration_s=HOUR, checkpoint_grace_s=15), [0], started=0)
+    fine = run_on(job("a/fine", max_duration_s=3 * HOUR), [1], started=0)
+    result = cycle([over, fine], now=HOUR + 1)
+    assert [(e.job_key, e.grace_s) for e in result.expiries] == [("a/over", 15)]
+
+
+def test_project_status_summarises_usage_and_queue() -> None:
+    q = quotas("a", budget_gpu_hours=10.0, guaranteed_gpus=1, borrowing=True)
+    jobs = [run_on(job("a/r", peak_memory_mib=5 * GIB), [0], started=0),
+            job("a/p", preemptible=True, submitted=1), job("a/w", submitted=2)]
+    result = cycle(jobs, now=HOUR, quota_map=q)
+    (status,) = result.projects
+    assert status.used_gpu_hours == pytest.approx(1.0)
+    assert status.remaining_gpu_hours == pytest.approx(9.0)
+    assert (status.running_jobs, status.pending_jobs) == (2, 1)
+    assert status.running_gpus == 2.0 and status.borrowed_gpus == 1.0
+    assert status.memory_efficiency == pytest.approx(0.5)
+
+
+def test_deep_queue_gets_coarse_estimates() -> None:
+    jobs = [job(f"a/j{i}", submitted=i) for i in range(6)]
+    shallow = AdmissionConfig(node_ranker=packing_score, reservation_depth=1)
+    result = cycle(jobs, config=shallow)
+    coarse = [w.coarse_estimate for w in result.waits]
+    assert coarse == [False, True, True, True]
+    starts = [w.estimated_start for w in result.waits]
+    assert all(s is not None for s in starts)
+    assert starts == sorted(starts)  # type: ignore[type-var]
+
+
+def test_the_extender_ranker_scores_in_unit_range() -> None:
+    rank = extender_ranker()
+    request = GpuRequest(1, 10 * GIB)
+    empty = node("n1")
+    score = rank(empty, request, ())
+    assert 0.0 <= score <= 1.0
+    result = cycle([job("a/j", exclusive=False)], config=AdmissionConfig())
+    assert admitted(result) == ["a/j"]
+
+
+def test_snapshot_rejects_duplicate_jobs_and_bad_keys() -> None:
+    with pytest.raises(ValueError, match="more than once"):
+        ClusterSnapshot(0, (job("a/j"), job("a/j")), {}, {})
+    with pytest.raises(ValueError, match="namespace/name"):
+        job("no-slash")
+    with pytest.raises(ValueError, match="estimated duration"):
+        job("a/j", estimate=0)
