@@ -477,6 +477,10 @@ def _pid_alive(paths: NodePaths, component: str, marker: str) -> int | None:
     return pid if marker in cmdline else None
 
 
+# Children this process started, kept until stopped: a Popen dropped while its child runs warns.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
 def _spawn(paths: NodePaths, component: str, command: Sequence[str],
            env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -487,30 +491,43 @@ def _spawn(paths: NodePaths, component: str, command: Sequence[str],
         process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT,
                                    env=env, start_new_session=True)
     paths.pid_file(component).write_text(str(process.pid))
+    _CHILDREN[process.pid] = process
     return process
 
 
 def _stop(paths: NodePaths, component: str, marker: str, grace: float = 10) -> bool:
     """SIGTERM the component named by its pid file (if it is what we started), then SIGKILL."""
     pid = _pid_alive(paths, component, marker)
-    paths_pid = paths.pid_file(component)
+    paths.pid_file(component).unlink(missing_ok=True)
     if pid is None:
-        paths_pid.unlink(missing_ok=True)
         return False
-    with contextlib.suppress(ProcessLookupError):
+    child = _CHILDREN.pop(pid, None)
+    if child is not None:  # started by this process: let Popen reap it
+        child.terminate()
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        return True
+    with contextlib.suppress(ProcessLookupError):  # started by an earlier `up`
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    while time.monotonic() < deadline and _pid_running(pid):
         time.sleep(0.1)
-    if Path(f"/proc/{pid}").exists():
+    if _pid_running(pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-    paths_pid.unlink(missing_ok=True)
     return True
+
+
+def _pid_running(pid: int) -> bool:
+    """Alive and not a zombie (an earlier `up`'s child is reaped by init, not by us)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path | None = None,
@@ -571,9 +588,9 @@ class RealNode:
     def name(self) -> str:
         return self.settings.name
 
-    def kubectl(self, *args: str, check: bool = True,
+    def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return self.cluster.kubectl(*args, check=check, timeout=timeout)
+        return self.cluster.kubectl(*args, check=check, stdin=stdin, timeout=timeout)
 
     def node_object(self) -> dict[str, Any] | None:
         done = self.kubectl("get", "node", self.name, "-o", "json", check=False)
@@ -789,9 +806,10 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
     with contextlib.suppress(OSError):
         set_hosts_entry(node_name, present=False)
     if cluster is not None:
-        gone = cluster.kubectl("delete", "node", node_name, "--ignore-not-found", check=False)
-        if gone.stdout.strip():
-            done.append(gone.stdout.strip())
+        for kind in ("node", "gpunode"):
+            gone = cluster.kubectl("delete", kind, node_name, "--ignore-not-found", check=False)
+            if gone.stdout.strip():
+                done.append(gone.stdout.strip())
     return done
 
 
