@@ -10,7 +10,7 @@ from carpool.core.eta import packing_score
 from carpool.core.jobs import BudgetPolicy, ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
-from carpool.core.quota import ProjectLedger, Standing, binding_refusal, budget_reservation, judge
+from carpool.core.quota import ProjectLedger, Standing, binding_refusal, budget_claims, judge
 from carpool.core.resources import (
     Gpu,
     GpuGrant,
@@ -138,20 +138,31 @@ def test_borrow_limit_holds() -> None:
 
 def test_judge_directly() -> None:
     ledger = ProjectLedger(quota("a", guaranteed_gpus=2, borrowing=True), in_quota_gpus=1.5)
-    assert judge(job("a/x"), ledger, 0.5, 0, 0.0).standing is Standing.IN_QUOTA
-    assert judge(job("a/x"), ledger, 1.0, 0, 0.0).standing is Standing.OVER_QUOTA
-    verdict = judge(job("a/x", preemptible=True), ledger, 1.0, 0, 0.0)
+    assert judge(job("a/x"), ledger, 0.5, 0, {}).standing is Standing.IN_QUOTA
+    assert judge(job("a/x"), ledger, 1.0, 0, {}).standing is Standing.OVER_QUOTA
+    verdict = judge(job("a/x", preemptible=True), ledger, 1.0, 0, {})
     assert verdict.standing is Standing.BORROWING and verdict.borrowed
 
 
 # ---------------------------------------------------------------- budgets
 
 
-def test_budget_reservation_is_the_worst_case_left_in_the_period() -> None:
-    assert budget_reservation(2.0, 0, None, 3 * HOUR, 100 * HOUR) == pytest.approx(6.0)
-    assert budget_reservation(2.0, 0, None, 3 * HOUR, HOUR) == pytest.approx(2.0)  # period ends
-    assert budget_reservation(1.0, 2 * HOUR, 0.0, 3 * HOUR, 100 * HOUR) == pytest.approx(1.0)
-    assert budget_reservation(1.0, 5 * HOUR, 0.0, 3 * HOUR, 100 * HOUR) == 0.0
+def test_budget_claims_are_the_worst_case_split_over_periods() -> None:
+    q = quota("a", period_s=10 * HOUR)
+    assert budget_claims(q, 2.0, 0, None, 3 * HOUR) == {0.0: pytest.approx(6.0)}
+    assert budget_claims(q, 2.0, 9 * HOUR, None, 3 * HOUR) == {
+        0.0: pytest.approx(2.0), 10 * HOUR: pytest.approx(4.0)}
+    assert budget_claims(q, 1.0, 2 * HOUR, 0.0, 3 * HOUR) == {0.0: pytest.approx(1.0)}
+    assert budget_claims(q, 1.0, 5 * HOUR, 0.0, 3 * HOUR) == {}
+
+
+def test_a_job_may_not_overspend_the_next_period() -> None:
+    q = quota("a", budget_gpu_hours=3.0, period_s=10 * HOUR)
+    late = job("a/late", count=2, max_duration_s=4 * HOUR, submitted=9 * HOUR)
+    result = cycle([late], [q], now=9 * HOUR)  # claims 2 now and 6 > 3 after the refill
+    wait = result.wait_for("a/late")
+    assert wait is not None and wait.reason is WaitReason.BUDGET
+    assert "next budget period" in wait.message
 
 
 def test_budget_holds_jobs_whose_reservation_does_not_fit() -> None:

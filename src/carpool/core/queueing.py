@@ -57,7 +57,7 @@ from carpool.core.quota import (
     ProjectLedger,
     Standing,
     binding_refusal,
-    budget_reservation,
+    budget_claims,
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
@@ -258,9 +258,10 @@ class _Cycle:
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     now = snapshot.now
     nodes = snapshot.nodes
-    learned = learn_durations(snapshot.jobs, config.duration_learning_rate)
+    jobs = sorted(snapshot.jobs, key=lambda j: j.key)  # float sums in one order, always
+    learned = learn_durations(jobs, config.duration_learning_rate)
     by_project: dict[str, list[Job]] = {}
-    for job in snapshot.jobs:
+    for job in jobs:
         by_project.setdefault(job.project, []).append(job)
     usage = {
         name: project_usage(quota, by_project.get(name, ()), now, config.fair_share_half_life_s,
@@ -269,11 +270,11 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     memories = [g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus]
     reference_mib = max(memories, default=DEFAULT_REFERENCE_MEMORY_MIB)
     timeline = Timeline(nodes, now, config.node_ranker)
-    ledgers = {name: ProjectLedger(q, used_gpu_hours=usage[name].gpu_hours_used)
+    ledgers = {name: ProjectLedger(q, used_gpu_hours=usage[name].gpu_hours_used, now=now)
                for name, q in snapshot.quotas.items()}
     holders: list[_Holder] = []
     spans: dict[str, list[tuple[float, float, int]]] = {}
-    for job in sorted((j for j in snapshot.jobs if j.holds_gpus), key=lambda j: j.key):
+    for job in (j for j in jobs if j.holds_gpus):
         nominal = nominal_fraction(job.request, reference_mib)
         fraction = held_fraction(job, nodes, nominal)
         memory = _memory_of(job.request, job.grants, reference_mib)
@@ -287,9 +288,8 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
             timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
         ledger = ledgers.get(job.project)
         if ledger is not None:
-            reserve = budget_reservation(fraction, now, job.started_at, job.limit_s,
-                                         ledger.quota.period_end(now))
-            ledger.add(fraction, memory, job.borrowed, reserve)
+            claims = budget_claims(ledger.quota, fraction, now, job.started_at, job.limit_s)
+            ledger.add(fraction, memory, job.borrowed, claims)
             spans.setdefault(job.project, []).append((end, fraction, memory))
     models = frozenset(g.model for n in nodes.values() for g in n.inventory.gpus)
     capacity = float(sum(1 for n in nodes.values() if n.inventory.ready
@@ -474,14 +474,14 @@ class _Walk:
             memory = _memory_of(request, (), cycle.reference_mib)
         ledger = cycle.ledgers[job.project]
         quota = ledger.quota
-        period_end = quota.period_end(now)
-        reserve = budget_reservation(fraction, now, None, job.limit_s, period_end)
-        verdict = judge(job, ledger, fraction, memory, reserve)
+        claims = budget_claims(quota, fraction, now, None, job.limit_s)
+        reserve = claims.get(ledger.current_period, 0.0)
+        verdict = judge(job, ledger, fraction, memory, claims)
         if verdict.borrowed and not borrowers_allowed:
             return False
 
         if verdict.standing.may_start and slot is not None:
-            ledger.add(fraction, memory, verdict.borrowed, reserve)
+            ledger.add(fraction, memory, verdict.borrowed, claims)
             timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
             cycle.running_spans.setdefault(job.project, []).append(
                 (now + duration, fraction, memory))
@@ -500,12 +500,13 @@ class _Walk:
             reason, message = WaitReason.BUDGET, verdict.message
             budget = quota.budget_gpu_hours or 0.0
             full_period = fraction * min(job.limit_s, quota.period_s) / 3600.0
-            not_before = period_end
+            short = verdict.budget_period if verdict.budget_period is not None else now
+            not_before = short + quota.period_s
             if full_period > budget:
                 estimable = False
                 message += "; more than a whole period's budget"
             else:
-                message += f"; the budget refills in {_fmt_time(period_end - now)}"
+                message += f"; the budget refills in {_fmt_time(not_before - now)}"
         elif verdict.standing is Standing.OVER_QUOTA:
             reason, message = WaitReason.QUOTA, verdict.message
             free_at = _quota_free_at(cycle, quota, fraction, memory)
@@ -519,7 +520,7 @@ class _Walk:
             if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
                 preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
                 if preempted:
-                    ledger.add(fraction, memory, verdict.borrowed, reserve)
+                    ledger.add(fraction, memory, verdict.borrowed, claims)
                     start = now + max(p.grace_s for p in preempted)
                     victims = ", ".join(p.victim_key for p in preempted)
                     self._wait(job, WaitReason.PREEMPTING,
@@ -609,8 +610,9 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
         running = sum(h.fraction for h in mine) + sum(f for f, _, _ in new)
         borrowed = (sum(h.fraction for h in mine if h.job.borrowed)
                     + sum(f for f, b, _ in new if b))
-        reserved = sum((budget_reservation(h.fraction, now, h.job.started_at, h.job.limit_s,
-                                           quota.period_end(now)) for h in mine), 0.0)
+        current = quota.period_start(now)
+        reserved = sum((budget_claims(quota, h.fraction, now, h.job.started_at,
+                                      h.job.limit_s).get(current, 0.0) for h in mine), 0.0)
         reserved += sum(r for _, _, r in new)
         efficiency = memory_efficiency(j for j in snapshot.jobs if j.project == name).ratio
         budget = quota.budget_gpu_hours

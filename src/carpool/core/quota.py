@@ -9,12 +9,13 @@ Rules (the admission cycle applies them to every job before it may start):
   allows borrowing, the job is preemptible and not interactive (borrowed jobs are reclaimed
   first, and interactive or non-preemptible jobs are never preempted), and the borrow limit
   holds. Without borrowing the guarantee is also the cap on the project's total use.
-- Budget: hard GPU-hours per period. Admission reserves the job's worst case in this period:
-  fraction x min(limit, time left in the period), where the limit is maxDuration (enforced by
-  the operator) or the estimate. A job starts only if the GPU-hours already used this period,
-  plus what the project's running jobs may still use this period (their reservations), plus
-  its own reservation fit in the budget. So with maxDuration enforced, a Hold project's use in
-  a period never exceeds its budget. Running jobs are charged continuously from their records.
+- Budget: hard GPU-hours per period. Admission claims the job's worst case: fraction x the
+  time until its limit (maxDuration, enforced by the operator, or else the estimate), split
+  over the periods that time touches. A job starts only if, in every such period, the
+  GPU-hours already used (current period), plus what the project's GPU-holding jobs may still
+  use there (their claims), plus its own claim fit in the budget. So with maxDuration
+  enforced, a Hold project's use in any period never exceeds its budget, refills included.
+  Running jobs are charged continuously from their run records.
 - Spent budget: policy Hold holds new jobs until the period refills; PreemptibleOnly still
   starts preemptible, non-interactive jobs, as borrowers on capacity nobody else wants now.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota
 from carpool.core.resources import JobClass
@@ -75,7 +76,8 @@ class ProjectLedger:
     borrowed_gpus: float = 0.0
     borrowed_memory_mib: int = 0
     used_gpu_hours: float = 0.0  # this period, from records
-    reserved_gpu_hours: float = 0.0  # what holders may still use this period
+    now: float = 0.0
+    claims: dict[float, float] = field(default_factory=dict)  # period start -> GPU-hours
 
     @property
     def total_gpus(self) -> float:
@@ -86,25 +88,52 @@ class ProjectLedger:
         return self.in_quota_memory_mib + self.borrowed_memory_mib
 
     @property
-    def committed_gpu_hours(self) -> float:
-        return self.used_gpu_hours + self.reserved_gpu_hours
+    def current_period(self) -> float:
+        return self.quota.period_start(self.now)
 
-    def add(self, gpus: float, memory_mib: int, borrowed: bool, reserved_gpu_hours: float) -> None:
+    @property
+    def reserved_gpu_hours(self) -> float:
+        """What the project's GPU-holding jobs may still use in the current period."""
+        return self.claims.get(self.current_period, 0.0)
+
+    def committed_gpu_hours(self, period_start: float) -> float:
+        """Used (current period only) plus claimed GPU-hours of one period."""
+        used = self.used_gpu_hours if period_start == self.current_period else 0.0
+        return used + self.claims.get(period_start, 0.0)
+
+    def add(self, gpus: float, memory_mib: int, borrowed: bool,
+            claims: Mapping[float, float]) -> None:
         if borrowed:
             self.borrowed_gpus += gpus
             self.borrowed_memory_mib += memory_mib
         else:
             self.in_quota_gpus += gpus
             self.in_quota_memory_mib += memory_mib
-        self.reserved_gpu_hours += reserved_gpu_hours
+        for period, hours in claims.items():
+            self.claims[period] = self.claims.get(period, 0.0) + hours
 
 
-def budget_reservation(fraction: float, now: float, started_at: float | None, limit_s: float,
-                       period_end: float) -> float:
-    """GPU-hours a job may still use before the period ends, if it runs to its limit."""
+MAX_CLAIMED_PERIODS = 64
+
+
+def budget_claims(quota: ProjectQuota, fraction: float, now: float, started_at: float | None,
+                  limit_s: float) -> dict[float, float]:
+    """GPU-hours a job may still use in each budget period if it runs to its limit.
+
+    Keyed by period start; a run crossing a refill claims from both periods, so a job started
+    late in a period cannot overspend the next one. (Claims stop after MAX_CLAIMED_PERIODS
+    periods: a limit that long against a period that short is a misconfiguration.)
+    """
     start = started_at if started_at is not None else now
-    until = min(start + limit_s, period_end)
-    return fraction * max(0.0, until - now) / 3600.0
+    end = start + limit_s
+    claims: dict[float, float] = {}
+    t = now
+    while t < end and len(claims) < MAX_CLAIMED_PERIODS:
+        period = quota.period_start(t)
+        segment_end = min(end, period + quota.period_s)
+        claims[period] = fraction * (segment_end - t) / 3600.0
+        t = segment_end
+    return claims
 
 
 def may_borrow(job: Job, quota: ProjectQuota) -> bool:
@@ -120,15 +149,28 @@ class Verdict:
     standing: Standing
     message: str
     budget_exhausted: bool = False  # started (if at all) only because of PreemptibleOnly
+    budget_period: float | None = None  # start of the period whose budget does not suffice
 
     @property
     def borrowed(self) -> bool:
         return self.standing is Standing.BORROWING
 
 
-def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int, reservation: float
-          ) -> Verdict:
-    """Whether `job`, holding `gpus` GPU equivalents and `memory_mib`, may start now."""
+def _budget_shortfall(ledger: ProjectLedger, claims: Mapping[float, float]) -> float | None:
+    """The first period whose budget cannot take `claims`, or None."""
+    budget = ledger.quota.budget_gpu_hours
+    if budget is None:
+        return None
+    for period in sorted(claims):
+        if ledger.committed_gpu_hours(period) + claims[period] > budget + 1e-9:
+            return period
+    return None
+
+
+def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int,
+          claims: Mapping[float, float]) -> Verdict:
+    """Whether `job`, holding `gpus` GPU equivalents and `memory_mib`, may start now;
+    `claims` are its `budget_claims`."""
     quota = ledger.quota
     g_gpus = quota.guaranteed_gpus if quota.guaranteed_gpus is not None else math.inf
     g_mem = quota.guaranteed_memory_mib if quota.guaranteed_memory_mib is not None else math.inf
@@ -144,22 +186,27 @@ def judge(job: Job, ledger: ProjectLedger, gpus: float, memory_mib: int, reserva
     within_guarantee = (within_cap and ledger.in_quota_gpus + gpus <= g_gpus + eps
                         and ledger.in_quota_memory_mib + memory_mib <= g_mem)
 
-    budget_ok = True
-    if quota.budget_gpu_hours is not None:
-        budget_ok = ledger.committed_gpu_hours + reservation <= quota.budget_gpu_hours + eps
-    if not budget_ok:
+    short = _budget_shortfall(ledger, claims)
+    if short is not None:
         idle_ok = (quota.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY and job.preemptible
                    and job.job_class is not JobClass.INTERACTIVE and within_cap)
         budget = quota.budget_gpu_hours or 0.0
-        message = (f"project {quota.name} has used {_fmt(ledger.used_gpu_hours)} of "
-                   f"{_fmt(budget)} GPU-hours this period and its running jobs may use "
-                   f"{_fmt(ledger.reserved_gpu_hours)} more; this job may need "
-                   f"{_fmt(reservation)} GPU-hours")
+        if short == ledger.current_period:
+            message = (f"project {quota.name} has used {_fmt(ledger.used_gpu_hours)} of "
+                       f"{_fmt(budget)} GPU-hours this period and its running jobs may use "
+                       f"{_fmt(ledger.reserved_gpu_hours)} more; this job may need "
+                       f"{_fmt(claims[short])} GPU-hours")
+        else:
+            message = (f"this job would run into project {quota.name}'s next budget period, "
+                       f"where running jobs may already use "
+                       f"{_fmt(ledger.committed_gpu_hours(short))} of {_fmt(budget)} GPU-hours "
+                       f"and it may need {_fmt(claims[short])}")
         if idle_ok:
-            return Verdict(Standing.BORROWING, message + "; runs preemptible on idle GPUs", True)
+            return Verdict(Standing.BORROWING, message + "; runs preemptible on idle GPUs", True,
+                           short)
         if quota.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY:
             message += "; only preemptible, non-interactive jobs run once the budget is spent"
-        return Verdict(Standing.OVER_BUDGET, message)
+        return Verdict(Standing.OVER_BUDGET, message, budget_period=short)
 
     if within_guarantee:
         return Verdict(Standing.IN_QUOTA, f"within project {quota.name}'s guarantee")
