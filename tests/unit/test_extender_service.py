@@ -42,8 +42,8 @@ class World:
             self.cache.mark_synced(kind)
         self.cluster = FakeCluster(
             on_change=lambda event, pod: self.cache.apply_pod(event, pod, self.clock.now))
-        self.extender = Extender(self.cache, self.cluster, settings or Settings(),
-                                 clock=self.clock)
+        self.extender = Extender(self.cache, self.cluster,
+                                 settings or Settings(bind_wait_s=0.0), clock=self.clock)
 
     def add_node(self, name: str, gpus: list[dict[str, Any]], labels: Mapping[str, str] = {},
                  **kw: Any) -> None:
@@ -164,7 +164,7 @@ def test_prioritize_prefers_the_node_with_the_dataset() -> None:
 
 def test_binpack_fills_the_used_node_and_spread_the_empty_one() -> None:
     for policy, expected in ((Policy.BINPACK, "used"), (Policy.SPREAD, "empty")):
-        w = World(Settings(policy, PACKING_ONLY))
+        w = World(Settings(policy, PACKING_ONLY, bind_wait_s=0.0))
         w.add_node("used", [gpu("u0")])
         w.add_node("empty", [gpu("e0")])
         w.add_pod("resident", memory_gib=40)
@@ -175,7 +175,7 @@ def test_binpack_fills_the_used_node_and_spread_the_empty_one() -> None:
 
 
 def test_the_pod_annotation_overrides_the_policy() -> None:
-    w = World(Settings(Policy.BINPACK, PACKING_ONLY))
+    w = World(Settings(Policy.BINPACK, PACKING_ONLY, bind_wait_s=0.0))
     w.add_node("used", [gpu("u0")])
     w.add_node("empty", [gpu("e0")])
     w.add_pod("resident", memory_gib=40)
@@ -254,6 +254,23 @@ def test_in_flight_pods_block_same_count_pods_on_their_node_until_running() -> N
     assert "allocation in flight" in w.bind("same", "n")  # bind re-checks under the lock
     w.run("one")
     assert w.filter(same, ["n"])["NodeNames"] == ["n"]
+
+
+def test_bind_waits_for_the_hand_over_instead_of_failing() -> None:
+    w = World(Settings(bind_wait_s=5.0))
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("one", memory_gib=10)
+    assert w.bind("one", "n") == ""
+    w.add_pod("same", memory_gib=10)
+    result: list[str] = []
+    binding = threading.Thread(target=lambda: result.append(w.bind("same", "n")))
+    binding.start()
+    binding.join(0.3)
+    assert binding.is_alive() and w.cluster.bindings == [("default/one", "n")]
+    w.run("one")  # the scheduler picked n before it saw "one" in flight: the wait pays off
+    binding.join(5)
+    assert result == [""]
+    assert [key for key, _ in w.cluster.bindings] == ["default/one", "default/same"]
 
 
 def test_in_flight_goes_stale_after_the_timeout() -> None:

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             help=f"weight of the {term} score term (default %(default)s)")
     parser.add_argument("--static-workload", action="store_true",
                         help="do not learn the target workload from the pods seen")
+    parser.add_argument("--bind-wait-seconds", type=float, default=Settings.bind_wait_s,
+                        help="how long bind waits for an in-flight hand-over on its node")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         scoring = replace(CARPOOL, fragmentation=args.weight_fragmentation,
                           packing=args.weight_packing, alignment=args.weight_alignment,
                           temperature=args.weight_temperature, locality=args.weight_locality)
-        settings = Settings(args.policy, scoring, learn_workload=not args.static_workload)
+        settings = Settings(args.policy, scoring, learn_workload=not args.static_workload,
+                            bind_wait_s=args.bind_wait_seconds)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

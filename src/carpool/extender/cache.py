@@ -60,6 +60,10 @@ UNKNOWN_NODE = "node is unknown to the Carpool extender (no Node object seen)"
 Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | str]
 
 
+class InFlightClash(str):
+    """A reserve refusal that clears by itself once the in-flight pod is handed over."""
+
+
 def _parse_time(text: object) -> float | None:
     if not isinstance(text, str) or not text:
         return None
@@ -332,7 +336,7 @@ class ClusterCache:
                 state = self._without(state, node, pod_key)
             clash = in_flight_clash(self._in_flight(node, pod_key, now), gpu_counts)
             if clash is not None:
-                return clash
+                return InFlightClash(clash)
             chosen = choose(state)
             if isinstance(chosen, str):
                 return chosen

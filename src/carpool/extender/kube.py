@@ -27,7 +27,7 @@ WATCH_TIMEOUT_S = 240  # the server ends each watch after this; we then resume f
 MAX_BACKOFF_S = 10.0
 
 
-def api_client(kubeconfig: str | None, pool_size: int = 32) -> Any:
+def api_client(kubeconfig: str | None, pool_size: int = 80) -> Any:
     """A client for the given kubeconfig, or the in-cluster service account."""
     configuration = client.Configuration()
     if kubeconfig:

@@ -150,7 +150,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
-             bind_threads: int = 16) -> web.Application:
+             bind_threads: int = 64) -> web.Application:
     """The aiohttp application; `max_body` bounds every request body."""
     app = web.Application(client_max_size=max_body)
     app[EXTENDER_KEY] = extender

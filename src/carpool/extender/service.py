@@ -19,7 +19,7 @@ from carpool.core import names
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
 from carpool.core.scoring import CARPOOL, ScoringPolicy
-from carpool.extender.cache import ClusterCache, in_flight_clash
+from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
 from carpool.extender.ranking import Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     AssignedGpu,
@@ -39,6 +39,7 @@ from carpool.extender.wire import (
 log = logging.getLogger(__name__)
 
 CACHE_KINDS = ("nodes", "gpunodes", "pods")
+BIND_POLL_S = 0.02
 NOT_SYNCED = "the Carpool extender is still loading its cache; retry shortly"
 
 
@@ -68,6 +69,9 @@ class Settings:
     policy: str = Policy.BINPACK
     scoring: ScoringPolicy = CARPOOL
     learn_workload: bool = True  # fragmentation against the shapes seen so far
+    # How long bind waits for another pod's hand-over on its node (the handshake rule)
+    # before failing; keep it under the scheduler's httpTimeout (default 5 s).
+    bind_wait_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.policy not in Policy.ALL:
@@ -217,6 +221,14 @@ class Extender:
 
         reserved = self.cache.reserve(demand.key, uid, args.node, demand.gpu_counts, now,
                                       choose)
+        # The scheduler picked this node before an earlier pod's bind to it was seen: rather
+        # than fail (and have the pod backed off for seconds), wait for that hand-over.
+        deadline = time.monotonic() + self.settings.bind_wait_s
+        while isinstance(reserved, InFlightClash) and time.monotonic() < deadline:
+            time.sleep(BIND_POLL_S)
+            now = self.clock()
+            reserved = self.cache.reserve(demand.key, uid, args.node, demand.gpu_counts, now,
+                                          choose)
         if isinstance(reserved, str):
             return f"cannot place {args.key} on {args.node}: {reserved}"
         try:
