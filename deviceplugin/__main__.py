@@ -12,6 +12,7 @@ import asyncio
 import csv
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,20 @@ async def run(args: argparse.Namespace) -> None:
                                       "GpuNode status")),
         asyncio.create_task(run_every(args.watchdog_interval, watchdog.step, "watchdog")),
     ]
+    stop = asyncio.Event()  # SIGTERM (the DaemonSet pod going away) and SIGINT end it cleanly
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.gather(*tasks)
+        done, _ = await asyncio.wait([*tasks, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            error = task.exception()
+            if error is not None:
+                raise error  # a loop that should run forever stopped: fail the pod visibly
+        log.info("stopping")
     finally:
+        stopping.cancel()
         for task in tasks:
             task.cancel()
         await server.close()
