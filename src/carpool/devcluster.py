@@ -66,6 +66,7 @@ COMPONENTS: Final = (
     "kwok-controller",
 )
 STATE_FILE: Final = "carpool-cluster.json"
+BIND_ADDRESS: Final = "127.0.0.1"
 EXTENDER_RESOURCES: Final = (
     names.RESOURCE_GPU,
     names.RESOURCE_GPU_MEMORY,
@@ -200,18 +201,18 @@ def binaries_dir(progress: Progress | None = None) -> Path:
         _require_binaries(path)
         return path
     script = repo_root() / "hack" / "build-k8s.sh"
-    proc = subprocess.Popen(
-        ["bash", str(script)], stdout=subprocess.PIPE, text=True, cwd=script.parent.parent
-    )
-    assert proc.stdout is not None
     last = ""
-    for line in proc.stdout:
-        line = line.rstrip("\n")
-        if line:
-            last = line
-        if progress is not None:
-            progress.note(line)
-    if proc.wait() != 0:
+    with subprocess.Popen(
+        ["bash", str(script)], stdout=subprocess.PIPE, text=True, cwd=script.parent.parent
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line:
+                last = line
+            if progress is not None:
+                progress.note(line)
+    if proc.returncode != 0:
         raise ClusterError(f"{script} failed (exit {proc.returncode}); see its output above")
     path = Path(last)
     _require_binaries(path)
@@ -309,17 +310,19 @@ def kwokctl_env(bin_dir: Path) -> dict[str, str]:
     env["KWOK_WORKDIR"] = str(cache_dir())
     env["KWOK_KUBECTL_BINARY"] = str(bin_dir / "kubectl")
     env["KWOK_RUNTIME"] = "binary"
+    env["KWOK_BIND_ADDRESS"] = BIND_ADDRESS  # loopback only; kwokctl's default is 0.0.0.0
     return env
 
 
 def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, str]:
-    """What the running cluster was made from; any change means it must be recreated."""
+    """What a cluster is made from. A change of `cluster` (binaries, flags) needs a new cluster;
+    the scheduler configuration and the stages are applied by restarting one component."""
     digest = hashlib.sha256
     return {
         "binDir": str(Path(create_args[0]).parent),
-        "createArgsSha256": digest(json.dumps(list(create_args)).encode()).hexdigest(),
-        "schedulerConfigSha256": digest(scheduler_yaml.encode()).hexdigest(),
-        "stagesSha256": digest(stages_file().read_bytes()).hexdigest(),
+        "cluster": digest(json.dumps([*create_args, BIND_ADDRESS]).encode()).hexdigest(),
+        "scheduler": digest(scheduler_yaml.encode()).hexdigest(),
+        "stages": digest(stages_file().read_bytes()).hexdigest(),
     }
 
 
@@ -527,7 +530,7 @@ def up(
         progress.note(f"extender http://127.0.0.1:{port}/ ; stages {stages_file()}")
 
     cluster = Cluster.at(paths, bin_dir, port)
-    if paths.kwok_config.is_file() and _reuse(paths, bin_dir, wanted, progress):
+    if paths.kwok_config.is_file() and _reuse(paths, bin_dir, wanted, scheduler_yaml, progress):
         cluster = Cluster.at(paths, bin_dir, port, reused=True)
         _maybe_start_extender(cluster, start_extender_if_available, progress)
         progress.note(f"kubeconfig: {paths.kubeconfig}")
@@ -558,30 +561,96 @@ def up(
     return cluster
 
 
-def _reuse(paths: ClusterPaths, bin_dir: Path, wanted: dict[str, str], progress: Progress) -> bool:
-    """Makes an existing cluster usable if it was made from `wanted`; else deletes it."""
+def _reuse(
+    paths: ClusterPaths,
+    bin_dir: Path,
+    wanted: dict[str, str],
+    scheduler_yaml: str,
+    progress: Progress,
+) -> bool:
+    """Makes an existing cluster serve `wanted`, restarting only what changed or stopped.
+
+    Returns False after deleting it when it needs recreating. A cluster other live test sessions
+    use is never deleted under them: it is reused (with a note) until they are done.
+    """
     with progress.stage(f"existing cluster {paths.name!r}: checking it"):
-        same_inputs = _read_state(paths) == wanted
-        health = inspect(paths, bin_dir) if same_inputs else None
-        if health is None:
-            progress.note("made from other inputs (binaries, flags, scheduler config or stages)")
-        else:
+        recorded = _read_state(paths) or {}
+        others = [pid for pid in _live_users(paths) if pid != os.getpid()]
+        if recorded.get("cluster") != wanted["cluster"]:
+            if not others:
+                progress.note("made with other binaries or flags: recreating it")
+                delete(paths, bin_dir)
+                return False
+            progress.note(
+                f"made with other binaries or flags, but {len(others)} other test session(s) "
+                "use it: reusing it; it is recreated once they are done"
+            )
+            wanted = {**wanted, "cluster": recorded.get("cluster", ""), "binDir": str(bin_dir)}
+        restart = []
+        if recorded.get("scheduler") != wanted["scheduler"]:
+            _install_scheduler_config(paths, scheduler_yaml)
+            restart.append("kube-scheduler")
+        if recorded.get("stages") != wanted["stages"]:
+            _install_stages(paths)
+            restart.append("kwok-controller")
+        for component in restart:
+            progress.note(f"new configuration: restarting {component}")
+            _stop_component(paths, component)
+        health = inspect(paths, bin_dir)
+        if not restart:
             progress.note("healthy, reusing it" if health.healthy else "; ".join(health.problems))
-    if health is not None and health.healthy:
-        return True
-    if health is not None:
-        with progress.stage("restarting its stopped components"):
+    if not health.healthy:
+        with progress.stage("starting its stopped components"):
             removed = remove_stale_pid_files(paths.workdir)
             if removed:
                 progress.note(f"stale pid files removed: {', '.join(removed)}")
             _kwokctl(bin_dir, "--name", paths.name, "start", "cluster", timeout=180)
             health = wait_healthy(paths, bin_dir, timeout=60)
             progress.note("healthy" if health.healthy else "; ".join(health.problems))
-        if health.healthy:
-            return True
+    if health.healthy:
+        _write_state(paths, wanted)
+        return True
+    if others:
+        raise ClusterError(
+            f"cluster {paths.name!r} is unhealthy ({'; '.join(health.problems)}) and in use by "
+            f"test sessions {others}; not deleting it under them\n{_log_tail(paths)}"
+        )
     with progress.stage("deleting it to start afresh"):
         delete(paths, bin_dir)
     return False
+
+
+def _install_scheduler_config(paths: ClusterPaths, scheduler_yaml: str) -> None:
+    """Replaces the scheduler's configuration, keeping the clientConnection kwokctl added."""
+    current = yaml.safe_load(paths.scheduler_config.read_text())
+    config = yaml.safe_load(scheduler_yaml)
+    config["clientConnection"] = current["clientConnection"]
+    paths.scheduler_config.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _install_stages(paths: ClusterPaths) -> None:
+    """Swaps the Stage documents in the kwok controller's configuration (kwokctl's kwok.yaml)."""
+    documents = [
+        doc
+        for doc in yaml.safe_load_all(paths.kwok_config.read_text())
+        if isinstance(doc, dict) and doc.get("kind") != "Stage"
+    ]
+    documents += list(yaml.safe_load_all(stages_file().read_text()))
+    paths.kwok_config.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+
+
+def _stop_component(paths: ClusterPaths, component: str, grace: float = 10) -> None:
+    """Stops one component by its pid file, so `kwokctl start cluster` starts it afresh."""
+    pid = _pid_of(paths.workdir, component)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    (paths.workdir / "pids" / f"{component}.pid").unlink(missing_ok=True)
 
 
 def delete(paths: ClusterPaths, bin_dir: Path | None) -> None:
