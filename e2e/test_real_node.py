@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from carpool import realnode
+from carpool import realnode, stack
 from carpool.core import names
 from carpool.core.shares import ShareId
 
@@ -67,7 +68,8 @@ def test_container_sees_exactly_the_gpus_the_extender_assigned(
         allocated["gpus"])
 
 
-def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode) -> None:
+def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode,
+                                      carpool_stack: Path) -> None:
     """The operator's pod for a GpuJob: admitted, placed, started, env printed, Succeeded."""
     suffix = uuid.uuid4().hex[:6]
     namespace = project = f"e2e-{suffix}"
@@ -95,13 +97,21 @@ def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode) -
     try:
         real_node.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(manifests))
 
-        def finished() -> dict[str, Any] | None:
-            job = json.loads(real_node.kubectl("get", "gpujob", "print-env", "-n", namespace,
-                                               "-o", "json").stdout)
-            phase = (job.get("status") or {}).get("phase")
-            return dict(job) if phase in ("Succeeded", "Failed") else None
+        seen: list[dict[str, Any]] = [{}]
 
-        job = pods.wait_for("the GpuJob to finish", finished, timeout=120)
+        def finished() -> dict[str, Any] | None:
+            seen[0] = json.loads(real_node.kubectl("get", "gpujob", "print-env", "-n",
+                                                   namespace, "-o", "json").stdout)
+            phase = (seen[0].get("status") or {}).get("phase")
+            return seen[0] if phase in ("Succeeded", "Failed") else None
+
+        try:
+            job = pods.wait_for("the GpuJob to finish", finished, timeout=120)
+        except AssertionError as error:
+            events = real_node.kubectl("get", "events", "-n", namespace, check=False).stdout
+            operator_log = stack.log_tail(carpool_stack / "operator.log", 15)
+            raise AssertionError(f"{error}\njob status: {seen[0].get('status')}\n{events}"
+                                 f"\noperator log:\n{operator_log}") from None
         status = job["status"]
         assert status["phase"] == "Succeeded", status
         assert status["node"] == real_node.name
