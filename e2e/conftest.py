@@ -140,6 +140,8 @@ class Pods:
         self.node = node
         self.namespace = namespace
         self.created: list[tuple[str, str]] = []
+        self.created_at: dict[str, float] = {}
+        self.timings = TIMINGS
 
     def manifest(self, name: str, gpus: int, memory_gib: int = 0, cores: int = 0,
                  isolation: str = "mps", script: str = "") -> dict[str, Any]:
@@ -160,6 +162,7 @@ class Pods:
         meta = manifest["metadata"]
         self.node.kubectl("create", "-f", "-", "-o", "name", stdin=json.dumps(manifest))
         self.created.append((meta.get("namespace", self.namespace), meta["name"]))
+        self.created_at[meta["name"]] = time.monotonic()
         return str(meta["name"])
 
     def get(self, name: str, namespace: str | None = None) -> dict[str, Any]:
@@ -182,9 +185,13 @@ class Pods:
             return dict(line.split("=", 1) for line in lines if "=" in line)
 
         try:
-            return wait_for(f"pod {name} to print its environment", printed, timeout)
+            env = wait_for(f"pod {name} to print its environment", printed, timeout)
         except AssertionError as error:
             raise AssertionError(f"{error}\n{self.describe(name, namespace)}") from None
+        if name in self.created_at:
+            TIMINGS.stages.append((f"pod {name}: created → env printed (poll 0.5 s)",
+                                   time.monotonic() - self.created_at.pop(name)))
+        return env
 
     def describe(self, name: str, namespace: str | None = None) -> str:
         return self.node.kubectl("describe", "pod", name, "-n", namespace or self.namespace,

@@ -8,6 +8,7 @@ sees against what the extender decided at bind (`carpool.dev/assignment`).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,17 @@ def test_plugin_reregisters_after_kubelet_restart_and_new_pods_start(
     registrations = real_node.registrations()
     assert registrations >= 1
 
+    start = time.monotonic()
     assert real_node.stop_kubelet()
     real_node.start_kubelet()
     pods.wait_for("the plugin to register with the new kubelet",
-                  lambda: real_node.registrations() > registrations, timeout=60)
+                  lambda: real_node.registrations() > registrations, timeout=60, interval=0.2)
+    pods.timings.stages.append(("kubelet restart → plugin registered again",
+                                time.monotonic() - start))
     real_node.wait_ready(timeout=60)
     real_node.wait_shares(timeout=60)
+    pods.timings.stages.append(("kubelet restart → node Ready with all shares",
+                                time.monotonic() - start))
 
     # The running container survived the restart, and the kubelet still knows its share.
     assert pods.get(before)["status"]["phase"] == "Running"

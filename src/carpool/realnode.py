@@ -410,7 +410,7 @@ def kubelet_configuration(paths: NodePaths, port: int) -> dict[str, Any]:
         "authorization": {"mode": "AlwaysAllow"},
         "registerNode": True,
         "registerWithTaints": [dict(REAL_NODE_TAINT)],
-        "podLogsDirectory": str(paths.pod_logs),
+        "podLogsDir": str(paths.pod_logs),
         "maxPods": 16,
         # The shared disk is not ours to police: evict only when it is really full.
         "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
@@ -673,7 +673,14 @@ class RealNode:
         return _stop(self.paths, "kubelet", str(self.paths.kubelet_config))
 
     def wait_ready(self, timeout: float = 120) -> None:
-        _wait(f"node {self.name} to be Ready", self.ready, timeout, self.paths.log("kubelet"),
+        def ready() -> bool:
+            log = self.paths.log("kubelet").read_text(errors="replace")
+            if "strict decoding failed" in log.rsplit("\n==== ", 1)[-1]:
+                raise NodeError(f"the kubelet ignored part of {self.paths.kubelet_config}: "
+                                + log.split("strict decoding error: ", 1)[1].split("\n")[0])
+            return self.ready()
+
+        _wait(f"node {self.name} to be Ready", ready, timeout, self.paths.log("kubelet"),
               interval=1.0)
 
     # --- device plugin ------------------------------------------------------------------
@@ -779,6 +786,12 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
     """
     p = paths or NodePaths.default()
     done = []
+    if cluster is not None and _pid_alive(p, "kubelet", str(p.kubelet_config)) is not None:
+        # Let the kubelet tear its pods down through CRI (sandboxes, CNI DEL, netns, logs).
+        drained = cluster.kubectl("delete", "pods", "--all-namespaces", "--field-selector",
+                                  f"spec.nodeName={node_name}", "--grace-period=1",
+                                  "--timeout=60s", check=False, timeout=90)
+        done += [line for line in drained.stdout.splitlines() if line.strip()]
     if _stop(p, "deviceplugin", "carpool.deviceplugin"):
         done.append("device plugin stopped")
     if _stop(p, "kubelet", str(p.kubelet_config)):
@@ -813,12 +826,24 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
     return done
 
 
+def reset(paths: NodePaths) -> None:
+    """Forgets the last run's pods: the kubelet's root (checkpoints, pod dirs), pod logs,
+    containerd's state and CNI addresses. Images in containerd's content store stay."""
+    leftover = _mounts_under(paths.base)
+    if leftover:
+        raise NodeError(f"still mounted under {paths.base}: {', '.join(leftover)}")
+    for folder in (paths.kubelet_root, paths.pod_logs, paths.containerd_state,
+                   paths.cni_ipam_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def running_node(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
                  timings: Timings | None = None) -> Iterator[RealNode]:
     """The real node for a block (the e2e session): started clean, stopped and removed after."""
     paths = NodePaths.default()
     stop(paths, cluster, (settings or NodeSettings()).name)
+    reset(paths)
     node = start(cluster, settings, paths, timings)
     try:
         yield node
