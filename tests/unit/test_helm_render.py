@@ -258,6 +258,8 @@ def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/carpool/mps/pipe"
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"]}
     assert host_paths == {"/run/carpool/mps", "/run/carpool/mps/shm"}
+    # upgrades never restart the daemon under running MPS clients
+    assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
 
 def test_values_switch_components(helm: Path) -> None:
