@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -77,6 +77,7 @@ class ScoringPolicy:
 
     fragmentation: float = 1.0
     balance: float = 1.0
+    scarcity: float = 0.0
     packing: float = 0.0
     alignment: float = 0.0
     temperature: float = 0.02
@@ -86,8 +87,8 @@ class ScoringPolicy:
     gpu_scale_milli: int = 8 * MILLI_PER_GPU
 
     def __post_init__(self) -> None:
-        weights = (self.fragmentation, self.balance, self.packing, self.alignment,
-                   self.temperature, self.locality)
+        weights = (self.fragmentation, self.balance, self.scarcity, self.packing,
+                   self.alignment, self.temperature, self.locality)
         if any(w < 0 or math.isnan(w) for w in weights) or sum(weights) <= 0:
             raise ValueError("score weights must be non-negative with a positive sum")
         if self.cpu_scale_milli <= 0 or self.gpu_scale_milli <= 0:
@@ -96,7 +97,8 @@ class ScoringPolicy:
     @property
     def profile_weight(self) -> float:
         """Total weight of the terms that depend on the node profile alone."""
-        return self.fragmentation + self.balance + self.packing + self.alignment
+        return (self.fragmentation + self.balance + self.scarcity + self.packing
+                + self.alignment)
 
 
 # Presets: the published baselines, reimplemented on the same terms, and Carpool's default.
@@ -135,11 +137,12 @@ class Plan:
 # --- profiles -------------------------------------------------------------------------------
 
 
-def gpu_slot(gpu: Gpu, memory_free_mib: int, cores_free_pct: int) -> GpuSlot:
-    """A GPU's slot: idle = min(10 x free cores %, 1000 x free memory / total memory)."""
-    by_memory = (MILLI_PER_GPU * max(memory_free_mib, 0) // gpu.memory_total_mib
-                 if gpu.memory_total_mib > 0 else MILLI_PER_GPU)
-    idle = max(0, min(cores_free_pct * MILLI_PER_GPU // 100, by_memory))
+def gpu_slot(gpu: Gpu, memory_free_mib: int, cores_free_pct: int, grants: int = 0) -> GpuSlot:
+    """A GPU's slot: idle = 10 x free cores % (at most 999 once anything is granted on it, so
+    only an untouched GPU can be taken whole, as the filter demands), and its free memory."""
+    idle = max(0, min(cores_free_pct * MILLI_PER_GPU // 100, MILLI_PER_GPU))
+    if grants and idle == MILLI_PER_GPU:
+        idle -= 1
     return GpuSlot(gpu.model, idle, max(memory_free_mib, 0))
 
 
@@ -150,16 +153,12 @@ def usable(gpu: Gpu) -> bool:
 
 
 def profile_of(node: NodeState) -> NodeProfile:
-    """The node's profile; GPUs held exclusively count as fully used."""
+    """The node's profile: its usable GPUs that are not held exclusively."""
     inv = node.inventory
     slots = []
     for free in node.free():
-        if not usable(free.gpu):
-            continue
-        if free.exclusive_taken:
-            slots.append(GpuSlot(free.gpu.model, 0, 0))
-        else:
-            slots.append(gpu_slot(free.gpu, free.memory_mib, free.cores_pct))
+        if usable(free.gpu) and not free.exclusive_taken:
+            slots.append(gpu_slot(free.gpu, free.memory_mib, free.cores_pct, free.grants))
     cpu_free = inv.cpu_milli - node.cpu_used_milli if inv.cpu_milli > 0 else UNLIMITED
     memory_free = inv.memory_mib - node.memory_used_mib if inv.memory_mib > 0 else UNLIMITED
     return NodeProfile(cpu_free, memory_free, inv.cpu_milli, tuple(sorted(slots)))
@@ -217,7 +216,7 @@ def fragmentation(profile: NodeProfile, workload: TargetWorkload) -> float:
     idle_total = 0
     for s in slots:
         idle_total += s.idle_milli
-    if idle_total == 0:
+    if idle_total == 0 or not workload.shapes:
         return 0.0
     compiled = _compiled(workload)
     usable = compiled.usable.get(slots)
@@ -332,6 +331,36 @@ def balance_term(delta_stranded_milli: float,
     return fragmentation_term(delta_stranded_milli, scale)
 
 
+def model_pressure(workload: TargetWorkload, supply: Mapping[str, int]) -> dict[str, float]:
+    """pi_X = sum over shapes m that name models and allow X of p_m g_m / supply(models_m),
+    divided by the largest pi (so in [0, 1]); g_m is m's GPU milli, supply counts GPUs.
+
+    How much of model X the model-constrained part of the workload needs, per GPU of X.
+    """
+    raw: dict[str, float] = {}
+    for demand, p in workload.shapes:
+        if not demand.models:
+            continue
+        allowed = sum(supply.get(model, 0) for model in demand.models)
+        if allowed <= 0:
+            continue
+        for model in demand.models:
+            if supply.get(model, 0) > 0:
+                raw[model] = raw.get(model, 0.0) + p * demand.gpu_total_milli / allowed
+    top = max(raw.values(), default=0.0)
+    return {model: value / top for model, value in raw.items()} if top > 0 else {}
+
+
+def scarcity_term(models: Sequence[str], pressure: Mapping[str, float]) -> float:
+    """1 - mean over the GPUs taken of pi_model (see `model_pressure`); 1 without GPUs.
+
+    Pods that may run anywhere should leave the models that constrained pods need.
+    """
+    if not models:
+        return 1.0
+    return 1.0 - sum(pressure.get(model, 0.0) for model in models) / len(models)
+
+
 def packing_term(after: NodeProfile, cpu_scale_milli: int, gpu_scale_milli: int) -> float:
     """Best fit: 1 - [0.5 cpu_left / cpu_scale + 0.5 gpu_left / gpu_scale], clamped to [0, 1].
 
@@ -413,10 +442,13 @@ class Scorer:
     """A policy plus a target workload, with memos keyed by profile (safe to share; pure)."""
 
     def __init__(self, policy: ScoringPolicy = CARPOOL,
-                 workload: TargetWorkload | None = None) -> None:
+                 workload: TargetWorkload | None = None,
+                 supply: Mapping[str, int] | None = None) -> None:
+        """`supply`: GPUs per model in the cluster (for the scarcity term)."""
         self.policy = policy
         self.workload = workload if workload is not None else TargetWorkload()
         self._cpu_per_gpu = self.workload.cpu_per_gpu_milli
+        self._pressure = model_pressure(self.workload, supply or {})
         self._fragmentation: dict[NodeProfile, float] = {}
         self._plans: dict[tuple[NodeProfile, Demand], Plan | None] = {}
 
@@ -430,7 +462,7 @@ class Scorer:
         return value
 
     def profile_score(self, before: NodeProfile, after: NodeProfile, demand: Demand,
-                      delta: float) -> float:
+                      delta: float, slots: Sequence[GpuSlot] = ()) -> float:
         """The policy's profile terms combined (fragmentation, packing, alignment), in [0, 1]."""
         policy = self.policy
         packing = 0.0
@@ -445,6 +477,8 @@ class Scorer:
         return combine((
             (policy.fragmentation, fragmentation_term(delta) if policy.fragmentation > 0 else 0),
             (policy.balance, balance),
+            (policy.scarcity, scarcity_term([s.model for s in slots], self._pressure)
+             if policy.scarcity > 0 else 0),
             (policy.packing, packing),
             (policy.alignment, alignment_term(before, demand) if policy.alignment > 0 else 0),
         ))
@@ -476,25 +510,25 @@ class Scorer:
             after = take(profile, demand, ())
             delta = self.fragmentation(after) - before_f if use_fragmentation else 0.0
             return Plan(self.profile_score(profile, after, demand, delta), (), after, delta)
-        current = profile
         chosen: list[GpuSlot] = []
         best: tuple[float, int, int] = (0.0, 0, 0)
         best_after = profile
         best_delta = 0.0
+        remaining = list(profile.gpus)
         for _ in range(demand.gpu_count):
-            candidates = sorted({s for s in current.gpus if slot_fits(s, demand)})
+            candidates = sorted({s for s in remaining if slot_fits(s, demand)})
             best_slot: GpuSlot | None = None
             for slot in candidates:
-                after = take(current, demand, (slot,))
+                after = take(profile, demand, (*chosen, slot))
                 delta = self.fragmentation(after) - before_f if use_fragmentation else 0.0
-                score = self.profile_score(profile, after, demand, delta)
+                score = self.profile_score(profile, after, demand, delta, (*chosen, slot))
                 rank = (score, -slot.idle_milli, -slot.memory_free_mib)
                 if best_slot is None or rank > best:
                     best, best_slot, best_after, best_delta = rank, slot, after, delta
             if best_slot is None:  # fits() said enough GPUs fit; unreachable
                 raise AssertionError("no GPU fits a demand that fits")
             chosen.append(best_slot)
-            current = best_after
+            remaining.remove(best_slot)
         return Plan(best[0], tuple(chosen), best_after, best_delta)
 
 
@@ -518,7 +552,7 @@ def _gpus_for(node: NodeState, request: GpuRequest, plan: Plan) -> tuple[int, ..
             continue
         if request.isolation is Isolation.EXCLUSIVE and free.grants:
             continue
-        slot = gpu_slot(free.gpu, free.memory_mib, free.cores_pct)
+        slot = gpu_slot(free.gpu, free.memory_mib, free.cores_pct, free.grants)
         candidates.append((slot, free.gpu.temperature_c, free.gpu.index))
     candidates.sort(key=lambda c: (c[1], c[2]))
     chosen: list[int] = []

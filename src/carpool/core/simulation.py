@@ -109,6 +109,14 @@ def capacity_milli(nodes: Iterable[TraceNode]) -> int:
     return MILLI_PER_GPU * sum(n.gpus for n in nodes)
 
 
+def gpu_supply(nodes: Iterable[TraceNode]) -> dict[str, int]:
+    """GPUs per model."""
+    supply: dict[str, int] = {}
+    for node in nodes:
+        supply[node.model] = supply.get(node.model, 0) + node.gpus
+    return supply
+
+
 def arrivals(pods: Sequence[TracePod], seed: int, capacity: int,
              inflation: float = INFLATION) -> list[TracePod]:
     """The trace shuffled with `seed`, then resampled uniformly with replacement, stopping
@@ -254,11 +262,11 @@ def _random_plan(cluster: _Cluster, view: _DemandView,
         node = rng.choice(feasible)
     profile = cluster.profiles[nodes[node]]
     slots: list[GpuSlot] = []
-    current = profile
+    remaining = list(profile.gpus)
     for _ in range(demand.gpu_count):
-        slot = rng.choice([s for s in current.gpus if slot_fits(s, demand)])
+        slot = rng.choice([s for s in remaining if slot_fits(s, demand)])
         slots.append(slot)
-        current = take(current, demand, (slot,))
+        remaining.remove(slot)
     return node, Plan(0.0, tuple(slots), take(profile, demand, slots), 0.0)
 
 
