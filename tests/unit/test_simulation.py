@@ -13,7 +13,7 @@ from carpool.cli.main import main as carpool_main
 from carpool.core import scoring, simulation
 from carpool.core.scoring import Plan, Scorer
 from carpool.core.simulation import TraceNode, TracePod
-from carpool.core.workload import Demand
+from carpool.core.workload import Demand, TargetWorkload
 
 NODES_CSV = """sn,cpu_milli,memory_mib,gpu,model
 n0,32000,131072,2,T4
@@ -80,7 +80,7 @@ def test_replay_hand_checked() -> None:
     cpu_hog = Demand(cpu_milli=8000)
     sequence = [TracePod("h1", half), TracePod("h2", half), TracePod("w1", whole),
                 TracePod("hog", cpu_hog), TracePod("w2", whole), TracePod("w3", whole)]
-    workload = scoring.TargetWorkload(((whole, 1.0),))
+    workload = TargetWorkload(((whole, 1.0),))
     result = simulation.replay(nodes, sequence, Scorer(scoring.FGD, workload))
     # halves share one GPU of node a; w1 takes a's other GPU; the CPU hog can only go to the
     # empty node b (a has 2 cores left); w2 and w3 then find no CPU anywhere.
