@@ -55,6 +55,20 @@ class Kube:
     def list_namespaces(self) -> list[Obj]:
         return self._items(self.core.list_namespace(_preload_content=False))
 
+    def ensure_priority_class(self) -> None:
+        """The PriorityClass every job pod uses: it makes kube-scheduler's own preemption
+        (`preemptionPolicy: Never`) stay out of Carpool's way, which the API server's priority
+        admission allows only when the pod's class says so too."""
+        body = {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                "metadata": {"name": names.PRIORITY_CLASS}, "value": 0,
+                "preemptionPolicy": "Never", "globalDefault": False,
+                "description": "Carpool GpuJob pods; Carpool itself decides preemption."}
+        try:
+            client.SchedulingV1Api(self.api).create_priority_class(body, _preload_content=False)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+
     def create_pod(self, pod: Obj) -> bool:
         """Create the pod; False if it already exists (an earlier pass created it)."""
         try:

@@ -57,7 +57,9 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
         annotations[names.ANN_SIM_DURATION] = str(int(parse_duration(spec["simulatedDuration"])))
 
     pod_spec["schedulerName"] = names.SCHEDULER_NAME
-    pod_spec["preemptionPolicy"] = "Never"
+    pod_spec["priorityClassName"] = names.PRIORITY_CLASS  # its preemptionPolicy is Never
+    pod_spec.pop("preemptionPolicy", None)
+    pod_spec.pop("priority", None)
     pod_spec.setdefault("restartPolicy", "Never")
     grace = (spec.get("checkpoint") or {}).get("gracePeriod")
     if grace:

@@ -9,6 +9,7 @@ killed operator resumes exactly where the cluster is: a pod's deterministic name
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -22,12 +23,21 @@ from carpool.operator.following import PodView, format_time, view_pod
 from carpool.operator.kube import Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import observe
+from kubernetes.client.rest import ApiException
 
 from carpool.core import names
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota
 from carpool.core.placement import NodeState
-from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
+from carpool.core.queueing import (
+    Admission,
+    AdmissionConfig,
+    CycleResult,
+    Expiry,
+    Preemption,
+    Wait,
+    admission_cycle,
+)
 from carpool.core.resources import GpuGrant, NodeInventory, Phase
 
 log = logging.getLogger(__name__)
@@ -88,6 +98,7 @@ class Reconciler:
         self.kube = Kube(api)
         self.config = config
         self.last_result: CycleResult | None = None
+        self._priority_class_ready = False
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -177,6 +188,9 @@ class Reconciler:
         if not still_leader():
             log.info("lost leadership during the pass; not acting on it")
             return result
+        if not self._priority_class_ready:
+            self.kube.ensure_priority_class()
+            self._priority_class_ready = True
         self._apply(state, result, now)
         self._write_quota_status(result, quota_objects)
         self._flush(state)
@@ -190,57 +204,84 @@ class Reconciler:
     def _apply(self, state: PassState, result: CycleResult, now: float) -> None:
         jobs = {j.key: j for j in state.jobs}
         for admission in result.admissions:
-            self._admit(state, jobs[admission.job_key], admission, now)
+            try:
+                self._admit(state, jobs[admission.job_key], admission, now)
+            except Exception:  # one job's failure must not stop the others' decisions
+                log.exception("admitting %s failed; retrying next pass", admission.job_key)
         for preemption in result.preemptions:
-            victim = jobs[preemption.victim_key]
-            obj = state.objects[victim.key]
-            patch = state.patches.setdefault(victim.key, {})
-            patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
-                         reason=f"Preempted{preemption.cause.value.title().replace('_', '')}",
-                         message=preemption.message)
-            self.kube.event(obj, "Preempted", preemption.message, "Warning", "Preempt")
-            self.kube.event(state.objects[preemption.preemptor_key], "Preempting",
-                            f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
-            metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
-            self._flush_one(state, victim.key)  # record intent before the pod goes
-            self.kube.delete_pod(victim.namespace, _pod_name_of(victim),
-                                 max(0, math.ceil(preemption.grace_s)))
+            try:
+                self._preempt(state, jobs, preemption)
+            except Exception:
+                log.exception("preempting %s failed; retrying next pass", preemption.victim_key)
         for expiry in result.expiries:
-            job = jobs[expiry.job_key]
-            obj = state.objects[job.key]
-            note = (f"ran {expiry.ran_s:.0f}s, over its maxDuration of "
-                    f"{expiry.max_duration_s:.0f}s; stopped")
-            history = [dict(r, end=r.get("end") or format_time(now),
-                            outcome=r.get("outcome") or "MaxDurationExceeded")
-                       for r in (state.patches.get(job.key, {}).get("history")
-                                 or (obj.get("status") or {}).get("history") or [])]
-            state.patches.setdefault(job.key, {}).update(
-                phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
-                completionTime=format_time(now), history=history)
-            self.kube.event(obj, "MaxDurationExceeded", note, "Warning", "Stop")
-            self._flush_one(state, job.key)
-            self.kube.delete_pod(job.namespace, _pod_name_of(job),
-                                 max(0, math.ceil(expiry.grace_s)))
+            try:
+                self._expire(state, jobs[expiry.job_key], expiry, now)
+            except Exception:
+                log.exception("stopping %s failed; retrying next pass", expiry.job_key)
         for wait in result.waits:
-            obj = state.objects[wait.job_key]
-            status = obj.get("status") or {}
-            estimate = (format_time(round(wait.estimated_start / ESTIMATE_ROUNDING_S)
-                                    * ESTIMATE_ROUNDING_S)
-                        if wait.estimated_start is not None else None)
-            patch = state.patches.setdefault(wait.job_key, {})
-            fields = {"reason": wait.reason.value, "message": wait.message,
-                      "queuePosition": wait.position or None, "estimatedStart": estimate}
-            for key, value in fields.items():
-                if status.get(key) != value:
-                    patch[key] = value
-            if status.get("reason") != wait.reason.value:
-                self.kube.event(obj, wait.reason.value, wait.message,
-                                "Warning" if wait.reason.refused else "Normal", "Queue")
+            self._record_wait(state, wait)
 
-    def _admit(self, state: PassState, job: Job, admission: Any, now: float) -> None:
+    def _preempt(self, state: PassState, jobs: Mapping[str, Job], preemption: Preemption) -> None:
+        victim = jobs[preemption.victim_key]
+        obj = state.objects[victim.key]
+        patch = state.patches.setdefault(victim.key, {})
+        patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
+                     reason=f"Preempted{preemption.cause.value.title().replace('_', '')}",
+                     message=preemption.message)
+        self.kube.event(obj, "Preempted", preemption.message, "Warning", "Preempt")
+        self.kube.event(state.objects[preemption.preemptor_key], "Preempting",
+                        f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
+        metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
+        self._flush_one(state, victim.key)  # record intent before the pod goes
+        self.kube.delete_pod(victim.namespace, _pod_name_of(victim),
+                             max(0, math.ceil(preemption.grace_s)))
+
+    def _expire(self, state: PassState, job: Job, expiry: Expiry, now: float) -> None:
         obj = state.objects[job.key]
-        pod = build_pod(obj, job.request, admission.attempt)
-        created = self.kube.create_pod(pod)
+        note = (f"ran {expiry.ran_s:.0f}s, over its maxDuration of "
+                f"{expiry.max_duration_s:.0f}s; stopped")
+        history = [dict(r, end=r.get("end") or format_time(now),
+                        outcome=r.get("outcome") or "MaxDurationExceeded")
+                   for r in (state.patches.get(job.key, {}).get("history")
+                             or (obj.get("status") or {}).get("history") or [])]
+        state.patches.setdefault(job.key, {}).update(
+            phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
+            completionTime=format_time(now), history=history)
+        self.kube.event(obj, "MaxDurationExceeded", note, "Warning", "Stop")
+        self._flush_one(state, job.key)
+        self.kube.delete_pod(job.namespace, _pod_name_of(job),
+                             max(0, math.ceil(expiry.grace_s)))
+
+    def _record_wait(self, state: PassState, wait: Wait) -> None:
+        obj = state.objects[wait.job_key]
+        status = obj.get("status") or {}
+        estimate = (format_time(round(wait.estimated_start / ESTIMATE_ROUNDING_S)
+                                * ESTIMATE_ROUNDING_S)
+                    if wait.estimated_start is not None else None)
+        patch = state.patches.setdefault(wait.job_key, {})
+        fields = {"reason": wait.reason.value, "message": wait.message,
+                  "queuePosition": wait.position or None, "estimatedStart": estimate}
+        for key, value in fields.items():
+            if status.get(key) != value:
+                patch[key] = value
+        if status.get("reason") != wait.reason.value:
+            self.kube.event(obj, wait.reason.value, wait.message,
+                            "Warning" if wait.reason.refused else "Normal", "Queue")
+
+    def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
+        obj = state.objects[job.key]
+        try:
+            pod = build_pod(obj, job.request, admission.attempt)
+            created = self.kube.create_pod(pod)
+        except (ValueError, ApiException) as err:
+            if isinstance(err, ApiException) and err.status not in (400, 403, 422):
+                raise  # transient (API down, throttled): the next pass tries again
+            message = f"the pod for attempt {admission.attempt} was refused: {_api_message(err)}"
+            state.patches.setdefault(job.key, {}).update(
+                phase=Phase.FAILED.value, reason="PodRejected", message=message,
+                completionTime=format_time(now))
+            self.kube.event(obj, "PodRejected", message, "Warning", "Admit")
+            return
         inventory = state.inventories.get(admission.node)
         patch = state.patches.setdefault(job.key, {})
         patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
@@ -300,6 +341,17 @@ class Reconciler:
             metrics.RUNNING_GPUS.labels(project.project).set(project.running_gpus)
             if project.remaining_gpu_hours is not None:
                 metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
+
+
+def _api_message(err: Exception) -> str:
+    """The API server's own message from an ApiException body, else the error text."""
+    body = getattr(err, "body", None)
+    if body:
+        try:
+            return str(json.loads(body).get("message", body))
+        except ValueError:
+            return str(body)
+    return str(err)
 
 
 def _pod_name_of(job: Job) -> str:

@@ -61,7 +61,7 @@ def test_pod_carries_resources_annotations_and_owner() -> None:
     assert limits == {names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "20",
                       names.RESOURCE_GPU_CORES: "50"}
     assert pod["spec"]["schedulerName"] == names.SCHEDULER_NAME
-    assert pod["spec"]["preemptionPolicy"] == "Never"
+    assert pod["spec"]["priorityClassName"] == names.PRIORITY_CLASS
     assert pod["spec"]["terminationGracePeriodSeconds"] == 45
     assert pod["spec"]["activeDeadlineSeconds"] == 3600
     assert pod["metadata"]["annotations"][names.ANN_SIM_DURATION] == "30"

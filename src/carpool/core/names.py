@@ -40,4 +40,5 @@ LABEL_SHARING: Final = f"{GROUP}/sharing"  # node label: mps | mig | timeslice |
 LABEL_ZONE: Final = "topology.kubernetes.io/zone"
 
 SCHEDULER_NAME: Final = "carpool-scheduler"
+PRIORITY_CLASS: Final = "carpool-job"  # preemptionPolicy Never: only Carpool preempts
 FINALIZER: Final = f"{GROUP}/accounting"
