@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import uuid
 from typing import Any
 
 from kubernetes import client
@@ -113,7 +114,7 @@ class Kube:
         now = dt.datetime.now(dt.UTC)
         namespace = meta.get("namespace") or "default"
         body: Obj = {
-            "metadata": {"generateName": f"{meta.get('name', 'carpool')}.",
+            "metadata": {"name": f"{meta.get('name', 'carpool')[:200]}.{uuid.uuid4().hex[:16]}",
                          "namespace": namespace},
             "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "reportingController": f"{names.GROUP}/{self.component}",
