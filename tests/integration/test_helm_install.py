@@ -1,6 +1,8 @@
 """The Helm chart against the real API server: `helm install` into a fresh namespace, every
 object accepted and stored, the installed RBAC enforced as intended (asked of the API
-server's own authorizer with `kubectl auth can-i --as`), then `helm uninstall` removes it all.
+server's own authorizer with `kubectl auth can-i --as`), the components actually working
+under their ServiceAccounts' tokens (so the least privilege is also enough), then
+`helm uninstall` removes it all.
 
 Images cannot be pulled here (no registry), so the pods stay Pending: the point is that the
 API server takes every object the chart makes, with its admission and validation. Helm
@@ -12,7 +14,13 @@ checked by a server-side dry-run apply, which validates them as a create or an u
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,3 +216,139 @@ def test_uninstall_removes_everything_but_the_crds(cluster: devcluster.Cluster) 
         assert set(crds.CRD_NAMES) <= existing_crds(cluster)  # helm keeps CRDs (and data)
     finally:
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+# --- the components under their own ServiceAccounts --------------------------------------
+
+FORBIDDEN_MARKERS = ("Forbidden", "forbidden", "403", "Traceback")
+
+
+def token_kubeconfig(cluster: devcluster.Cluster, release: Release, account: str,
+                     directory: Path) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount `account` (a bound token),
+    for the same API server as the cluster's own kubeconfig."""
+    token = cluster.kubectl("create", "token", f"{release.name}-{account}", "-n",
+                            release.namespace, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
+    server = next(c for c in admin["clusters"] if c["name"] == context["context"]["cluster"])
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": account,
+              "clusters": [{"name": "c", "cluster": server["cluster"]}],
+              "users": [{"name": account, "user": {"token": token}}],
+              "contexts": [{"name": account, "context": {"cluster": "c", "user": account}}]}
+    path = directory / f"{account}.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None
+          ) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONSAFEPATH="1", **(env or {})))
+
+
+def wait_for(check: Any, timeout: float, what: str, log: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"{what} within {timeout:.0f}s; log:\n{log.read_text()[-3000:]}")
+
+
+def assert_no_denials(log: Path) -> None:
+    text = log.read_text()
+    denied = [line for line in text.splitlines() if any(m in line for m in FORBIDDEN_MARKERS)]
+    assert not denied, "\n".join(denied[:10])
+
+
+def test_extender_works_with_its_account(cluster: devcluster.Cluster, release: Release,
+                                         tmp_path: Path) -> None:
+    """Its watches list and watch nodes, pods and GpuNodes: /healthz turns 200 only then."""
+    kubeconfig = token_kubeconfig(cluster, release, "extender", tmp_path)
+    port, log = free_port(), tmp_path / "extender.log"
+    process = spawn(["-m", "carpool.extender", "--host", "127.0.0.1", "--port", str(port),
+                     "--kubeconfig", str(kubeconfig)], log)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    try:
+        wait_for(healthy, 60, "the extender's cache did not sync", log)
+        time.sleep(2)  # the watches run after the lists
+        assert process.poll() is None
+        assert_no_denials(log)
+    finally:
+        devcluster.stop_process(process)
+
+
+def test_device_plugin_publishes_its_gpunode_with_its_account(
+        cluster: devcluster.Cluster, release: Release, tmp_path: Path) -> None:
+    """Creating its GpuNode and writing its status, reading its node's pods: all allowed."""
+    kubeconfig = token_kubeconfig(cluster, release, "device-plugin", tmp_path)
+    node = f"rbac-check-{uuid.uuid4().hex[:6]}"
+    spec = tmp_path / "node.yaml"
+    spec.write_text(yaml.safe_dump({"node": node, "gpus": [{"model": "H200", "count": 2}]}))
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    log = tmp_path / "device-plugin.log"
+    process = spawn(["-m", "carpool.deviceplugin", "--node-name", node, "--backend", "fake",
+                     "--fake-spec", str(spec), "--plugin-dir", str(plugin_dir),
+                     "--metrics-port", "0", "--publish-interval", "1",
+                     "--kubeconfig", str(kubeconfig)], log)
+
+    def published() -> dict[str, Any] | None:
+        result = cluster.kubectl("get", "gpunode", node, "-o", "json", check=False)
+        if result.returncode != 0:
+            return None
+        status: dict[str, Any] | None = json.loads(result.stdout).get("status")
+        return status if status and status.get("gpus") else None
+
+    try:
+        status = wait_for(published, 60, "the plugin did not publish its GpuNode", log)
+        assert [g["model"] for g in status["gpus"]] == ["H200", "H200"]
+        assert process.poll() is None
+        assert_no_denials(log)
+    finally:
+        devcluster.stop_process(process)
+        cluster.kubectl("delete", "gpunode", node, "--ignore-not-found", check=False)
+
+
+def test_operator_leads_and_reconciles_with_its_account(
+        cluster: devcluster.Cluster, release: Release, tmp_path: Path) -> None:
+    """kopf's watches, the Lease in the release namespace and whole reconcile passes (lists,
+    status writes) succeed with the operator's role, which cannot read Secrets."""
+    kubeconfig = token_kubeconfig(cluster, release, "operator", tmp_path)
+    identity = f"rbac-check-{uuid.uuid4().hex[:6]}"
+    log = tmp_path / "operator.log"
+    process = spawn(["-m", "kopf", "run", "--standalone", "--all-namespaces",
+                     "--log-format=plain", "-m", "carpool.operator.handlers"], log,
+                    {"KUBECONFIG": str(kubeconfig), "CARPOOL_KUBECONFIG": str(kubeconfig),
+                     "CARPOOL_NAMESPACE": release.namespace, "CARPOOL_IDENTITY": identity,
+                     "CARPOOL_RESYNC_SECONDS": "1"})
+
+    def holder() -> bool:
+        result = cluster.kubectl("get", "lease", "carpool-operator", "-n", release.namespace,
+                                 "-o", "jsonpath={.spec.holderIdentity}", check=False)
+        return result.returncode == 0 and result.stdout.strip() == identity
+
+    try:
+        wait_for(holder, 60, "the operator did not take its Lease", log)
+        time.sleep(4)  # several reconcile passes as the leader
+        assert process.poll() is None
+        assert_no_denials(log)
+        assert "reconcile pass failed" not in log.read_text()
+    finally:
+        devcluster.stop_process(process, grace=10)
