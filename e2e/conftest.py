@@ -72,6 +72,26 @@ def _binaries() -> None:
     os.environ["CARPOOL_BIN_DIR"] = lines[-1]
 
 
+def _start_cluster(keep: bool, attempts: int = 3) -> tuple[Any, devcluster.Cluster]:
+    """shared_session, tried again when kwokctl's port choice loses a race.
+
+    kwokctl picks free ports, then starts the components; a cluster another session creates at
+    the same moment can take those ports first ("bind: address already in use").
+    """
+    for attempt in range(1, attempts + 1):
+        session = devcluster.shared_session(keep=keep, progress=devcluster.Progress(sys.stderr))
+        try:
+            return session, session.__enter__()
+        except devcluster.ClusterError as error:
+            if "address already in use" not in str(error) or attempt == attempts:
+                raise
+            print(f"==> [e2e] cluster start lost a port race (attempt {attempt}); again",
+                  file=sys.stderr)
+            paths = devcluster.ClusterPaths.for_name()
+            devcluster.delete(paths, devcluster.known_bin_dir(paths))
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def cluster(request: pytest.FixtureRequest) -> Iterator[devcluster.Cluster]:
     capture = request.config.pluginmanager.getplugin("capturemanager")
@@ -79,8 +99,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[devcluster.Cluster]:
     with capture.global_and_fixture_disabled():
         start = time.monotonic()
         _binaries()
-        session = devcluster.shared_session(keep=keep, progress=devcluster.Progress(sys.stderr))
-        handle = session.__enter__()
+        session, handle = _start_cluster(keep)
         TIMINGS.stages.append((f"cluster {handle.name} up (reused: {handle.reused})",
                                time.monotonic() - start))
     try:

@@ -107,7 +107,7 @@ def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode,
             return seen[0] if phase in ("Succeeded", "Failed") else None
 
         try:
-            job = pods.wait_for("the GpuJob to finish", finished, timeout=120)
+            job = pods.wait_for("the GpuJob to finish", finished, timeout=60)
         except AssertionError as error:
             events = real_node.kubectl("get", "events", "-n", namespace, check=False).stdout
             operator_log = stack.log_tail(carpool_stack / "operator.log", 15)

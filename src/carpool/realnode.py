@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -816,6 +817,10 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
         subprocess.run(["umount", "-l", point], capture_output=True, check=False)
         done.append(f"unmounted {point}")
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, check=False)
+    if _pid_alive(p, "kubelet", str(p.kubelet_config)) is None:
+        # What our kubelet left in its fixed device-plugin directory.
+        for name in ("kubelet.sock", "kubelet_internal_checkpoint"):
+            (p.plugin_dir / name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         set_hosts_entry(node_name, present=False)
     if cluster is not None:
@@ -842,14 +847,44 @@ def running_node(cluster: devcluster.Cluster, settings: NodeSettings | None = No
                  timings: Timings | None = None) -> Iterator[RealNode]:
     """The real node for a block (the e2e session): started clean, stopped and removed after."""
     paths = NodePaths.default()
-    stop(paths, cluster, (settings or NodeSettings()).name)
-    reset(paths)
-    node = start(cluster, settings, paths, timings)
-    try:
-        yield node
-    finally:
-        for line in stop(paths, cluster, node.name):
-            print(f"    {line}", file=sys.stderr)
+    with exclusive(paths, wait_s=240):
+        stop(paths, cluster, (settings or NodeSettings()).name)
+        reset(paths)
+        node = start(cluster, settings, paths, timings)
+        try:
+            yield node
+        finally:
+            for line in stop(paths, cluster, node.name):
+                print(f"    {line}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def exclusive(paths: NodePaths, wait_s: float = 0) -> Iterator[None]:
+    """One real node per machine (fixed kubelet port, device-plugin dir, bridge): a lock file.
+
+    Waits up to `wait_s` for another holder (an e2e session, `make node`) to finish.
+    """
+    paths.base.mkdir(parents=True, exist_ok=True)
+    with (paths.base / "lock").open("a+") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    handle.seek(0)
+                    raise NodeError(f"the real node is in use ({paths.base / 'lock'}: "
+                                    f"{handle.read().strip() or 'unknown holder'})") from None
+                time.sleep(1)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}: {' '.join(sys.argv)[:200]}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------------------------
@@ -878,12 +913,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bin_dir is not None and cluster_paths.kubeconfig.is_file():
             cluster = devcluster.Cluster.at(cluster_paths, bin_dir, devcluster.extender_port())
         if args.command == "down":
-            for line in stop(paths, cluster, args.name):
-                print(line)
+            with exclusive(paths):
+                for line in stop(paths, cluster, args.name):
+                    print(line)
             return 0
         if cluster is None:
             raise NodeError("no local cluster; run `make cluster` first")
-        node = start(cluster, NodeSettings(name=args.name, snapshotter=args.snapshotter), paths)
+        with exclusive(paths):
+            node = start(cluster, NodeSettings(name=args.name, snapshotter=args.snapshotter),
+                         paths)
         print(node.timings.table())
         print(f"node {node.name} is Ready; logs in {paths.logs}")
         return 0
