@@ -9,7 +9,7 @@ export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down demo bench proto helm-lint chart-crds images gpu-check clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images gpu-check clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -51,6 +51,12 @@ cluster: dev binaries ## Start the local cluster (real control plane, KWOK nodes
 cluster-down: dev ## Stop the local cluster (and the demo's operator and extender)
 	@$(PY) -m carpool.stack down
 	@$(PY) -m carpool.devcluster down
+
+node: dev binaries ## Join a real node (containerd, runc, kubelet, device plugin) to the running cluster; root
+	@$(PY) -m carpool.realnode up
+
+node-down: dev ## Stop the real node and delete its Node
+	@$(PY) -m carpool.realnode down
 
 demo: dev binaries ## Bring up Carpool on the local cluster with simulated GPU nodes and show it working
 	@$(PY) -m carpool.demo
