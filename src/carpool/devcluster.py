@@ -40,6 +40,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +140,15 @@ class ClusterPaths:
     def scheduler_config(self) -> Path:
         """The copy kwokctl hands to kube-scheduler (ours plus its clientConnection)."""
         return self.workdir / "scheduler.yaml"
+
+    @property
+    def lock(self) -> Path:
+        """Held while this cluster is created, reused or deleted."""
+        return self.inputs_dir / "lock"
+
+    @property
+    def kwokctl_options(self) -> Path:
+        return self.inputs_dir / "kwokctl-options.yaml"
 
     @property
     def state(self) -> Path:
@@ -269,11 +279,17 @@ def stages_file() -> Path:
 
 
 def kwokctl_create_args(paths: ClusterPaths, bin_dir: Path, scheduler_config: Path) -> list[str]:
-    """The `kwokctl create cluster` command line (also printed by `up`)."""
+    """The `kwokctl create cluster` command line (also printed by `up`).
+
+    The first `-c` file (written by `_write_kwokctl_options`) holds the loopback address and
+    the ports; the second, the Pod stages.
+    """
     return [
         str(bin_dir / "kwokctl"),
         "--name",
         paths.name,
+        "-c",
+        str(paths.kwokctl_options),
         "-c",
         str(stages_file()),
         "create",
@@ -310,8 +326,72 @@ def kwokctl_env(bin_dir: Path) -> dict[str, str]:
     env["KWOK_WORKDIR"] = str(cache_dir())
     env["KWOK_KUBECTL_BINARY"] = str(bin_dir / "kubectl")
     env["KWOK_RUNTIME"] = "binary"
-    env["KWOK_BIND_ADDRESS"] = BIND_ADDRESS  # loopback only; kwokctl's default is 0.0.0.0
     return env
+
+
+# kwokctl picks ports by trying to listen on them, so two clusters created at the same moment
+# (parallel test sessions) can pick the same ones, and it ignores the ports of other clusters
+# in the binary runtime. We pick them instead, under a lock shared by every cluster in the
+# cache, skipping ports in use and ports any cluster's saved configuration records. The range
+# lies below Linux's ephemeral ports (32768+) and away from kwokctl's own (counting down from
+# 32767).
+PORT_RANGE: Final = range(20000, 30000)
+PORT_OPTIONS: Final = (
+    "etcdPort",
+    "etcdPeerPort",
+    "kubeApiserverPort",
+    "kubeControllerManagerPort",
+    "kubeSchedulerPort",
+    "kwokControllerPort",
+)
+
+
+def recorded_ports() -> set[int]:
+    """Ports any cluster under the cache was configured with (running or not)."""
+    ports: set[int] = set()
+    for config in (cache_dir() / "clusters").glob("*/kwok.yaml"):
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            for doc in yaml.safe_load_all(config.read_text()):
+                if isinstance(doc, dict) and doc.get("kind") == "KwokctlConfiguration":
+                    options = doc.get("options") or {}
+                    ports.update(int(options[k]) for k in PORT_OPTIONS if options.get(k))
+    return ports
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on `port`, on loopback or on all addresses."""
+    for host in (BIND_ADDRESS, "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def allocate_ports(name: str) -> dict[str, int]:
+    """Free ports for a new cluster; the search starts at a place that depends on its name."""
+    taken = recorded_ports()
+    span = len(PORT_RANGE)
+    start = zlib.crc32(name.encode()) % span
+    chosen: list[int] = []
+    for offset in range(span):
+        port = PORT_RANGE[(start + offset) % span]
+        if port not in taken and port_free(port):
+            chosen.append(port)
+            if len(chosen) == len(PORT_OPTIONS):
+                return dict(zip(PORT_OPTIONS, chosen, strict=True))
+    raise ClusterError(f"no {len(PORT_OPTIONS)} free ports in {PORT_RANGE}")
+
+
+def _write_kwokctl_options(paths: ClusterPaths, ports: Mapping[str, int]) -> None:
+    options: dict[str, Any] = {"bindAddress": BIND_ADDRESS, **ports}
+    document = {
+        "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+        "kind": "KwokctlConfiguration",
+        "options": options,
+    }
+    paths.kwokctl_options.write_text(yaml.safe_dump(document, sort_keys=False))
 
 
 def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, str]:
@@ -370,7 +450,7 @@ def component_ports(paths: ClusterPaths) -> dict[str, int]:
             continue
         for component in doc.get("components") or []:
             for port in component.get("ports") or []:
-                if port.get("port"):
+                if port.get("port") and not str(port.get("name", "")).startswith("peer"):
                     ports.setdefault(component["name"], int(port["port"]))
     return ports
 
@@ -422,18 +502,20 @@ def inspect(paths: ClusterPaths, bin_dir: Path | None) -> Health:
     scheduler_ready = running["kube-scheduler"] and _https_ok(ports.get("kube-scheduler", 0))
     if not scheduler_ready:
         problems.append("kube-scheduler is not healthy")
-    if running["kube-controller-manager"] and not _https_ok(
-        ports.get("kube-controller-manager", 0)
-    ):
-        problems.append("kube-controller-manager is not healthy")
+    for component in ("kube-controller-manager", "kwok-controller"):
+        if running[component] and not _https_ok(ports.get(component, 0)):
+            problems.append(f"{component} is not healthy")
     return Health(True, running, api_ready, scheduler_ready, tuple(problems))
 
 
 def wait_healthy(paths: ClusterPaths, bin_dir: Path, timeout: float) -> Health:
-    deadline = time.monotonic() + timeout
+    """Polls until healthy, `timeout` passes, or (after a 10 s start-up) a component has died."""
+    start = time.monotonic()
     while True:
         health = inspect(paths, bin_dir)
-        if health.healthy or time.monotonic() > deadline:
+        elapsed = time.monotonic() - start
+        died = elapsed > 10 and not all(health.running.values())
+        if health.healthy or elapsed > timeout or died:
             return health
         time.sleep(0.5)
 
@@ -536,17 +618,50 @@ def up(
         progress.note(f"kubeconfig: {paths.kubeconfig}")
         return cluster
 
-    with progress.stage("kwokctl create cluster (etcd, apiserver, controller-manager, ...)"):
-        progress.note(" ".join(args))
-        created = subprocess.run(
-            args, capture_output=True, text=True, env=kwokctl_env(bin_dir), timeout=600, check=False
-        )
+    for attempt in (1, 2):
+        try:
+            _create(paths, bin_dir, args, wanted, progress)
+            break
+        except ClusterError as error:
+            if attempt == 2:
+                raise
+            progress.note(f"attempt {attempt} failed, deleting and retrying: {error}")
+            delete(paths, bin_dir)
+    version = cluster.kubectl("version", "-o", "json").stdout
+    progress.note(f"server {json.loads(version)['serverVersion']['gitVersion']}")
+    _maybe_start_extender(cluster, start_extender_if_available, progress)
+    progress.note(f"kubeconfig: {paths.kubeconfig}")
+    return cluster
+
+
+def _create(
+    paths: ClusterPaths,
+    bin_dir: Path,
+    args: Sequence[str],
+    wanted: Mapping[str, str],
+    progress: Progress,
+) -> None:
+    # The ports lock is machine-wide: chosen ports are recorded in kwok.yaml before release.
+    with _locked(cache_dir() / "cluster-inputs" / "ports.lock"):
+        ports = allocate_ports(paths.name)
+        _write_kwokctl_options(paths, ports)
+        with progress.stage("kwokctl create cluster (etcd, apiserver, controller-manager, ...)"):
+            progress.note(" ".join(args))
+            progress.note("ports " + ", ".join(f"{k}={v}" for k, v in ports.items()))
+            created = subprocess.run(
+                args,
+                capture_output=True,
+                text=True,
+                env=kwokctl_env(bin_dir),
+                timeout=600,
+                check=False,
+            )
         if created.returncode != 0:
             raise ClusterError(
                 f"kwokctl create cluster failed (exit {created.returncode}):\n"
                 f"{created.stderr.strip()}\n{_log_tail(paths)}"
             )
-        _write_state(paths, wanted)
+    _write_state(paths, wanted)
     with progress.stage("waiting for the API server, scheduler and controllers"):
         health = wait_healthy(paths, bin_dir, timeout=120)
         if not health.healthy:
@@ -554,11 +669,6 @@ def up(
                 f"cluster {paths.name!r} did not become healthy: {'; '.join(health.problems)}\n"
                 + _log_tail(paths)
             )
-        version = cluster.kubectl("version", "-o", "json").stdout
-        progress.note(f"server {json.loads(version)['serverVersion']['gitVersion']}")
-    _maybe_start_extender(cluster, start_extender_if_available, progress)
-    progress.note(f"kubeconfig: {paths.kubeconfig}")
-    return cluster
 
 
 def _reuse(
@@ -604,7 +714,8 @@ def _reuse(
             removed = remove_stale_pid_files(paths.workdir)
             if removed:
                 progress.note(f"stale pid files removed: {', '.join(removed)}")
-            _kwokctl(bin_dir, "--name", paths.name, "start", "cluster", timeout=180)
+            # kwokctl would wait 2 minutes for an API server that cannot bind its port.
+            _kwokctl(bin_dir, "--name", paths.name, "start", "cluster", "--timeout=30s")
             health = wait_healthy(paths, bin_dir, timeout=60)
             progress.note("healthy" if health.healthy else "; ".join(health.problems))
     if health.healthy:
@@ -683,10 +794,10 @@ def _write_state(paths: ClusterPaths, fingerprint: Mapping[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _locked(paths: ClusterPaths) -> Iterator[None]:
-    """Serialises `up`/teardown across processes (several pytest runs may start at once)."""
-    paths.inputs_dir.mkdir(parents=True, exist_ok=True)
-    with (paths.inputs_dir / "lock").open("w") as handle:
+def _locked(lock_file: Path) -> Iterator[None]:
+    """An exclusive lock between processes (several pytest runs may start at once)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -717,7 +828,7 @@ def shared_session(
     paths = ClusterPaths.for_name(name)
     ephemeral = paths.inputs_dir / "created-by-tests"
     me = paths.inputs_dir / "users" / str(os.getpid())
-    with _locked(paths):
+    with _locked(paths.lock):
         cluster = up(name, progress=progress)
         if not cluster.reused:
             ephemeral.touch()
@@ -726,7 +837,7 @@ def shared_session(
     try:
         yield cluster
     finally:
-        with _locked(paths):
+        with _locked(paths.lock):
             me.unlink(missing_ok=True)
             if ephemeral.exists() and not keep and not _live_users(paths):
                 delete(paths, cluster.bin_dir)
@@ -936,7 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             progress = Progress()
-            with _locked(paths):
+            with _locked(paths.lock):
                 cluster = up(args.name, args.extender_port, progress, args.extender)
                 # Started by hand: test sessions must not delete it when they end.
                 (paths.inputs_dir / "created-by-tests").unlink(missing_ok=True)
@@ -945,7 +1056,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "down":
             existed = paths.workdir.exists()
-            with _locked(paths):
+            with _locked(paths.lock):
                 delete(paths, known_bin_dir(paths))
             print(f"cluster {paths.name}: {'deleted' if existed else 'was not there'}")
             return 0
