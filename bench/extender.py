@@ -260,36 +260,50 @@ def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
 
 def _bind_times(core: Any, namespace: str, selector: str, count: int,
                 timeout: float) -> list[float]:
-    """Times at which the watch saw each selected pod of the namespace get its node."""
+    """Times at which a watch saw each selected pod of the namespace get its node."""
     from kubernetes import watch
 
     seen: dict[str, float] = {}
     deadline = time.monotonic() + timeout
-    stream: Any = watch.Watch()
-    for event in stream.stream(core.list_namespaced_pod, namespace, label_selector=selector,
-                               timeout_seconds=int(timeout), deserialize=False):
-        pod = event["object"]
-        if pod.get("spec", {}).get("nodeName"):
-            seen.setdefault(pod["metadata"]["name"], time.monotonic())
-        if len(seen) >= count or time.monotonic() > deadline:
-            stream.stop()
+    while len(seen) < count and time.monotonic() < deadline:
+        stream: Any = watch.Watch()
+        try:
+            for event in stream.stream(core.list_namespaced_pod, namespace,
+                                       label_selector=selector, timeout_seconds=30,
+                                       deserialize=False):
+                pod = event["object"]
+                if pod.get("spec", {}).get("nodeName"):
+                    seen.setdefault(pod["metadata"]["name"], time.monotonic())
+                if len(seen) >= count or time.monotonic() > deadline:
+                    stream.stop()
+        except Exception as exc:  # a broken watch: list and watch again
+            print(f"  (watch restarted: {exc})", file=sys.stderr)
     return sorted(seen.values())
 
 
 def bench_cluster(args: argparse.Namespace) -> int:
+
+
+    from carpool import devcluster
+
+    # a registered user of the shared cluster: nobody deletes it under us
+    with devcluster.shared_session(progress=devcluster.Progress(sys.stderr)) as cluster:
+        return _bench_cluster(args, cluster)
+
+
+def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
     from datetime import UTC, datetime
 
     from kubernetes import client
 
-    from carpool import devcluster, simnodes
+    from carpool import crds, devcluster, simnodes
 
-    paths = devcluster.ClusterPaths.for_name(None)
-    bin_dir = devcluster.known_bin_dir(paths)
-    if bin_dir is None or not devcluster.inspect(paths, bin_dir).healthy:
-        raise SystemExit("no healthy local cluster; run `make cluster` first")
+    bin_dir = cluster.bin_dir
+    paths = cluster
     api = simnodes.api_client(paths.kubeconfig)
+    crds.apply_crds(api)
     core = client.CoreV1Api(api)
     run = f"{random.randrange(16**6):06x}"
     taint = {"key": "carpool.dev/bench", "value": run, "effect": "NoSchedule"}
@@ -313,7 +327,7 @@ def bench_cluster(args: argparse.Namespace) -> int:
         log = (workdir / "extender.log").open("wb")
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "carpool.extender", "--port", str(port), "--host",
-             "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "WARNING"],
+             "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "INFO"],
             env=dict(os.environ, PYTHONSAFEPATH="1"), stdout=log, stderr=subprocess.STDOUT))
 
         def extender_ready() -> bool:
@@ -354,6 +368,20 @@ def bench_cluster(args: argparse.Namespace) -> int:
             print(f"{label:<17} {len(times)} of {args.pods} pods bound; "
                   f"{rate:.0f} pods/s (first to last bind)")
             processes[-1].terminate()
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
+        for verb in ("filter", "prioritize", "bind"):
+            total = count = 0.0
+            for line in metrics.splitlines():
+                if line.startswith(f'carpool_extender_request_seconds_sum{{verb="{verb}"}}'):
+                    total = float(line.split()[-1])
+                if line.startswith(f'carpool_extender_request_seconds_count{{verb="{verb}"}}'):
+                    count = float(line.split()[-1])
+            if count:
+                print(f"  extender {verb}: {count:.0f} calls, mean {1000 * total / count:.1f} ms")
+        print("  " + "; ".join(line for line in metrics.splitlines()
+                               if line.startswith("carpool_extender_requests_total")))
         if results.get("without extender"):
             ratio = results["with extender"] / results["without extender"]
             print(f"ratio with/without: {ratio:.2f}")

@@ -27,7 +27,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import devcluster, simnodes
+from carpool import crds, devcluster, simnodes
 from carpool.core import names
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB
 
@@ -109,8 +109,9 @@ def core(api: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def extender(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+def extender(cluster: devcluster.Cluster, api: Any, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[ExtenderProcess]:
+    crds.apply_crds(api)
     log = tmp_path_factory.mktemp("extender") / "extender.log"
     process = ExtenderProcess(cluster.kubeconfig, free_port(), log)
     process.start()

@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from carpool.core import names
+from carpool.core.scoring import ScoringPolicy
 from carpool.extender.cache import IN_FLIGHT_STALE_S, ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
-from carpool.core.scoring import ScoringPolicy
 from carpool.extender.service import Extender, Settings
 from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy, decode_assignment
 
@@ -213,17 +213,50 @@ def test_bind_is_idempotent_on_retry() -> None:
     assert w.cluster.bindings == [("default/p", "n")]
 
 
-def test_bind_reuses_an_assignment_a_failed_attempt_recorded() -> None:
+def test_a_failed_bind_gives_the_gpus_back_and_writes_nothing() -> None:
     w = World()
     w.add_node("n", [gpu("g0"), gpu("g1")])
     w.add_pod("p", memory_gib=10)
     w.cluster.fail_bind.add("default/p")
     assert "injected bind failure" in w.bind("p", "n")
-    # the failed attempt gave the GPUs back and cleared the annotation
     assert names.ANN_ASSIGNMENT not in w.cluster.pod("default", "p")["metadata"]["annotations"]
     assert w.cache.hold_of("default/p") is None
     w.cluster.fail_bind.clear()
     assert w.bind("p", "n") == ""
+    assert w.cache.hold_of("default/p") is not None
+
+
+def test_bind_reuses_an_assignment_recorded_for_the_node() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    recorded = '{"node":"n","gpus":[{"uuid":"g1","index":1,"memoryMiB":10240,"cores":0}]}'
+    w.add_pod("p", memory_gib=10, annotations={names.ANN_ASSIGNMENT: recorded})
+    assert w.bind("p", "n") == ""
+    assert [g.uuid for g in w.assignment("p").gpus] == ["g1"]  # binpack alone would say g0
+
+
+def test_bind_after_filter_needs_no_read_of_the_pod() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    pod = w.add_pod("p", memory_gib=10)
+    assert w.filter(pod, ["n"])["NodeNames"] == ["n"]
+    w.cluster.calls.clear()
+    assert w.bind("p", "n") == ""
+    assert w.cluster.calls == ["bind"]  # one write: the Binding carries the assignment
+
+
+def test_bind_reads_the_pod_again_when_the_schedulers_copy_is_stale() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0")])
+    pod = w.add_pod("p", memory_gib=10)
+    assert w.filter(pod, ["n"])["NodeNames"] == ["n"]
+    changed = w.cluster.pod("default", "p")
+    changed["metadata"]["labels"] = {"touched": "yes"}
+    w.cluster.update_pod(changed)  # someone else wrote the pod after the scheduler's copy
+    w.cluster.calls.clear()
+    assert w.bind("p", "n") == ""
+    assert w.cluster.calls == ["bind", "get", "get", "bind"]  # conflict, check, re-read, bind
+    assert w.assignment("p").node == "n"
     assert w.cache.hold_of("default/p") is not None
 
 
@@ -240,20 +273,31 @@ def test_bind_refuses_a_replaced_pod_and_a_pod_bound_elsewhere() -> None:
     assert "no longer exists" in error
 
 
-def test_in_flight_pods_block_same_count_pods_on_their_node_until_running() -> None:
+def test_in_flight_pods_steer_same_count_pods_to_other_nodes_until_running() -> None:
     w = World()
     w.add_node("n", [gpu("g0"), gpu("g1"), gpu("g2")])
+    w.add_node("m", [gpu("m0")])
     w.add_pod("one", memory_gib=10)
     assert w.bind("one", "n") == ""
     same = w.add_pod("same", memory_gib=10)
     other = w.add_pod("pair", gpus=2, memory_gib=10)
-    result = w.filter(same, ["n"])
-    assert result["NodeNames"] == []
+    result = w.filter(same, ["n", "m"])
+    assert result["NodeNames"] == ["m"]
     assert "allocation in flight on this node" in result["FailedNodes"]["n"]
     assert w.filter(other, ["n"])["NodeNames"] == ["n"]  # a different count is unambiguous
-    assert "allocation in flight" in w.bind("same", "n")  # bind re-checks under the lock
+    assert "allocation in flight" in w.bind("same", "n")  # bind enforces it, under the lock
     w.run("one")
-    assert w.filter(same, ["n"])["NodeNames"] == ["n"]
+    assert w.filter(same, ["n", "m"])["NodeNames"] == ["n", "m"]
+
+
+def test_when_every_node_has_a_hand_over_in_flight_filter_keeps_them_for_bind_to_wait() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("one", memory_gib=10)
+    assert w.bind("one", "n") == ""
+    result = w.filter(w.add_pod("same", memory_gib=10), ["n"])
+    assert result["NodeNames"] == ["n"]
+    assert result["FailedNodes"] == {}
 
 
 def test_bind_waits_for_the_hand_over_instead_of_failing() -> None:
@@ -278,10 +322,11 @@ def test_in_flight_goes_stale_after_the_timeout() -> None:
     w.add_node("n", [gpu("g0"), gpu("g1")])
     w.add_pod("one", memory_gib=10)
     assert w.bind("one", "n") == ""
+    w.add_node("m", [gpu("m0")])
     same = w.add_pod("same", memory_gib=10)
-    assert w.filter(same, ["n"])["NodeNames"] == []
+    assert w.filter(same, ["n", "m"])["NodeNames"] == ["m"]
     w.clock.now += IN_FLIGHT_STALE_S + 1
-    assert w.filter(same, ["n"])["NodeNames"] == ["n"]
+    assert w.filter(same, ["n", "m"])["NodeNames"] == ["n", "m"]
 
 
 def test_the_device_plugins_allocated_mark_ends_in_flight() -> None:
@@ -289,8 +334,11 @@ def test_the_device_plugins_allocated_mark_ends_in_flight() -> None:
     w.add_node("n", [gpu("g0"), gpu("g1")])
     w.add_pod("one", memory_gib=10)
     assert w.bind("one", "n") == ""
+    w.add_node("m", [gpu("m0")])
+    same = w.add_pod("same", memory_gib=10)
+    assert w.filter(same, ["n", "m"])["NodeNames"] == ["m"]
     w.cluster.annotate_pod("default", "one", {names.ANN_ALLOCATED: "g0::0"})
-    assert w.filter(w.add_pod("same", memory_gib=10), ["n"])["NodeNames"] == ["n"]
+    assert w.filter(same, ["n", "m"])["NodeNames"] == ["n", "m"]
 
 
 def test_concurrent_binds_never_over_commit_a_gpu() -> None:

@@ -26,13 +26,32 @@ class FakeCluster:
         self.on_change = on_change
         self.bindings: list[tuple[str, str]] = []  # (pod key, node), in order
         self.fail_bind: set[str] = set()  # pod keys whose Binding the "server" rejects
+        self._version = 0
+        self.calls: list[str] = []  # "get", "annotate", "bind", in order
+
+    def _touch(self, pod: dict[str, Any]) -> None:
+        self._version += 1
+        pod["metadata"]["resourceVersion"] = str(self._version)
 
     def add_pod(self, pod: Mapping[str, Any]) -> None:
+        """Create a pod (its resourceVersion is set on the caller's object too)."""
         meta = pod["metadata"]
+        stored = copy.deepcopy(dict(pod))
         with self._lock:
-            self._pods[f"{meta.get('namespace', 'default')}/{meta['name']}"] = copy.deepcopy(
-                dict(pod))
-        self._notify("ADDED", pod)
+            self._touch(stored)
+            self._pods[f"{meta.get('namespace', 'default')}/{meta['name']}"] = stored
+            if isinstance(meta, dict):
+                meta["resourceVersion"] = stored["metadata"]["resourceVersion"]
+        self._notify("ADDED", stored)
+
+    def update_pod(self, pod: Mapping[str, Any]) -> None:
+        """Replace a pod as another client would (status, annotations, ...)."""
+        meta = pod["metadata"]
+        stored = copy.deepcopy(dict(pod))
+        with self._lock:
+            self._touch(stored)
+            self._pods[f"{meta.get('namespace', 'default')}/{meta['name']}"] = stored
+        self._notify("MODIFIED", stored)
 
     def pod(self, namespace: str, name: str) -> dict[str, Any]:
         with self._lock:
@@ -47,6 +66,7 @@ class FakeCluster:
             time.sleep(self.delay_s)
 
     def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        self.calls.append("get")
         self._wait()
         with self._lock:
             pod = self._pods.get(f"{namespace}/{name}")
@@ -54,13 +74,19 @@ class FakeCluster:
                 raise ClusterError(404, f'pods "{name}" not found')
             return copy.deepcopy(pod)
 
-    def annotate_pod(self, namespace: str, name: str,
-                     annotations: Mapping[str, str | None]) -> None:
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str | None],
+                     resource_version: str = "") -> None:
+        """What another component (the device plugin) writes; bind never annotates."""
+        self.calls.append("annotate")
         self._wait()
         with self._lock:
             pod = self._pods.get(f"{namespace}/{name}")
             if pod is None:
                 raise ClusterError(404, f'pods "{name}" not found')
+            if resource_version and resource_version != pod["metadata"]["resourceVersion"]:
+                raise ClusterError(409, "the object has been modified; please apply your "
+                                        "changes to the latest version and try again")
+            self._touch(pod)
             current = pod["metadata"].setdefault("annotations", {})
             for key, value in annotations.items():
                 if value is None:
@@ -70,7 +96,9 @@ class FakeCluster:
             snapshot = copy.deepcopy(pod)
         self._notify("MODIFIED", snapshot)
 
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str,
+                 annotations: Mapping[str, str], resource_version: str = "") -> None:
+        self.calls.append("bind")
         self._wait()
         key = f"{namespace}/{name}"
         with self._lock:
@@ -79,12 +107,16 @@ class FakeCluster:
                 raise ClusterError(404, f'pods "{name}" not found')
             if uid and pod["metadata"].get("uid") != uid:
                 raise ClusterError(409, "Precondition failed: UID mismatch")
+            if resource_version and resource_version != pod["metadata"]["resourceVersion"]:
+                raise ClusterError(409, "Precondition failed: resourceVersion mismatch")
             if key in self.fail_bind:
                 raise ClusterError(500, "injected bind failure")
             if pod["spec"].get("nodeName"):
                 raise ClusterError(409, f"pod {name} is already assigned to node "
                                         f"{pod['spec']['nodeName']}")
             pod["spec"]["nodeName"] = node
+            pod["metadata"].setdefault("annotations", {}).update(annotations)
+            self._touch(pod)
             self.bindings.append((key, node))
             snapshot = copy.deepcopy(pod)
         self._notify("MODIFIED", snapshot)

@@ -66,20 +66,18 @@ class KubeCluster:
         pod: Mapping[str, Any] = json.loads(resp.data)
         return pod
 
-    def annotate_pod(self, namespace: str, name: str,
-                     annotations: Mapping[str, str | None]) -> None:
-        body = {"metadata": {"annotations": dict(annotations)}}
-        try:
-            self.core.patch_namespaced_pod(name, namespace, body, _preload_content=False,
-                                           _request_timeout=self.timeout_s)
-        except ApiException as exc:
-            raise _error(exc) from None
-
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
-        binding = client.V1Binding(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace, uid=uid or None),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
-        )
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str,
+                 annotations: Mapping[str, str], resource_version: str = "") -> None:
+        """POST pods/NAME/binding; the API server copies its annotations onto the pod."""
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if uid:
+            metadata["uid"] = uid
+        if resource_version:
+            metadata["resourceVersion"] = resource_version
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": metadata,
+                   "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
         try:
             self.core.create_namespaced_pod_binding(name, namespace, binding,
                                                     _preload_content=False,
@@ -110,7 +108,14 @@ class Informer(threading.Thread):
         self._stopping.set()
 
     def _relist(self) -> str:
-        resp = self._list_fn(*self._args, _preload_content=False, _request_timeout=60)
+        try:
+            resp = self._list_fn(*self._args, _preload_content=False, _request_timeout=60)
+        except ApiException as exc:
+            if exc.status == 404:  # the GpuNode CRD is not installed (yet): no GPU inventory
+                self._replace([])
+                self._cache.mark_synced(self.kind)
+                log.warning("%s: the API server does not serve this resource yet", self.kind)
+            raise
         data = json.loads(resp.data)
         self._replace(list(data.get("items") or []))
         self.relists += 1

@@ -129,8 +129,12 @@ async def _prioritize(request: web.Request, body: Any) -> Any:
 async def _bind(request: web.Request, body: Any) -> Any:
     args = decode_binding_args(body)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(request.app[POOL_KEY], request.app[EXTENDER_KEY].bind,
-                                      args)
+    pool = request.app[POOL_KEY]
+
+    async def in_pool(fn: Callable[..., Any], *fn_args: Any) -> Any:
+        return await loop.run_in_executor(pool, fn, *fn_args)
+
+    return await request.app[EXTENDER_KEY].bind_async(args, in_pool)
 
 
 async def _healthz(request: web.Request) -> web.Response:

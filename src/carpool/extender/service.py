@@ -8,16 +8,19 @@ client (`kube.KubeCluster`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from carpool.core import names
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant
+from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
 from carpool.extender.ranking import Placement, Ranker, scale_scores
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 
 CACHE_KINDS = ("nodes", "gpunodes", "pods")
 BIND_POLL_S = 0.02
+SLOW_COMMIT_S = 0.5
 NOT_SYNCED = "the Carpool extender is still loading its cache; retry shortly"
 
 
@@ -52,14 +56,13 @@ class ClusterError(Exception):
 
 
 class ClusterPort(Protocol):
-    """The three API calls bind makes."""
+    """The two API calls bind makes."""
 
     def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]: ...
 
-    def annotate_pod(self, namespace: str, name: str,
-                     annotations: Mapping[str, str | None]) -> None: ...
-
-    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None: ...
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str,
+                 annotations: Mapping[str, str], resource_version: str = "") -> None:
+        """Create the pod's Binding (with these annotations); 409 if the preconditions fail."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,25 @@ def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
     return len(mig) == len(set(mig))
 
 
+T = TypeVar("T")
+RunBlocking = Callable[..., Awaitable[Any]]
+STALE = "the pod changed since the scheduler's copy; read it again"
+MAX_REMEMBERED_PODS = 10_000
+
+
+@dataclass(frozen=True)
+class BindPlan:
+    """One bind attempt: the pod's demand as of `resource_version`."""
+
+    args: BindingArgs
+    demand: PodDemand
+    uid: str
+    resource_version: str
+    previous: Assignment | None  # what an earlier attempt recorded for this node
+    policy: str
+    fresh: bool  # read from the API server just now (not the scheduler's copy)
+
+
 class Extender:
     """The extender's verbs over a cache and a cluster port."""
 
@@ -118,6 +140,8 @@ class Extender:
         self.settings = settings
         self.clock = clock
         self.ranker = Ranker(settings.scoring, settings.learn_workload)
+        self._pods_seen: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self._pods_lock = threading.Lock()
 
     def _policy(self, demand: PodDemand) -> str:
         return demand.policy or self.settings.policy
@@ -133,11 +157,13 @@ class Extender:
         if not demand.containers:  # not a Carpool GPU pod: nothing for us to restrict
             return encode_filter_result(args, list(args.node_names), {}, {})
         policy = self._policy(demand)
+        self.remember_pod(args.pod)
         self.ranker.observe(demand)
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
         counts = demand.gpu_counts
         passed: list[str] = []
+        waiting: dict[str, str] = {}  # fit, but a same-count pod is in flight there
         failed: dict[str, str] = {}
         unresolvable = {name: f"carpool: {reason}" for name, reason in snapshot.missing.items()}
         for name, evaluation in evaluations.items():
@@ -151,9 +177,21 @@ class Extender:
             flying = snapshot.in_flight.get(name)
             clash = in_flight_clash(flying, counts) if flying else None
             if clash is not None:
-                failed[name] = f"carpool: {clash}"
+                waiting[name] = f"carpool: {clash}"
             else:
                 passed.append(name)
+        # The handshake rule is enforced at bind (under the cache lock); here it steers pods
+        # to other nodes. When every fitting node has a hand-over in flight, keep them: bind
+        # waits briefly for it, where a rejection would park the pod in the scheduler's
+        # unschedulable queue for far longer.
+        if passed:
+            failed.update(waiting)
+        else:
+            passed = [name for name in evaluations if name in waiting]
+        if not passed and log.isEnabledFor(logging.INFO):
+            why = Counter(r.split(";")[0].split("(")[0] for r in (*failed.values(),
+                                                                  *unresolvable.values()))
+            log.info("no node for %s: %s", demand.key, dict(why.most_common(3)))
         return encode_filter_result(args, passed, failed, unresolvable)
 
     def prioritize(self, args: ExtenderArgs) -> list[dict[str, Any]]:
@@ -171,22 +209,46 @@ class Extender:
 
     # --- bind ----------------------------------------------------------------------------
 
-    def bind(self, args: BindingArgs) -> dict[str, str]:
-        """ExtenderBindingResult: choose and record the GPUs, then create the Binding."""
-        try:
-            return {"Error": self._bind(args)}
-        except ClusterError as exc:
-            return {"Error": f"API server: {exc}"}
+    # --- bind ----------------------------------------------------------------------------
+    #
+    # Three steps, so the HTTP layer can run the quick in-memory ones on its event loop, in
+    # arrival order with the filter calls, and only the API writes in a thread:
+    #   plan     what the pod needs (from the copy the scheduler sent to filter, else a GET)
+    #   reserve  choose GPUs and assume them in the cache, atomically (may ask to wait)
+    #   commit   create the Binding with the assignment as annotations (conditional on the
+    #            pod's resourceVersion); a conflict means our copy was stale: read and redo.
 
-    def _bind(self, args: BindingArgs) -> str:
-        now = self.clock()
-        self.cache.expire_assumed(now)
+    def remember_pod(self, pod: Mapping[str, Any]) -> None:
+        """Keep the pod the scheduler sent to filter, so bind can start without a GET."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if uid:
+            with self._pods_lock:
+                self._pods_seen[uid] = pod
+                self._pods_seen.move_to_end(uid)
+                while len(self._pods_seen) > MAX_REMEMBERED_PODS:
+                    self._pods_seen.popitem(last=False)
+
+    def recalled_pod(self, args: BindingArgs) -> Mapping[str, Any] | None:
+        with self._pods_lock:
+            pod = self._pods_seen.pop(args.pod_uid, None) if args.pod_uid else None
+        meta = (pod or {}).get("metadata") or {}
+        if pod is None or meta.get("name") != args.pod_name or meta.get(
+                "namespace", "default") != args.pod_namespace:
+            return None
+        return pod
+
+    def fetch_pod(self, args: BindingArgs) -> Mapping[str, Any] | str:
+        """The live pod, or why there is none."""
         try:
-            pod = self.cluster.get_pod(args.pod_namespace, args.pod_name)
+            return self.cluster.get_pod(args.pod_namespace, args.pod_name)
         except ClusterError as exc:
             if exc.status == 404:
                 return f"pod {args.key} no longer exists"
-            raise
+            return f"API server: {exc}"
+
+    def plan_bind(self, args: BindingArgs, pod: Mapping[str, Any], fresh: bool
+                  ) -> BindPlan | str:
+        """What binding this pod takes; "" if it is already done, else an error."""
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         if args.pod_uid and uid != args.pod_uid:
@@ -200,54 +262,107 @@ class Extender:
             demand = decode_pod(pod)
         except WireError as exc:
             return f"pod {args.key} not understood: {exc}"
-        if not demand.containers:
-            self.cluster.bind_pod(args.pod_namespace, args.pod_name, uid, args.node)
-            return ""
-        previous = self._previous_assignment(pod, args.node)
-        policy = self._policy(demand)
-        exclusive = any(c.request.isolation.value == "exclusive" for c in demand.containers)
+        return BindPlan(args, demand, uid, str(meta.get("resourceVersion") or ""),
+                        self._previous_assignment(pod, args.node), self._policy(demand), fresh)
+
+    def reserve(self, plan: BindPlan) -> Assignment | str:
+        """Choose the GPUs on the node and assume them; `InFlightClash` means: wait, retry."""
+        if not plan.demand.containers:
+            return Assignment(plan.args.node, ())
+        demand, previous = plan.demand, plan.previous
+        exclusive = any(c.request.isolation is Isolation.EXCLUSIVE for c in demand.containers)
 
         def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | str:
-            if previous is not None:
+            if previous is not None:  # a retry: keep what an earlier attempt recorded
                 totals = {g.uuid: g.memory_total_mib for g in state.inventory.gpus}
                 grants = previous.grants(exclusive, totals)
                 if fits_exactly(state, grants):
                     return previous, grants
-            evaluation = self.ranker.evaluate(state, demand, policy)
+            evaluation = self.ranker.evaluate(state, demand, plan.policy)
             if evaluation.placement is None:
                 return evaluation.reason
             return (assignment_of(state, demand, evaluation.placement),
                     evaluation.placement.grants)
 
-        reserved = self.cache.reserve(demand.key, uid, args.node, demand.gpu_counts, now,
-                                      choose)
-        # The scheduler picked this node before an earlier pod's bind to it was seen: rather
-        # than fail (and have the pod backed off for seconds), wait for that hand-over.
-        deadline = time.monotonic() + self.settings.bind_wait_s
-        while isinstance(reserved, InFlightClash) and time.monotonic() < deadline:
-            time.sleep(BIND_POLL_S)
-            now = self.clock()
-            reserved = self.cache.reserve(demand.key, uid, args.node, demand.gpu_counts, now,
-                                          choose)
+        now = self.clock()
+        self.cache.expire_assumed(now)
+        reserved = self.cache.reserve(demand.key, plan.uid, plan.args.node, demand.gpu_counts,
+                                      now, choose)
+        if isinstance(reserved, InFlightClash):
+            return reserved
         if isinstance(reserved, str):
-            return f"cannot place {args.key} on {args.node}: {reserved}"
+            return f"cannot place {plan.args.key} on {plan.args.node}: {reserved}"
+        return reserved
+
+    def commit_bind(self, plan: BindPlan, assignment: Assignment) -> str:
+        """Create the Binding, carrying the assignment annotations: one atomic write.
+
+        The API server copies a Binding's annotations onto the pod as it sets its node, so the
+        pod is never bound without its assignment, nor annotated without being bound. The
+        Binding is conditional on the pod's uid and resourceVersion: `STALE` means our copy
+        (the scheduler's) was out of date and the caller should read the pod and plan again.
+        """
+        args = plan.args
+        annotations = {}
+        if plan.demand.containers:
+            annotations = {names.ANN_ASSIGNMENT: encode_assignment(assignment),
+                           names.ANN_ASSIGNED_AT: rfc3339(self.clock())}
+        started = time.monotonic()
         try:
-            self.cluster.annotate_pod(args.pod_namespace, args.pod_name, {
-                names.ANN_ASSIGNMENT: encode_assignment(reserved),
-                names.ANN_ASSIGNED_AT: rfc3339(now),
-            })
+            self.cluster.bind_pod(args.pod_namespace, args.pod_name, plan.uid, args.node,
+                                  annotations, plan.resource_version)
         except ClusterError as exc:
-            self.cache.forget(demand.key, uid)
-            return f"recording the GPU assignment failed: {exc}"
-        try:
-            self.cluster.bind_pod(args.pod_namespace, args.pod_name, uid, args.node)
-        except ClusterError as exc:
-            if exc.status == 409 and self._bound_to(args) == args.node:
-                return ""
-            self.cache.forget(demand.key, uid)
-            self._clear_assignment(args)
+            self.cache.forget(plan.demand.key, plan.uid)
+            if exc.status != 409:
+                return f"creating the Binding failed: {exc}"
+            bound_to = self._bound_to(args)
+            if bound_to == args.node:
+                return ""  # an earlier attempt bound it; the watch brings its assignment
+            if bound_to is None and not plan.fresh:
+                return STALE
             return f"creating the Binding failed: {exc}"
+        took = time.monotonic() - started
+        if took > SLOW_COMMIT_S:
+            log.info("binding %s to %s took %.2fs", args.key, args.node, took)
         return ""
+
+    async def bind_async(self, args: BindingArgs, run_blocking: RunBlocking
+                         ) -> dict[str, str]:
+        """ExtenderBindingResult. The in-memory steps run here, on the caller's event loop;
+        the API calls through `run_blocking` (a thread pool in the server)."""
+        pod = self.recalled_pod(args)
+        fresh = pod is None
+        while True:
+            if pod is None:
+                fetched = await run_blocking(self.fetch_pod, args)
+                if isinstance(fetched, str):
+                    return {"Error": fetched}
+                pod, fresh = fetched, True
+            plan = self.plan_bind(args, pod, fresh)
+            if isinstance(plan, str):
+                return {"Error": plan}
+            reserved = self.reserve(plan)
+            # The scheduler chose this node before an earlier pod's bind to it showed up as in
+            # flight: rather than fail (and have the pod backed off), wait for the hand-over.
+            deadline = time.monotonic() + self.settings.bind_wait_s
+            while isinstance(reserved, InFlightClash) and time.monotonic() < deadline:
+                await asyncio.sleep(BIND_POLL_S)
+                reserved = self.reserve(plan)
+            if isinstance(reserved, str):
+                return {"Error": reserved}
+            result = await run_blocking(self.commit_bind, plan, reserved)
+            if result == STALE:
+                pod = None
+                continue
+            return {"Error": result}
+
+    def bind(self, args: BindingArgs) -> dict[str, str]:
+        """`bind_async` for callers without an event loop (tests, tools)."""
+
+        async def inline(fn: Callable[..., T], *fn_args: Any) -> T:
+            return fn(*fn_args)
+
+        return asyncio.run(self.bind_async(args, inline))
 
     @staticmethod
     def _previous_assignment(pod: Mapping[str, Any], node: str) -> Assignment | None:
@@ -267,11 +382,3 @@ class Extender:
         except ClusterError:
             return None
         return (pod.get("spec") or {}).get("nodeName")
-
-    def _clear_assignment(self, args: BindingArgs) -> None:
-        """Best effort: an unbound pod should not keep GPUs recorded (the cache counts them)."""
-        try:
-            self.cluster.annotate_pod(args.pod_namespace, args.pod_name,
-                                      {names.ANN_ASSIGNMENT: None, names.ANN_ASSIGNED_AT: None})
-        except ClusterError as exc:
-            log.warning("could not clear the assignment of %s: %s", args.key, exc)
