@@ -398,9 +398,11 @@ def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, s
     """What a cluster is made from. A change of `cluster` (binaries, flags) needs a new cluster;
     the scheduler configuration and the stages are applied by restarting one component."""
     digest = hashlib.sha256
+    portable_args = ["<stages>" if a == str(stages_file()) else a for a in create_args]
     return {
         "binDir": str(Path(create_args[0]).parent),
-        "cluster": digest(json.dumps([*create_args, BIND_ADDRESS]).encode()).hexdigest(),
+        # The stages travel by content (below), so the checkout they come from does not matter.
+        "cluster": digest(json.dumps([*portable_args, BIND_ADDRESS]).encode()).hexdigest(),
         "scheduler": digest(scheduler_yaml.encode()).hexdigest(),
         "stages": digest(stages_file().read_bytes()).hexdigest(),
     }
