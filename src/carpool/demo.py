@@ -59,7 +59,7 @@ def gpujob(name: str, namespace: str, job_class: str, gpu: dict[str, Any], secon
             "metadata": {"name": name, "namespace": namespace}, "spec": spec}
 
 
-EXCLUSIVE = {"count": 1, "isolation": "exclusive"}
+EXCLUSIVE = {"count": 1, "memory": "40Gi", "isolation": "exclusive"}
 
 NLP_BATCH = [gpujob(f"pretrain-shard-{i}", "nlp", "batch", EXCLUSIVE, 150, preemptible=True)
              for i in range(6)]
@@ -70,7 +70,8 @@ VISION_JOBS = [
     gpujob("finetune-b", "vision", "short",
            {"count": 1, "memory": "24Gi", "cores": 50, "isolation": "mps"}, 30, dataset="imagenet"),
     gpujob("detector-long", "vision", "long",
-           {"count": 4, "isolation": "exclusive", "models": ["H200", "A100"]}, 60),
+           {"count": 4, "memory": "60Gi", "isolation": "exclusive",
+            "models": ["H200", "A100"]}, 60),
     gpujob("sweep-0", "vision", "batch",
            {"count": 1, "memory": "10Gi", "cores": 25, "isolation": "mps"}, 20),
     gpujob("sweep-1", "vision", "batch",

@@ -88,6 +88,9 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     if free.exclusive_taken:
         return f"GPU {gpu.index} is held exclusively"
     if request.isolation is Isolation.EXCLUSIVE:
+        if gpu.memory_total_mib < request.memory_mib:
+            return (f"GPU {gpu.index} has {gpu.memory_total_mib // 1024} GiB, "
+                    f"job needs {request.memory_mib // 1024} GiB")
         return None if free.grants == 0 else f"GPU {gpu.index} is shared, job needs it exclusively"
     if request.isolation is Isolation.MIG:
         fitting = [m for m in gpu.mig_instances
