@@ -72,7 +72,8 @@ def replay_one(run: Run) -> Outcome:
     started = time.process_time()
     sequence = simulation.arrivals(pods, run.seed, simulation.capacity_milli(nodes))
     scorer = (None if run.policy == simulation.RANDOM_POLICY
-              else scoring.Scorer(scoring.PRESETS[run.policy], workload))
+              else scoring.Scorer(scoring.PRESETS[run.policy], workload,
+                                  simulation.gpu_supply(nodes)))
     result = simulation.replay(nodes, sequence, scorer, seed=run.seed)
     return Outcome(run, result, time.process_time() - started)
 

@@ -6,8 +6,9 @@ all go through `Scorer.plan`, so the replayed numbers are the extender's.
 
 A node is reduced to a `NodeProfile` (hashable: free CPU and memory, and per usable GPU its
 model, idle compute in milli and free memory). Identical nodes share a profile, so a scorer
-memoises fragmentation and plans per profile; that is what makes replaying 10,000 pods over
-1,213 nodes take about a second in pure Python.
+memoises fragmentation and plans per profile, and the replay scores each distinct profile
+once per demand shape instead of every node for every pod (a few seconds per 10,800-pod
+replay over 1,213 nodes, pure Python).
 """
 
 from __future__ import annotations
@@ -71,13 +72,18 @@ class Strategy(enum.Enum):
 class ScoringPolicy:
     """Weights of the score terms (any non-negative numbers; the score divides by their sum).
 
+    The defaults are Carpool's policy, chosen on the openb replays (docs/benchmarks.md):
+    FGD's fragmentation and the CPU balance weigh the same, a little model scarcity keeps
+    flexible pods off the GPU models constrained pods need, packing is off (as a tie-break it
+    lost to first-fit by node order), and temperature and locality only decide between nodes
+    that are otherwise close. `strategy` SPREAD inverts the packing term.
     `cpu_scale_milli` and `gpu_scale_milli` normalise leftovers in the packing term: the
     largest node's CPU and GPU capacity (the openb cluster's are 128 cores and 8 GPUs).
     """
 
     fragmentation: float = 1.0
     balance: float = 1.0
-    scarcity: float = 0.0
+    scarcity: float = 0.05
     packing: float = 0.0
     alignment: float = 0.0
     temperature: float = 0.02
@@ -102,11 +108,12 @@ class ScoringPolicy:
 
 
 # Presets: the published baselines, reimplemented on the same terms, and Carpool's default.
-BEST_FIT = ScoringPolicy(fragmentation=0.0, balance=0.0, packing=1.0, temperature=0.0,
-                         locality=0.0)
-DOT_PRODUCT = ScoringPolicy(fragmentation=0.0, balance=0.0, alignment=1.0, temperature=0.0,
-                            locality=0.0)
-FGD = ScoringPolicy(fragmentation=1.0, balance=0.0, temperature=0.0, locality=0.0)
+BEST_FIT = ScoringPolicy(fragmentation=0.0, balance=0.0, scarcity=0.0, packing=1.0,
+                         temperature=0.0, locality=0.0)
+DOT_PRODUCT = ScoringPolicy(fragmentation=0.0, balance=0.0, scarcity=0.0, alignment=1.0,
+                            temperature=0.0, locality=0.0)
+FGD = ScoringPolicy(fragmentation=1.0, balance=0.0, scarcity=0.0, temperature=0.0,
+                    locality=0.0)
 CARPOOL = ScoringPolicy()
 PRESETS = {"best-fit": BEST_FIT, "dot-product": DOT_PRODUCT, "fgd": FGD, "carpool": CARPOOL}
 
