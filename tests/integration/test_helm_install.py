@@ -352,3 +352,42 @@ def test_operator_leads_and_reconciles_with_its_account(
         assert "reconcile pass failed" not in log.read_text()
     finally:
         devcluster.stop_process(process, grace=10)
+
+
+def test_scheduler_runs_the_chart_configuration_with_its_account(
+        cluster: devcluster.Cluster, release: Release, tmp_path: Path) -> None:
+    """The real kube-scheduler loads the chart's KubeSchedulerConfiguration (extender and all)
+    and runs with its account: informers, its Lease, delegated authentication. The profile is
+    renamed here so this extra scheduler never takes a pod from the cluster's own."""
+    kubeconfig = token_kubeconfig(cluster, release, "scheduler", tmp_path)
+    config_map = json.loads(cluster.kubectl(
+        "get", "configmap", f"{release.name}-scheduler-config", "-n", release.namespace,
+        "-o", "json").stdout)
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    config["profiles"] = [{"schedulerName": f"config-check-{uuid.uuid4().hex[:6]}"}]
+    config["clientConnection"] = {"kubeconfig": str(kubeconfig)}
+    path = tmp_path / "scheduler.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "scheduler.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(cluster.bin_dir / "kube-scheduler"), f"--config={path}",
+             "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--v=2"],
+            stdout=out, stderr=subprocess.STDOUT)
+
+    def holder() -> str:
+        if process.poll() is not None:
+            raise AssertionError(f"kube-scheduler exited:\n{log.read_text()[-3000:]}")
+        result = cluster.kubectl("get", "lease", "carpool-scheduler", "-n", release.namespace,
+                                 "-o", "jsonpath={.spec.holderIdentity}", check=False)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    try:
+        wait_for(holder, 60, "kube-scheduler did not take its Lease", log)
+        time.sleep(3)
+        assert process.poll() is None
+        denied = [line for line in log.read_text().splitlines() if "forbidden" in line.lower()]
+        assert not denied, "\n".join(denied[:10])
+    finally:
+        process.terminate()
+        process.wait(10)
