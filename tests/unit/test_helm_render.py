@@ -214,6 +214,11 @@ def test_operator_deployment(default: list[Obj]) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    # every CARPOOL_* variable the chart sets is one the operator reads
+    source = "".join(p.read_text() for p in (REPO / "operator").glob("*.py"))
+    for name in env:
+        if name.startswith("CARPOOL_"):
+            assert f'"{name}"' in source, f"the operator never reads {name}"
 
 
 def test_extender_flags_parse(default: list[Obj]) -> None:
