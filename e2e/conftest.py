@@ -232,14 +232,15 @@ class Pods:
         self.created.clear()
 
 
-# Prints the CUDA_*/NVIDIA_*/CARPOOL_* environment and whether the MPS pipe mount is there,
-# then sleeps (exit 0 on SIGTERM: pod deletion is quick).
+# Prints the CUDA_*/NVIDIA_*/CARPOOL_* environment, whether the MPS pipe mount is there and the
+# container's cgroup (the kubelet's per-pod cgroup when cgroups work), then sleeps (exit 0 on
+# SIGTERM: pod deletion is quick).
 SLEEP_AFTER_ENV = (
     "env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; "
     "if [ -d \"$CUDA_MPS_PIPE_DIRECTORY\" ]; then echo MPS_PIPE_MOUNTED=yes; fi; "
+    "echo POD_CGROUP=$(grep -m1 kubepods /proc/self/cgroup | cut -d: -f3); "
     "echo DONE; trap 'exit 0' TERM; sleep 3600 & wait"
 )
-EXIT_AFTER_ENV = "env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; echo DONE"
 
 
 def real_node_pod_spec(node: realnode.RealNode, limits: dict[str, str],

@@ -63,6 +63,7 @@ def test_container_sees_exactly_the_gpus_the_extender_assigned(
     if memory_gib:
         assert all(g["memoryMiB"] == memory_gib * 1024 for g in assignment["gpus"])
     _assert_env_matches_assignment(env, assignment, isolation)
+    assert f"/pod{pod['metadata']['uid']}/" in env["POD_CGROUP"], "not in the pod's cgroup"
     allocated = _annotation(pod, names.ANN_ALLOCATED)["containers"]["main"]
     assert allocated["gpus"] == [g["uuid"] for g in assignment["gpus"]]
     assert sorted(ShareId.parse(d).gpu_uuid for d in allocated["deviceIDs"]) == sorted(
