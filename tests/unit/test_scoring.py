@@ -172,7 +172,8 @@ def test_model_pressure_and_scarcity() -> None:
     assert scarcity_term([], pressure) == 1.0
 
 
-@given(st.lists(st.tuples(st.floats(0, 100), st.floats(0, 1)), max_size=6))
+@given(st.lists(st.tuples(st.one_of(st.just(0.0), st.floats(1e-6, 100)), st.floats(0, 1)),
+                max_size=6))
 def test_combine_is_a_weighted_mean(pairs: list[tuple[float, float]]) -> None:
     value = combine(pairs)
     terms = [t for w, t in pairs if w > 0]
@@ -190,7 +191,7 @@ def test_policy_rejects_bad_weights() -> None:
     with pytest.raises(ValueError):
         ScoringPolicy(fragmentation=-1)
     with pytest.raises(ValueError):
-        ScoringPolicy(fragmentation=0, balance=0, temperature=0, locality=0)
+        ScoringPolicy(fragmentation=0, balance=0, scarcity=0, temperature=0, locality=0)
     with pytest.raises(ValueError):
         ScoringPolicy(fragmentation=math.nan)
     assert Strategy.parse("Spread") is Strategy.SPREAD
