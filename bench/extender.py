@@ -264,6 +264,7 @@ def _bind_times(core: Any, namespace: str, selector: str, count: int,
     from kubernetes import watch
 
     seen: dict[str, float] = {}
+    running: dict[str, float] = {}
     deadline = time.monotonic() + timeout
     while len(seen) < count and time.monotonic() < deadline:
         stream: Any = watch.Watch()
@@ -274,10 +275,15 @@ def _bind_times(core: Any, namespace: str, selector: str, count: int,
                 pod = event["object"]
                 if pod.get("spec", {}).get("nodeName"):
                     seen.setdefault(pod["metadata"]["name"], time.monotonic())
+                if pod.get("status", {}).get("phase") == "Running":
+                    running.setdefault(pod["metadata"]["name"], time.monotonic())
                 if len(seen) >= count or time.monotonic() > deadline:
                     stream.stop()
         except Exception as exc:  # a broken watch: list and watch again
             print(f"  (watch restarted: {exc})", file=sys.stderr)
+    delays = sorted(running[n] - seen[n] for n in running if n in seen)
+    if delays:
+        print(f"  bind -> Running (KWOK) median {1000 * delays[len(delays) // 2]:.0f} ms")
     return sorted(seen.values())
 
 

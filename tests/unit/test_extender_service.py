@@ -414,3 +414,23 @@ def test_multi_container_pods_get_gpus_per_container() -> None:
     gpus = w.assignment("p").gpus
     assert {g.container for g in gpus} == {"c0", "c1"}
     assert {g.uuid for g in gpus} == {"g0", "g1"}  # 30 + 30 GiB cannot share a 40 GiB GPU
+
+
+def test_prioritize_nominates_its_favourite_and_filter_steers_the_next_pod_away() -> None:
+    w = World()
+    w.add_node("n1", [gpu("a0"), gpu("a1")])
+    w.add_node("n2", [gpu("b0"), gpu("b1")])
+    first = w.add_pod("first", memory_gib=10)
+    scores = w.scores(first, ["n1", "n2"])
+    assert sorted(scores.values()) == [9, 10]  # equal nodes, still one clear favourite
+    favourite = max(scores, key=lambda n: scores[n])
+    other = "n2" if favourite == "n1" else "n1"
+    second = w.add_pod("second", memory_gib=10)
+    result = w.filter(second, ["n1", "n2"])
+    assert result["NodeNames"] == [other]
+    assert "being bound there" in result["FailedNodes"][favourite]
+    assert w.filter(w.add_pod("pair", gpus=2, memory_gib=10), ["n1", "n2"])["NodeNames"] == [
+        "n1", "n2"]  # another count is not ambiguous
+    assert w.bind("first", favourite) == ""
+    w.run("first")
+    assert w.filter(second, ["n1", "n2"])["NodeNames"] == ["n1", "n2"]

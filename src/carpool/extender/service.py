@@ -23,7 +23,7 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
-from carpool.extender.ranking import Placement, Ranker, scale_scores
+from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     AssignedGpu,
     Assignment,
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 CACHE_KINDS = ("nodes", "gpunodes", "pods")
 BIND_POLL_S = 0.02
 SLOW_COMMIT_S = 0.5
+NOMINATION_TTL_S = 2.0
 NOT_SYNCED = "the Carpool extender is still loading its cache; retry shortly"
 
 
@@ -111,6 +112,39 @@ def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
     return len(mig) == len(set(mig))
 
 
+class Nominations:
+    """The node prioritize expects each pod to be bound to, until the pod's bind arrives.
+
+    Only steering, never correctness (that is the cache's reserve): kube-scheduler starts the
+    next pod's filter while the last pod's bind is still on its way to us, and without this
+    the next same-count pod would be sent to the same node, only to wait at bind for the
+    first one's hand-over.
+    """
+
+    def __init__(self, ttl_s: float = NOMINATION_TTL_S) -> None:
+        self._ttl_s = ttl_s
+        self._by_pod: dict[str, tuple[str, frozenset[int], float]] = {}
+        self._lock = threading.Lock()
+
+    def nominate(self, pod_key: str, node: str, counts: frozenset[int], now: float) -> None:
+        with self._lock:
+            self._by_pod[pod_key] = (node, counts, now + self._ttl_s)
+
+    def clear(self, pod_key: str) -> None:
+        with self._lock:
+            self._by_pod.pop(pod_key, None)
+
+    def clashes(self, pod_key: str, counts: frozenset[int], now: float
+                ) -> list[tuple[str, str]]:
+        """(node, reason) for nodes another same-count pod is about to be bound to."""
+        with self._lock:
+            for key in [k for k, (_, _, expires) in self._by_pod.items() if expires < now]:
+                del self._by_pod[key]
+            return [(node, f"allocation in flight on this node ({key} is being bound there)")
+                    for key, (node, theirs, _) in sorted(self._by_pod.items())
+                    if key != pod_key and theirs & counts]
+
+
 T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
 STALE = "the pod changed since the scheduler's copy; read it again"
@@ -142,6 +176,7 @@ class Extender:
         self.ranker = Ranker(settings.scoring, settings.learn_workload)
         self._pods_seen: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
         self._pods_lock = threading.Lock()
+        self.nominations = Nominations()
 
     def _policy(self, demand: PodDemand) -> str:
         return demand.policy or self.settings.policy
@@ -180,6 +215,11 @@ class Extender:
                 waiting[name] = f"carpool: {clash}"
             else:
                 passed.append(name)
+        for name, reason in self.nominations.clashes(demand.key, counts, time.monotonic()):
+            if name in waiting or name not in evaluations or evaluations[name].placement is None:
+                continue
+            passed.remove(name)
+            waiting[name] = f"carpool: {reason}"
         # The handshake rule is enforced at bind (under the cache lock); here it steers pods
         # to other nodes. When every fitting node has a hand-over in flight, keep them: bind
         # waits briefly for it, where a rejection would park the pod in the scheduler's
@@ -205,9 +245,18 @@ class Extender:
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
         raw = {name: e.placement.score for name, e in evaluations.items() if e.placement}
-        return encode_priorities(scale_scores(raw, args.node_names))
-
-    # --- bind ----------------------------------------------------------------------------
+        scores = scale_scores(raw, args.node_names)
+        best = [n for n in args.node_names if n in raw and scores[n] == MAX_SCORE]
+        if best:
+            # One clear favourite (ties broken by raw score, then name), so the scheduler's
+            # pick is predictable and can be nominated: filter then steers the next
+            # same-count pods elsewhere until this pod's bind arrives.
+            top = max(best, key=lambda n: (raw[n], [-ord(c) for c in n]))
+            for name in best:
+                if name != top:
+                    scores[name] = MAX_SCORE - 1
+            self.nominations.nominate(demand.key, top, demand.gpu_counts, time.monotonic())
+        return encode_priorities(scores)
 
     # --- bind ----------------------------------------------------------------------------
     #
@@ -267,6 +316,7 @@ class Extender:
 
     def reserve(self, plan: BindPlan) -> Assignment | str:
         """Choose the GPUs on the node and assume them; `InFlightClash` means: wait, retry."""
+        self.nominations.clear(plan.demand.key)
         if not plan.demand.containers:
             return Assignment(plan.args.node, ())
         demand, previous = plan.demand, plan.previous
