@@ -91,7 +91,8 @@ def scene(cluster: devcluster.Cluster) -> Iterator[Scene]:
     assignment = {"node": node, "gpus": [{"uuid": f"GPU-{suffix}-0", "index": 0,
                                           "memoryMiB": 30 * 1024, "cores": 40}]}
     core.create_namespaced_pod(namespace, {"metadata": {
-        "name": "holder", "annotations": {names.ANN_ASSIGNMENT: json.dumps(assignment)}},
+        "name": "holder", "labels": {names.LABEL_MANAGED: "true"},
+        "annotations": {names.ANN_ASSIGNMENT: json.dumps(assignment)}},
         # a scheduler nobody runs: the pod stays Pending, holding its assignment
         "spec": {"schedulerName": "carpool-plugin-test-nobody",
                  "containers": [{"name": "main", "image": "busybox"}]}})

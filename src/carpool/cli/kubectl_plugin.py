@@ -37,7 +37,9 @@ class ClusterReader(Protocol):
 
     def list_gpunodes(self) -> list[Obj]: ...
 
-    def list_pods(self, namespace: str | None) -> list[Obj]: ...
+    def list_pods(self, namespace: str | None) -> list[Obj]:
+        """Pods Carpool manages (those that can carry a GPU assignment)."""
+        ...
 
 
 class KubeReader:
@@ -94,10 +96,15 @@ class KubeReader:
         return self._custom_list(names.GPUNODE_PLURAL, None)
 
     def list_pods(self, namespace: str | None) -> list[Obj]:
+        """Carpool's pods only (the operator labels every pod it creates): GPU assignments
+        live on them, and a big cluster's other pods are not worth the transfer."""
+        selector = f"{names.LABEL_MANAGED}=true"
         if namespace is None:
-            data = self._call("pods", self.core.list_pod_for_all_namespaces)
+            data = self._call("pods", self.core.list_pod_for_all_namespaces,
+                              label_selector=selector)
         else:
-            data = self._call("pods", self.core.list_namespaced_pod, namespace)
+            data = self._call("pods", self.core.list_namespaced_pod, namespace,
+                              label_selector=selector)
         return list(data.get("items") or [])
 
 
