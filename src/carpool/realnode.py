@@ -900,12 +900,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("up", help="join a real node to the running `make cluster` cluster")
     sub.add_parser("down", help="stop the node's processes and delete its Node")
     sub.add_parser("images", help="only write the OCI archives (prints their paths)")
+    sub.add_parser("config", help="print the generated containerd, CNI and kubelet files")
     args = parser.parse_args(argv)
     paths = NodePaths.default()
     try:
         if args.command == "images":
             for ref, archive in build_images(paths).items():
                 print(f"{ref}\t{archive}")
+            return 0
+        if args.command == "config":
+            settings = NodeSettings(name=args.name, snapshotter=args.snapshotter)
+            print(f"# {paths.containerd_config}\n{containerd_config(paths, settings.snapshotter)}")
+            print(f"# {paths.cni_conf_dir}/10-carpool.conflist\n"
+                  f"{json.dumps(cni_config(paths), indent=2)}\n")
+            print(f"# {paths.kubelet_config}\n" + yaml.safe_dump(
+                kubelet_configuration(paths, settings.kubelet_port), sort_keys=False))
             return 0
         cluster_paths = devcluster.ClusterPaths.for_name()
         bin_dir = devcluster.known_bin_dir(cluster_paths)
