@@ -733,6 +733,9 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
     """Installs, configures and starts containerd, the kubelet and the device plugin."""
     node = RealNode(cluster, settings or NodeSettings(), paths or NodePaths.default(),
                     timings or Timings())
+    if os.geteuid() != 0:
+        raise NodeError("the real node needs root (containerd, runc, mounts, the CNI bridge, "
+                        "/var/lib/kubelet/device-plugins); run it as root or skip it")
     t = node.timings
     install_packages(t)
     with t.stage(f"containerd ({node.settings.snapshotter} snapshotter)"):
