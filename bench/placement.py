@@ -152,9 +152,10 @@ NOTES = [
     "target shapes, or weighting shapes by their GPU demand, did not help. (5) On `gpuspec10` "
     "most of the loss before 100 % arrival was T4-only pods finding the T4s taken by pods that "
     "could have run anywhere; the scarcity term (weight 0.05) fixed that (93.6 → 95.7 % at "
-    "100 %); weight 1 overdid it. Our FGD reimplementation lands below the paper's FGD under "
-    "this protocol; the gap is most likely the protocol details we could not match exactly "
-    "(the paper inflates by pod count and breaks its integer-score ties at random).",
+    "100 %); weight 1 overdid it. Our FGD reimplementation lands below the paper's FGD; we "
+    "did not pin down why. Known differences: the paper's simulator rounds FGD's score to an "
+    "integer 0–100 and kube-scheduler breaks the resulting ties at random, and its workload "
+    "generator may differ from REFERENCE.md's reading of the protocol.",
 ]
 
 
