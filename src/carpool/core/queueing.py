@@ -17,6 +17,16 @@ What it does, in queue order (see `fairshare` for the order and the aging bound)
    estimate from the cluster's drain rate.
 5. A job that is allowed to start but finds no room may preempt (`preemption`): victims are
    told to stop with their checkpoint grace, and the job keeps a reservation where they were.
+
+Jobs that would borrow (beyond their guarantee, or on a spent PreemptibleOnly budget) are
+considered after all others, so borrowing only ever takes capacity nobody within their limits
+wants this cycle.
+
+Contract with the operator: pass every GpuJob it knows (finished ones too: their run records
+are the accounting); give nodes their inventory without the jobs' grants (the core adds each
+GPU-holding job's `grants` itself); clear a job's grants once its pod is gone. Carry out
+`admissions`, `preemptions` and `expiries`; write each `Wait` into the job's status; write
+`projects` into the ProjectQuotas' status.
 """
 
 from __future__ import annotations
