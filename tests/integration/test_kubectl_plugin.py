@@ -1,6 +1,8 @@
 """`kubectl carpool` against the real API server, run the way users run it: the installed
 `kubectl-carpool` found by kubectl's plugin lookup on PATH.
 
+`kubectl` itself runs the plugin in the lookup and error tests; the other checks call the
+plugin's `main` in-process (same code, same API server) to save an interpreter start per call.
 The test writes GpuJobs, a ProjectQuota and a GpuNode with statuses (through the status
 subresource, as the operator and device plugin do) and a pod carrying an assignment, then
 checks the commands' output. A Carpool operator may be running on the shared cluster and
@@ -11,6 +13,7 @@ command, and retries if any of the test's objects changed meanwhile.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import subprocess
@@ -26,6 +29,7 @@ import pytest
 from kubernetes import client
 
 from carpool import crds, devcluster
+from carpool.cli import kubectl_plugin
 from carpool.core import names
 from carpool.reporting import format_time
 
@@ -159,14 +163,21 @@ def kubectl_carpool(cluster: devcluster.Cluster, *args: str) -> subprocess.Compl
                           capture_output=True, text=True, timeout=60, env=env)
 
 
+def run_in_process(cluster: devcluster.Cluster, *args: str) -> str:
+    """The plugin's `main` in this process (same reader, no interpreter start-up per call)."""
+    out = io.StringIO()
+    code = kubectl_plugin.main([*args, "--kubeconfig", str(cluster.kubeconfig)], out=out)
+    assert code == 0
+    return out.getvalue()
+
+
 def settled(cluster: devcluster.Cluster, scene: Scene, *args: str) -> str:
     """Output of `kubectl carpool ARGS` computed from exactly the statuses the test wrote."""
     for _ in range(8):
         before = write_statuses(scene)
-        result = kubectl_carpool(cluster, *args)
-        assert result.returncode == 0, result.stderr
+        output = run_in_process(cluster, *args)
         if current_versions(scene) == before:
-            return result.stdout
+            return output
         time.sleep(0.5)
     raise AssertionError("the test's objects kept changing under it")
 
