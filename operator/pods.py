@@ -12,7 +12,7 @@ from typing import Any
 
 from carpool.core import names
 from carpool.core.durations import parse_duration
-from carpool.core.quantities import gib_ceil
+from carpool.core.quantities import gib_ceil, quantity_mib
 from carpool.core.resources import GpuRequest
 
 MAX_NAME = 63
@@ -50,7 +50,7 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
     if dataset.get("name"):
         annotations[names.ANN_DATASET] = dataset["name"]
         if dataset.get("size"):
-            annotations[names.ANN_DATASET_SIZE] = str(dataset["size"])
+            annotations[names.ANN_DATASET_SIZE] = str(gib_ceil(quantity_mib(dataset["size"])))
     if spec.get("placementPolicy"):
         annotations[names.ANN_POLICY] = spec["placementPolicy"]
     if spec.get("simulatedDuration"):

@@ -23,6 +23,7 @@ def _job(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
         "gpu": {"count": 1, "memory": "20Gi", "cores": 50, "isolation": "mps"},
         "estimatedDuration": "10m", "maxDuration": "1h", "simulatedDuration": "30s",
         "checkpoint": {"gracePeriod": "45s"},
+        "dataset": {"name": "imagenet", "size": "150Gi"},
         "template": {"metadata": {"labels": {"app": "x"}},
                      "spec": {"containers": [{"name": "main", "image": "img"}]}},
     }
@@ -65,6 +66,7 @@ def test_pod_carries_resources_annotations_and_owner() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] == 45
     assert pod["spec"]["activeDeadlineSeconds"] == 3600
     assert pod["metadata"]["annotations"][names.ANN_SIM_DURATION] == "30"
+    assert pod["metadata"]["annotations"][names.ANN_DATASET_SIZE] == "150"
     assert pod["metadata"]["labels"]["app"] == "x"
     owner = pod["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "GpuJob" and owner["uid"] == "u-1" and owner["controller"]
