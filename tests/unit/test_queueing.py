@@ -84,7 +84,7 @@ def test_higher_class_goes_first_when_only_one_fits() -> None:
     assert admitted(result) == ["b/short"]
     wait = result.wait_for("a/batch")
     assert wait is not None and wait.reason is WaitReason.CAPACITY
-    assert wait.position == 2 and wait.estimated_start == pytest.approx(20 + HOUR)
+    assert wait.position == 1 and wait.estimated_start == pytest.approx(20 + HOUR)
 
 
 def test_a_cycle_never_hands_the_same_gpus_out_twice() -> None:
@@ -96,6 +96,8 @@ def test_a_cycle_never_hands_the_same_gpus_out_twice() -> None:
     starts = [w.estimated_start for w in result.waits]
     assert starts == [pytest.approx(10 + HOUR)] * 2 + [pytest.approx(10 + 2 * HOUR)]
     assert [w.ahead for w in result.waits] == [0, 1, 2]
+    assert [w.position for w in result.waits] == [1, 2, 3]  # among those still queued
+    assert [a.position for a in result.admissions] == [1, 2]
 
 
 def test_shared_gpus_pack_fractional_jobs() -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
 from carpool.core.durations import format_duration
@@ -169,7 +169,7 @@ class Wait:
     job_key: str
     reason: WaitReason
     message: str
-    position: int  # 1 = head of the queue; 0 for refused jobs
+    position: int  # among jobs still queued after this cycle, 1 = head; 0 for refused jobs
     ahead: int  # higher-ranked jobs also waiting for GPUs
     estimated_start: float | None  # None: cannot be estimated (refused, never fits)
     coarse_estimate: bool = False  # beyond the reservation depth: drain-rate estimate
@@ -422,7 +422,11 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     for position, job in borrowers:
         walk.consider(job, position, borrowers_allowed=True)
 
-    waits = tuple(sorted(walk.waits, key=lambda w: (w.position, w.job_key)))
+    ordered = sorted(walk.waits, key=lambda w: (w.position, w.job_key))
+    # positions among the jobs still queued after this cycle (refused jobs have none)
+    queued = iter(range(1, len(ordered) + 1))
+    waits = tuple(w if w.reason.refused else replace(w, position=next(queued))
+                  for w in ordered)
     projects = _project_statuses(cycle, walk.admitted_by_project, waits)
     return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
                        projects)
