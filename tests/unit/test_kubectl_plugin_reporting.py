@@ -1,0 +1,115 @@
+"""`carpool.reporting` directly: the edges the plugin's tables do not show."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from carpool import reporting
+from carpool.reporting import format_time, human_duration, parse_since, relative
+
+NOW = 1_800_000_000.0
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0, "0s"), (59.6, "60s"), (119, "119s"), (120, "2m"), (450, "7m30s"), (599, "9m59s"),
+    (600, "10m"), (2550, "42m"), (3 * 3600, "3h"), (3 * 3600 + 1200, "3h20m"),
+    (8 * 3600, "8h"), (20 * 3600 + 1700, "20h"), (54 * 3600, "2d6h"), (12 * 86400, "12d"),
+])
+def test_human_duration(seconds: float, text: str) -> None:
+    assert human_duration(seconds) == text
+
+
+def test_relative() -> None:
+    assert relative(None, NOW) == "-"
+    assert relative(NOW + 0.4, NOW) == "now"
+    assert relative(NOW + 300, NOW) == "in 5m"
+    assert relative(NOW - 90, NOW) == "90s ago"
+
+
+def test_parse_since() -> None:
+    assert parse_since("12h", NOW) == NOW - 12 * 3600
+    assert parse_since("2027-01-15", NOW) == parse_since("2027-01-15T00:00:00Z", NOW)
+    with pytest.raises(ValueError, match="got 'yesterday'"):
+        parse_since("yesterday", NOW)
+
+
+def job(history: list[dict[str, Any]], project: str = "p", name: str = "j") -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": name}, "spec": {"project": project},
+            "status": {"history": history}}
+
+
+def test_usage_report_clips_runs_to_the_window() -> None:
+    runs = [{"fraction": 1.0, "start": format_time(NOW - 7200), "end": format_time(NOW - 3600)},
+            {"fraction": 0.5, "start": format_time(NOW - 1800)},  # open: counts up to now
+            {"fraction": 1.0, "start": format_time(NOW - 90000), "end": format_time(NOW - 86500)},
+            {"fraction": 1.0}]  # never started: ignored
+    report = reporting.usage_report([job(runs)], NOW - 5400, NOW)
+    (row,) = report.rows
+    # first run clipped to its last 30 min (0.5 h), open run 0.5 GPU x 0.5 h, third outside
+    assert row.gpu_hours == pytest.approx(0.75)
+    assert (row.runs, row.jobs, row.share) == (2, 1, 1.0)
+
+
+def test_usage_report_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="by 'project' or 'job', not 'node'"):
+        reporting.usage_report([], NOW - 1, NOW, by="node")
+    with pytest.raises(ValueError, match="starts in the future"):
+        reporting.usage_report([], NOW + 60, NOW)
+    assert reporting.usage_report([], NOW - 60, NOW).rows == ()
+
+
+def pod(annotation: str, node_name: str = "", phase: str = "Pending") -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": "p",
+                         "annotations": {"carpool.dev/assignment": annotation}},
+            "spec": {"nodeName": node_name} if node_name else {}, "status": {"phase": phase}}
+
+
+def test_assignments_skip_bad_stale_and_finished_pods() -> None:
+    good = json.dumps({"node": "n1", "gpus": [{"uuid": "G", "memoryMiB": 1024, "cores": 10}]})
+    shares = reporting.assignments_by_gpu([
+        pod(good), pod("{not json"), pod(json.dumps({"gpus": []})), pod(good, node_name="n2"),
+        pod(good, phase="Failed")])
+    assert list(shares) == ["G"]
+    (share,) = shares["G"]
+    assert (share.memory_mib, share.cores_pct, share.exclusive) == (1024, 10, False)
+
+
+def test_explain_an_unreadable_spec() -> None:
+    bad = {"metadata": {"namespace": "ns", "name": "j"},
+           "spec": {"project": "p", "gpu": {"count": 1, "memory": "lots"}},
+           "status": {"phase": "Queued", "reason": "Capacity"}}
+    explanation = reporting.explain(bad, None, [bad], [], [], NOW)
+    assert explanation.waiting
+    assert explanation.findings[-1].blocking
+    assert "the spec cannot be read: not a quantity" in explanation.findings[-1].text
+
+
+def test_explain_a_job_the_operator_has_not_seen() -> None:
+    fresh = {"metadata": {"namespace": "ns", "name": "j"},
+             "spec": {"project": "p", "gpu": {"count": 1, "memory": "1Gi"}}}
+    explanation = reporting.explain(fresh, None, [fresh], [], [], NOW)
+    assert explanation.summary == "ns/j waits: not yet seen by the operator"
+    capacity = [f for f in explanation.findings if f.topic is reporting.Topic.CAPACITY]
+    assert capacity[0].text.startswith("no node has room now (0Gi free")
+
+
+def test_queue_groups_count_reasons() -> None:
+    def waiting(name: str, reason: str, position: int) -> dict[str, Any]:
+        return {"metadata": {"namespace": "ns", "name": name},
+                "spec": {"project": "p", "class": "short", "gpu": {"count": 2}},
+                "status": {"phase": "Queued", "reason": reason, "queuePosition": position}}
+
+    entries = reporting.waiting_jobs([waiting("a", "Quota", 3), waiting("b", "Capacity", 1),
+                                      waiting("c", "Quota", 2)])
+    assert [e.name for e in entries] == ["b", "c", "a"]
+    (group,) = reporting.queue_groups(entries)
+    assert (group.waiting, group.gpus, group.head_position) == (3, 6, 1)
+    assert dict(group.reasons) == {"Quota": 2, "Capacity": 1}
+
+
+def test_to_jsonable_handles_infinities_and_sets() -> None:
+    assert reporting.to_jsonable({"x": float("inf"), "s": frozenset({"b", "a"})}) == {
+        "x": None, "s": ["a", "b"]}
