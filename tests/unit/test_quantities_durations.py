@@ -6,7 +6,8 @@ from carpool.core.quantities import gib_ceil, parse_quantity, quantity_mib, quan
 
 @pytest.mark.parametrize(
     ("text", "mib"),
-    [("16Gi", 16384), ("1Gi", 1024), ("512Mi", 512), ("1G", 954), ("1.5Gi", 1536), (1073741824, 1024)],
+    [("16Gi", 16384), ("1Gi", 1024), ("512Mi", 512), ("1G", 954), ("1.5Gi", 1536),
+     (1073741824, 1024)],
 )
 def test_memory_quantities_in_mib(text: str | int, mib: int) -> None:
     assert quantity_mib(text) == mib
@@ -29,7 +30,8 @@ def test_gib_rounds_up() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("90s", 90), ("45m", 2700), ("1h30m", 5400), ("2d", 172800), ("500ms", 0.5)]
+    ("text", "seconds"),
+    [("90s", 90), ("45m", 2700), ("1h30m", 5400), ("2d", 172800), ("500ms", 0.5)],
 )
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds

@@ -29,7 +29,8 @@ ANN_SIM_DURATION: Final = f"{GROUP}/simulated-duration"  # seconds; KWOK complet
 
 # Pod annotations written by the extender at bind (the assignment) and the device plugin
 # (the hand-over). See deviceplugin/README.md for the protocol.
-ANN_ASSIGNMENT: Final = f"{GROUP}/assignment"  # JSON: {"node":..., "gpus": [{uuid, index, memoryMiB, cores}]}
+# JSON: {"node": ..., "gpus": [{uuid, index, memoryMiB, cores, migInstance?, container?}]}
+ANN_ASSIGNMENT: Final = f"{GROUP}/assignment"
 ANN_ASSIGNED_AT: Final = f"{GROUP}/assigned-at"  # RFC 3339, the extender's bind time
 ANN_ALLOCATED: Final = f"{GROUP}/allocated"  # device IDs the kubelet handed over, set by the plugin
 
