@@ -220,7 +220,10 @@ def check_instant(sim: Simulator, at: float) -> None:
     for name, node in sim.world.nodes.items():
         grants = [g for j in holders if j.node == name for g in j.grants]
         for free in node.with_grants(grants).free():
-            assert free.memory_mib >= 0 and free.cores_pct >= 0, f"GPU overbooked: {free}"
+            on_gpu = [(j.key, j.phase.value, j.attempts) for j in holders
+                      if any(g.gpu_uuid == free.gpu.uuid for g in j.grants)]
+            assert free.memory_mib >= 0 and free.cores_pct >= 0, (
+                f"GPU {free.gpu.uuid} overbooked at {at} by {on_gpu}")
             exclusive = [g for g in grants if g.gpu_uuid == free.gpu.uuid and g.exclusive]
             assert not exclusive or free.grants == 1, "an exclusive GPU is shared"
     for quota in sim.world.quotas.values():

@@ -14,6 +14,7 @@ from carpool.core.preemption import (
     PreemptionCause,
     lost_gpu_hours,
     plan_preemption,
+    quota_victims,
     victim_cause,
 )
 from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
@@ -65,6 +66,10 @@ def cycle(jobs: list[Job], quota_map: dict[str, ProjectQuota], now: float,
     nodes = nodes if nodes is not None else [node()]
     return admission_cycle(ClusterSnapshot(now, tuple(jobs), quota_map,
                                            {n.name: n for n in nodes}), config)
+
+
+def admitted_keys(result: CycleResult) -> list[str]:
+    return [a.job_key for a in result.admissions]
 
 
 # ---------------------------------------------------------------- eligibility
@@ -249,3 +254,49 @@ def test_preemptions_per_cycle_are_capped() -> None:
     capped = AdmissionConfig(node_ranker=packing_score, max_preemptions_per_cycle=1)
     assert len(cycle(victims + shorts, quotas("a", "b"), now, config=capped).preemptions) == 1
     assert len(cycle(victims + shorts, quotas("a", "b"), now).preemptions) == 2
+
+
+# ---------------------------------------------------------------- within one project's guarantee
+
+
+def test_a_projects_short_job_preempts_its_own_batch_job_to_fit_the_guarantee() -> None:
+    now = 5 * HOUR
+    own_batch = run_on(job("a/b", "a", JobClass.BATCH), [0], now - 600)
+    other = job("b/idle", "b", JobClass.BATCH, submitted=now)  # another project, not blocking
+    short = job("a/s", "a", JobClass.SHORT, submitted=now)
+    qs = {"a": ProjectQuota("a", frozenset({"a"}), guaranteed_gpus=1),
+          "b": ProjectQuota("b", frozenset({"b"}))}
+    result = cycle([own_batch, other, short], qs, now)
+    assert [(p.victim_key, p.preemptor_key) for p in result.preemptions] == [("a/b", "a/s")]
+    wait = result.wait_for("a/s")
+    assert wait is not None and wait.reason is WaitReason.PREEMPTING
+    assert "guarantee" in wait.message
+    assert admitted_keys(result) == ["b/idle"]  # the other GPU was free for project b
+    # next cycle: the victim is leaving; the short job waits for it instead of preempting more
+    leaving = replace(own_batch, phase=Phase.PREEMPTED)
+    running_b = run_on(other, [1], now)
+    again = cycle([leaving, running_b, short], qs, now + 5)
+    assert not again.preemptions
+    assert again.wait_for("a/s") is not None
+    assert again.wait_for("a/s").reason is WaitReason.PREEMPTING  # type: ignore[union-attr]
+
+
+def test_own_project_preemption_respects_the_same_rules() -> None:
+    now = 5 * HOUR
+    pinned = run_on(job("a/b", "a", JobClass.BATCH, preemptible=False), [0], now - 600)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now)
+    qs = {"a": ProjectQuota("a", frozenset({"a"}), guaranteed_gpus=1)}
+    result = cycle([pinned, short], qs, now)
+    assert not result.preemptions
+    assert result.wait_for("a/s").reason is WaitReason.QUOTA  # type: ignore[union-attr]
+
+
+def test_quota_victims_cover_the_excess_with_the_least_loss() -> None:
+    a = Candidate(job("a/1", "a", JobClass.BATCH), PreemptionCause.HIGHER_CLASS, 5.0)
+    b = Candidate(job("a/2", "a", JobClass.BATCH), PreemptionCause.HIGHER_CLASS, 1.0)
+    c = Candidate(job("a/3", "a", JobClass.BATCH), PreemptionCause.HIGHER_CLASS, 2.0)
+    cands = [(a, 2.0, 0), (b, 0.5, 0), (c, 1.0, 0)]
+    assert quota_victims(cands, 1.0, 0) == [c]  # b alone is not enough; b+c, then b dropped
+    assert quota_victims(cands, 1.4, 0) == [b, c]
+    assert quota_victims(cands, 2.0, 0) == [a]
+    assert quota_victims(cands, 9.0, 0) is None

@@ -11,6 +11,9 @@ Who may be preempted, and by whom:
   ranks lower than its preemptor, or is a borrower that the admission cycle considers only
   after every job within its limits).
 
+A job held back only by its own project's guarantee may also preempt that project's own
+preemptible jobs of a strictly lower class (`quota_victims`), plus what it needs on a node.
+
 Choosing victims: on each node, candidates are taken in order (borrowed first, then least
 work lost since the last checkpoint, then the lowest class, then the key) until the waiting
 job fits on a what-if copy of the node with them (and jobs already terminating) gone; then
@@ -138,3 +141,30 @@ def plan_preemption(request: GpuRequest, duration_s: float, candidates: Iterable
         if best is None or plan.cost < best.cost:
             best = plan
     return best
+
+
+def quota_victims(candidates: Iterable[tuple[Candidate, float, int]], excess_gpus: float,
+                  excess_memory_mib: float) -> list[Candidate] | None:
+    """Own-project victims whose in-quota use covers what the waiting job lacks, or None.
+
+    `candidates` carry each job's GPU equivalents and memory. Taken in the same order as on a
+    node (least work lost first), then every victim the cover does not need is put back.
+    """
+    ordered = sorted(candidates, key=lambda c: c[0].preference)
+
+    def covers(chosen: list[tuple[Candidate, float, int]]) -> bool:
+        return (sum(g for _, g, _ in chosen) >= excess_gpus - 1e-9
+                and sum(m for _, _, m in chosen) >= excess_memory_mib)
+
+    chosen: list[tuple[Candidate, float, int]] = []
+    for cand in ordered:
+        if covers(chosen):
+            break
+        chosen.append(cand)
+    if not covers(chosen):
+        return None
+    for cand in reversed(chosen[:-1]):
+        trial = [c for c in chosen if c is not cand]
+        if covers(trial):
+            chosen = trial
+    return [c for c, _, _ in chosen]

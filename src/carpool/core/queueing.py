@@ -61,6 +61,7 @@ from carpool.core.preemption import (
     PreemptionCause,
     lost_gpu_hours,
     plan_preemption,
+    quota_victims,
     victim_cause,
 )
 from carpool.core.quota import (
@@ -72,6 +73,8 @@ from carpool.core.quota import (
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.scoring import Scorer, score_node
+
+MIN_LEAVING_S = 1.0
 
 
 def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
@@ -291,7 +294,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         remaining = expected_remaining(job, now, expected_duration(job, learned),
                                        config.min_remaining_s)
         if job.terminating:
-            remaining = min(remaining, job.checkpoint_grace_s)
+            remaining = min(remaining, _leaving_s(job))
         end = now + remaining
         holders.append(_Holder(job, fraction, memory, end))
         if job.grants and job.node in nodes:
@@ -339,6 +342,46 @@ def _worth_preempting(cycle: _Cycle, job: Job, duration: float) -> bool:
     return eta is None or eta.start - cycle.snapshot.now > config.preempt_after_wait_s
 
 
+def _leaving_s(job: Job) -> float:
+    """How long a job told to stop is assumed to keep its GPUs: its grace period, but never
+    zero: its GPUs are not free until the operator has seen its pod gone."""
+    return max(job.checkpoint_grace_s, MIN_LEAVING_S)
+
+
+def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemption:
+    """Record one victim as leaving after its grace period and describe the decision."""
+    victim = chosen.job
+    now = cycle.snapshot.now
+    cycle.leaving.add(victim.key)
+    cycle.timeline.end_at(victim.key, now + _leaving_s(victim))
+    what = ("reclaims capacity borrowed by" if chosen.cause is PreemptionCause.RECLAIM
+            else f"({job.job_class.label}) outranks")
+    return Preemption(
+        victim.key, job.key, victim.node or node, chosen.cause, victim.checkpoint_grace_s,
+        chosen.lost_gpu_hours,
+        f"{job.key} {what} {victim.key} ({victim.job_class.label}, project {victim.project}) "
+        f"on {victim.node or node}; {chosen.lost_gpu_hours:.2f} GPU-hours since its last "
+        f"checkpoint")
+
+
+def _own_leaving(cycle: _Cycle, project: str) -> list[_Holder]:
+    """The project's in-quota jobs that were told to stop and still hold their GPUs."""
+    return [h for h in cycle.holders if h.job.project == project and not h.job.borrowed
+            and h.job.key in cycle.leaving]
+
+
+def _excess(ledger: ProjectLedger, fraction: float, memory: int, leaving: list[_Holder]
+            ) -> tuple[float, float]:
+    """How far (GPU equivalents, MiB) the job would put its project over its guarantee once
+    `leaving` jobs are gone; (0, 0) if it fits."""
+    quota = ledger.quota
+    g_gpus = quota.guaranteed_gpus if quota.guaranteed_gpus is not None else math.inf
+    g_mem = quota.guaranteed_memory_mib if quota.guaranteed_memory_mib is not None else math.inf
+    gpus = ledger.in_quota_gpus - sum(h.fraction for h in leaving) + fraction - g_gpus
+    mem = ledger.in_quota_memory_mib - sum(h.memory_mib for h in leaving) + memory - g_mem
+    return (max(0.0, gpus) if gpus > 1e-9 else 0.0, max(0.0, mem))
+
+
 def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
     config = cycle.config
     now = cycle.snapshot.now
@@ -358,20 +401,9 @@ def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> li
                            frozenset(cycle.leaving))
     if plan is None or len(plan.victims) > budget:
         return []
-    out = []
-    for chosen in plan.victims:
-        v = chosen.job
-        cycle.leaving.add(v.key)
-        cycle.timeline.end_at(v.key, now + v.checkpoint_grace_s)
-        what = ("reclaims capacity borrowed by" if chosen.cause is PreemptionCause.RECLAIM
-                else f"({job.job_class.label}) outranks")
-        out.append(Preemption(
-            v.key, job.key, plan.node, chosen.cause, v.checkpoint_grace_s,
-            chosen.lost_gpu_hours,
-            f"{job.key} {what} {v.key} ({v.job_class.label}, project {v.project}) on "
-            f"{plan.node}; {chosen.lost_gpu_hours:.2f} GPU-hours since its last checkpoint"))
-    cycle.timeline.add(plan.node, Occupancy(job.key, plan.start, plan.start + duration,
-                                            plan.grants))
+    out = [_preemption(cycle, job, chosen, plan.node) for chosen in plan.victims]
+    start = now + max(_leaving_s(v.job) for v in plan.victims)
+    cycle.timeline.add(plan.node, Occupancy(job.key, start, start + duration, plan.grants))
     return out
 
 
@@ -524,18 +556,38 @@ class _Walk:
         elif verdict.standing is Standing.OVER_QUOTA:
             reason, message = WaitReason.QUOTA, verdict.message
             free_at = _quota_free_at(cycle, quota, fraction, memory)
+            own_leaving = _own_leaving(cycle, job.project)
+            over_guarantee = _excess(ledger, fraction, memory, []) != (0.0, 0.0)
             if free_at is None:
                 estimable = False
                 message += "; the job alone exceeds the guarantee"
+            elif not over_guarantee:
+                not_before = free_at  # over the borrowing cap: only time helps
+            elif own_leaving and _excess(ledger, fraction, memory, own_leaving) == (0.0, 0.0):
+                reason = WaitReason.PREEMPTING
+                message = (f"waiting for {len(own_leaving)} preempted job(s) of project "
+                           f"{job.project} to leave")
+                not_before = max(h.end for h in own_leaving)
             else:
                 not_before = free_at
+                preempted = self._preempt_for_quota(job, fraction, memory, duration)
+                if preempted:
+                    start = now + max(max(p.grace_s, MIN_LEAVING_S) for p in preempted)
+                    victims = ", ".join(p.victim_key for p in preempted)
+                    self._wait(job, WaitReason.PREEMPTING,
+                               f"preempting {victims} to make room in project {job.project}'s "
+                               f"guarantee; starts when they leave in about "
+                               f"{_fmt_time(start - now)}", position, start)
+                    self.reservations += 1
+                    self.latest_reserved = max(self.latest_reserved, start)
+                    return True
         else:
             reason, message = self._capacity_reason(job, duration)
             if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
                 preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
                 if preempted:
                     ledger.add(fraction, memory, verdict.borrowed, claims)
-                    start = now + max(p.grace_s for p in preempted)
+                    start = now + max(max(p.grace_s, MIN_LEAVING_S) for p in preempted)
                     victims = ", ".join(p.victim_key for p in preempted)
                     self._wait(job, WaitReason.PREEMPTING,
                                f"preempting {victims}; starts when they leave in about "
@@ -584,6 +636,49 @@ class _Walk:
         else:
             cycle.preempt_fail.add(attempt)
         return preempted
+
+    def _preempt_for_quota(self, job: Job, fraction: float, memory: int, duration: float
+                           ) -> list[Preemption]:
+        """Make room in the job's own guarantee by preempting its project's lower-class jobs,
+        and on a node if it also needs that."""
+        cycle = self.cycle
+        if not _worth_preempting(cycle, job, duration):
+            return []
+        now = cycle.snapshot.now
+        step = cycle.config.aging_step_s
+        ledger = cycle.ledgers[job.project]
+        excess_gpus, excess_memory = _excess(ledger, fraction, memory, [])
+        own = [(Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now)), h.fraction,
+                h.memory_mib)
+               for h in cycle.holders
+               if h.job.project == job.project and not h.job.borrowed
+               and h.job.key not in cycle.leaving
+               and (cause := victim_cause(job, True, h.job, now, step)) is not None]
+        cycle.preempt_attempts += 1
+        chosen = quota_victims(own, excess_gpus, excess_memory)
+        if chosen is None:
+            return []
+        gone = frozenset(cycle.leaving | {c.job.key for c in chosen})
+        slot = cycle.timeline.best_now(job.request, duration, without=gone)
+        extra: tuple[Candidate, ...] = ()
+        if slot is not None:
+            node, grants = slot.node, slot.grants
+        else:
+            others = [Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
+                      for h in cycle.holders if h.job.key not in gone
+                      and (cause := victim_cause(job, True, h.job, now, step)) is not None]
+            plan = plan_preemption(job.request, duration, others, cycle.timeline, gone)
+            if plan is None:
+                return []
+            node, grants, extra = plan.node, plan.grants, plan.victims
+        victims = [*chosen, *extra]
+        if len(victims) > cycle.config.max_preemptions_per_cycle - len(cycle.preemptions):
+            return []
+        out = [_preemption(cycle, job, v, node) for v in victims]
+        start = now + max(_leaving_s(v.job) for v in victims)
+        cycle.timeline.add(node, Occupancy(job.key, start, start + duration, grants))
+        cycle.preemptions.extend(out)
+        return out
 
     def _reserve(self, job: Job, duration: float, not_before: float
                  ) -> tuple[float | None, bool]:
