@@ -12,6 +12,7 @@ start of a higher-ranked job.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -242,7 +243,10 @@ class Timeline:
         in place; without, only what is held now counts (a raw capacity check). `without`
         jobs are treated as gone.
         """
-        end = self.now + duration_s if respect_reservations else self.now + 1e-9
+        # The raw check spans the instant `now` alone: the next float, since `now + 1e-9`
+        # rounds back to `now` for epoch times (~1.7e9) and would overlap nothing.
+        end = (self.now + duration_s if respect_reservations
+               else math.nextafter(self.now, math.inf))
         best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
         rid = self._request_id(request)
         for name in self._hosts[rid]:
