@@ -35,7 +35,7 @@ NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
 ]}
 
 QUOTAS = [
-    {"name": "vision", "namespaces": ["vision"], "concurrent": {"gpus": 6, "memory": "600Gi"},
+    {"name": "vision", "namespaces": ["vision"], "concurrent": {"gpus": 6, "memory": "1Ti"},
      "gpuHours": {"budget": 500, "period": "7d"}, "borrowing": {"enabled": True}, "weight": 2},
     {"name": "nlp", "namespaces": ["nlp"], "concurrent": {"gpus": 2},
      "gpuHours": {"budget": 200, "period": "7d", "onExhausted": "PreemptibleOnly"},
