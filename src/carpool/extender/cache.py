@@ -363,5 +363,7 @@ def in_flight_clash(in_flight: Iterable[Hold], gpu_counts: frozenset[int]) -> st
     """The handshake rule: no two in-flight pods on a node with the same per-container count."""
     for hold in in_flight:
         if hold.gpu_counts & gpu_counts:
-            return f"allocation in flight on this node ({hold.pod_key}); retry shortly"
+            state = "assumed" if hold.assumed else "bound"
+            return (f"allocation in flight on this node ({hold.pod_key}, {state}); "
+                    "retry shortly")
     return None

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -248,10 +249,11 @@ class Extender:
         scores = scale_scores(raw, args.node_names)
         best = [n for n in args.node_names if n in raw and scores[n] == MAX_SCORE]
         if best:
-            # One clear favourite (ties broken by raw score, then name), so the scheduler's
-            # pick is predictable and can be nominated: filter then steers the next
-            # same-count pods elsewhere until this pod's bind arrives.
-            top = max(best, key=lambda n: (raw[n], [-ord(c) for c in n]))
+            # One clear favourite, so the scheduler's pick is predictable and can be
+            # nominated: filter then steers the next same-count pods elsewhere until this
+            # pod's GPUs are reserved. Ties break on a hash of pod and node: deterministic,
+            # yet pods scheduled back to back do not all favour the same node.
+            top = max(best, key=lambda n: (raw[n], zlib.crc32(f"{demand.key}@{n}".encode())))
             for name in best:
                 if name != top:
                     scores[name] = MAX_SCORE - 1
@@ -316,7 +318,6 @@ class Extender:
 
     def reserve(self, plan: BindPlan) -> Assignment | str:
         """Choose the GPUs on the node and assume them; `InFlightClash` means: wait, retry."""
-        self.nominations.clear(plan.demand.key)
         if not plan.demand.containers:
             return Assignment(plan.args.node, ())
         demand, previous = plan.demand, plan.previous
@@ -339,7 +340,8 @@ class Extender:
         reserved = self.cache.reserve(demand.key, plan.uid, plan.args.node, demand.gpu_counts,
                                       now, choose)
         if isinstance(reserved, InFlightClash):
-            return reserved
+            return reserved  # still nominated: other pods keep away while this one waits
+        self.nominations.clear(demand.key)
         if isinstance(reserved, str):
             return f"cannot place {plan.args.key} on {plan.args.node}: {reserved}"
         return reserved
@@ -392,6 +394,8 @@ class Extender:
             if isinstance(plan, str):
                 return {"Error": plan}
             reserved = self.reserve(plan)
+            if isinstance(reserved, InFlightClash):
+                log.info("bind of %s to %s waits: %s", args.key, args.node, reserved)
             # The scheduler chose this node before an earlier pod's bind to it showed up as in
             # flight: rather than fail (and have the pod backed off), wait for the hand-over.
             deadline = time.monotonic() + self.settings.bind_wait_s
@@ -399,6 +403,7 @@ class Extender:
                 await asyncio.sleep(BIND_POLL_S)
                 reserved = self.reserve(plan)
             if isinstance(reserved, str):
+                self.nominations.clear(plan.demand.key)
                 return {"Error": reserved}
             result = await run_blocking(self.commit_bind, plan, reserved)
             if result == STALE:
