@@ -9,17 +9,23 @@ kubelet for the simulated nodes. kwokctl 0.7.0 picks component flags by the bina
 versions and works with Kubernetes 1.35, so no launcher of our own is needed.
 
 Deviations from kwokctl's defaults, and why:
-- admission is on (`--kube-admission`), as in a real cluster, except the ServiceAccount plugin:
+- every component listens on 127.0.0.1, on ports we choose (see `allocate_ports`): kwokctl's
+  own choice races when parallel test sessions create clusters at the same moment.
+- admission is on (kwokctl's default with the secure port), except the ServiceAccount plugin:
   simulated pods mount nothing, and with it a pod created right after its namespace races the
   controller that creates the namespace's `default` ServiceAccount.
 - the kwok controller manages only nodes annotated `kwok.x-k8s.io/node: fake`, so a real kubelet
-  can join the same cluster later without kwok taking its node over.
-- the Pod lifecycle comes from `hack/kwok/stages.yaml` (Running; Succeeded after the
-  `carpool.dev/simulated-duration` annotation's seconds; removal on deletion).
+  can join the same cluster later without kwok taking its node over; more kwok workers.
+- Node and Pod lifecycles come from `hack/kwok/stages.yaml`: nodes Ready with the capacity they
+  were created with, liveness by Lease (status refreshed every 5 min); pods Running, Succeeded
+  after the `carpool.dev/simulated-duration` annotation's seconds, removed when deleted.
 
-State lives in `$CARPOOL_CACHE/clusters/<name>` (`KWOK_WORKDIR=$CARPOOL_CACHE`); the kubeconfig is
-`<that dir>/kubeconfig.yaml`. `up` reuses a healthy cluster made from the same inputs, restarts a
-stopped one, and recreates one whose inputs changed or that will not come back.
+State lives in `$CARPOOL_CACHE/clusters/<name>` (`KWOK_WORKDIR=$CARPOOL_CACHE`, name from
+`$CARPOOL_CLUSTER`, default `carpool`); the kubeconfig is `<that dir>/kubeconfig.yaml`. `up`
+reuses a healthy cluster, applies a changed scheduler configuration or stage set by restarting
+that one component, restarts stopped components, and recreates a cluster made with other
+binaries or flags, or one that will not come back. Test sessions share one cluster
+(`shared_session`): the last one out deletes it if a test session created it.
 """
 
 from __future__ import annotations
@@ -336,6 +342,13 @@ def kwokctl_env(bin_dir: Path) -> dict[str, str]:
 # lies below Linux's ephemeral ports (32768+) and away from kwokctl's own (counting down from
 # 32767).
 PORT_RANGE: Final = range(20000, 30000)
+# kwok's workers wait on the API server most of the time; its default of 4 each falls behind
+# (nodes stay NotReady for minutes) once a benchmark adds a thousand nodes on two cores.
+KWOK_PARALLELISM: Final = {
+    "nodePlayStageParallelism": 16,
+    "podPlayStageParallelism": 16,
+    "nodeLeaseParallelism": 16,
+}
 PORT_OPTIONS: Final = (
     "etcdPort",
     "etcdPeerPort",
@@ -385,13 +398,19 @@ def allocate_ports(name: str) -> dict[str, int]:
 
 
 def _write_kwokctl_options(paths: ClusterPaths, ports: Mapping[str, int]) -> None:
-    options: dict[str, Any] = {"bindAddress": BIND_ADDRESS, **ports}
-    document = {
-        "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
-        "kind": "KwokctlConfiguration",
-        "options": options,
-    }
-    paths.kwokctl_options.write_text(yaml.safe_dump(document, sort_keys=False))
+    documents = [
+        {
+            "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+            "kind": "KwokctlConfiguration",
+            "options": {"bindAddress": BIND_ADDRESS, **ports},
+        },
+        {
+            "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
+            "kind": "KwokConfiguration",
+            "options": dict(KWOK_PARALLELISM),
+        },
+    ]
+    paths.kwokctl_options.write_text(yaml.safe_dump_all(documents, sort_keys=False))
 
 
 def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, str]:
@@ -402,7 +421,9 @@ def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, s
     return {
         "binDir": str(Path(create_args[0]).parent),
         # The stages travel by content (below), so the checkout they come from does not matter.
-        "cluster": digest(json.dumps([*portable_args, BIND_ADDRESS]).encode()).hexdigest(),
+        "cluster": digest(
+            json.dumps([*portable_args, BIND_ADDRESS, KWOK_PARALLELISM]).encode()
+        ).hexdigest(),
         "scheduler": digest(scheduler_yaml.encode()).hexdigest(),
         "stages": digest(stages_file().read_bytes()).hexdigest(),
     }
@@ -827,6 +848,7 @@ def shared_session(
     A cluster some test session created is deleted when the last session using it ends, unless
     `keep`; a cluster that was already running (e.g. from `make cluster`) is left alone.
     """
+    progress = progress or Progress()
     paths = ClusterPaths.for_name(name)
     ephemeral = paths.inputs_dir / "created-by-tests"
     me = paths.inputs_dir / "users" / str(os.getpid())
@@ -836,14 +858,17 @@ def shared_session(
             ephemeral.touch()
         me.parent.mkdir(parents=True, exist_ok=True)
         me.touch()
+    how = "reused" if cluster.reused else "started"
+    progress.note(f"cluster {paths.name!r} {how}; ready in {progress.total():.1f}s")
     try:
         yield cluster
     finally:
         with _locked(paths.lock):
             me.unlink(missing_ok=True)
             if ephemeral.exists() and not keep and not _live_users(paths):
-                delete(paths, cluster.bin_dir)
-                ephemeral.unlink(missing_ok=True)
+                with progress.stage(f"deleting cluster {paths.name!r} (a test session made it)"):
+                    delete(paths, cluster.bin_dir)
+                    ephemeral.unlink(missing_ok=True)
 
 
 def kwok_node(

@@ -121,3 +121,30 @@ def test_kwok_nodes_carry_what_the_kwok_controller_selects_on() -> None:
     assert node["metadata"]["annotations"][key] == value
     assert node["status"]["allocatable"] == node["status"]["capacity"]
     assert node["metadata"]["labels"]["a"] == "b"
+
+
+def test_new_stages_and_scheduler_config_replace_the_old_ones_in_place(cache: Path) -> None:
+    paths = devcluster.ClusterPaths.for_name("hot")
+    paths.workdir.mkdir(parents=True)
+    old_stage = {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": "x"}}
+    kwokctl = {"kind": "KwokctlConfiguration", "options": {"kubeApiserverPort": 20001}}
+    paths.kwok_config.write_text(yaml.safe_dump_all([kwokctl, old_stage]))
+    connection = {"kubeconfig": str(paths.kubeconfig)}
+    paths.scheduler_config.write_text(
+        yaml.safe_dump({**devcluster.scheduler_configuration(1111), "clientConnection": connection})
+    )
+
+    devcluster._install_stages(paths)
+    devcluster._install_scheduler_config(
+        paths, yaml.safe_dump(devcluster.scheduler_configuration(2222))
+    )
+
+    documents = list(yaml.safe_load_all(paths.kwok_config.read_text()))
+    assert documents[0] == kwokctl
+    wanted = [
+        d["metadata"]["name"] for d in yaml.safe_load_all(devcluster.stages_file().read_text())
+    ]
+    assert [d["metadata"]["name"] for d in documents[1:]] == wanted
+    scheduler = yaml.safe_load(paths.scheduler_config.read_text())
+    assert scheduler["clientConnection"] == connection
+    assert scheduler["extenders"][0]["urlPrefix"] == "http://127.0.0.1:2222/"
