@@ -39,6 +39,7 @@ from carpool.core.resources import Gpu, GpuRequest, Isolation, JobClass, NodeInv
 GIB = 1024
 HOUR = 3600.0
 EPS = 1e-6
+EPOCH = 1_780_000_000.0  # times as the operator passes them: float steps are ~2.4e-7 s
 
 
 @dataclass
@@ -49,12 +50,14 @@ class World:
     actual_s: dict[str, float]  # how long each job really runs, if not stopped
     steps: list[float]
     config: AdmissionConfig
+    base: float = 0.0  # the clock at the start: 0, or an epoch time as the operator passes
 
 
 @st.composite
 def worlds(draw: st.DrawFn, contended: bool = False) -> World:
     """Random clusters, quotas and jobs; `contended` ones are a single small node where
     low-class preemptible jobs come first and higher classes arrive later (preemption)."""
+    base = draw(st.sampled_from([0.0, EPOCH]))
     nodes = {}
     for i in range(1 if contended else draw(st.integers(1, 3))):
         memory = draw(st.sampled_from([40, 80])) * GIB
@@ -94,7 +97,7 @@ def worlds(draw: st.DrawFn, contended: bool = False) -> World:
             job_class = JobClass(max(0, 3 - int(submitted // 1500)))
         jobs.append(Job(
             key, project, job_class, request,
-            submitted_at=submitted,
+            submitted_at=base + submitted,
             estimated_duration_s=estimate,
             max_duration_s=estimate * draw(st.sampled_from([0, 1, 2])),
             preemptible=draw(st.booleans()) or (contended and draw(st.booleans())),
@@ -105,7 +108,7 @@ def worlds(draw: st.DrawFn, contended: bool = False) -> World:
     config = AdmissionConfig(node_ranker=packing_score,
                              aging_step_s=draw(st.sampled_from([0.0, 3600.0])),
                              reservation_depth=draw(st.sampled_from([1, 64])))
-    return World(nodes, quotas, jobs, actual, steps, config)
+    return World(nodes, quotas, jobs, actual, steps, config, base)
 
 
 class Simulator:
@@ -116,7 +119,7 @@ class Simulator:
         self.jobs = {j.key: j for j in world.jobs}
         self.leave_at: dict[str, float] = {}
         self.seen_gpu_hours: dict[str, float] = dict.fromkeys(self.jobs, 0.0)
-        self.now = 0.0
+        self.now = world.base
 
     def snapshot(self) -> ClusterSnapshot:
         visible = tuple(j for j in self.jobs.values() if j.submitted_at <= self.now)

@@ -295,7 +295,9 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
                                        config.min_remaining_s)
         if job.terminating:
             remaining = min(remaining, _leaving_s(job))
-        end = now + remaining
+        # a holder occupies at least the instant `now`, even at epoch times where a tiny
+        # remainder added to `now` rounds back to `now`
+        end = max(now + remaining, math.nextafter(now, math.inf))
         holders.append(_Holder(job, fraction, memory, end))
         if job.grants and job.node in nodes:
             timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
