@@ -22,7 +22,12 @@ from carpool.operator.decoding import job_from_object, quota_from_object
 from carpool.operator.following import PodView, format_time, view_pod
 from carpool.operator.kube import Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
-from carpool.operator.reconciling import observe
+from carpool.operator.reconciling import (
+    grants_from_assignment,
+    history_gpu_hours,
+    job_conditions,
+    observe,
+)
 from kubernetes.client.rest import ApiException
 
 from carpool.core import names
@@ -56,16 +61,6 @@ class ReconcilerConfig:
         ))
 
 
-def grants_from_assignment(assignment: Mapping[str, Any] | None) -> tuple[GpuGrant, ...]:
-    if not assignment:
-        return ()
-    return tuple(
-        GpuGrant(gpu_uuid=str(g.get("uuid", "")), memory_mib=int(g.get("memoryMiB", 0)),
-                 cores_pct=int(g.get("cores", 0)), exclusive=bool(g.get("exclusive", False)),
-                 mig_instance=str(g.get("migInstance", "")))
-        for g in assignment.get("gpus") or [])
-
-
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
     out = []
     for grant in grants:
@@ -91,6 +86,20 @@ class PassState:
     phases: dict[str, Phase] = field(default_factory=dict)
     patches: dict[str, Obj] = field(default_factory=dict)
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
+    node_software: dict[str, tuple[str, str]] = field(default_factory=dict)  # driver, CUDA
+    pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
+
+
+def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
+    """The fingerprint a job ran on: GPU model(s) of its GPUs, the node's driver and CUDA."""
+    inventory = state.inventories.get(node)
+    if inventory is None:
+        return None
+    models = sorted({g.model for u in gpu_uuids if (g := inventory.gpu(u)) is not None})
+    driver, cuda = state.node_software.get(node, ("", ""))
+    if not models:
+        return None
+    return {"gpuModel": ",".join(models), "driverVersion": driver, "cudaVersion": cuda}
 
 
 class Reconciler:
@@ -102,24 +111,37 @@ class Reconciler:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def _inventories(self, now: float) -> dict[str, NodeInventory]:
+    def _read_nodes(self, state: PassState) -> None:
+        """Inventories, driver/CUDA versions and per-pod peak memory from the GpuNodes."""
         labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
                   for n in self.kube.list_nodes()}
-        out: dict[str, NodeInventory] = {}
         for gn in self.kube.list_gpunodes():
             name = gn["metadata"]["name"]
             if name not in labels:
                 continue  # the Node is gone; its GpuNode is stale
+            status = gn.get("status") or {}
             try:
-                out[name] = inventory_from_gpunode(name, gn.get("status") or {}, labels[name])
+                state.inventories[name] = inventory_from_gpunode(name, status, labels[name])
             except ValueError as err:
                 log.warning("ignoring GpuNode %s: %s", name, err)
-        return out
+                continue
+            state.node_software[name] = (str(status.get("driverVersion") or ""),
+                                         str(status.get("cudaVersion") or ""))
+            for pod in status.get("pods") or []:
+                try:
+                    key = (str(pod["namespace"]), str(pod["name"]))
+                    peak = int(pod.get("peakMemoryMiB") or 0)
+                except (KeyError, TypeError, ValueError):
+                    continue
+                state.pod_peaks[key] = max(peak, state.pod_peaks.get(key, 0))
 
     def read(self, now: float) -> PassState:
-        state = PassState(inventories=self._inventories(now))
+        state = PassState()
+        self._read_nodes(state)
         totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
                   for g in inv.gpus}
+        mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
+                      for g in inv.gpus for m in g.mig_instances}
         pods: dict[str, list[PodView]] = {}
         for pod in self.kube.list_managed_pods():
             job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
@@ -128,9 +150,11 @@ class Reconciler:
         for obj in self.kube.list_gpujobs():
             key = _job_key(obj)
             state.objects[key] = obj
-            obs = observe(obj, pods.get(key, []), totals, now)
+            obs = observe(obj, pods.get(key, []), totals, now, mig_slices)
             status = obj.get("status") or {}
             patch = dict(obs.status)
+            if obs.live_pod is not None:
+                self._observe_hardware(state, obs.live_pod, status, patch)
             if not status.get("submitTime"):
                 patch["submitTime"] = obj["metadata"].get("creationTimestamp")
             if not status.get("phase"):
@@ -138,11 +162,13 @@ class Reconciler:
             for type_, reason, note in obs.events:
                 self.kube.event(obj, reason, note, type_)
             merged = {**status, **patch}
+            exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
+                == "exclusive"
             if obs.live_pod is not None and obs.live_pod.assignment:
-                grants = grants_from_assignment(obs.live_pod.assignment)
+                grants = grants_from_assignment(obs.live_pod.assignment, exclusive)
                 node = obs.live_pod.node or str(obs.live_pod.assignment.get("node", ""))
             elif obs.phase.holds_gpus or (obs.phase is Phase.PREEMPTED and obs.live_pod):
-                grants = grants_from_assignment({"gpus": merged.get("gpus") or []})
+                grants = grants_from_assignment({"gpus": merged.get("gpus") or []}, exclusive)
                 node = str(merged.get("node") or "")
             else:
                 grants, node = (), ""
@@ -162,6 +188,18 @@ class Reconciler:
             if patch:
                 state.patches[key] = patch
         return state
+
+    @staticmethod
+    def _observe_hardware(state: PassState, pod: PodView, status: Obj, patch: Obj) -> None:
+        """Hardware fingerprint once the pod is on a node; peak memory as it grows."""
+        uuids = [str(g.get("uuid", "")) for g in (pod.assignment or {}).get("gpus") or []]
+        if pod.node and uuids:
+            hardware = hardware_of(pod.node, uuids, state)
+            if hardware is not None and status.get("hardware") != hardware:
+                patch["hardware"] = hardware
+        peak = state.pod_peaks.get((pod.namespace, pod.name))
+        if peak is not None and peak > int(status.get("peakMemoryMiB") or 0):
+            patch["peakMemoryMiB"] = peak
 
     def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
         quotas: dict[str, ProjectQuota] = {}
@@ -226,7 +264,7 @@ class Reconciler:
         obj = state.objects[victim.key]
         patch = state.patches.setdefault(victim.key, {})
         patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
-                     reason=f"Preempted{preemption.cause.value.title().replace('_', '')}",
+                     reason=f"Preempted{preemption.cause.value}",
                      message=preemption.message)
         self.kube.event(obj, "Preempted", preemption.message, "Warning", "Preempt")
         self.kube.event(state.objects[preemption.preemptor_key], "Preempting",
@@ -246,7 +284,8 @@ class Reconciler:
                              or (obj.get("status") or {}).get("history") or [])]
         state.patches.setdefault(job.key, {}).update(
             phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
-            completionTime=format_time(now), history=history)
+            completionTime=format_time(now), history=history,
+            gpuHours=round(history_gpu_hours(history, now), 6))
         self.kube.event(obj, "MaxDurationExceeded", note, "Warning", "Stop")
         self._flush_one(state, job.key)
         self.kube.delete_pod(job.namespace, _pod_name_of(job),
@@ -299,8 +338,16 @@ class Reconciler:
     def _flush_one(self, state: PassState, key: str) -> None:
         patch = state.patches.pop(key, None)
         if patch:
+            obj = state.objects.get(key)
+            current = (obj or {}).get("status") or {}
+            conditions = job_conditions({**current, **patch}, time.time())
+            if conditions is not None:
+                patch["conditions"] = conditions
             namespace, name = key.split("/", 1)
             self.kube.patch_job_status(namespace, name, patch)
+            if obj is not None:  # a second flush in this pass sees what the first wrote
+                obj["status"] = {k: v for k, v in {**current, **patch}.items()
+                                 if v is not None}
 
     def _flush(self, state: PassState) -> None:
         for key in list(state.patches):

@@ -32,22 +32,31 @@ class Observation:
     live_pod: PodView | None = None
 
 
-def assignment_fraction(assignment: Mapping[str, Any] | None,
-                        memory_totals: Mapping[str, int]) -> float:
-    """GPUs held by an assignment, by the one GPU-hour definition (core.gpuhours)."""
+def grants_from_assignment(assignment: Mapping[str, Any] | None,
+                           exclusive: bool = False) -> tuple[GpuGrant, ...]:
+    """The grants of an extender assignment `{node, gpus: [{uuid, index, memoryMiB, cores,
+    migInstance?}]}`. The extender does not write an exclusive flag (it reads the pod's
+    isolation annotation, as we read the job's isolation): `exclusive` marks every grant as
+    holding its whole GPU, so placement sees the GPU taken and GPU-hours count 1 per GPU."""
     if not assignment:
-        return 0.0
+        return ()
+    return tuple(
+        GpuGrant(gpu_uuid=str(g.get("uuid", "")), memory_mib=int(g.get("memoryMiB", 0)),
+                 cores_pct=100 if exclusive else int(g.get("cores", 0)),
+                 exclusive=exclusive or bool(g.get("exclusive", False)),
+                 mig_instance=str(g.get("migInstance", "")))
+        for g in assignment.get("gpus") or [])
+
+
+def assignment_fraction(assignment: Mapping[str, Any] | None,
+                        memory_totals: Mapping[str, int], exclusive: bool = False,
+                        mig_slices: Mapping[str, int] | None = None) -> float:
+    """GPUs held by an assignment, by the one GPU-hour definition (core.gpuhours);
+    `mig_slices` maps MIG instance UUIDs to their compute slices (from the GpuNodes)."""
     total = 0.0
-    for gpu in assignment.get("gpus") or []:
-        grant = GpuGrant(
-            gpu_uuid=str(gpu.get("uuid", "")),
-            memory_mib=int(gpu.get("memoryMiB", 0)),
-            cores_pct=int(gpu.get("cores", 0)),
-            exclusive=bool(gpu.get("exclusive", False)),
-            mig_instance=str(gpu.get("migInstance", "")),
-        )
-        total += gpu_fraction(grant, memory_totals.get(grant.gpu_uuid, 0),
-                              int(gpu.get("migSlices", 0)))
+    for grant in grants_from_assignment(assignment, exclusive):
+        slices = (mig_slices or {}).get(grant.mig_instance, 0)
+        total += gpu_fraction(grant, memory_totals.get(grant.gpu_uuid, 0), slices)
     return total
 
 
@@ -82,9 +91,11 @@ def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
 
 
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
-            now: float) -> Observation:
+            now: float, mig_slices: Mapping[str, int] | None = None) -> Observation:
     """Derive `job`'s phase and status from its pods (see the module docstring)."""
     status: Obj = job.get("status") or {}
+    exclusive = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
+        == "exclusive"
     phase = Phase(status.get("phase", Phase.QUEUED.value))
     pods = sorted(pods, key=lambda p: p.attempt)
     attempts = max([int(status.get("attempts", 0))] + [p.attempt for p in pods])
@@ -106,22 +117,28 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         history = [dict(r, end=r.get("end") or format_time(now), outcome=r.get("outcome") or reason)
                    for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
-                 "preemptingAttempt": None, "node": None, "gpus": None,
+                 "gpuHours": round(history_gpu_hours(history, now), 6),
+                 "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
                  "reason": reason, "message": f"attempt {attempts} ended ({reason}); requeued"}
         events.append(("Normal" if reason == "Preempted" else "Warning", "Requeued",
                        f"attempt {attempts} ended ({reason}); back in the queue"))
         return Observation(Phase.QUEUED, attempts, patch, tuple(events))
 
-    fraction = assignment_fraction(current.assignment, memory_totals)
+    fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
     gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
             for g in (current.assignment or {}).get("gpus") or []]
     if current.terminal and preempting != attempts:
         outcome = current.phase
-        history = _record(history, current, fraction, now, outcome)
         new_phase = Phase.SUCCEEDED if outcome == "Succeeded" else Phase.FAILED
+        reason = outcome if outcome == "Succeeded" else (current.exit_reason or "Failed")
+        if reason == "DeadlineExceeded":  # the kubelet enforced activeDeadlineSeconds first
+            reason = "MaxDurationExceeded"
+        history = _record(history, current, fraction, now,
+                          outcome if outcome == "Succeeded" else reason)
         patch = {"phase": new_phase.value, "attempts": attempts, "history": history,
+                 "gpuHours": round(history_gpu_hours(history, now), 6),
                  "completionTime": format_time(current.finished or now),
-                 "reason": outcome if outcome == "Succeeded" else (current.exit_reason or "Failed"),
+                 "reason": reason,
                  "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
         if current.node:
             patch["node"] = current.node
@@ -161,3 +178,44 @@ class StatusDiff:
         for key, value in values.items():
             if self.current.get(key) != value:
                 self.changes[key] = value
+
+
+# (type, status, reason) of the standard conditions for each phase; reason None: the status's
+_CONDITION_TABLE: dict[Phase, tuple[tuple[str, str, str | None], ...]] = {
+    Phase.QUEUED: (("Admitted", "False", None), ("Running", "False", "NotAdmitted"),
+                   ("Finished", "False", "Queued")),
+    Phase.ADMITTED: (("Admitted", "True", "Admitted"), ("Running", "False", "PodStarting"),
+                     ("Finished", "False", "Admitted")),
+    Phase.RUNNING: (("Admitted", "True", "Admitted"), ("Running", "True", "Running"),
+                    ("Finished", "False", "Running")),
+    Phase.PREEMPTED: (("Admitted", "False", "Preempted"), ("Running", "False", "Preempted"),
+                      ("Finished", "False", "Preempted")),
+    Phase.SUCCEEDED: (("Admitted", "True", "Admitted"), ("Running", "False", "Finished"),
+                      ("Finished", "True", None)),
+    Phase.FAILED: (("Admitted", "True", "Admitted"), ("Running", "False", "Finished"),
+                   ("Finished", "True", None)),
+}
+
+
+def job_conditions(status: Mapping[str, Any], now: float) -> list[Obj] | None:
+    """The standard `conditions` (Admitted, Running, Finished) for a job's status after a
+    pass, or None when the current ones already say the same (no write). A condition keeps
+    its lastTransitionTime while its status stays; the reason and message follow the job's."""
+    phase = Phase(status.get("phase") or Phase.QUEUED.value)
+    reason = str(status.get("reason") or phase.value)
+    message = str(status.get("message") or "")
+    current = {c.get("type"): c for c in status.get("conditions") or []}
+    out: list[Obj] = []
+    for type_, state, fixed_reason in _CONDITION_TABLE[phase]:
+        cond_reason = fixed_reason or reason
+        if phase is Phase.FAILED and type_ == "Admitted" and not status.get("attempts"):
+            state, cond_reason = "False", reason  # refused before it ever ran
+        before = current.get(type_) or {}
+        since = (before.get("lastTransitionTime") if before.get("status") == state
+                 else None) or format_time(now)
+        out.append({"type": type_, "status": state, "reason": cond_reason,
+                    "message": message[:32768], "lastTransitionTime": since})
+    unchanged = all(
+        (current.get(c["type"]) or {}).get(k) == c[k]
+        for c in out for k in ("status", "reason", "message", "lastTransitionTime"))
+    return None if unchanged and len(current) == len(out) else out

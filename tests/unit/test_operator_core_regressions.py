@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.core.eta import Occupancy, Timeline, packing_score
+from carpool.core.eta import Occupancy, Timeline, expected_remaining, packing_score
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
@@ -66,3 +66,10 @@ def test_in_quota_job_preempts_borrowed_mps_jobs_when_every_gpu_is_held(now: flo
     assert result.preemptions and all(p.victim_key.startswith("nlp/")
                                       for p in result.preemptions)
     assert {p.cause.value for p in result.preemptions} == {"ReclaimBorrowed"}
+
+
+def test_a_job_about_to_end_is_expected_to_end_then_not_a_minute_later() -> None:
+    """ETAs behind a job with seconds left were up to `min_remaining_s` (60 s) too late."""
+    runner = _borrowed_runner("nlp/r", 0, EPOCH)  # started 300 s ago
+    assert expected_remaining(runner, EPOCH, 310.0, 60.0) == pytest.approx(10.0)
+    assert expected_remaining(runner, EPOCH, 200.0, 60.0) == 60.0  # overdue: a minute more

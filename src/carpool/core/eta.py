@@ -95,13 +95,19 @@ def expected_duration(job: Job, learned: Mapping[tuple[str, JobClass], DurationE
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
     """Expected seconds until a GPU-holding job lets go of its GPUs.
 
-    A job past its expectation is given `min_remaining_s` more; never more than what its limit
-    (maxDuration, enforced) leaves, but at least `min_remaining_s`.
+    What the expectation leaves; a job past its expectation is given `min_remaining_s` more.
+    Never more than what its limit (maxDuration, enforced) leaves; a job past its limit is
+    also given `min_remaining_s` (it is being stopped). A job still within its expectation is
+    not floored at `min_remaining_s`: that would push every estimate behind a job about to
+    end up to `min_remaining_s` too late.
     """
     started = job.started_at
     elapsed = max(0.0, now - started) if started is not None else 0.0
-    remaining = max(duration_s - elapsed, min_remaining_s)
-    return min(remaining, max(job.limit_s - elapsed, min_remaining_s))
+    expected = duration_s - elapsed
+    limit_left = job.limit_s - elapsed
+    if expected <= 0 or limit_left <= 0:
+        return min_remaining_s
+    return min(expected, limit_left)
 
 
 # ---------------------------------------------------------------- occupancy timeline

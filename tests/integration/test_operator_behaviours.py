@@ -1,0 +1,330 @@
+"""The operator's behaviours end to end: real API server, kube-scheduler, extender, KWOK nodes.
+
+Each test makes its own namespaces, projects and nodes (unique names). Its nodes carry a GPU
+model no other test uses and its jobs ask for that model and pin the pod to the nodes by
+nodeSelector, so the operator's placement view and the scheduler agree that these jobs can only
+go there, whatever else runs on the shared cluster. Durations are simulated
+(`spec.simulatedDuration`: KWOK completes the pod that long after it starts).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from carpool import devcluster, simnodes
+from carpool.core import names
+from carpool.core.gpuhours import gpu_hours
+
+pytestmark = pytest.mark.cluster
+Obj = dict[str, Any]
+GIB = 1024
+
+
+def _parse(text: str | None) -> float:
+    assert text, "expected a timestamp"
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _rfc3339(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0,
+             interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class Scenario:
+    """One test's world: namespaces, projects, nodes of a private GPU model, and jobs."""
+
+    def __init__(self, cluster: devcluster.Cluster, prefix: str):
+        self.cluster = cluster
+        self.api = cluster.api()
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.suffix = uuid.uuid4().hex[:6]
+        self.prefix = prefix
+        self.model = f"m{prefix}-{self.suffix}"
+        self.namespaces: list[str] = []
+        self.projects: list[str] = []
+        self.nodes: list[str] = []
+
+    def name(self, what: str) -> str:
+        return f"{self.prefix}-{what}-{self.suffix}"
+
+    def node(self, gpus: int, memory_gib: int = 80) -> str:
+        name = self.name(f"node{len(self.nodes)}")
+        spec = simnodes.parse_nodes({"nodes": [{
+            "name": name, "zone": "zone-a", "sharing": "mps",
+            "gpus": [{"model": self.model, "count": gpus,
+                      "memoryTotalMiB": memory_gib * GIB}]}]})
+        simnodes.apply_nodes(self.api, spec)
+        self.nodes.append(name)
+        return name
+
+    def namespace(self, what: str) -> str:
+        name = self.name(what)
+        self.core.create_namespace({"metadata": {"name": name}})
+        self.namespaces.append(name)
+        return name
+
+    def project(self, what: str, namespaces: list[str], **spec: Any) -> str:
+        name = self.name(what)
+        self.custom.create_cluster_custom_object(names.GROUP, names.VERSION,
+                                                 names.PROJECTQUOTA_PLURAL, {
+            "apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+            "metadata": {"name": name}, "spec": {"namespaces": namespaces, **spec}})
+        self.projects.append(name)
+        return name
+
+    def submit(self, namespace: str, name: str, project: str, *, cls: str = "batch",
+               node: str, memory_gib: int = 10, cores: int | None = None,
+               isolation: str = "exclusive", count: int = 1, **spec: Any) -> None:
+        gpu: Obj = {"count": count, "memory": f"{memory_gib}Gi", "isolation": isolation,
+                    "models": [self.model]}
+        if cores is not None:
+            gpu["cores"] = cores
+        body = {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"project": project, "class": cls, "gpu": gpu, **spec,
+                         "template": {"spec": {
+                             "nodeSelector": {"kubernetes.io/hostname": node},
+                             "containers": [{"name": "main", "image": "trainer"}]}}}}
+        self.custom.create_namespaced_custom_object(names.GROUP, names.VERSION, namespace,
+                                                    names.GPUJOB_PLURAL, body)
+
+    def job(self, namespace: str, name: str) -> Obj:
+        return dict(self.custom.get_namespaced_custom_object(
+            names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name))
+
+    def status(self, namespace: str, name: str) -> Obj:
+        return dict(self.job(namespace, name).get("status") or {})
+
+    def quota_status(self, project: str) -> Obj:
+        return dict(self.custom.get_cluster_custom_object(
+            names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, project).get("status") or {})
+
+    def wait_phase(self, namespace: str, name: str, phases: set[str],
+                   timeout: float = 60.0) -> Obj:
+        def probe() -> Obj | None:
+            status = self.status(namespace, name)
+            return status if status.get("phase") in phases else None
+        return dict(wait_for(f"{namespace}/{name} in {sorted(phases)}", probe, timeout))
+
+    def events(self, namespace: str, name: str) -> list[Obj]:
+        raw = self.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.name={name}", _preload_content=False)
+        return list(json.loads(raw.data)["items"])
+
+    def pod(self, namespace: str, name: str) -> Obj:
+        raw = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        return dict(json.loads(raw.data))
+
+    def cleanup(self) -> None:
+        for namespace in self.namespaces:
+            self.cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        for project in self.projects:
+            self.cluster.kubectl("delete", "projectquota", project, check=False)
+        simnodes.delete_nodes(self.api, self.nodes)
+
+
+@pytest.fixture
+def scenario(cluster: devcluster.Cluster, carpool_stack: dict[str, Any],
+             request: pytest.FixtureRequest) -> Iterator[Scenario]:
+    prefix = "op" + str(abs(hash(request.node.name)) % 1000)
+    world = Scenario(cluster, prefix)
+    try:
+        yield world
+    finally:
+        world.cleanup()
+
+
+def _history(status: Obj) -> list[Obj]:
+    return sorted(status.get("history") or [], key=lambda r: r["attempt"])
+
+
+def test_short_job_preempts_another_projects_borrowed_batch_job(scenario: Scenario) -> None:
+    node = scenario.node(gpus=1)
+    ns_a, ns_b = scenario.namespace("a"), scenario.namespace("b")
+    owner = scenario.project("own", [ns_a], concurrent={"gpus": 1})
+    borrower = scenario.project("bor", [ns_b], concurrent={"gpus": 0},
+                                borrowing={"enabled": True})
+    scenario.submit(ns_b, "batch", borrower, node=node, preemptible=True,
+                    estimatedDuration="1m", simulatedDuration="6s",
+                    checkpoint={"gracePeriod": "1s"})
+    running = scenario.wait_phase(ns_b, "batch", {"Running"})
+    assert running["borrowed"] is True
+    submitted = running["submitTime"]
+
+    scenario.submit(ns_a, "short", owner, cls="short", node=node,
+                    estimatedDuration="30s", simulatedDuration="4s")
+    requeued = scenario.wait_phase(ns_b, "batch", {"Queued", "Preempted"}, timeout=30)
+    assert requeued["reason"].startswith("Preempted") or requeued["reason"] == "Preempted"
+    short = scenario.wait_phase(ns_a, "short", {"Running", "Succeeded"}, timeout=30)
+    assert short["attempts"] == 1
+
+    done = scenario.wait_phase(ns_b, "batch", {"Succeeded", "Failed"}, timeout=45)
+    assert done["phase"] == "Succeeded", done
+    assert done["attempts"] == 2 and done["submitTime"] == submitted
+    first, second = _history(done)
+    assert first["outcome"] == "Preempted" and second["outcome"] == "Succeeded"
+    assert _parse(second["start"]) >= _parse(first["end"])
+    short_done = scenario.wait_phase(ns_a, "short", {"Succeeded"}, timeout=20)
+    assert _parse(second["start"]) >= _parse(short_done["startTime"])
+    reasons = {e["reason"] for e in scenario.events(ns_b, "batch")}
+    assert {"Preempted", "Requeued"} <= reasons, reasons
+
+
+def test_borrowed_job_is_reclaimed_when_the_owner_needs_its_guarantee(
+        scenario: Scenario) -> None:
+    node = scenario.node(gpus=2)
+    ns_own, ns_bor = scenario.namespace("own"), scenario.namespace("bor")
+    owner = scenario.project("own", [ns_own], concurrent={"gpus": 2})
+    borrower = scenario.project("bor", [ns_bor], concurrent={"gpus": 0},
+                                borrowing={"enabled": True})
+    for i in range(2):
+        scenario.submit(ns_bor, f"b{i}", borrower, node=node, preemptible=True,
+                        estimatedDuration="10m", checkpoint={"gracePeriod": "1s"})
+    for i in range(2):
+        scenario.wait_phase(ns_bor, f"b{i}", {"Running"})
+    status = wait_for("the borrower's quota status", lambda: (
+        s if (s := scenario.quota_status(borrower)).get("borrowed", {}).get("gpus") == 2
+        else None), timeout=20)
+    assert status["running"]["gpus"] == 2 and status["running"]["jobs"] == 2
+
+    # Same class as the borrowers: only the guarantee lets the owner in.
+    scenario.submit(ns_own, "owner", owner, node=node, estimatedDuration="10m",
+                    simulatedDuration="3s")
+    done = scenario.wait_phase(ns_own, "owner", {"Succeeded"}, timeout=45)
+    assert done["borrowed"] is False if "borrowed" in done else True
+    phases = {i: scenario.status(ns_bor, f"b{i}") for i in range(2)}
+    reclaimed = [s for s in phases.values() if s.get("attempts", 0) >= 2
+                 or s.get("reason") == "PreemptedReclaimBorrowed"
+                 or any(r.get("outcome") == "Preempted" for r in s.get("history") or [])]
+    assert len(reclaimed) == 1, phases  # one GPU was needed, so one borrower went
+    events = [e for i in range(2) for e in scenario.events(ns_bor, f"b{i}")
+              if e["reason"] == "Preempted"]
+    assert len(events) == 1 and "reclaims capacity borrowed by" in events[0]["message"]
+
+
+def test_budget_runs_out_mid_period_and_the_refill_releases_held_jobs(
+        scenario: Scenario) -> None:
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("bud")
+    refill = time.time() + 40  # the next period starts then
+    project = scenario.project("bud", [ns], concurrent={"gpus": 1}, gpuHours={
+        "budget": 0.003, "period": "1m", "periodAnchor": _rfc3339(refill - 60)})
+    # The first job's 10 s limit claims 0.0028 GPU-h of the 0.003; its 9 s run uses 0.0025,
+    # so what is left (under 2 GPU-seconds) holds any job with a limit until the refill.
+    scenario.submit(ns, "first", project, node=node, estimatedDuration="10s",
+                    maxDuration="10s", simulatedDuration="9s")
+    first = scenario.wait_phase(ns, "first", {"Succeeded"}, timeout=30)
+    assert time.time() < refill - 5, "the machine is too slow for this period's timing"
+    scenario.submit(ns, "second", project, node=node, estimatedDuration="10s",
+                    maxDuration="10s", simulatedDuration="3s")
+    held = wait_for("the second job held for budget", lambda: (
+        s if (s := scenario.status(ns, "second")).get("reason") == "Budget" else None),
+        timeout=15)
+    assert held["phase"] == "Queued" and "refills in" in held["message"]
+    quota = scenario.quota_status(project)
+    assert quota["usedGpuHours"] == pytest.approx(first["gpuHours"], abs=1e-3)
+    assert quota["remainingGpuHours"] == pytest.approx(0.003 - quota["usedGpuHours"], abs=1e-6)
+    assert quota["remainingGpuHours"] < 2 / 3600
+    assert quota["pending"] == 1
+    assert _parse(held["estimatedStart"]) == pytest.approx(refill, abs=10)
+    assert "Budget" in {e["reason"] for e in scenario.events(ns, "second")}
+
+    started = scenario.wait_phase(ns, "second", {"Running", "Succeeded"}, timeout=60)
+    admitted_at = _parse(started["admitTime"])
+    # a claim straddling the refill may start once its part before it fits: 2 s at most
+    assert admitted_at >= refill - 3, (started["admitTime"], _rfc3339(refill))
+    assert admitted_at - refill < 15
+
+
+def test_job_in_an_unbound_namespace_is_refused_with_reason_and_event(
+        scenario: Scenario) -> None:
+    node = scenario.node(gpus=1)
+    bound, stray = scenario.namespace("bound"), scenario.namespace("stray")
+    project = scenario.project("p", [bound], concurrent={"gpus": 1})
+    scenario.submit(stray, "lost", project, node=node, estimatedDuration="1m")
+    status = wait_for("the refusal", lambda: (
+        s if (s := scenario.status(stray, "lost")).get("reason") == "UnboundNamespace"
+        else None), timeout=20)
+    assert status["phase"] == "Queued" and "estimatedStart" not in status
+    assert f"namespace {stray!r} is not bound to project {project!r}" in status["message"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Admitted"]["status"] == "False"
+    assert conditions["Admitted"]["reason"] == "UnboundNamespace"
+    events = wait_for("the event", lambda: [
+        e for e in scenario.events(stray, "lost") if e["reason"] == "UnboundNamespace"],
+        timeout=10)
+    assert events[0]["type"] == "Warning"
+    assert scenario.core.list_namespaced_pod(stray).items == []
+
+
+def test_estimated_start_is_shown_then_met_and_gpu_hours_follow_the_definition(
+        scenario: Scenario) -> None:
+    node = scenario.node(gpus=1, memory_gib=80)
+    ns = scenario.namespace("eta")
+    project = scenario.project("eta", [ns], concurrent={"gpus": 2})
+    # 60 % of the cores each: the two cannot share the GPU; fraction = max(20/80, 0.6)
+    scenario.submit(ns, "first", project, node=node, isolation="mps", memory_gib=20,
+                    cores=60, estimatedDuration="15s", simulatedDuration="15s")
+    scenario.wait_phase(ns, "first", {"Running"})
+    scenario.submit(ns, "second", project, node=node, isolation="mps", memory_gib=20,
+                    cores=60, estimatedDuration="5s", simulatedDuration="5s")
+    queued = wait_for("an estimated start", lambda: (
+        s if (s := scenario.status(ns, "second")).get("estimatedStart") else None), timeout=15)
+    assert queued["phase"] == "Queued" and queued["queuePosition"] == 1
+    estimate = _parse(queued["estimatedStart"])
+
+    first = scenario.wait_phase(ns, "first", {"Succeeded"}, timeout=40)
+    second = scenario.wait_phase(ns, "second", {"Running", "Succeeded"}, timeout=40)
+    actual = _parse(second["startTime"])
+    assert abs(actual - estimate) <= 15, (queued["estimatedStart"], second["startTime"])
+    assert estimate == pytest.approx(_parse(first["startTime"]) + 15, abs=10)
+
+    # GPU-hours of the finished job: fraction x wall hours of its pod, nothing else
+    pod = scenario.pod(ns, first["podName"])
+    term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    wall = (_parse(term["startedAt"]), _parse(term["finishedAt"]))
+    assert first["gpuHours"] == pytest.approx(gpu_hours(0.6, *wall), rel=1e-3, abs=1e-6)
+    assert first["hardware"] == {"gpuModel": scenario.model, "driverVersion": "580.159.03",
+                                 "cudaVersion": "13.0"} or first["hardware"]["gpuModel"] \
+        == scenario.model
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in first["conditions"]}
+    assert conditions == {"Admitted": ("True", "Admitted"), "Running": ("False", "Finished"),
+                          "Finished": ("True", "Succeeded")}
+
+
+def test_max_duration_is_enforced(scenario: Scenario) -> None:
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("max")
+    project = scenario.project("max", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "endless", project, node=node, estimatedDuration="3s",
+                    maxDuration="5s", checkpoint={"gracePeriod": "1s"})  # never completes
+    running = scenario.wait_phase(ns, "endless", {"Running"})
+    failed = scenario.wait_phase(ns, "endless", {"Failed"}, timeout=30)
+    assert failed["reason"] == "MaxDurationExceeded", failed
+    ran = _parse(failed["completionTime"]) - _parse(running["startTime"])
+    assert 5 <= ran <= 15, ran
+    (record,) = _history(failed)
+    assert record["outcome"] == "MaxDurationExceeded"
+    assert "MaxDurationExceeded" in {e["reason"] for e in scenario.events(ns, "endless")}
+    wait_for("the pod gone", lambda: not scenario.core.list_namespaced_pod(ns).items,
+             timeout=20)
