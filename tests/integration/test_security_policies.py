@@ -1,0 +1,467 @@
+"""Security on the real API server: least privilege of Carpool's accounts, who may bill and set
+quotas, the device plugin confined to its own node's GpuNode, and the extender over TLS.
+
+The chart's RBAC objects (ServiceAccounts, roles, bindings) are rendered with `helm template`
+and applied alone, under a release name of this module's own, so nothing else from the chart
+runs. tests/integration/test_helm_install.py already asks `auth can-i` for what each account
+needs and a first set of denials; this module asks the dangerous rest (minting tokens,
+impersonation, RBAC escalation, exec, secrets, node writes, admission policy changes) and
+proves the rules that RBAC alone cannot express: `hack/policies/` (ValidatingAdmissionPolicy,
+user roles) with real node-bound tokens and impersonation, and the operator refusing a
+namespace that bills a project it is not bound to.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from carpool import crds, devcluster, simnodes
+from carpool.core import names
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "carpool"
+POLICIES = REPO / "hack" / "policies"
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+ACCOUNTS = ("operator", "extender", "device-plugin")
+NODE_CLAIM = "authentication.kubernetes.io/node-name"
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
+
+
+@dataclass(frozen=True)
+class Rbac:
+    release: str
+    namespace: str
+
+    def account(self, component: str) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.release}-{component}"
+
+
+def apply_manifests(cluster: devcluster.Cluster, objects: list[dict[str, Any]]) -> None:
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+
+
+def delete_manifests(cluster: devcluster.Cluster, objects: list[dict[str, Any]]) -> None:
+    cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                    stdin=yaml.safe_dump_all(objects), check=False)
+
+
+@pytest.fixture(scope="module")
+def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
+    """Only the chart's RBAC objects, applied under a fresh release name and namespace."""
+    suffix = uuid.uuid4().hex[:6]
+    # A release name with "carpool" in it is the chart's full name: accounts carpool-relsec-*
+    release, namespace = f"carpool-relsec-{suffix}", f"relsec-{suffix}"
+    rendered = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace",
+         namespace], capture_output=True, text=True, timeout=120, check=True).stdout
+    objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in RBAC_KINDS]
+    assert {o["kind"] for o in objects} == set(RBAC_KINDS)
+    crds.apply_crds(cluster.api())  # kubectl resolves carpool.dev resources by discovery
+    cluster.kubectl("create", "namespace", namespace)
+    apply_manifests(cluster, objects)
+    try:
+        yield Rbac(release, namespace)
+    finally:
+        delete_manifests(cluster, objects)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def policies(cluster: devcluster.Cluster) -> Iterator[None]:
+    """hack/policies applied (cluster-wide), removed afterwards."""
+    crds.apply_crds(cluster.api())
+    objects = [o for path in sorted(POLICIES.glob("*.yaml"))
+               for o in yaml.safe_load_all(path.read_text()) if o]
+    apply_manifests(cluster, objects)
+    try:
+        yield
+    finally:
+        delete_manifests(cluster, objects)
+
+
+def can_i(cluster: devcluster.Cluster, user: str, verb: str, resource: str,
+          namespace: str | None = None, subresource: str = "") -> bool:
+    args = ["auth", "can-i", verb, resource, f"--as={user}"]
+    args += [f"--subresource={subresource}"] if subresource else []
+    args += ["-n", namespace] if namespace else ["--all-namespaces"]
+    result = cluster.kubectl(*args, check=False)
+    answer = result.stdout.strip()
+    assert answer in ("yes", "no"), result.stderr
+    if resource.endswith(names.GROUP):  # a missing CRD would make every answer a vacuous "no"
+        assert "doesn't have a resource type" not in result.stderr, result.stderr
+    return answer == "yes"
+
+
+# --- least privilege: what no Carpool component may do -------------------------------------
+
+# (verb, resource, subresource) that would let a compromised component take the cluster, read
+# what is not its business, or rewrite the rules that confine it.
+DANGEROUS: list[tuple[str, str, str]] = [
+    ("create", "serviceaccounts", "token"),          # mint tokens (e.g. without a node claim)
+    ("impersonate", "users", ""),
+    ("impersonate", "serviceaccounts", ""),
+    ("impersonate", "userextras", NODE_CLAIM),        # forge a node claim
+    ("bind", "clusterroles", ""),
+    ("escalate", "clusterroles", ""),
+    ("create", "clusterrolebindings", ""),
+    ("create", "rolebindings", ""),
+    ("create", "pods", "exec"),
+    ("create", "pods", "attach"),
+    ("create", "pods", "portforward"),
+    ("get", "secrets", ""),
+    ("list", "secrets", ""),
+    ("watch", "secrets", ""),
+    ("patch", "nodes", ""),
+    ("delete", "nodes", ""),
+    ("update", "nodes", "status"),
+    ("delete", "namespaces", ""),
+    ("patch", "validatingadmissionpolicies.admissionregistration.k8s.io", ""),
+    ("delete", "validatingadmissionpolicybindings.admissionregistration.k8s.io", ""),
+    ("patch", "customresourcedefinitions.apiextensions.k8s.io", ""),
+    ("create", "projectquotas.carpool.dev", ""),
+    ("patch", "projectquotas.carpool.dev", ""),
+    ("delete", "projectquotas.carpool.dev", ""),
+    ("update", "gpujobs.carpool.dev", ""),
+    ("create", "gpujobs.carpool.dev", ""),
+    ("update", "pods", "status"),
+    ("create", "deployments.apps", ""),
+    ("patch", "daemonsets.apps", ""),
+]
+
+# What only some components may do: denied to the others listed.
+DENIED_TO: dict[str, list[tuple[str, str, str]]] = {
+    "operator": [("patch", "pods", ""), ("patch", "gpunodes.carpool.dev", "status"),
+                 ("create", "gpunodes.carpool.dev", ""), ("create", "pods", "binding"),
+                 ("update", "leases.coordination.k8s.io", "")],
+    "extender": [("create", "pods", ""), ("delete", "pods", ""), ("create", "pods", "eviction"),
+                 ("patch", "gpujobs.carpool.dev", "status"),
+                 ("patch", "gpunodes.carpool.dev", "status"),
+                 ("patch", "projectquotas.carpool.dev", "status")],
+    "device-plugin": [("create", "pods", ""), ("delete", "pods", ""),
+                      ("create", "pods", "binding"), ("create", "pods", "eviction"),
+                      ("delete", "gpunodes.carpool.dev", ""),
+                      ("update", "gpunodes.carpool.dev", ""),
+                      ("patch", "gpujobs.carpool.dev", "status"), ("list", "nodes", "")],
+}
+
+
+@pytest.mark.parametrize("component", ACCOUNTS)
+def test_no_component_can_escalate_or_read_secrets(cluster: devcluster.Cluster, rbac: Rbac,
+                                                    component: str) -> None:
+    user = rbac.account(component)
+    questions = DANGEROUS + DENIED_TO[component]
+    with ThreadPoolExecutor(max_workers=8) as pool:  # one kubectl per question
+        answers = list(pool.map(lambda q: can_i(cluster, user, q[0], q[1], None, q[2]),
+                                questions))
+    granted = [f"{verb} {resource}{'/' + sub if sub else ''}"
+               for (verb, resource, sub), yes in zip(questions, answers, strict=True) if yes]
+    assert granted == [], f"{component} may {granted}"
+
+
+def test_the_accounts_are_not_inert(cluster: devcluster.Cluster, rbac: Rbac) -> None:
+    """The denials above mean something only if these accounts hold their own grants."""
+    assert can_i(cluster, rbac.account("operator"), "create", "pods", "default")
+    assert can_i(cluster, rbac.account("extender"), "create", "pods", "default", "binding")
+    assert can_i(cluster, rbac.account("device-plugin"), "patch", "gpunodes.carpool.dev",
+                 None, "status")
+
+
+# --- people: namespace users vs the platform team -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def people(cluster: devcluster.Cluster, rbac: Rbac, policies: None) -> Iterator[dict[str, str]]:
+    """alice: `edit` in one namespace; pat: the carpool-platform-team ClusterRole."""
+    suffix = rbac.namespace.removeprefix("relsec-")
+    team_ns, other_ns = f"relsec-team-{suffix}", f"relsec-other-{suffix}"
+    alice, pat = f"alice-{suffix}", f"pat-{suffix}"
+    for namespace in (team_ns, other_ns):
+        cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit",
+                    f"--user={alice}", "-n", team_ns)
+    cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit",
+                    f"--user={alice}", "-n", other_ns)
+    cluster.kubectl("create", "clusterrolebinding", f"relsec-pat-{suffix}",
+                    "--clusterrole=carpool-platform-team", f"--user={pat}")
+    # The controller manager folds carpool-gpujob-edit into `edit` a moment after it exists.
+    wait_for("aggregation into edit", lambda: can_i(cluster, alice, "create",
+                                                    "gpujobs.carpool.dev", team_ns))
+    try:
+        yield {"alice": alice, "pat": pat, "team": team_ns, "other": other_ns}
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding", f"relsec-pat-{suffix}",
+                        "--ignore-not-found", check=False)
+        for namespace in (team_ns, other_ns):
+            cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_only_the_platform_team_edits_projectquotas(cluster: devcluster.Cluster,
+                                                     people: dict[str, str]) -> None:
+    alice, pat = people["alice"], people["pat"]
+    for verb in ("create", "update", "patch", "delete"):
+        assert not can_i(cluster, alice, verb, "projectquotas.carpool.dev")
+        assert can_i(cluster, pat, verb, "projectquotas.carpool.dev")
+    assert not can_i(cluster, alice, "patch", "gpujobs.carpool.dev", people["team"], "status")
+    quota: dict[str, Any] = {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+                             "metadata": {"name": f"relsec-{people['team']}"},
+                             "spec": {"namespaces": [people["team"]], "concurrent": {"gpus": 1}}}
+    refused = cluster.kubectl("apply", f"--as={alice}", "-f", "-",
+                              stdin=yaml.safe_dump(quota), check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower(), refused.stderr
+    cluster.kubectl("apply", f"--as={pat}", "-f", "-", stdin=yaml.safe_dump(quota))
+    try:
+        grab = cluster.kubectl("patch", "projectquota", quota["metadata"]["name"], f"--as={alice}",
+                               "--type=merge", "-p",
+                               json.dumps({"spec": {"namespaces": [people["other"]]}}),
+                               check=False)
+        assert grab.returncode != 0 and "forbidden" in grab.stderr.lower(), grab.stderr
+        stored = json.loads(cluster.kubectl("get", "projectquota", quota["metadata"]["name"],
+                                            "-o", "json").stdout)
+        assert stored["spec"]["namespaces"] == [people["team"]]
+    finally:
+        cluster.kubectl("delete", "projectquota", quota["metadata"]["name"], check=False)
+
+
+def gpujob(namespace: str, name: str, project: str) -> dict[str, Any]:
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"project": project, "class": "short",
+                     "gpu": {"count": 1, "memory": "8Gi", "isolation": "mps"},
+                     "template": {"spec": {"containers": [{"name": "main", "image": "x"}]}}}}
+
+
+def test_a_namespace_cannot_bill_a_project_it_is_not_bound_to(
+        cluster: devcluster.Cluster, people: dict[str, str], carpool_stack: Any) -> None:
+    """alice has `edit` in both namespaces, so the API server takes both jobs; the operator
+    refuses the one whose namespace the project does not list, and never makes its pod."""
+    alice, pat = people["alice"], people["pat"]
+    project = f"relsec-bill-{people['team']}"
+    quota = {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+             "metadata": {"name": project},
+                             "spec": {"namespaces": [people["team"]], "concurrent": {"gpus": 1}}}
+    cluster.kubectl("apply", f"--as={pat}", "-f", "-", stdin=yaml.safe_dump(quota))
+    jobs = [gpujob(people["team"], "bound", project), gpujob(people["other"], "unbound", project)]
+    cluster.kubectl("apply", f"--as={alice}", "-f", "-", stdin=yaml.safe_dump_all(jobs))
+
+    def status(namespace: str, name: str) -> dict[str, Any]:
+        job = json.loads(cluster.kubectl("get", "gpujob", name, "-n", namespace,
+                                         "-o", "json").stdout)
+        return dict(job.get("status") or {})
+
+    try:
+        unbound = wait_for("the operator to refuse the unbound namespace",
+                           lambda: (s := status(people["other"], "unbound")).get("reason")
+                           and s, timeout=90)
+        assert unbound["reason"] == "UnboundNamespace", unbound
+        assert people["other"] in unbound.get("message", ""), unbound
+        bound = wait_for("the bound job to be handled",
+                         lambda: (s := status(people["team"], "bound")).get("phase") and s)
+        assert bound.get("reason") != "UnboundNamespace", bound
+        time.sleep(3)  # several operator passes: still refused, still no pod
+        assert status(people["other"], "unbound")["reason"] == "UnboundNamespace"
+        pods = cluster.kubectl("get", "pods", "-n", people["other"], "-o", "name").stdout
+        assert pods.strip() == ""
+    finally:
+        cluster.kubectl("delete", "gpujob", "--all", "-n", people["other"], check=False)
+        cluster.kubectl("delete", "gpujob", "--all", "-n", people["team"], check=False)
+        cluster.kubectl("delete", "projectquota", project, check=False)
+
+
+# --- the device plugin writes only its own node's GpuNode ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_nodes(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[tuple[str, str]]:
+    suffix = rbac.namespace.removeprefix("relsec-")
+    nodes = simnodes.parse_nodes({"nodes": [
+        {"name": f"relsec-a-{suffix}", "gpus": [{"model": "H200", "count": 1}]},
+        {"name": f"relsec-b-{suffix}", "gpus": [{"model": "H200", "count": 1}]}]})
+    api = cluster.api()
+    simnodes.apply_nodes(api, nodes)
+    try:
+        yield nodes[0].name, nodes[1].name
+    finally:
+        simnodes.delete_nodes(api, [n.name for n in nodes])
+        cluster.kubectl("delete", "gpunode", f"relsec-c-{suffix}", "--ignore-not-found",
+                        check=False)
+
+
+def kubectl_with(cluster: devcluster.Cluster, kubeconfig: Path, *args: str,
+                 stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig", str(kubeconfig),
+                           *args], capture_output=True, text=True, input=stdin, timeout=60,
+                          check=False)
+
+
+def token_kubeconfig(cluster: devcluster.Cluster, token: str, path: Path) -> Path:
+    """The cluster's server with only a bearer token (no client certificate to fall back on)."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
+    server = next(c for c in admin["clusters"] if c["name"] == context["context"]["cluster"])
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "c", "cluster": server["cluster"]}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "t", "context": {"cluster": "c", "user": "u"}}]}))
+    return path
+
+
+Writer = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(params=["node-bound-token", "impersonation"])
+def plugin_on_node_a(request: pytest.FixtureRequest, cluster: devcluster.Cluster, rbac: Rbac,
+                     policies: None, two_nodes: tuple[str, str], tmp_path: Path) -> Writer:
+    """kubectl as the device plugin's account, bound to node A: a real token bound to the Node
+    object (the claim the API server itself puts in), or admin impersonation with the extra."""
+    node_a = two_nodes[0]
+    if request.param == "node-bound-token":
+        token = cluster.kubectl("create", "token", f"{rbac.release}-device-plugin", "-n",
+                                rbac.namespace, "--bound-object-kind=Node",
+                                f"--bound-object-name={node_a}", "--duration=10m").stdout.strip()
+        kubeconfig = token_kubeconfig(cluster, token, tmp_path / "plugin.kubeconfig")
+        who = json.loads(kubectl_with(cluster, kubeconfig, "auth", "whoami", "-o",
+                                      "json").stdout)
+        assert who["status"]["userInfo"]["extra"][NODE_CLAIM] == [node_a]
+
+        def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+            return kubectl_with(cluster, kubeconfig, *args, stdin=stdin)
+        return run
+
+    def impersonated(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl(*args, f"--as={rbac.account('device-plugin')}",
+                               f"--as-user-extra={NODE_CLAIM}={node_a}", stdin=stdin,
+                               check=False)
+    return impersonated
+
+
+def heartbeat_patch() -> str:
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return json.dumps({"status": {"heartbeat": now}})
+
+
+def test_device_plugin_writes_its_own_gpunode(plugin_on_node_a: Writer,
+                                              two_nodes: tuple[str, str]) -> None:
+    node_a, _ = two_nodes
+    result = plugin_on_node_a("patch", "gpunode", node_a, "--subresource=status",
+                              "--type=merge", "-p", heartbeat_patch())
+    assert result.returncode == 0, result.stderr
+
+
+def test_device_plugin_cannot_write_another_nodes_gpunode(
+        plugin_on_node_a: Writer, two_nodes: tuple[str, str], cluster: devcluster.Cluster) -> None:
+    node_a, node_b = two_nodes
+    before = cluster.kubectl("get", "gpunode", node_b, "-o",
+                             "jsonpath={.status.heartbeat}").stdout
+    result = plugin_on_node_a("patch", "gpunode", node_b, "--subresource=status",
+                              "--type=merge", "-p", heartbeat_patch())
+    assert result.returncode != 0
+    assert "carpool-gpunode-own-node" in result.stderr, result.stderr
+    assert f"may write only GpuNode {node_a}" in result.stderr, result.stderr
+    after = cluster.kubectl("get", "gpunode", node_b, "-o", "jsonpath={.status.heartbeat}").stdout
+    assert after == before
+    other = node_b.replace("relsec-b-", "relsec-c-")
+    created = plugin_on_node_a("create", "-f", "-", stdin=yaml.safe_dump({
+        "apiVersion": names.API_VERSION, "kind": "GpuNode", "metadata": {"name": other}}))
+    assert created.returncode != 0 and f"may write only GpuNode {node_a}" in created.stderr, (
+        created.stderr)
+
+
+def test_node_claims_cannot_be_forged_by_components(cluster: devcluster.Cluster,
+                                                   rbac: Rbac) -> None:
+    """The claim is trustworthy only if no component can mint tokens or impersonate extras."""
+    for component in ACCOUNTS:
+        user = rbac.account(component)
+        assert not can_i(cluster, user, "create", "serviceaccounts", rbac.namespace, "token")
+        assert not can_i(cluster, user, "impersonate", "userextras", None, NODE_CLAIM)
+
+
+# --- the extender over TLS -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "tls.crt", directory / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                    "-subj", "/CN=carpool-extender", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_extender_serves_https_and_refuses_plain_http(cluster: devcluster.Cluster,
+                                                      tmp_path: Path) -> None:
+    crds.apply_crds(cluster.api())
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    process = devcluster.start_extender(cluster.kubeconfig, port, tmp_path / "extender.log",
+                                        ["--host", "127.0.0.1", "--tls-cert", str(cert),
+                                         "--tls-key", str(key)], timeout=60)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    try:
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=3,
+                                            context=trusted) as response:
+                    return bool(response.status == 200)
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_for("the extender to be healthy over HTTPS", healthy)
+        body = json.dumps({"Pod": {"metadata": {"name": "p", "namespace": "default"},
+                                   "spec": {"containers": [{"name": "c"}]}},
+                           "NodeNames": []}).encode()
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/filter", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10, context=trusted) as response:
+            assert response.status == 200
+            assert "NodeNames" in json.loads(response.read())
+        with (pytest.raises((urllib.error.URLError, ConnectionError, OSError)) as plain,
+              urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r):
+            r.read()
+        assert not isinstance(plain.value, urllib.error.HTTPError)  # no HTTP answer at all
+        untrusted = ssl.create_default_context()
+        with pytest.raises(urllib.error.URLError) as unverified:
+            urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=5,
+                                   context=untrusted)
+        assert isinstance(unverified.value.reason, ssl.SSLCertVerificationError)
+        assert process.poll() is None
+    finally:
+        devcluster.stop_process(process)
