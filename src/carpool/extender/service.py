@@ -131,6 +131,13 @@ class Nominations:
         with self._lock:
             self._by_pod[pod_key] = (node, counts, now + self._ttl_s)
 
+    def describe(self, pod_key: str) -> str:
+        with self._lock:
+            entry = self._by_pod.get(pod_key)
+        if entry is None:
+            return "nowhere"
+        return f"{entry[0]}, {time.monotonic() - (entry[2] - self._ttl_s):.2f}s ago"
+
     def clear(self, pod_key: str) -> None:
         with self._lock:
             self._by_pod.pop(pod_key, None)
@@ -395,7 +402,8 @@ class Extender:
                 return {"Error": plan}
             reserved = self.reserve(plan)
             if isinstance(reserved, InFlightClash):
-                log.info("bind of %s to %s waits: %s", args.key, args.node, reserved)
+                log.info("bind of %s to %s waits (nominated %s): %s", args.key, args.node,
+                         self.nominations.describe(args.key), reserved)
             # The scheduler chose this node before an earlier pod's bind to it showed up as in
             # flight: rather than fail (and have the pod backed off), wait for the hand-over.
             deadline = time.monotonic() + self.settings.bind_wait_s
