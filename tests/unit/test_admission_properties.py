@@ -207,6 +207,13 @@ def check_cycle(snapshot: ClusterSnapshot, result: CycleResult) -> None:
     waiting = {k for k, j in jobs.items() if j.waiting}
     decided = admitted + [w.job_key for w in result.waits]
     assert sorted(decided) == sorted(waiting), "every waiting job gets exactly one decision"
+    queued = [w for w in result.waits if not w.reason.refused]
+    assert [w.position for w in queued] == list(range(1, len(queued) + 1))
+    for wait in result.waits:
+        if wait.reason.refused:
+            assert wait.estimated_start is None and wait.position == 0
+        elif wait.estimated_start is not None:
+            assert wait.estimated_start >= snapshot.now, f"{wait.job_key} estimated in the past"
     victims = [p.victim_key for p in result.preemptions]
     assert len(victims) == len(set(victims)) and not set(victims) & set(admitted)
     for pre in result.preemptions:
