@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kubernetes import client
@@ -29,6 +30,8 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.events = client.EventsV1Api(api)
         self.component = component
+        # one worker keeps a job's events in the order they were decided
+        self._event_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
 
     @staticmethod
     def _items(response: Any) -> list[Obj]:
@@ -67,7 +70,10 @@ class Kube:
         try:
             client.SchedulingV1Api(self.api).create_priority_class(body, _preload_content=False)
         except ApiException as err:
-            if err.status != 409:
+            if err.status == 403:  # installed by the Helm chart; the operator may not create it
+                log.info("may not create PriorityClass %s; expecting it to exist",
+                         names.PRIORITY_CLASS)
+            elif err.status != 409:
                 raise
 
     def create_pod(self, pod: Obj) -> bool:
@@ -109,7 +115,16 @@ class Kube:
 
     def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
               action: str = "Reconcile") -> None:
-        """Record a Kubernetes Event on `regarding`; failures are logged, never raised."""
+        """Record a Kubernetes Event on `regarding` in the background (events are best effort
+        and must not slow a pass down); failures are logged, never raised."""
+        self._event_pool.submit(self._post_event, regarding, reason, note, type_, action)
+
+    def drain_events(self) -> None:
+        """Wait until every Event submitted so far is posted (tests, clean shutdown)."""
+        self._event_pool.submit(lambda: None).result()
+
+    def _post_event(self, regarding: Obj, reason: str, note: str, type_: str,
+                    action: str) -> None:
         meta = regarding.get("metadata", {})
         now = dt.datetime.now(dt.UTC)
         namespace = meta.get("namespace") or "default"

@@ -70,7 +70,8 @@ def granted(rules: list[Obj]) -> set[tuple[str, str, str]]:
 
 def test_default_install_has_every_component(default: list[Obj]) -> None:
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in default
-                   if o["kind"] in ("Deployment", "DaemonSet", "Service", "ConfigMap"))
+                   if o["kind"] in ("Deployment", "DaemonSet", "Service", "ConfigMap",
+                                    "PriorityClass"))
     assert kinds == [
         ("ConfigMap", "carpool-dashboard"),
         ("ConfigMap", "carpool-scheduler-config"),
@@ -82,13 +83,14 @@ def test_default_install_has_every_component(default: list[Obj]) -> None:
         ("Deployment", "carpool-extender"),
         ("Deployment", "carpool-operator"),
         ("Deployment", "carpool-scheduler"),
+        ("PriorityClass", "carpool-job"),
         ("Service", "carpool-device-plugin-metrics"),
         ("Service", "carpool-extender"),
         ("Service", "carpool-operator-metrics"),
     ]
     assert not [o for o in default if o["kind"] == "ServiceMonitor"]  # opt-in
     assert all(o["metadata"].get("namespace") == NAMESPACE for o in default
-               if o["kind"] not in ("ClusterRole", "ClusterRoleBinding")
+               if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "PriorityClass")
                and not (o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == "kube-system"))
 
 
