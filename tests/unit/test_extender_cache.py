@@ -1,0 +1,193 @@
+"""The extender's cache: assume, confirm, forget; relists; what a watch event means."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from carpool.core import names
+from carpool.core.placement import NodeState
+from carpool.core.resources import GpuGrant
+from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash
+from carpool.extender.fake import gpunode_object, node_object, pod_object
+from carpool.extender.kube import Informer
+from carpool.extender.wire import AssignedGpu, Assignment, encode_assignment
+
+NOW = 1_800_000_000.0
+GIB = 1024
+
+
+def cache_with_node(name: str = "n", gpus: int = 1, memory_gib: int = 40) -> ClusterCache:
+    cache = ClusterCache()
+    cache.apply_node("ADDED", node_object(name))
+    cache.apply_gpunode("ADDED", gpunode_object(name, [
+        {"uuid": f"{name}-g{i}", "model": "A100", "memoryTotalMiB": memory_gib * GIB}
+        for i in range(gpus)]))
+    return cache
+
+
+def take(memory_gib: int, gpu: str = "n-g0") -> Any:
+    """A chooser that takes `memory_gib` on one GPU if it is free enough."""
+
+    def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | str:
+        free = {f.gpu.uuid: f for f in state.free()}[gpu]
+        if free.memory_mib < memory_gib * GIB:
+            return "full"
+        grant = GpuGrant(gpu, memory_gib * GIB, 0)
+        return (Assignment(state.name, (AssignedGpu(gpu, 0, memory_gib * GIB, 0),)), (grant,))
+
+    return choose
+
+
+def bound_pod(name: str, node: str, memory_gib: int, gpu: str = "n-g0", phase: str = "Pending",
+              **extra_annotations: str) -> dict[str, Any]:
+    pod = pod_object(name, memory_gib=memory_gib)
+    assignment = Assignment(node, (AssignedGpu(gpu, 0, memory_gib * GIB, 0, "", "c0"),))
+    pod["metadata"]["annotations"] = {names.ANN_ASSIGNMENT: encode_assignment(assignment),
+                                      names.ANN_ASSIGNED_AT: "2027-01-15T08:00:00Z",
+                                      **extra_annotations}
+    pod["spec"]["nodeName"] = node
+    pod["status"]["phase"] = phase
+    return pod
+
+
+def used_mib(cache: ClusterCache, node: str = "n") -> int:
+    state = cache.snapshot([node], "", NOW).states[node]
+    return sum(g.memory_mib for g in state.grants)
+
+
+def test_an_assumption_holds_capacity_until_the_watch_confirms_it() -> None:
+    cache = cache_with_node()
+    assert not isinstance(cache.reserve("default/a", "uid-a", "n", frozenset({1}), NOW,
+                                        take(30)), str)
+    assert used_mib(cache) == 30 * GIB
+    assert cache.reserve("default/b", "uid-b", "n", frozenset({2}), NOW, take(30)) == "full"
+    cache.apply_pod("MODIFIED", bound_pod("a", "n", 30), NOW)  # confirmed by the watch
+    assert cache.counts()["assumed"] == 0 and cache.counts()["holds"] == 1
+    assert used_mib(cache) == 30 * GIB
+
+
+def test_forget_gives_the_capacity_back() -> None:
+    cache = cache_with_node()
+    cache.reserve("default/a", "uid-a", "n", frozenset({1}), NOW, take(30))
+    cache.forget("default/a", "uid-other")  # another pod of that name: not ours to drop
+    assert used_mib(cache) == 30 * GIB
+    cache.forget("default/a", "uid-a")
+    assert used_mib(cache) == 0
+
+
+def test_a_relist_keeps_unconfirmed_assumptions_and_drops_vanished_pods() -> None:
+    cache = cache_with_node(gpus=2)
+    cache.apply_pod("ADDED", bound_pod("old", "n", 10, gpu="n-g1", phase="Running"), NOW)
+    assert used_mib(cache) == 10 * GIB
+    assert not isinstance(cache.reserve("default/new", "uid-new", "n", frozenset({1}), NOW,
+                                        take(20)), str)
+    cache.replace_pods([], NOW)  # "old" is gone; "new" is not visible yet
+    assert used_mib(cache) == 20 * GIB
+
+
+def test_deleted_and_finished_pods_hold_nothing() -> None:
+    cache = cache_with_node()
+    cache.apply_pod("ADDED", bound_pod("a", "n", 10, phase="Running"), NOW)
+    cache.apply_pod("ADDED", bound_pod("b", "n", 10, phase="Running"), NOW)
+    assert used_mib(cache) == 20 * GIB
+    cache.apply_pod("MODIFIED", bound_pod("a", "n", 10, phase="Succeeded"), NOW)
+    cache.apply_pod("DELETED", bound_pod("b", "n", 10, phase="Running"), NOW)
+    assert used_mib(cache) == 0
+
+
+def test_a_stale_annotation_on_a_pod_bound_elsewhere_is_ignored() -> None:
+    cache = cache_with_node()
+    pod = bound_pod("a", "n", 10)
+    pod["spec"]["nodeName"] = "m"
+    cache.apply_pod("ADDED", pod, NOW)
+    assert used_mib(cache) == 0
+
+
+def test_in_flight_ends_with_the_device_plugins_mark_or_running() -> None:
+    cache = cache_with_node(gpus=2)
+    cache.apply_pod("ADDED", bound_pod("a", "n", 10), NOW)
+    clash = cache.reserve("default/b", "uid-b", "n", frozenset({1}), NOW, take(10, "n-g1"))
+    assert isinstance(clash, InFlightClash) and "default/a" in clash
+    cache.apply_pod("MODIFIED", bound_pod("a", "n", 10, **{names.ANN_ALLOCATED: "x::0"}), NOW)
+    assert not isinstance(cache.reserve("default/b", "uid-b", "n", frozenset({1}), NOW,
+                                        take(10, "n-g1")), str)
+
+
+def test_a_pods_own_hold_does_not_block_it() -> None:
+    cache = cache_with_node()
+    cache.apply_pod("ADDED", bound_pod("a", "n", 30), NOW)
+    snapshot = cache.snapshot(["n"], "default/a", NOW)
+    assert snapshot.states["n"].grants == () and snapshot.in_flight == {}
+    assert "n" in cache.snapshot(["n"], "default/b", NOW).in_flight
+
+
+def test_unconfirmed_assumptions_expire_only_while_the_watch_is_healthy() -> None:
+    cache = cache_with_node()
+    cache.reserve("default/a", "uid-a", "n", frozenset({1}), NOW, take(30))
+    later = NOW + ASSUMED_TTL_S + 1
+    assert cache.expire_assumed(later) == []  # the watch is down: keep being careful
+    cache.pods_watch_healthy = True
+    assert cache.expire_assumed(later) == ["default/a"]
+    assert used_mib(cache) == 0
+
+
+def test_unknown_unready_and_unreadable_nodes_explain_themselves() -> None:
+    cache = ClusterCache()
+    cache.apply_node("ADDED", node_object("down", ready=False))
+    cache.apply_gpunode("ADDED", gpunode_object("down", [{"uuid": "g", "model": "A100"}]))
+    cache.apply_node("ADDED", node_object("bad"))
+    cache.apply_gpunode("ADDED", {"metadata": {"name": "bad"}, "status": {"gpus": "many"}})
+    snapshot = cache.snapshot(["down", "bad", "ghost"], "", NOW)
+    assert not snapshot.states["down"].inventory.ready
+    assert "GpuNode status unreadable" in snapshot.missing["bad"]
+    assert "unknown" in snapshot.missing["ghost"]
+    cache.apply_node("DELETED", node_object("down"))
+    assert "down" in cache.snapshot(["down"], "", NOW).missing
+
+
+class FakeResponse:
+    def __init__(self, lines: list[dict[str, Any]] | None = None, data: Any = None) -> None:
+        self.status = 200
+        self.data = json.dumps(data).encode() if data is not None else b""
+        self._lines = [json.dumps(line).encode() + b"\n" for line in lines or []]
+
+    def stream(self, amt: Any = None, decode_content: bool = False) -> Iterator[bytes]:
+        yield from self._lines
+
+    def close(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        pass
+
+
+def test_the_informer_relists_after_a_410_and_forgets_what_vanished_meanwhile() -> None:
+    cache = ClusterCache()
+    lists = [[node_object("a"), node_object("b")], [node_object("a"), node_object("c")]]
+    watches = [
+        [{"type": "ADDED", "object": node_object("d")},
+         {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                      "message": "too old resource version"}}],
+    ]
+    calls: list[str] = []
+
+    def list_nodes(*args: Any, watch: bool = False, **kwargs: Any) -> FakeResponse:
+        """:return: V1NodeList"""
+        if not watch:
+            calls.append("list")
+            items = lists.pop(0)
+            return FakeResponse(data={"metadata": {"resourceVersion": str(len(calls))},
+                                      "items": items})
+        calls.append(f"watch@{kwargs.get('resource_version')}")
+        if watches:
+            return FakeResponse(watches.pop(0))
+        informer.stop()  # nothing more to see: end the test
+        return FakeResponse([])
+
+    informer = Informer("nodes", list_nodes, (), cache.replace_nodes, cache.apply_node, cache)
+    informer.run()
+    assert calls == ["list", "watch@1", "list", "watch@3"]
+    assert cache.synced(["nodes"])
+    assert set(cache.snapshot(["a", "b", "c", "d"], "", NOW).states) == {"a", "c"}
