@@ -266,6 +266,8 @@ class _Cycle:
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
+    quota_preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
+    holders_by_project: dict[str, list[_Holder]] = field(default_factory=dict)
 
 
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
@@ -310,8 +312,12 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     capacity = float(sum(1 for n in nodes.values() if n.inventory.ready
                          for g in n.inventory.gpus if g.healthy))
     leaving = {h.job.key for h in holders if h.job.terminating}
+    by_project_holders: dict[str, list[_Holder]] = {}
+    for holder in holders:
+        by_project_holders.setdefault(holder.job.project, []).append(holder)
     return _Cycle(snapshot, config, learned, usage, reference_mib, timeline, ledgers, holders,
-                  models, capacity, leaving=leaving, running_spans=spans)
+                  models, capacity, leaving=leaving, running_spans=spans,
+                  holders_by_project=by_project_holders)
 
 
 def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: int
@@ -368,8 +374,8 @@ def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemp
 
 def _own_leaving(cycle: _Cycle, project: str) -> list[_Holder]:
     """The project's in-quota jobs that were told to stop and still hold their GPUs."""
-    return [h for h in cycle.holders if h.job.project == project and not h.job.borrowed
-            and h.job.key in cycle.leaving]
+    return [h for h in cycle.holders_by_project.get(project, ())
+            if not h.job.borrowed and h.job.key in cycle.leaving]
 
 
 def _excess(ledger: ProjectLedger, fraction: float, memory: int, leaving: list[_Holder]
@@ -477,7 +483,8 @@ class _Walk:
         self.admissions: list[Admission] = []
         self.waits: list[Wait] = []
         self.admitted_by_project: dict[str, list[tuple[float, bool, float]]] = {}
-        self.reservations = 0
+        self.reservations = 0  # of jobs waiting for GPUs
+        self.limit_reservations = 0  # of jobs waiting for their quota or budget
         self.latest_reserved = cycle.snapshot.now
         self.work_beyond_depth = 0.0
         self.ahead = 0  # jobs decided so far that wait for GPUs
@@ -600,7 +607,9 @@ class _Walk:
             if verdict.budget_exhausted:
                 message = f"{verdict.message}; {message}"
 
-        estimate, coarse = self._reserve(job, duration, not_before) if estimable else (None, False)
+        limits = reason in (WaitReason.QUOTA, WaitReason.BUDGET)
+        estimate, coarse = (self._reserve(job, duration, not_before, limits) if estimable
+                            else (None, False))
         if estimate is not None:
             message += f"; estimated start in {_fmt_time(estimate - now)}"
         self._wait(job, reason, message, position, estimate, coarse)
@@ -650,15 +659,19 @@ class _Walk:
         step = cycle.config.aging_step_s
         ledger = cycle.ledgers[job.project]
         excess_gpus, excess_memory = _excess(ledger, fraction, memory, [])
+        attempt = (job.request, effective_level(job, now, step), True, job.project)
+        if attempt in cycle.quota_preempt_fail:
+            return []
         own = [(Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now)), h.fraction,
                 h.memory_mib)
-               for h in cycle.holders
-               if h.job.project == job.project and not h.job.borrowed
-               and h.job.key not in cycle.leaving
+               for h in cycle.holders_by_project.get(job.project, ())
+               if not h.job.borrowed and h.job.key not in cycle.leaving
                and (cause := victim_cause(job, True, h.job, now, step)) is not None]
-        cycle.preempt_attempts += 1
-        chosen = quota_victims(own, excess_gpus, excess_memory)
+        chosen = quota_victims(own, excess_gpus, excess_memory) if own else None
+        if own:
+            cycle.preempt_attempts += 1
         if chosen is None:
+            cycle.quota_preempt_fail.add(attempt)
             return []
         gone = frozenset(cycle.leaving | {c.job.key for c in chosen})
         slot = cycle.timeline.best_now(job.request, duration, without=gone)
@@ -682,18 +695,25 @@ class _Walk:
         cycle.preemptions.extend(out)
         return out
 
-    def _reserve(self, job: Job, duration: float, not_before: float
+    def _reserve(self, job: Job, duration: float, not_before: float, limits: bool
                  ) -> tuple[float | None, bool]:
-        """Reserve the job's earliest slot (within the reservation depth) or estimate coarsely."""
+        """Reserve the job's earliest slot (within the reservation depth) or estimate coarsely.
+
+        Jobs held by their project's limits count against their own depth, so a long line of
+        them cannot leave the head of the capacity queue with only coarse estimates."""
         cycle = self.cycle
-        if self.reservations < cycle.config.reservation_depth:
+        used = self.limit_reservations if limits else self.reservations
+        if used < cycle.config.reservation_depth:
             found = cycle.timeline.earliest(job.request, duration, not_before)
             if found is None:
                 return None, False
             cycle.timeline.add(found.node, Occupancy(job.key, found.start,
                                                      found.start + duration, found.grants))
-            self.reservations += 1
-            self.latest_reserved = max(self.latest_reserved, found.start)
+            if limits:  # far-off refills must not push the coarse estimates of others
+                self.limit_reservations += 1
+            else:
+                self.reservations += 1
+                self.latest_reserved = max(self.latest_reserved, found.start)
             return found.start, False
         estimate = max(not_before, fluid_start(self.latest_reserved, self.work_beyond_depth,
                                                cycle.capacity_gpus))
