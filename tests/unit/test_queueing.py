@@ -218,3 +218,16 @@ def test_snapshot_rejects_duplicate_jobs_and_bad_keys() -> None:
         job("no-slash")
     with pytest.raises(ValueError, match="estimated duration"):
         job("a/j", estimate=0)
+
+
+def test_jobs_held_by_limits_do_not_use_up_the_exact_estimates() -> None:
+    qs = {"a": ProjectQuota("a", frozenset({"a"}), guaranteed_gpus=1),
+          "b": ProjectQuota("b", frozenset({"b"}))}
+    jobs = [run_on(job("a/r"), [0], started=0), job("a/q", submitted=0),
+            job("b/c", "b", count=2, submitted=5)]
+    shallow = AdmissionConfig(node_ranker=packing_score, reservation_depth=1)
+    result = cycle(jobs, now=60, quota_map=qs, config=shallow)
+    quota_wait, capacity_wait = result.wait_for("a/q"), result.wait_for("b/c")
+    assert quota_wait is not None and quota_wait.reason is WaitReason.QUOTA
+    assert capacity_wait is not None and capacity_wait.reason is WaitReason.CAPACITY
+    assert not quota_wait.coarse_estimate and not capacity_wait.coarse_estimate
