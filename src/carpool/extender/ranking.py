@@ -24,8 +24,9 @@ from carpool.extender.wire import PodDemand, Policy
 MAX_SCORE = 10  # the extender API's MaxExtenderPriority
 MAX_MEMO_ENTRIES = 200_000
 WORKLOAD_WINDOW = 5_000  # pods remembered for the target workload
-WORKLOAD_FIRST = 50  # pods seen before the first target workload is built
-WORKLOAD_REFRESH = 1_000  # further pods between checks whether it has drifted
+WORKLOAD_FIRST = 200  # pods seen before the first target workload is built
+WORKLOAD_REFRESH = 2_000  # further pods between checks whether it has drifted
+WORKLOAD_TOLERANCE = 0.1  # a shape's share must move this much to rebuild (costly: see Ranker)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class WorkloadTracker:
 
 
 def materially_different(old: TargetWorkload, new: TargetWorkload,
-                         tolerance: float = 0.05) -> bool:
+                         tolerance: float = WORKLOAD_TOLERANCE) -> bool:
     """True if the shapes differ or a probability moved by more than `tolerance`.
 
     Rebuilding the scorers throws away every memoised evaluation, so small drifts wait.
