@@ -469,26 +469,42 @@ class Scorer:
         return value
 
     def profile_score(self, before: NodeProfile, after: NodeProfile, demand: Demand,
-                      delta: float, slots: Sequence[GpuSlot] = ()) -> float:
-        """The policy's profile terms combined (fragmentation, packing, alignment), in [0, 1]."""
+                      delta: float, slots: Sequence[GpuSlot] = (),
+                      stranded_before: float | None = None) -> float:
+        """The policy's profile terms combined: `combine` over fragmentation, balance,
+        scarcity, packing and alignment, in [0, 1]. `stranded_before` may be passed in when
+        the caller already has it (it is the same for every GPU choice on a node)."""
         policy = self.policy
-        packing = 0.0
-        if policy.packing > 0:
-            packing = packing_term(after, policy.cpu_scale_milli, policy.gpu_scale_milli)
-            if policy.strategy is Strategy.SPREAD:
-                packing = 1.0 - packing
-        balance = 0.0
-        if policy.balance > 0:
+        num = 0.0
+        den = 0.0
+        weight = policy.fragmentation
+        if weight > 0:
+            num += weight * fragmentation_term(delta)
+            den += weight
+        weight = policy.balance
+        if weight > 0:
             rho = self._cpu_per_gpu
-            balance = balance_term(stranded_gpu(after, rho) - stranded_gpu(before, rho))
-        return combine((
-            (policy.fragmentation, fragmentation_term(delta) if policy.fragmentation > 0 else 0),
-            (policy.balance, balance),
-            (policy.scarcity, scarcity_term([s.model for s in slots], self._pressure)
-             if policy.scarcity > 0 else 0),
-            (policy.packing, packing),
-            (policy.alignment, alignment_term(before, demand) if policy.alignment > 0 else 0),
-        ))
+            if stranded_before is None:
+                stranded_before = stranded_gpu(before, rho)
+            num += weight * balance_term(stranded_gpu(after, rho) - stranded_before)
+            den += weight
+        weight = policy.scarcity
+        if weight > 0:
+            if self._pressure:
+                num += weight * scarcity_term([s.model for s in slots], self._pressure)
+            else:
+                num += weight  # no model is scarce: the term is 1 everywhere
+            den += weight
+        weight = policy.packing
+        if weight > 0:
+            packing = packing_term(after, policy.cpu_scale_milli, policy.gpu_scale_milli)
+            num += weight * (1.0 - packing if policy.strategy is Strategy.SPREAD else packing)
+            den += weight
+        weight = policy.alignment
+        if weight > 0:
+            num += weight * alignment_term(before, demand)
+            den += weight
+        return num / den if den > 0 else 0.0
 
     def plan(self, profile: NodeProfile, demand: Demand) -> Plan | None:
         """Best GPU slots for `demand` on a node with this profile, or None if it cannot fit.
@@ -522,13 +538,16 @@ class Scorer:
         best_after = profile
         best_delta = 0.0
         remaining = list(profile.gpus)
+        stranded_before = (stranded_gpu(profile, self._cpu_per_gpu)
+                           if self.policy.balance > 0 else 0.0)
         for _ in range(demand.gpu_count):
             candidates = sorted({s for s in remaining if slot_fits(s, demand)})
             best_slot: GpuSlot | None = None
             for slot in candidates:
                 after = take(profile, demand, (*chosen, slot))
                 delta = self.fragmentation(after) - before_f if use_fragmentation else 0.0
-                score = self.profile_score(profile, after, demand, delta, (*chosen, slot))
+                score = self.profile_score(profile, after, demand, delta, (*chosen, slot),
+                                           stranded_before)
                 rank = (score, -slot.idle_milli, -slot.memory_free_mib)
                 if best_slot is None or rank > best:
                     best, best_slot, best_after, best_delta = rank, slot, after, delta
