@@ -152,7 +152,8 @@ NOTES = [
     "are hard limits; `gpu_spec` restricts models; a sharing pod needs one GPU with idle ≥ "
     "`gpu_milli`, a whole-GPU pod `num_gpu` idle GPUs. Every policy runs through "
     "`carpool.core.scoring.Scorer.plan`, the code the extender's prioritize and bind use; "
-    "ties go to the lowest-numbered node (the extender breaks ties by node name).",
+    "ties go to the lowest-numbered node (in a cluster, kube-scheduler breaks ties between "
+    "equal extender scores).",
     "",
     "Policies: *random* (uniform over fitting nodes and GPUs); *best-fit* (node score 1 − "
     "[0.5 cpu_left/128 cores + 0.5 gpu_left/8 GPUs], tightest GPU); *dot-product* (Tetris, "
