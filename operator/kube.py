@@ -30,8 +30,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.events = client.EventsV1Api(api)
         self.component = component
-        # one worker keeps a job's events in the order they were decided
-        self._event_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
+        self._event_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="events")
 
     @staticmethod
     def _items(response: Any) -> list[Obj]:
@@ -121,7 +120,8 @@ class Kube:
 
     def drain_events(self) -> None:
         """Wait until every Event submitted so far is posted (tests, clean shutdown)."""
-        self._event_pool.submit(lambda: None).result()
+        self._event_pool.shutdown(wait=True)
+        self._event_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="events")
 
     def _post_event(self, regarding: Obj, reason: str, note: str, type_: str,
                     action: str) -> None:

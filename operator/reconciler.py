@@ -14,12 +14,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from carpool.operator import metrics
 from carpool.operator.decoding import job_from_object, quota_from_object
-from carpool.operator.following import PodView, format_time, view_pod
+from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.kube import Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import (
@@ -52,13 +53,22 @@ ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status ch
 @dataclass
 class ReconcilerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # API writes (pods, statuses) in flight at once: a loaded API server answers each in tens
+    # of ms, so throughput grows with concurrency (measured: 8 -> 21/s, 32 -> 50/s)
+    write_workers: int = 32
+    # A queued job whose reason stays the same gets its position, estimate and message
+    # rewritten at most this often (they move every pass; thousands of writes otherwise),
+    # unless its estimate moved by more than `estimate_jump_s`.
+    wait_refresh_s: float = 15.0
+    estimate_jump_s: float = 60.0
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
         return cls(AdmissionConfig(
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
-        ))
+        ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "32")),
+            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "15")))
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
@@ -108,6 +118,9 @@ class Reconciler:
         self.config = config
         self.last_result: CycleResult | None = None
         self._priority_class_ready = False
+        self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
+                                        thread_name_prefix="writes")
+        self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -222,30 +235,42 @@ class Reconciler:
         quotas, quota_objects = self.quotas()
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
         snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes)
+        read_s = time.monotonic() - started
         result = admission_cycle(snapshot, self.config.admission)
+        decide_s = time.monotonic() - started - read_s
         if not still_leader():
             log.info("lost leadership during the pass; not acting on it")
             return result
         if not self._priority_class_ready:
             self.kube.ensure_priority_class()
             self._priority_class_ready = True
+        writes = len(state.patches) + len(result.admissions)
         self._apply(state, result, now)
+        writes = max(writes, len(state.patches) + len(result.admissions))
         self._write_quota_status(result, quota_objects)
         self._flush(state)
         self._record_metrics(state, result)
         self.last_result = result
-        metrics.PASS_SECONDS.observe(time.monotonic() - started)
+        spent = time.monotonic() - started
+        metrics.PASS_SECONDS.observe(spent)
+        log.info("reconcile pass: %d jobs, %d admitted, %d preempted, %d waiting, %d writes; "
+                 "read %.2fs decide %.2fs act %.2fs", len(state.jobs), len(result.admissions),
+                 len(result.preemptions), len(result.waits), writes, read_s, decide_s,
+                 spent - read_s - decide_s)
         return result
 
     # -- acting ----------------------------------------------------------------------------
 
     def _apply(self, state: PassState, result: CycleResult, now: float) -> None:
         jobs = {j.key: j for j in state.jobs}
-        for admission in result.admissions:
+
+        def admit(admission: Admission) -> None:
             try:
                 self._admit(state, jobs[admission.job_key], admission, now)
             except Exception:  # one job's failure must not stop the others' decisions
                 log.exception("admitting %s failed; retrying next pass", admission.job_key)
+
+        list(self._pool.map(admit, result.admissions))  # distinct jobs: no shared writes
         for preemption in result.preemptions:
             try:
                 self._preempt(state, jobs, preemption)
@@ -256,6 +281,9 @@ class Reconciler:
                 self._expire(state, jobs[expiry.job_key], expiry, now)
             except Exception:
                 log.exception("stopping %s failed; retrying next pass", expiry.job_key)
+        waiting = {w.job_key for w in result.waits}
+        for key in [k for k in self._wait_written if k not in waiting]:
+            del self._wait_written[key]
         for wait in result.waits:
             self._record_wait(state, wait)
 
@@ -297,12 +325,21 @@ class Reconciler:
         estimate = (format_time(round(wait.estimated_start / ESTIMATE_ROUNDING_S)
                                 * ESTIMATE_ROUNDING_S)
                     if wait.estimated_start is not None else None)
-        patch = state.patches.setdefault(wait.job_key, {})
         fields = {"reason": wait.reason.value, "message": wait.message,
                   "queuePosition": wait.position or None, "estimatedStart": estimate}
-        for key, value in fields.items():
-            if status.get(key) != value:
-                patch[key] = value
+        changed = {k: v for k, v in fields.items() if status.get(k) != v}
+        if not changed:
+            return
+        clock = time.monotonic()
+        urgent = ("reason" in changed or state.patches.get(wait.job_key)
+                  or _moved(status.get("estimatedStart"), estimate,
+                            self.config.estimate_jump_s)
+                  or (status.get("estimatedStart") is None) != (estimate is None))
+        if not urgent and clock - self._wait_written.get(wait.job_key, -math.inf) \
+                < self.config.wait_refresh_s:
+            return  # only the position, message or a small estimate shift: later
+        self._wait_written[wait.job_key] = clock
+        state.patches.setdefault(wait.job_key, {}).update(changed)
         if status.get("reason") != wait.reason.value:
             self.kube.event(obj, wait.reason.value, wait.message,
                             "Warning" if wait.reason.refused else "Normal", "Queue")
@@ -350,8 +387,13 @@ class Reconciler:
                                  if v is not None}
 
     def _flush(self, state: PassState) -> None:
-        for key in list(state.patches):
-            self._flush_one(state, key)
+        def flush(key: str) -> None:
+            try:
+                self._flush_one(state, key)
+            except Exception:
+                log.exception("writing the status of %s failed; next pass retries", key)
+
+        list(self._pool.map(flush, list(state.patches)))
 
     def _write_quota_status(self, result: CycleResult, objects: Mapping[str, Obj]) -> None:
         for project in result.projects:
@@ -403,6 +445,14 @@ def _api_message(err: Exception) -> str:
 
 def _pod_name_of(job: Job) -> str:
     return pod_name(job.name, job.attempts)
+
+
+def _moved(before: str | None, after: str | None, jump_s: float) -> bool:
+    """True if an estimated start moved by more than `jump_s` seconds."""
+    if before is None or after is None:
+        return False
+    old, new = parse_time(before), parse_time(after)
+    return old is not None and new is not None and abs(new - old) > jump_s
 
 
 def _detached(job: Job) -> Job:

@@ -142,6 +142,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                  "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
         if current.node:
             patch["node"] = current.node
+        if not status.get("startTime") and current.started:  # it ran between two passes
+            patch["startTime"] = format_time(current.started)
         events.append(("Normal" if new_phase is Phase.SUCCEEDED else "Warning",
                        new_phase.value, f"attempt {attempts} {outcome.lower()} on {current.node}"))
         return Observation(new_phase, attempts, patch, tuple(events), current)

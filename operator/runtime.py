@@ -38,7 +38,7 @@ def load_api_client(kubeconfig: str | None) -> client.ApiClient:
             config.load_incluster_config(client_configuration=configuration)
         except config.ConfigException:
             config.load_kube_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = 32
+    configuration.connection_pool_maxsize = 64  # write workers + events + lease
     return client.ApiClient(configuration)
 
 

@@ -1,0 +1,337 @@
+"""Operator admission throughput and latency against the real API server.
+
+On its own local cluster (default name `carpool-bench-admission`: real etcd, API server,
+kube-scheduler with the Carpool extender, KWOK nodes) this starts the extender and the real
+operator process (`kopf run -m carpool.operator.handlers`), creates `--nodes` simulated GPU
+nodes and `--projects` ProjectQuotas, then creates `--jobs` GpuJobs as fast as it can (a few
+threads) and follows them with a watch until all have started. It reports:
+
+- admissions/s: jobs admitted / seconds from the first job created to the last admission of
+  the initial burst (jobs admitted while capacity was free), and over the whole run;
+- p50/p99 seconds from a job's creation (the create call's return) to the watch first showing
+  it Admitted (or later);
+- the operator's peak RSS (VmHWM in /proc/<pid>/status);
+- the median absolute error of the first estimated start a queued job showed vs. its actual
+  start (status.startTime, from the pod), over jobs that waited.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/admission.py [--jobs 5000] [--nodes 200]
+        [--write-doc docs/benchmarks.md]
+
+The cluster is kept for reuse unless `--delete-cluster`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, watch
+
+from carpool import crds, devcluster, simnodes, stack
+from carpool.core import names
+
+SECTION = "## Operator admission (bench/admission.py)"
+PASS_LINE = re.compile(r"read ([0-9.]+)s decide ([0-9.]+)s act ([0-9.]+)s")
+
+
+def _parse(text: str | None) -> float | None:
+    if not text:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+class Tracker:
+    """Follows every GpuJob through a watch; first-seen times per job."""
+
+    def __init__(self, api: Any):
+        self.custom = client.CustomObjectsApi(api)
+        self.created: dict[str, float] = {}
+        self.admitted: dict[str, float] = {}
+        self.first_estimate: dict[str, float] = {}
+        self.started: dict[str, float] = {}
+        self.waited: set[str] = set()
+        self.reasons: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        version = ""
+        while not self.stop.is_set():
+            stream = watch.Watch()
+            try:
+                for event in stream.stream(
+                        self.custom.list_cluster_custom_object, names.GROUP, names.VERSION,
+                        names.GPUJOB_PLURAL, resource_version=version, timeout_seconds=30):
+                    obj = event["object"]
+                    version = obj["metadata"].get("resourceVersion", version)
+                    self._see(obj)
+                    if self.stop.is_set():
+                        break
+            except Exception:  # expired resourceVersion etc.: relist
+                version = ""
+                time.sleep(0.5)
+
+    def _see(self, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        status = obj.get("status") or {}
+        phase = status.get("phase")
+        now = time.time()
+        with self.lock:
+            if phase == "Queued" and status.get("reason"):
+                if key not in self.waited:
+                    self.reasons[status["reason"]] = self.reasons.get(status["reason"], 0) + 1
+                self.waited.add(key)
+            if phase == "Queued" and key not in self.first_estimate:
+                estimate = _parse(status.get("estimatedStart"))
+                if estimate is not None:
+                    self.first_estimate[key] = estimate
+            if phase in ("Admitted", "Running", "Succeeded", "Failed") \
+                    and key not in self.admitted:
+                self.admitted[key] = now
+            start = _parse(status.get("startTime"))
+            if start is not None:
+                self.started[key] = start
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def _job(namespace: str, name: str, project: str, rng: random.Random, model: str) -> dict[str, Any]:
+    cls = rng.choices(["interactive", "short", "long", "batch"], [1, 3, 2, 4])[0]
+    seconds = rng.randint(40, 120)
+    return {
+        "apiVersion": names.API_VERSION, "kind": "GpuJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"project": project, "class": cls,
+                 "preemptible": cls == "batch",
+                 "gpu": {"count": 1, "memory": f"{rng.choice([16, 24, 32, 48])}Gi",
+                         "cores": rng.choice([25, 34, 50]), "isolation": "mps",
+                         "models": [model]},
+                 "estimatedDuration": f"{seconds}s", "simulatedDuration": f"{seconds}s",
+                 "template": {"spec": {"containers": [{"name": "main", "image": "work"}]}}},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ[devcluster.EXTENDER_PORT_ENV] = str(args.extender_port)
+    cluster = devcluster.up(args.cluster, port=args.extender_port,
+                            progress=devcluster.Progress(sys.stderr))
+    api = cluster.api()
+    crds.apply_crds(api)  # the GpuNodes below need them; running_stack applies them again
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    rng = random.Random(args.seed)
+    tag = f"{int(time.time()) % 100000}"
+    model = f"BENCH{tag}"
+    log_dir = Path(tempfile.mkdtemp(prefix="carpool-bench-admission-"))
+    print(f"logs in {log_dir}", file=sys.stderr)
+
+    nodes = simnodes.parse_nodes({"nodes": [{
+        "name": f"bench-{tag}-n{i}", "zone": "zone-a", "sharing": "mps",
+        "gpus": [{"model": model, "count": args.gpus_per_node,
+                  "memoryTotalMiB": 141 * 1024}]} for i in range(args.nodes)]})
+    started = time.monotonic()
+    simnodes.apply_nodes(api, nodes, workers=8)
+    print(f"{len(nodes)} nodes in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    gpus = args.nodes * args.gpus_per_node
+    projects = [f"bench-{tag}-p{i}" for i in range(args.projects)]
+    for project in projects:
+        core.create_namespace({"metadata": {"name": project}})
+        custom.create_cluster_custom_object(names.GROUP, names.VERSION,
+                                            names.PROJECTQUOTA_PLURAL, {
+            "apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+            "metadata": {"name": project},
+            "spec": {"namespaces": [project], "concurrent": {"gpus": gpus // args.projects},
+                     "borrowing": {"enabled": True}}})
+    jobs = [(p, f"j{i}") for i in range(args.jobs) for p in [projects[i % len(projects)]]]
+    manifests = [_job(p, name, p, rng, model) for p, name in jobs]
+
+    env = {"CARPOOL_RESYNC_SECONDS": "5"}
+    with stack.running_stack(cluster, log_dir, env) as processes:
+        operator_pid = processes["operator"].pid
+        tracker = Tracker(cluster.api())
+        tracker.start()
+        rss_samples: list[int] = []
+        sampling = threading.Event()
+
+        def sample_rss() -> None:
+            while not sampling.is_set():
+                try:
+                    rss_samples.append(_rss_kib(operator_pid, "VmRSS"))
+                except OSError:
+                    return
+                time.sleep(1.0)
+
+        threading.Thread(target=sample_rss, daemon=True).start()
+        time.sleep(3)  # let the operator win its lease and list
+
+        def create(manifest: dict[str, Any]) -> None:
+            meta = manifest["metadata"]
+            for _ in range(5):
+                try:
+                    custom.create_namespaced_custom_object(
+                        names.GROUP, names.VERSION, meta["namespace"], names.GPUJOB_PLURAL,
+                        manifest)
+                    break
+                except client.ApiException as err:
+                    if err.status == 409:
+                        break
+                    time.sleep(0.5)
+            with tracker.lock:
+                tracker.created[f"{meta['namespace']}/{meta['name']}"] = time.time()
+
+        t0 = time.time()
+        with ThreadPoolExecutor(max_workers=args.create_workers) as pool:
+            list(pool.map(create, manifests))
+        created_s = time.time() - t0
+        print(f"created {len(manifests)} GpuJobs in {created_s:.1f}s", file=sys.stderr)
+
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            with tracker.lock:
+                admitted, startedn = len(tracker.admitted), len(tracker.started)
+            print(f"  t+{time.time() - t0:5.0f}s admitted {admitted}/{len(manifests)} "
+                  f"started {startedn}  rss {rss_samples[-1] // 1024 if rss_samples else 0}"
+                  " MiB", file=sys.stderr)
+            if startedn >= len(manifests):
+                break
+            time.sleep(5)
+        peak_kib = _rss_kib(operator_pid, "VmHWM")
+        sampling.set()
+        tracker.stop.set()
+        with tracker.lock:
+            created = dict(tracker.created)
+            admitted_at = dict(tracker.admitted)
+            estimates = dict(tracker.first_estimate)
+            starts = dict(tracker.started)
+            waited = set(tracker.waited)
+            reasons = dict(tracker.reasons)
+        operator_log = log_dir / "operator.log"
+        log_lines = operator_log.read_text(errors="replace").splitlines()
+        failures = sum(1 for line in log_lines if "reconcile pass failed" in line)
+        pass_seconds = [sum(float(x) for x in m.groups()) for line in log_lines
+                        if (m := PASS_LINE.search(line))]
+
+    latencies = [admitted_at[k] - created[k] for k in admitted_at if k in created]
+    times = sorted(admitted_at.values())
+    # the initial burst: admissions of jobs that never had to wait
+    burst = sorted(admitted_at[k] for k in admitted_at if k not in waited)
+    burst_rate = len(burst) / max(1e-9, burst[-1] - t0) if burst else 0.0
+    total_rate = len(times) / max(1e-9, times[-1] - t0) if times else 0.0
+    errors = [abs(starts[k] - estimates[k]) for k in estimates if k in starts]
+    result = {
+        "jobs": len(manifests), "projects": args.projects, "nodes": args.nodes,
+        "gpus": gpus, "created_s": created_s, "admitted": len(admitted_at),
+        "burst_admitted": len(burst), "burst_rate": burst_rate, "total_rate": total_rate,
+        "p50": _percentile(latencies, 0.5), "p99": _percentile(latencies, 0.99),
+        "peak_rss_mib": peak_kib / 1024,
+        "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
+        "started": len(starts), "wait_reasons": reasons, "log": str(log_dir),
+        "pass_failures": failures, "passes": len(pass_seconds),
+        "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
+    }
+    if args.delete_cluster:
+        devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)
+    else:
+        for project in projects:
+            core.delete_namespace(project)
+            custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
+                                                names.PROJECTQUOTA_PLURAL, project)
+        simnodes.delete_nodes(api, [n.name for n in nodes])
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    eta = (f"{result['eta_mae']:.1f} s over {result['eta_jobs']} jobs that waited"
+           if result["eta_mae"] is not None else "n/a (no job waited)")
+    rows = [
+        ("GpuJobs / projects / simulated nodes (GPUs)",
+         f"{result['jobs']} / {result['projects']} / {result['nodes']} ({result['gpus']})"),
+        ("created by the bench in", f"{result['created_s']:.1f} s"),
+        ("admissions/s, initial burst (jobs that never waited)",
+         f"{result['burst_rate']:.1f} ({result['burst_admitted']} jobs)"),
+        ("admissions/s, whole run", f"{result['total_rate']:.1f} ({result['admitted']} jobs)"),
+        ("creation -> Admitted p50 / p99", f"{result['p50']:.1f} s / {result['p99']:.1f} s"),
+        ("operator peak RSS (VmHWM)", f"{result['peak_rss_mib']:.0f} MiB"),
+        ("estimated vs actual start, median abs. error", eta),
+        ("operator reconcile passes: count, p50 / max seconds",
+         f"{result['passes']}, {result['pass_p50_s']:.2f} / {result['pass_max_s']:.2f}"),
+        ("why jobs waited (first reason seen)",
+         ", ".join(f"{k} {v}" for k, v in sorted(result["wait_reasons"].items())) or "-"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def write_doc(path: Path, result: dict[str, Any], command: str, notes: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    day = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    section = (f"{SECTION}\n\nMeasured {day} with `{command}`.\n\n{table(result)}\n\n{notes}\n")
+    if SECTION in text:
+        start = text.index(SECTION)
+        following = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[following + 1:] if following >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--projects", type=int, default=20)
+    parser.add_argument("--nodes", type=int, default=200)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--cluster", default="carpool-bench-admission")
+    parser.add_argument("--extender-port", type=int, default=18160)
+    parser.add_argument("--create-workers", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--delete-cluster", action="store_true")
+    parser.add_argument("--write-doc", type=Path)
+    parser.add_argument("--notes", default="")
+    args = parser.parse_args()
+    # SIGTERM (timeout, a CI cancel) unwinds like Ctrl-C, so the operator and extender stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(args)
+    print(json.dumps(result, indent=1))
+    print(table(result))
+    if args.write_doc:
+        command = "PYTHONSAFEPATH=1 .venv/bin/python bench/admission.py " + " ".join(sys.argv[1:])
+        write_doc(args.write_doc, result, command, args.notes)
+
+
+if __name__ == "__main__":
+    main()
