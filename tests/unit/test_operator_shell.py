@@ -9,10 +9,17 @@ import pytest
 from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
-from carpool.operator.reconciling import history_gpu_hours, observe
+from carpool.operator.reconciler import PassState, Reconciler
+from carpool.operator.reconciling import (
+    assignment_fraction,
+    grants_from_assignment,
+    history_gpu_hours,
+    job_conditions,
+    observe,
+)
 
 from carpool.core import names
-from carpool.core.resources import Isolation, JobClass, Phase
+from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 
 UUID = "GPU-aaaa"
 
@@ -131,3 +138,64 @@ def test_a_pod_created_before_a_crash_is_adopted() -> None:
     job = _job({"phase": "Queued", "attempts": 0})
     obs = observe(job, [view_pod(_pod(1, "Pending"))], {}, now=0)
     assert obs.phase is Phase.ADMITTED and obs.attempts == 1
+
+
+def test_exclusive_assignments_hold_whole_gpus() -> None:
+    """The extender's assignment has no exclusive flag; the job's isolation supplies it."""
+    assignment = {"node": "n1", "gpus": [{"uuid": UUID, "index": 0, "memoryMiB": 10240,
+                                          "cores": 0}]}
+    (shared,) = grants_from_assignment(assignment)
+    (whole,) = grants_from_assignment(assignment, exclusive=True)
+    assert not shared.exclusive and whole.exclusive and whole.cores_pct == 100
+    assert assignment_fraction(assignment, {UUID: 81920}) == pytest.approx(0.125)
+    assert assignment_fraction(assignment, {UUID: 81920}, exclusive=True) == 1.0
+    mig = {"gpus": [{"uuid": UUID, "memoryMiB": 18000, "cores": 0, "migInstance": "MIG-1"}]}
+    assert assignment_fraction(mig, {UUID: 143771}, mig_slices={"MIG-1": 2}) \
+        == pytest.approx(2 / 7)
+
+
+def test_finished_job_gets_gpu_hours_and_a_start_even_if_never_seen_running() -> None:
+    job = _job({"phase": "Admitted", "attempts": 1})
+    done = observe(job, [view_pod(_pod(1, "Succeeded", started="2026-11-29T10:00:00Z",
+                                       finished="2026-11-29T11:00:00Z"))], {UUID: 143771}, now=0)
+    assert done.status["startTime"] == "2026-11-29T10:00:00Z"
+    assert done.status["gpuHours"] == pytest.approx(0.5)
+
+
+def test_kubelet_deadline_reads_as_max_duration_exceeded() -> None:
+    pod = _pod(1, "Failed", started="2026-11-29T10:00:00Z", finished="2026-11-29T11:00:00Z")
+    pod["status"]["containerStatuses"] = []
+    pod["status"]["reason"] = "DeadlineExceeded"
+    obs = observe(_job({"phase": "Running", "attempts": 1}), [view_pod(pod)], {}, now=0)
+    assert obs.phase is Phase.FAILED and obs.status["reason"] == "MaxDurationExceeded"
+
+
+def test_conditions_follow_the_phase_and_keep_transition_times() -> None:
+    queued = job_conditions({"phase": "Queued", "reason": "Budget", "message": "spent"}, 100)
+    assert queued is not None
+    by_type = {c["type"]: c for c in queued}
+    assert by_type["Admitted"]["status"] == "False" and by_type["Admitted"]["reason"] == "Budget"
+    assert job_conditions({"phase": "Queued", "reason": "Budget", "message": "spent",
+                           "conditions": queued}, 200) is None  # nothing to write
+    running = job_conditions({"phase": "Running", "reason": "Running", "message": "on n1",
+                              "attempts": 1, "conditions": queued}, 300)
+    assert running is not None
+    by_type = {c["type"]: c for c in running}
+    assert by_type["Running"]["status"] == "True"
+    assert by_type["Finished"]["lastTransitionTime"] == queued[2]["lastTransitionTime"]
+    assert by_type["Admitted"]["lastTransitionTime"] != queued[0]["lastTransitionTime"]
+
+
+def test_hardware_fingerprint_and_peak_memory_come_from_the_gpunode() -> None:
+    state = PassState()
+    state.inventories["n1"] = NodeInventory("n1", (Gpu(0, UUID, "H200", 143771),))
+    state.node_software["n1"] = ("580.1", "13.0")
+    state.pod_peaks[("team", "train-1")] = 9000
+    pod = view_pod(_pod(1, "Running", started="2026-11-29T10:00:00Z"))
+    patch: dict[str, Any] = {}
+    Reconciler._observe_hardware(state, pod, {"peakMemoryMiB": 4000}, patch)
+    assert patch == {"hardware": {"gpuModel": "H200", "driverVersion": "580.1",
+                                  "cudaVersion": "13.0"}, "peakMemoryMiB": 9000}
+    unchanged: dict[str, Any] = {}
+    Reconciler._observe_hardware(state, pod, {**patch, "peakMemoryMiB": 9500}, unchanged)
+    assert unchanged == {}
