@@ -23,7 +23,6 @@ from carpool.core.scoring import (
     alignment_term,
     balance_term,
     combine,
-    extender_priority,
     fits,
     fragmentation,
     fragmentation_term,
@@ -181,10 +180,6 @@ def test_combine_is_a_weighted_mean(pairs: list[tuple[float, float]]) -> None:
         assert min(terms) - 1e-9 <= value <= max(terms) + 1e-9
     else:
         assert value == 0.0
-
-
-def test_extender_priority_scale() -> None:
-    assert [extender_priority(x) for x in (0.0, 0.44, 0.96, 1.0)] == [0, 4, 10, 10]
 
 
 def test_policy_rejects_bad_weights() -> None:

@@ -176,11 +176,6 @@ def slot_fits(slot: GpuSlot, demand: Demand) -> bool:
             and demand.allows_model(slot.model))
 
 
-def host_fits(profile: NodeProfile, demand: Demand) -> bool:
-    return (profile.cpu_free_milli >= demand.cpu_milli
-            and profile.memory_free_mib >= demand.memory_mib)
-
-
 def fits(profile: NodeProfile, demand: Demand) -> bool:
     """CPU and memory are hard limits; `gpu_count` GPUs must each fit one GPU's share."""
     if (profile.cpu_free_milli < demand.cpu_milli
@@ -597,7 +592,7 @@ def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = Non
 
     score = combine(profile terms from `Scorer.plan`, temperature of the chosen GPUs,
     data locality) with the scorer's policy weights. Callers filter with `node_rejection`
-    first; this only ranks. Multiply by 10 for the extender's 0..10 priorities.
+    first; this only ranks.
     """
     scorer = scorer if scorer is not None else Scorer()
     policy = scorer.policy
@@ -617,8 +612,3 @@ def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = Non
     score = combine(((policy.profile_weight, plan.score), (policy.temperature, temperature),
                      (policy.locality, locality)))
     return NodeScore(score, indices, plan)
-
-
-def extender_priority(score: float) -> int:
-    """A [0, 1] score on the extender API's 0..10 integer scale."""
-    return max(0, min(10, round(10 * score)))
