@@ -112,8 +112,8 @@ def register(commands: Any) -> None:
     kinds = simulate.add_subparsers(dest="kind", required=True)
     placement = kinds.add_parser(
         "placement", help="replay a pod trace onto a node list (FGD paper's protocol)",
-        description="Median GPU allocation over seeds at 100 %% arrival and at the end "
-                    "(130 %% of capacity requested).")
+        description="Median GPU allocation over seeds at 100 % arrival and at the end "
+                    "(130 % of capacity requested).")
     placement.add_argument("--nodes", type=Path,
                            help=f"node CSV (default: $CARPOOL_TRACES/{NODE_LIST})")
     placement.add_argument("--pods", type=Path,
