@@ -122,11 +122,29 @@ def _report(cluster: devcluster.Cluster) -> str:
     return result.stdout + result.stderr
 
 
+def install_chart(cluster: devcluster.Cluster) -> None:
+    chart = devcluster.repo_root() / "helm" / "carpool"
+    disabled = ["operator", "extender", "scheduler", "devicePlugin", "mpsDaemon"]
+    command = [str(cluster.bin_dir / "helm"), "upgrade", "--install", "carpool", str(chart),
+               "--namespace", "carpool-system", "--create-namespace",
+               "--kubeconfig", str(cluster.kubeconfig)]
+    for component in disabled:
+        command += ["--set", f"{component}.enabled=false"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    print(f"    {result.stdout.strip().splitlines()[0] if result.stdout.strip() else ''}")
+    if result.returncode != 0:
+        raise SystemExit(f"helm install failed: {result.stderr.strip()}")
+
+
 def run(log_dir: Path) -> int:
     say = Narrator().say
     progress = devcluster.Progress(sys.stdout)
     cluster = devcluster.up(progress=progress)
-    say("Starting Carpool: CRDs, the scheduler extender and the operator")
+    say("Installing the Helm chart: CRDs, the carpool-job PriorityClass, RBAC, dashboard. "
+        "No container images can be built here, so the operator and extender run as local "
+        "processes instead of the chart's Deployments")
+    install_chart(cluster)
+    say("Starting Carpool: the scheduler extender and the operator")
     processes = stack.start_detached(cluster, log_dir)
     print(f"    extender pid {processes['extender']}, operator pid {processes['operator']}; "
           f"logs in {log_dir}")
