@@ -158,6 +158,7 @@ class _Cluster:
     def __init__(self, nodes: Sequence[TraceNode]) -> None:
         self.ids: dict[NodeProfile, int] = {}
         self.profiles: list[NodeProfile] = []
+        self.room: list[tuple[int, int, int]] = []  # per profile id: idle milli, CPU, memory
         self.members: list[list[int]] = []  # per profile id: a heap of node indices
         self.log: list[int] = []
         self.profile_id_of_node: list[int] = []
@@ -173,6 +174,8 @@ class _Cluster:
         if pid is None:
             pid = self.ids[profile] = len(self.profiles)
             self.profiles.append(profile)
+            self.room.append((profile.idle_milli, profile.cpu_free_milli,
+                              profile.memory_free_mib))
             self.members.append([])
         return pid
 
@@ -210,10 +213,17 @@ def _best_plan(cluster: _Cluster, scorer: Scorer, view: _DemandView) -> tuple[in
     heap = view.heap
     plans = view.plans
     log = cluster.log
+    room = cluster.room
+    demand = view.demand
+    need_gpu, need_cpu, need_memory = (demand.gpu_total_milli, demand.cpu_milli,
+                                       demand.memory_mib)
     for pid in log[view.seen:]:
         group = members[pid]
         if not group:
             continue
+        idle, cpu, memory = room[pid]
+        if idle < need_gpu or cpu < need_cpu or memory < need_memory:
+            continue  # cannot fit: a quick check before the scorer's exact one
         if pid in plans:
             plan = plans[pid]
         else:
