@@ -11,10 +11,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from carpool.operator.following import parse_time
+from carpool.operator.following import format_time, parse_time
 
 from carpool.core.durations import parse_duration
-from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RunRecord
+from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 
@@ -131,3 +131,25 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         on_budget_exhausted=BudgetPolicy.parse(str(hours.get("onExhausted", "Hold"))),
         weight=float(spec.get("weight", 1.0)),
     )
+
+
+def retired_from_status(status: Mapping[str, Any] | None) -> RetiredUsage | None:
+    """The retired usage a ProjectQuota's status keeps (deleted jobs' GPU-hours)."""
+    raw = (status or {}).get("retired")
+    if not isinstance(raw, Mapping):
+        return None
+    return RetiredUsage(
+        period_start=parse_time(raw.get("periodStart")) or 0.0,
+        gpu_hours=float(raw.get("gpuHours", 0.0)),
+        decayed_gpu_hours=float(raw.get("decayedGpuHours", 0.0)),
+        decayed_as_of=parse_time(raw.get("decayedAsOf")) or 0.0,
+        job_keys=frozenset(str(k) for k in raw.get("jobs") or ()),
+    )
+
+
+def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
+    return {"periodStart": format_time(retired.period_start),
+            "gpuHours": round(retired.gpu_hours, 6),
+            "decayedGpuHours": round(retired.decayed_gpu_hours, 6),
+            "decayedAsOf": format_time(retired.decayed_as_of),
+            "jobs": sorted(retired.job_keys)}

@@ -103,6 +103,21 @@ class Kube:
             if err.status != 404:  # deleted meanwhile: nothing to record
                 raise
 
+    def set_job_finalizers(self, namespace: str, name: str, finalizers: list[str],
+                           resource_version: str) -> bool:
+        """Replace the job's finalizers, only if it is unchanged since read (False if it
+        changed or is gone: the next pass reads it again)."""
+        body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
+        try:
+            self.custom.patch_namespaced_custom_object(
+                names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name, body,
+                _preload_content=False)
+        except ApiException as err:
+            if err.status in (404, 409):
+                return False
+            raise
+        return True
+
     def patch_quota_status(self, name: str, status: Obj) -> None:
         try:
             self.custom.patch_cluster_custom_object_status(

@@ -19,7 +19,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from carpool.operator import metrics
-from carpool.operator.decoding import job_from_object, quota_from_object
+from carpool.operator.decoding import (
+    job_from_object,
+    quota_from_object,
+    retired_from_status,
+    retired_to_status,
+)
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.kube import Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
@@ -32,8 +37,9 @@ from carpool.operator.reconciling import (
 from kubernetes.client.rest import ApiException
 
 from carpool.core import names
+from carpool.core.accounting import retire_job
 from carpool.core.gpunode import inventory_from_gpunode
-from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
     Admission,
@@ -98,6 +104,8 @@ class PassState:
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
     node_software: dict[str, tuple[str, str]] = field(default_factory=dict)  # driver, CUDA
     pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
+    deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
+    unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
 
 
 def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
@@ -196,6 +204,15 @@ class Reconciler:
                 continue
             if job.holds_gpus and node not in state.inventories:
                 job = _detached(job)  # its node is gone: it holds nothing we can see
+            guarded = names.FINALIZER in (obj["metadata"].get("finalizers") or ())
+            if obj["metadata"].get("deletionTimestamp"):
+                live = obs.live_pod if obs.live_pod and not obs.live_pod.terminal else None
+                if guarded:
+                    state.deleting[key] = (job, live)
+                if live is None:
+                    continue  # gone for the queue; its usage is retired (see _retire)
+            elif not guarded and (job.runs or obs.live_pod is not None):
+                state.unguarded.append(key)
             state.jobs.append(job)
             state.phases[key] = obs.phase
             if patch:
@@ -233,8 +250,13 @@ class Reconciler:
         started = time.monotonic()
         state = self.read(now)
         quotas, quota_objects = self.quotas()
+        retired = {name: r for name, obj in quota_objects.items()
+                   if (r := retired_from_status(obj.get("status"))) is not None}
+        if state.deleting and still_leader():
+            self._retire(state, quotas, quota_objects, retired, now)
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
-        snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes)
+        snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes,
+                                   retired=retired)
         read_s = time.monotonic() - started
         result = admission_cycle(snapshot, self.config.admission)
         decide_s = time.monotonic() - started - read_s
@@ -246,6 +268,8 @@ class Reconciler:
             self._priority_class_ready = True
         writes = len(state.patches) + len(result.admissions)
         self._apply(state, result, now)
+        guard = [*state.unguarded, *(a.job_key for a in result.admissions)]
+        list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
         writes = max(writes, len(state.patches) + len(result.admissions))
         self._write_quota_status(result, quota_objects)
         self._flush(state)
@@ -258,6 +282,60 @@ class Reconciler:
                  len(result.preemptions), len(result.waits), writes, read_s, decide_s,
                  spent - read_s - decide_s)
         return result
+
+    # -- accounting of deleted jobs ---------------------------------------------------------
+
+    def _guard(self, obj: Obj) -> None:
+        """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
+        deletion waits until its GPU-hours are folded into its project's retired usage."""
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        if names.FINALIZER in finalizers or meta.get("deletionTimestamp"):
+            return
+        try:
+            self.kube.set_job_finalizers(meta["namespace"], meta["name"],
+                                         [*finalizers, names.FINALIZER],
+                                         str(meta.get("resourceVersion", "")))
+        except Exception:
+            log.exception("adding the accounting finalizer to %s failed; next pass retries",
+                          _job_key(obj))
+
+    def _retire(self, state: PassState, quotas: Mapping[str, ProjectQuota],
+                quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage],
+                now: float) -> None:
+        """Deleted jobs: stop a live pod first (its run must end before it is counted), then
+        fold the job's runs into its project's retired usage, write that, and only then let
+        the job go (remove the finalizer). Deleting a job therefore never refunds budget."""
+        half_life = self.config.admission.fair_share_half_life_s
+        releasable: list[Obj] = []
+        changed: set[str] = set()
+        for key, (job, live) in sorted(state.deleting.items()):
+            obj = state.objects[key]
+            if live is not None:
+                if not live.deleting:
+                    self.kube.delete_pod(live.namespace, live.name,
+                                         max(0, math.ceil(job.checkpoint_grace_s)))
+                continue
+            quota = quotas.get(job.project)
+            if quota is not None and job.runs:
+                before = retired.get(job.project)
+                # keyed by uid: a new job of the same name must not be taken for this one
+                uid = str(obj["metadata"].get("uid", ""))
+                after = retire_job(before, replace(job, key=f"{job.key}@{uid}"), quota, now,
+                                   half_life)
+                if after is not before:
+                    retired[job.project] = after
+                    changed.add(job.project)
+            releasable.append(obj)
+        for project in sorted(changed):
+            if project in quota_objects:
+                self.kube.patch_quota_status(project,
+                                             {"retired": retired_to_status(retired[project])})
+        for obj in releasable:
+            meta = obj["metadata"]
+            keep = [f for f in meta.get("finalizers") or [] if f != names.FINALIZER]
+            self.kube.set_job_finalizers(meta["namespace"], meta["name"], keep,
+                                         str(meta.get("resourceVersion", "")))
 
     # -- acting ----------------------------------------------------------------------------
 

@@ -328,3 +328,34 @@ def test_max_duration_is_enforced(scenario: Scenario) -> None:
     assert "MaxDurationExceeded" in {e["reason"] for e in scenario.events(ns, "endless")}
     wait_for("the pod gone", lambda: not scenario.core.list_namespaced_pod(ns).items,
              timeout=20)
+
+
+def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario) -> None:
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("del")
+    project = scenario.project("del", [ns], concurrent={"gpus": 1},
+                               gpuHours={"budget": 10, "period": "1h"})
+    scenario.submit(ns, "spent", project, node=node, estimatedDuration="5s",
+                    simulatedDuration="3s")
+    done = scenario.wait_phase(ns, "spent", {"Succeeded"}, timeout=40)
+    assert names.FINALIZER in scenario.job(ns, "spent")["metadata"]["finalizers"]
+    used = wait_for("usage in the quota", lambda: (
+        s["usedGpuHours"] if (s := scenario.quota_status(project)).get("usedGpuHours") else None),
+        timeout=15)
+    assert used == pytest.approx(done["gpuHours"], abs=1e-4)
+
+    scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
+                                                    names.GPUJOB_PLURAL, "spent")
+
+    def gone() -> bool:
+        try:
+            scenario.job(ns, "spent")
+        except client.ApiException as err:
+            return bool(err.status == 404)
+        return False
+
+    wait_for("the job to be deleted", gone, timeout=20)
+    status = scenario.quota_status(project)
+    assert status["retired"]["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
+    time.sleep(3)  # a pass after the deletion
+    assert scenario.quota_status(project)["usedGpuHours"] == pytest.approx(used, abs=1e-4)
