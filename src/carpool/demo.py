@@ -113,6 +113,17 @@ def _phase_counts(jobs: Sequence[dict[str, Any]]) -> dict[str, int]:
     return counts
 
 
+def _preempted(jobs: Sequence[dict[str, Any]]) -> list[str]:
+    """Jobs that lost an attempt to preemption (now stopping, requeued or running again)."""
+    out = []
+    for job in jobs:
+        status = job.get("status") or {}
+        outcomes = {r.get("outcome") for r in status.get("history") or []}
+        if status.get("phase") == "Preempted" or "Preempted" in outcomes:
+            out.append(f"{job['metadata']['namespace']}/{job['metadata']['name']}")
+    return out
+
+
 def _report(cluster: devcluster.Cluster) -> str:
     """The kubectl plugin's report, run as a user would run it."""
     result = subprocess.run(
@@ -178,10 +189,7 @@ def run(log_dir: Path) -> int:
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(VISION_JOBS))
     time.sleep(8)
     _show(cluster)
-    preempted = [j["metadata"]["name"] for j in _jobs(cluster)
-                 if int((j.get("status") or {}).get("attempts", 0)) > 1
-                 or (j.get("status") or {}).get("phase") == "Preempted"]
-    print(f"    preempted so far: {', '.join(preempted) or 'none yet'}")
+    print(f"    preempted so far: {', '.join(_preempted(_jobs(cluster))) or 'none yet'}")
 
     say("Waiting jobs say why they wait and when they will start (status.reason, "
         "status.estimatedStart):")
@@ -195,6 +203,7 @@ def run(log_dir: Path) -> int:
     done = _wait(lambda: all((j.get("status") or {}).get("phase") in ("Succeeded", "Failed")
                              for j in _jobs(cluster)), 420, 5)
     _show(cluster)
+    print(f"    preempted and requeued along the way: {', '.join(_preempted(_jobs(cluster)))}")
     if not done:
         print("    (some jobs are still running; the report counts them up to now)")
 
