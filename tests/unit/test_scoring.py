@@ -77,6 +77,14 @@ def test_fragmentation_model_and_multi_gpu_shapes() -> None:
     assert fragmentation(node, workload) == pytest.approx(0.25 * 400 + 0.75 * 2400)
 
 
+def test_fragmentation_counts_host_memory_when_shapes_ask_for_it() -> None:
+    needs_memory = Demand(cpu_milli=1000, memory_mib=4096, gpu_count=1, gpu_milli=300)
+    workload = TargetWorkload(((needs_memory, 0.5), (SHARED_300, 0.5)))
+    assert fragmentation(profile(1000, 200, memory=2048), workload) == pytest.approx(
+        0.5 * 1200 + 0.5 * 200)
+    assert fragmentation(profile(1000, 200, memory=8192), workload) == pytest.approx(200)
+
+
 def test_fragmentation_zero_without_idle_or_workload() -> None:
     assert fragmentation(profile(0, 0), HALVES) == 0
     assert fragmentation(profile(1000, 300), TargetWorkload()) == 0

@@ -13,6 +13,7 @@ replay over 1,213 nodes, pure Python).
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -229,11 +230,16 @@ def fragmentation(profile: NodeProfile, workload: TargetWorkload) -> float:
     # Integer arithmetic throughout: equal fragmentation must compare equal, or float noise
     # (not the policy) decides between nodes that tie.
     usable_sum = 0  # sum over fitting shapes of w_m x (idle on GPUs that can take m)
-    for usable_idle, hosts in zip(usable, compiled.hosts, strict=True):
-        if usable_idle:
-            for cpu, memory_mib, w in hosts:
-                if cpu <= cpu_free and memory_mib <= memory_free:
-                    usable_sum += w * usable_idle
+    for usable_idle, hosts, (cpus, prefix) in zip(usable, compiled.hosts, compiled.by_cpu,
+                                                  strict=True):
+        if not usable_idle:
+            continue
+        if cpus:  # no host memory in this group's shapes: weights of shapes with cpu <= free
+            usable_sum += prefix[bisect.bisect_right(cpus, cpu_free)] * usable_idle
+            continue
+        for cpu, memory_mib, w in hosts:
+            if cpu <= cpu_free and memory_mib <= memory_free:
+                usable_sum += w * usable_idle
     weight_total = compiled.weight_total
     return (weight_total * idle_total - usable_sum) / weight_total
 
@@ -256,6 +262,10 @@ class _CompiledWorkload:
         self.workload = workload
         self.gpu_parts = tuple(groups)
         self.hosts = tuple(tuple(hosts) for hosts in groups.values())
+        # Per group, when none of its shapes asks for host memory: CPU demands sorted, and
+        # prefix sums of their weights (empty when memory matters and hosts must be scanned).
+        self.by_cpu: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = tuple(
+            _cpu_index(hosts) for hosts in self.hosts)
         self.weight_total = max(total, 1)
         self.usable: dict[tuple[GpuSlot, ...], tuple[int, ...]] = {}
 
@@ -275,6 +285,17 @@ class _CompiledWorkload:
             self.usable.clear()
         result = self.usable[slots] = tuple(out)
         return result
+
+
+def _cpu_index(hosts: tuple[tuple[int, int, int], ...]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if any(memory for _, memory, _ in hosts):
+        return (), ()
+    ordered = sorted((cpu, w) for cpu, _, w in hosts)
+    prefix = [0]
+    for _, w in ordered:
+        prefix.append(prefix[-1] + w)
+    return tuple(cpu for cpu, _ in ordered), tuple(prefix)
 
 
 _COMPILED: dict[int, _CompiledWorkload] = {}
