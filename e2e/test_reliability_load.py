@@ -1,0 +1,388 @@
+"""Load with churn and faults: many GpuJobs over many simulated GPU nodes, every component
+killed (-9) and restarted mid-run, a GPU turning Unhealthy, invariants sampled every second.
+
+Runs on a cluster of its own (`$CARPOOL_LOAD_CLUSTER`, default carpool-load; its scheduler calls
+the extender on `$CARPOOL_LOAD_EXTENDER_PORT`, default 18095), because it kills the API server
+and etcd. Scale by environment (defaults fit a shared 2-core machine in about ten minutes):
+
+    CARPOOL_LOAD_JOBS=1000 CARPOOL_LOAD_NODES=200 CARPOOL_LOAD_RATE=2.5 \
+        .venv/bin/pytest e2e/test_reliability_load.py -s
+
+Jobs arrive at RATE per second over four projects (one with a tight concurrent quota) and
+finish after 3-12 simulated seconds, so jobs finish while new ones arrive. Checked every second
+from a watch-fed copy of the pods (carpool.chaos): no GPU holds more memory or cores than it
+has, no exclusive grant shares a GPU, no project holds more GPUs than its concurrent quota, no
+pod is assigned to a GPU after it turned Unhealthy. At the end: every job Succeeded, none ran
+to success twice, and the operator and extender processes are alive. Results go to
+`$CARPOOL_LOAD_REPORT` (default build/reliability-load.json) for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from carpool import chaos, crds, devcluster, simnodes, stack
+from carpool.core import names
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = int(os.environ.get("CARPOOL_LOAD_JOBS", "1000"))
+NODES = int(os.environ.get("CARPOOL_LOAD_NODES", "200"))
+RATE = float(os.environ.get("CARPOOL_LOAD_RATE", "2.5"))
+TIMEOUT_S = float(os.environ.get("CARPOOL_LOAD_TIMEOUT", "1500"))
+FAULTS = os.environ.get("CARPOOL_LOAD_FAULTS", "1") == "1"
+REPORT = Path(os.environ.get("CARPOOL_LOAD_REPORT", str(REPO / "build" / "reliability-load.json")))
+GPUS_PER_NODE = 8
+# project (and its namespace) -> concurrent GPUs; "tight" is where the quota invariant bites.
+# Names carry a run id, so a kept cluster can run again without meeting the last run's jobs.
+RUN = datetime.now(UTC).strftime("%H%M%S")
+TIGHT, OTHERS = f"load-tight-{RUN}", (f"load-a-{RUN}", f"load-b-{RUN}", f"load-c-{RUN}")
+PROJECTS = {TIGHT: 6.0, **{p: 400.0 for p in OTHERS}}
+
+
+def log(message: str) -> None:
+    print(f"[load {datetime.now(UTC).strftime('%H:%M:%S')}] {message}", file=sys.stderr,
+          flush=True)
+
+
+@pytest.fixture(scope="module")
+def load_cluster() -> Iterator[devcluster.Cluster]:
+    name = os.environ.get("CARPOOL_LOAD_CLUSTER", "carpool-load")
+    port = os.environ.get("CARPOOL_LOAD_EXTENDER_PORT", "18095")
+    saved = os.environ.get(devcluster.EXTENDER_PORT_ENV)
+    os.environ[devcluster.EXTENDER_PORT_ENV] = port
+    try:
+        session = devcluster.shared_session(
+            name, keep=os.environ.get("CARPOOL_KEEP_CLUSTER") == "1",
+            progress=devcluster.Progress(sys.stderr))
+        cluster = session.__enter__()
+    finally:
+        if saved is None:
+            os.environ.pop(devcluster.EXTENDER_PORT_ENV, None)
+        else:
+            os.environ[devcluster.EXTENDER_PORT_ENV] = saved
+    try:
+        yield cluster
+    finally:
+        session.__exit__(None, None, None)
+
+
+@dataclass
+class Carpool:
+    """The operator and extender this run owns, so it can kill and restart them."""
+
+    cluster: devcluster.Cluster
+    log_dir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def start(self, component: str) -> None:
+        if component == "extender":
+            self.processes[component] = devcluster.start_extender(
+                self.cluster.kubeconfig, self.cluster.extender_port,
+                self.log_dir / "extender.log", timeout=60)
+        else:
+            self.processes[component] = stack.start_operator(
+                self.cluster.kubeconfig, self.log_dir / "operator.log",
+                {"CARPOOL_RESYNC_SECONDS": "2"})
+
+    def kill(self, component: str) -> None:
+        chaos.kill_process(self.processes[component])
+
+    def alive(self) -> dict[str, bool]:
+        return {name: p.poll() is None for name, p in self.processes.items()}
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            devcluster.stop_process(process)
+
+
+def job_manifest(rng: random.Random, index: int, project: str) -> dict[str, Any]:
+    shape = rng.random()
+    if shape < 0.1:
+        gpu: dict[str, Any] = {"count": 1, "memory": "100Gi", "isolation": "exclusive"}
+    elif shape < 0.2:
+        gpu = {"count": 2, "memory": f"{rng.choice((16, 24, 40))}Gi", "isolation": "mps",
+               "cores": rng.choice((25, 50))}
+    else:
+        gpu = {"count": 1, "memory": f"{rng.choice((8, 16, 24, 40, 70))}Gi", "isolation": "mps",
+               "cores": rng.choice((10, 20, 25, 30, 50))}
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": f"j{index:05d}", "namespace": project},
+            "spec": {"project": project, "class": rng.choice(["short", "long", "batch"]),
+                     "gpu": gpu, "estimatedDuration": "10m",
+                     "simulatedDuration": f"{rng.randint(3, 12)}s",
+                     "template": {"spec": {"containers": [{"name": "main",
+                                                           "image": "trainer"}]}}}}
+
+
+def retrying(what: str, call: Callable[[], Any], deadline_s: float = 180) -> Any:
+    """Retry through API-server outages; AlreadyExists after a lost reply counts as done."""
+    from kubernetes.client.exceptions import ApiException
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call()
+        except ApiException as err:
+            if err.status == 409:
+                return None
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: {err}") from err
+        except Exception as err:  # connection refused/reset while it restarts
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: {err}") from err
+        time.sleep(1)
+
+
+@dataclass
+class FaultLog:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, fault: str, started: float, recovered_s: float, note: str = "") -> None:
+        self.rows.append({"fault": fault, "at_s": round(started, 1),
+                          "recovered_s": round(recovered_s, 1), "note": note})
+        log(f"fault {fault}: recovered in {recovered_s:.1f}s {note}")
+
+
+def mark_gpu_unhealthy(api: Any, node: str) -> str:
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    obj = custom.get_cluster_custom_object(names.GROUP, names.VERSION, names.GPUNODE_PLURAL, node)
+    gpus = obj["status"]["gpus"]
+    gpus[0]["health"] = "Unhealthy"
+    gpus[0]["healthReason"] = "Xid 79 (chaos: fell off the bus)"
+    custom.patch_cluster_custom_object_status(
+        names.GROUP, names.VERSION, names.GPUNODE_PLURAL, node, {"status": {"gpus": gpus}},
+        _content_type="application/merge-patch+json")
+    return str(gpus[0]["uuid"])
+
+
+def test_invariant_checks_catch_breaches() -> None:
+    """The sampler's checks flag what they exist to flag (else a clean run proves nothing)."""
+    capacity = {"g0": chaos.GpuCapacity("n0", 1000, True)}
+    over = [chaos.Holding("ns/a", "p", "g0", 600, 50, False, "2026-01-01T00:00:10Z"),
+            chaos.Holding("ns/b", "p", "g0", 600, 60, False, "2026-01-01T00:00:10Z")]
+    assert len(chaos.overcommitted_gpus(over, capacity)) == 2  # memory and cores
+    assert chaos.projects_over_quota(over, capacity, {"p": 1.0})
+    assert not chaos.projects_over_quota(over, capacity, {"p": 1.2})
+    since = {"g0": datetime(2026, 1, 1, tzinfo=UTC)}
+    assert len(chaos.placed_on_unhealthy(over, since, 5.0)) == 2
+    assert not chaos.placed_on_unhealthy(over, since, 15.0)
+    pod = {"metadata": {"name": "a", "namespace": "ns", "annotations": {
+        names.ANN_ASSIGNMENT: "{not json"}}, "status": {"phase": "Running"}}
+    assert chaos.holdings(pod) == []
+
+
+@pytest.mark.timeout(TIMEOUT_S + 900)
+def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    from kubernetes import client
+
+    cluster = load_cluster
+    api = cluster.api()
+    crds.apply_crds(api)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    paths = devcluster.ClusterPaths.for_name(cluster.name)
+    log_dir = Path(tmp_path_factory.mktemp("load-logs"))
+    log(f"cluster {cluster.name}; {JOBS} jobs over {NODES} nodes x {GPUS_PER_NODE} H200, "
+        f"{RATE}/s, faults={'on' if FAULTS else 'off'}; logs in {log_dir}")
+
+    nodes = simnodes.parse_nodes({"nodes": [{
+        "name": "load", "replicas": NODES, "sharing": "mps", "zone": "zone-a",
+        "gpus": [{"model": "H200", "count": GPUS_PER_NODE}]}]})
+    started = time.monotonic()
+    simnodes.apply_nodes(api, nodes, workers=8)
+    log(f"{NODES} nodes applied in {time.monotonic() - started:.0f}s")
+    for project, gpus in PROJECTS.items():
+        namespace = client.V1Namespace(metadata=client.V1ObjectMeta(name=project))
+        retrying("namespace", lambda: core.create_namespace(namespace))  # noqa: B023
+        custom.patch_cluster_custom_object(
+            names.GROUP, names.VERSION, "projectquotas", project,
+            {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+             "metadata": {"name": project},
+             "spec": {"namespaces": [project], "concurrent": {"gpus": int(gpus)}}},
+            field_manager="carpool-load", _content_type="application/apply-patch+yaml",
+            force=True)
+    gpunodes = custom.list_cluster_custom_object(names.GROUP, names.VERSION,
+                                                 names.GPUNODE_PLURAL)["items"]
+    capacity = chaos.capacities(g for g in gpunodes if g["metadata"]["name"].startswith("load-"))
+    assert len(capacity) == NODES * GPUS_PER_NODE
+
+    carpool = Carpool(cluster, log_dir)
+    devcluster.stop_extender(paths)
+    carpool.start("extender")
+    carpool.start("operator")
+    sampler = chaos.Sampler(cluster.api(), capacity, PROJECTS)
+    sampler.start()
+    faults = FaultLog()
+    fault_errors: list[str] = []
+    supervisor = chaos.Supervisor(paths, cluster.bin_dir)
+    supervisor.start()
+    rng = random.Random(20261129)
+    manifests = [job_manifest(rng, i, TIGHT if i % 10 == 0 else OTHERS[i % 3])
+                 for i in range(JOBS)]
+    submitted = 0
+    t0 = time.monotonic()
+
+    def submit_all() -> None:
+        nonlocal submitted
+        submit_api = cluster.api()
+        submit = client.CustomObjectsApi(submit_api)
+
+        def create(body: dict[str, Any]) -> None:
+            retrying(f"create {body['metadata']['name']}",
+                     lambda: submit.create_namespaced_custom_object(
+                         names.GROUP, names.VERSION, body["metadata"]["namespace"], "gpujobs",
+                         body, _request_timeout=30))
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for i, body in enumerate(manifests):
+                delay = t0 + i / RATE - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                pool.submit(create, body)
+                submitted = i + 1
+
+    def inject_faults() -> None:
+        plan: list[tuple[str, Callable[[], str]]] = []
+
+        def restart_own(component: str) -> Callable[[], str]:
+            def run() -> str:
+                carpool.kill(component)
+                time.sleep(2)
+                carpool.start(component)
+                return "kill -9, restarted after 2 s"
+            return run
+
+        def restart_control_plane(component: str, down_s: float) -> Callable[[], str]:
+            def run() -> str:
+                supervisor.paused.set()  # this fault decides when the component comes back
+                try:
+                    pid = chaos.kill_component(paths, component)
+                    time.sleep(down_s)
+                    took = chaos.start_stopped_components(paths, cluster.bin_dir)
+                finally:
+                    supervisor.paused.clear()
+                return (f"kill -9 pid {pid}, down {down_s:.0f} s, cluster healthy {took:.1f} s "
+                        "after the restart began")
+            return run
+
+        def unhealthy() -> str:
+            uuid = mark_gpu_unhealthy(api, nodes[0].name)
+            sampler.mark_unhealthy(uuid, datetime.now(UTC))
+            return f"GPU {uuid} on {nodes[0].name} marked Unhealthy"
+
+        plan = [("operator", restart_own("operator")),
+                ("extender", restart_own("extender")),
+                ("kube-scheduler", restart_control_plane("kube-scheduler", 2)),
+                ("gpu-unhealthy", unhealthy),
+                ("kube-apiserver", restart_control_plane("kube-apiserver", 5)),
+                ("etcd", restart_control_plane("etcd", 5)),
+                ("operator-again", restart_own("operator"))]
+        window = max(120.0, JOBS / RATE)
+        for n, (name, fault) in enumerate(plan):
+            at = t0 + 15 + n * (window / len(plan))
+            while time.monotonic() < at:
+                time.sleep(0.5)
+            began = time.monotonic()
+            try:
+                note = fault()
+            except Exception as err:  # recorded and failed on below
+                fault_errors.append(f"{name}: {type(err).__name__}: {err}")
+                continue
+            faults.add(name, began - t0, time.monotonic() - began, note)
+
+    submitter = threading.Thread(target=submit_all, daemon=True)
+    submitter.start()
+    injector = threading.Thread(target=inject_faults, daemon=True)
+    if FAULTS:
+        injector.start()
+
+    phases: dict[str, int] = {}
+    done_at = None
+    progress: list[tuple[float, int]] = []
+    try:
+        deadline = t0 + TIMEOUT_S
+        while time.monotonic() < deadline:
+            time.sleep(5)
+            try:
+                jobs = []
+                for project in PROJECTS:
+                    jobs += custom.list_namespaced_custom_object(
+                        names.GROUP, names.VERSION, project, "gpujobs",
+                        _request_timeout=30)["items"]
+            except Exception as err:  # the API server may be down on purpose
+                log(f"list failed ({type(err).__name__}); retrying")
+                continue
+            phases = {}
+            for job in jobs:
+                phase = (job.get("status") or {}).get("phase", "New")
+                phases[phase] = phases.get(phase, 0) + 1
+            finished = phases.get("Succeeded", 0)
+            progress.append((time.monotonic() - t0, finished))
+            log(f"submitted {submitted}, phases {dict(sorted(phases.items()))}, "
+                f"live pods {sampler.max_live_pods} max, {len(sampler.violations)} violations, "
+                f"alive {carpool.alive()}")
+            if finished == JOBS and not injector.is_alive():
+                done_at = time.monotonic() - t0
+                break
+        injector.join(1)
+        submitter.join(1)
+        final_jobs = jobs
+    finally:
+        sampler.stop()
+        supervisor.stop()
+        alive = carpool.alive()
+        carpool.stop()
+        for project in PROJECTS:  # a kept cluster's next run should not list these jobs
+            with contextlib.suppress(Exception):
+                core.delete_namespace(project)
+                custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
+                                                    "projectquotas", project)
+
+    attempts: dict[int, int] = {}
+    for job in final_jobs:
+        n = int((job.get("status") or {}).get("attempts") or 0)
+        attempts[n] = attempts.get(n, 0) + 1
+    twice = {job: pods for job, pods in sampler.succeeded_pods.items() if len(pods) > 1}
+    report = {
+        "jobs": JOBS, "nodes": NODES, "gpus": NODES * GPUS_PER_NODE, "rate_per_s": RATE,
+        "finished_s": done_at, "phases": phases, "attempts": attempts,
+        "jobs_per_s": round(JOBS / done_at, 2) if done_at else None,
+        "samples": sampler.samples, "violations": sampler.violations[:50],
+        "violation_count": len(sampler.violations), "succeeded_twice": len(twice),
+        "max_live_pods": sampler.max_live_pods, "watch_restarts": sampler.watch_restarts,
+        "faults": faults.rows, "fault_errors": fault_errors,
+        "control_plane_restarts_by_supervisor": supervisor.restarts, "alive_at_end": alive,
+        "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+    }
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(json.dumps(report, indent=2))
+    log(json.dumps(report, indent=2))
+    assert not fault_errors, fault_errors
+    assert done_at is not None, f"not all jobs finished within {TIMEOUT_S:.0f}s: {phases}"
+    assert phases == {"Succeeded": JOBS}
+    assert not twice, f"jobs that succeeded with two pods: {list(twice.items())[:5]}"
+    assert not sampler.violations, sampler.violations[:20]
+    assert all(alive.values()), f"a component died on its own: {alive}\n" + "\n".join(
+        stack.log_tail(log_dir / f"{c}.log") for c, ok in alive.items() if not ok)
+    assert sampler.samples >= done_at * 0.8  # sampled about every second
+    if FAULTS:
+        assert [f["fault"] for f in faults.rows] == [
+            "operator", "extender", "kube-scheduler", "gpu-unhealthy", "kube-apiserver", "etcd",
+            "operator-again"]
