@@ -94,14 +94,20 @@ class Kube:
             if err.status != 404:
                 raise
 
-    def patch_job_status(self, namespace: str, name: str, status: Obj) -> None:
+    def patch_job_status(self, namespace: str, name: str, status: Obj) -> str | None:
+        """Merge `status` in; the job's new resourceVersion (None if it is gone)."""
         try:
-            self.custom.patch_namespaced_custom_object_status(
+            response = self.custom.patch_namespaced_custom_object_status(
                 names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name,
                 {"status": status}, _preload_content=False)
         except ApiException as err:
             if err.status != 404:  # deleted meanwhile: nothing to record
                 raise
+            return None
+        try:
+            return str(json.loads(response.data)["metadata"]["resourceVersion"])
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def set_job_finalizers(self, namespace: str, name: str, finalizers: list[str],
                            resource_version: str) -> bool:

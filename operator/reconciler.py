@@ -268,11 +268,12 @@ class Reconciler:
             self._priority_class_ready = True
         writes = len(state.patches) + len(result.admissions)
         self._apply(state, result, now)
-        guard = [*state.unguarded, *(a.job_key for a in result.admissions)]
-        list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
         writes = max(writes, len(state.patches) + len(result.admissions))
         self._write_quota_status(result, quota_objects)
         self._flush(state)
+        # off the admission path: a job's pod and status first, its finalizer after
+        guard = [*state.unguarded, *(a.job_key for a in result.admissions)]
+        list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
         self._record_metrics(state, result)
         self.last_result = result
         spent = time.monotonic() - started
@@ -459,10 +460,12 @@ class Reconciler:
             if conditions is not None:
                 patch["conditions"] = conditions
             namespace, name = key.split("/", 1)
-            self.kube.patch_job_status(namespace, name, patch)
+            version = self.kube.patch_job_status(namespace, name, patch)
             if obj is not None:  # a second flush in this pass sees what the first wrote
                 obj["status"] = {k: v for k, v in {**current, **patch}.items()
                                  if v is not None}
+                if version:
+                    obj["metadata"]["resourceVersion"] = version
 
     def _flush(self, state: PassState) -> None:
         def flush(key: str) -> None:
