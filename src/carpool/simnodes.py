@@ -466,6 +466,7 @@ def apply_node(api: Any, node: SimNode, now: datetime) -> None:
                               field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
     core.patch_node_status(node.name, status, field_manager=FIELD_MANAGER, force=True,
                            _content_type=APPLY_PATCH)
+    _drop_stale_taints(core, node, applied)
     uid = applied.metadata.uid if applied.metadata else None
     custom.patch_cluster_custom_object(
         GROUP, VERSION, GPUNODE_PLURAL, node.name, gpunode_manifest(node, uid),
@@ -475,6 +476,26 @@ def apply_node(api: Any, node: SimNode, now: datetime) -> None:
         {"apiVersion": API_VERSION, "kind": "GpuNode", "metadata": {"name": node.name},
          "status": gpunode_status(node, now)},
         field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
+
+
+def _taint_keys(taints: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((str(t.get("key")), str(t.get("effect") or "")) for t in taints)
+
+
+def _drop_stale_taints(core: Any, node: SimNode, applied: Any) -> None:
+    """Make the Node's taints the file's (plus the system's own `node.kubernetes.io/*` ones).
+
+    `spec.taints` is an atomic list: once the node lifecycle controller has written it, it owns
+    the whole list and a server-side apply no longer removes a taint the file dropped.
+    """
+    wanted = list(node_manifest(node)["spec"].get("taints") or [])
+    current = [t.to_dict() for t in (applied.spec.taints or [])] if applied.spec else []
+    system = [{k: v for k, v in t.items() if v is not None} for t in current
+              if str(t.get("key", "")).startswith("node.kubernetes.io/")]
+    desired = wanted + system
+    if _taint_keys(desired) != _taint_keys(current):
+        core.patch_node(node.name, {"spec": {"taints": desired or None}},
+                        _content_type=MERGE_PATCH)
 
 
 def _each(work: Callable[[str], object], names: Sequence[str], workers: int) -> None:
