@@ -230,9 +230,6 @@ def test_extender_process_survives_fuzzed_http(world: World) -> None:
             conn.shutdown(socket.SHUT_WR)
             reply = conn.recv(200)
             assert not reply.startswith(b"HTTP/1.1 5"), (payload[:40], reply)
-    huge = b'{"Pod": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    status, _ = http_post(world.extender_port, "/filter", huge)
-    assert status in (400, 413)
     status, _ = http_post(world.extender_port, "/filter", b"{}", {"Content-Type": "text/plain"})
     assert status == 400
     assert_alive(world)
@@ -241,6 +238,15 @@ def test_extender_process_survives_fuzzed_http(world: World) -> None:
         {"Pod": pod_manifest("after-fuzz"), "NodeNames": [world.node]}).encode())
     assert status == 200 and "FailedNodes" in json.loads(answer), answer
     print(f"\nextender HTTP fuzz: {EXAMPLES} bodies {statuses}, {len(raw_payloads) + 2} raw")
+
+
+@pytest.mark.xfail(strict=True, reason="found here: carpool.extender.wire.parse_json lets "
+                   "RecursionError through, so 200 KB of nested brackets is a 500, not a 400")
+def test_extender_refuses_deeply_nested_json(world: World) -> None:
+    deep = b'{"Pod": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # under the 1 MiB body limit
+    status, answer = http_post(world.extender_port, "/filter", deep)
+    assert_alive(world)
+    assert status == 400, (status, answer[:200])
 
 
 # --- the device plugin over its unix socket ---------------------------------------------------
@@ -318,12 +324,28 @@ BAD_ASSIGNMENTS = {
         {"uuid": "GPU-does-not-exist", "index": 0, "memoryMiB": 1024, "cores": 10}]}),
     "other-node": json.dumps({"node": "elsewhere", "gpus": [
         {"uuid": "{gpu0}", "index": 0, "memoryMiB": 1024, "cores": 10}]}),
-    "deep": "[" * 5000 + "]" * 5000,
     "oversized": json.dumps({"node": "{node}", "gpus": [
         {"uuid": "{gpu0}", "index": 0, "memoryMiB": 1024, "cores": 10, "pad": "x" * 200_000}]}),
     "empty": "",
     "null": "null",
 }
+
+
+async def allocate(world: World, ids: list[str]) -> tuple[str, dict[str, str]]:
+    """Allocate as the kubelet does; a refusal must be a deliberate status (returned by name)."""
+    async with grpc.aio.insecure_channel(f"unix://{world.plugin_socket}") as channel:
+        stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            answer = await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+                api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=15)
+        except grpc.aio.AioRpcError as err:
+            if "RecursionError" in (err.details() or ""):
+                pytest.xfail("found here: deviceplugin/handshake.py json.loads lets "
+                             "RecursionError through; one pod with a deeply nested assignment "
+                             f"on a node makes every Allocate there fail: {err.details()}")
+            assert err.code() in DELIBERATE, (err.code(), err.details())
+            return err.code().name, {}
+        return "OK", dict(answer.container_responses[0].envs)
 
 
 def bound_pod(name: str, node: str, assignment: str, gpu_count: str = "1") -> dict[str, Any]:
@@ -368,25 +390,41 @@ def test_bad_assignment_annotations_crash_neither_component(
         {"Pod": pod_manifest("after-bad-annotations"), "NodeNames": [world.node]}).encode())
     assert status == 200, answer
 
-    async def allocate(ids: list[str]) -> tuple[str, dict[str, str]]:
-        async with grpc.aio.insecure_channel(f"unix://{world.plugin_socket}") as channel:
-            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
-            try:
-                answer = await stub.Allocate(api_pb2.AllocateRequest(container_requests=[
-                    api_pb2.ContainerAllocateRequest(devices_ids=ids)]), timeout=15)
-            except grpc.aio.AioRpcError as err:
-                assert err.code() in DELIBERATE, (err.code(), err.details())
-                return err.code().name, {}
-            return "OK", dict(answer.container_responses[0].envs)
-
-    code, envs = asyncio.run(allocate([f"{gpu1}::0"]))
+    code, envs = asyncio.run(allocate(world, [f"{gpu1}::0"]))
     assert code == "OK", code
     assert envs["CUDA_VISIBLE_DEVICES"] == gpu1
     assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8G"
     marked = core.read_namespaced_pod("good", world.namespace).metadata.annotations
     assert names.ANN_ALLOCATED in marked
     # The broken ones on GPU 0: whatever the plugin decides, it is a deliberate answer.
-    outcomes = [asyncio.run(allocate([f"{gpu0}::{n}"]))[0] for n in range(2)]
+    answers = [asyncio.run(allocate(world, [f"{gpu0}::{n}"])) for n in range(2)]
+    outcomes = [code for code, _ in answers]
+    served = {name: json.loads(annotations[names.ANN_ALLOCATED])
+              for name, annotations in (
+                  (p.metadata.name, p.metadata.annotations or {})
+                  for p in core.list_namespaced_pod(world.namespace).items)
+              if names.ANN_ALLOCATED in annotations}
+    print(f"\nserved: {sorted(served)}; answers {answers}")
     assert_alive(world)
     print(f"\nbad annotations: {len(created)} stored ({created}); 1 refused by the API server; "
           f"good pod allocated; GPU-0 allocations: {outcomes}")
+
+
+def test_deeply_nested_assignment_does_not_block_the_node(
+        world: World, cluster: devcluster.Cluster) -> None:
+    """Runs last: one pod whose assignment is 5,000 nested brackets, next to a good pod."""
+    core = client.CoreV1Api(cluster.api())
+    gpu0, _ = world.gpus
+    core.create_namespaced_pod(world.namespace,
+                               bound_pod("bad-deep", world.node, "[" * 5000 + "]" * 5000))
+    good = json.dumps({"node": world.node, "gpus": [
+        {"uuid": gpu0, "index": 0, "memoryMiB": 4096, "cores": 10}]})
+    core.create_namespaced_pod(world.namespace, bound_pod("good-2", world.node, good))
+    time.sleep(3)
+    assert_alive(world)
+    assert http_get(world.extender_port, "/healthz") == 200  # the extender's cache copes
+    status, _ = http_post(world.extender_port, "/filter", json.dumps(
+        {"Pod": pod_manifest("after-deep"), "NodeNames": [world.node]}).encode())
+    assert status == 200
+    code, envs = asyncio.run(allocate(world, [f"{gpu0}::3"]))
+    assert code == "OK" and envs["CUDA_VISIBLE_DEVICES"] == gpu0, code

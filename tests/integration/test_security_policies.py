@@ -97,11 +97,19 @@ def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
 
 
 @pytest.fixture(scope="module")
-def policies(cluster: devcluster.Cluster) -> Iterator[None]:
-    """hack/policies applied (cluster-wide), removed afterwards."""
+def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
+    """hack/policies applied (cluster-wide), removed afterwards; the pod-annotation policy's
+    parameters name this module's release accounts."""
     crds.apply_crds(cluster.api())
     objects = [o for path in sorted(POLICIES.glob("*.yaml"))
                for o in yaml.safe_load_all(path.read_text()) if o]
+    for obj in objects:
+        if obj["kind"] == "ConfigMap":
+            obj["metadata"]["namespace"] = rbac.namespace
+            obj["data"]["writers"] = ",".join(rbac.account(c)
+                                              for c in ("extender", "device-plugin"))
+        if obj["kind"] == "ValidatingAdmissionPolicyBinding" and "paramRef" in obj["spec"]:
+            obj["spec"]["paramRef"]["namespace"] = rbac.namespace
     apply_manifests(cluster, objects)
     try:
         yield
@@ -465,3 +473,71 @@ def test_extender_serves_https_and_refuses_plain_http(cluster: devcluster.Cluste
         assert process.poll() is None
     finally:
         devcluster.stop_process(process)
+
+
+# --- only Carpool writes the hand-over annotations --------------------------------------------
+
+
+def annotated_pod(name: str, node: str | None, annotations: dict[str, str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"containers": [{"name": "main", "image": "x"}],
+                            "tolerations": [{"operator": "Exists"}]}
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "annotations": annotations}, "spec": spec}
+
+
+FORGED = json.dumps({"node": "any", "gpus": [{"uuid": "GPU-x", "index": 0,
+                                              "memoryMiB": 10**9, "cores": 100}]})
+
+
+def test_users_cannot_forge_gpu_assignments(cluster: devcluster.Cluster,
+                                            people: dict[str, str]) -> None:
+    """`edit` lets alice create and patch pods, but not Carpool's hand-over annotations: a forged
+    assignment would make the device plugin hand her any GPU with any MPS limit."""
+    alice, team = people["alice"], people["team"]
+    forged = cluster.kubectl("create", f"--as={alice}", "-n", team, "-f", "-", check=False,
+                             stdin=yaml.safe_dump(annotated_pod(
+                                 "forged", None, {names.ANN_ASSIGNMENT: FORGED})))
+    assert forged.returncode != 0, forged.stdout
+    assert "cannot be created with carpool.dev/assignment" in forged.stderr, forged.stderr
+    cluster.kubectl("create", f"--as={alice}", "-n", team, "-f", "-",
+                    stdin=yaml.safe_dump(annotated_pod("plain", None, {"note": "mine"})))
+    patched = cluster.kubectl("annotate", "pod", "plain", "-n", team, f"--as={alice}",
+                              f"{names.ANN_ASSIGNMENT}={FORGED}", check=False)
+    assert patched.returncode != 0 and "may not change carpool.dev/assignment" in patched.stderr, (
+        patched.stderr)
+    allowed = cluster.kubectl("annotate", "pod", "plain", "-n", team, f"--as={alice}",
+                              "note=still-mine", "--overwrite", check=False)
+    assert allowed.returncode == 0, allowed.stderr  # other annotations stay hers
+    admin = cluster.kubectl("annotate", "pod", "plain", "-n", team,
+                            f"{names.ANN_ALLOCATED}={{}}", check=False)  # system:masters
+    assert admin.returncode == 0, admin.stderr
+
+
+def test_device_plugin_marks_only_pods_on_its_node(
+        cluster: devcluster.Cluster, rbac: Rbac, people: dict[str, str],
+        two_nodes: tuple[str, str]) -> None:
+    node_a, node_b = two_nodes
+    team = people["team"]
+    for name, node in (("on-a", node_a), ("on-b", node_b)):
+        cluster.kubectl("create", "-n", team, "-f", "-",
+                        stdin=yaml.safe_dump(annotated_pod(name, node, {})))
+
+    def annotate(pod: str, component: str, key: str, extra: str | None
+                 ) -> subprocess.CompletedProcess[str]:
+        args = ["annotate", "pod", pod, "-n", team, f"--as={rbac.account(component)}",
+                f"{key}={{}}", "--overwrite"]
+        args += [f"--as-user-extra={NODE_CLAIM}={extra}"] if extra else []
+        return cluster.kubectl(*args, check=False)
+
+    mine = annotate("on-a", "device-plugin", names.ANN_ALLOCATED, node_a)
+    assert mine.returncode == 0, mine.stderr
+    theirs = annotate("on-b", "device-plugin", names.ANN_ALLOCATED, node_a)
+    assert theirs.returncode != 0
+    assert f"bound to node {node_a} and may mark only pods on that node" in theirs.stderr, (
+        theirs.stderr)
+    extender = annotate("on-b", "extender", names.ANN_ASSIGNMENT, None)
+    assert extender.returncode == 0, extender.stderr
+    operator = annotate("on-b", "operator", names.ANN_ASSIGNMENT, None)
+    assert operator.returncode != 0  # RBAC: the operator cannot patch pods at all
