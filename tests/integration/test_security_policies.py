@@ -541,3 +541,60 @@ def test_device_plugin_marks_only_pods_on_its_node(
     assert extender.returncode == 0, extender.stderr
     operator = annotate("on-b", "operator", names.ANN_ASSIGNMENT, None)
     assert operator.returncode != 0  # RBAC: the operator cannot patch pods at all
+
+
+# --- what runs with host access, checked by the API server's Pod Security admission ---------
+
+HOST_ACCESS = {"device-plugin", "mps-daemon"}  # the node agents; see docs/reliability.md
+
+
+def test_only_the_node_agents_need_more_than_restricted(cluster: devcluster.Cluster,
+                                                       rbac: Rbac) -> None:
+    """Every pod the chart makes, dry-run created in a namespace enforcing the `restricted` Pod
+    Security Standard: the operator, extender and scheduler pass; the device plugin and MPS
+    daemon are refused (hostPath, root, hostPID for time-slicing) and pass `privileged` level
+    without being privileged containers: no privileged flag, no capability but KILL."""
+    rendered = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", rbac.release, str(CHART), "--namespace",
+         rbac.namespace], capture_output=True, text=True, timeout=120, check=True).stdout
+    workloads = [o for o in yaml.safe_load_all(rendered)
+                 if o and o["kind"] in ("Deployment", "DaemonSet")]
+    suffix = rbac.namespace.removeprefix("relsec-")
+    restricted, privileged = f"relsec-psa-r-{suffix}", f"relsec-psa-p-{suffix}"
+    for namespace, level in ((restricted, "restricted"), (privileged, "privileged")):
+        cluster.kubectl("create", "namespace", namespace)
+        cluster.kubectl("label", "namespace", namespace,
+                        f"pod-security.kubernetes.io/enforce={level}")
+    try:
+        verdicts = {}
+        for workload in workloads:
+            template = workload["spec"]["template"]
+            component = template["metadata"]["labels"]["app.kubernetes.io/component"]
+            for container in template["spec"]["containers"]:
+                security = container.get("securityContext") or {}
+                assert not security.get("privileged"), workload["metadata"]["name"]
+                added = set((security.get("capabilities") or {}).get("add") or [])
+                assert added <= {"KILL"}, (workload["metadata"]["name"], added)
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": workload["metadata"]["name"],
+                                "labels": template["metadata"]["labels"]},
+                   "spec": template["spec"]}
+            for namespace in (restricted, privileged):
+                result = cluster.kubectl("create", "--dry-run=server", "-n", namespace, "-f",
+                                         "-", stdin=yaml.safe_dump(pod), check=False)
+                verdicts[(workload["metadata"]["name"], namespace)] = result
+            admitted = verdicts[(workload["metadata"]["name"], restricted)]
+            if component in HOST_ACCESS:
+                assert admitted.returncode != 0, workload["metadata"]["name"]
+                assert 'violates PodSecurity "restricted' in admitted.stderr, admitted.stderr
+                assert "hostPath" in admitted.stderr, admitted.stderr
+            else:
+                assert admitted.returncode == 0, (workload["metadata"]["name"], admitted.stderr)
+            at_privileged = verdicts[(workload["metadata"]["name"], privileged)]
+            assert at_privileged.returncode == 0, at_privileged.stderr
+        components = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+                      for w in workloads}
+        assert components >= {"operator", "extender", "scheduler", "device-plugin"}, components
+    finally:
+        for namespace in (restricted, privileged):
+            cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
