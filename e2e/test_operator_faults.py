@@ -181,7 +181,7 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
         world.submit(jobs)
         kill_times: list[float] = []
         deadline = time.monotonic() + 1500
-        next_kill = time.monotonic() + rng.uniform(5, 25)
+        next_kill = time.monotonic() + rng.uniform(3, 10)
         while time.monotonic() < deadline:
             done = sum(1 for j in world.jobs(projects)
                        if (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"))
@@ -192,7 +192,7 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
                 operator.wait()
                 kill_times.append(time.monotonic())
                 operator = world.start_operator(identity, "operator-kills.log")
-                next_kill = time.monotonic() + rng.uniform(8, 25)
+                next_kill = time.monotonic() + rng.uniform(4, 12)
             time.sleep(1.0)
         sampling.set()
         sampler.join(timeout=10)

@@ -129,6 +129,7 @@ class Reconciler:
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
                                         thread_name_prefix="writes")
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
+        self._finished: dict[str, tuple[str, Job]] = {}  # key -> (resourceVersion, decoded)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -168,9 +169,21 @@ class Reconciler:
             job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
             if job_ref:
                 pods.setdefault(job_ref, []).append(view_pod(pod))
+        finished: dict[str, tuple[str, Job]] = {}
         for obj in self.kube.list_gpujobs():
             key = _job_key(obj)
             state.objects[key] = obj
+            version = str(obj["metadata"].get("resourceVersion", ""))
+            cached = self._finished.get(key)
+            if cached is not None and cached[0] == version:
+                # an unchanged finished job: its decoded form cannot have changed either
+                state.jobs.append(cached[1])
+                state.phases[key] = cached[1].phase
+                finished[key] = cached
+                if names.FINALIZER not in (obj["metadata"].get("finalizers") or ()) \
+                        and cached[1].runs:
+                    state.unguarded.append(key)
+                continue
             obs = observe(obj, pods.get(key, []), totals, now, mig_slices)
             status = obj.get("status") or {}
             patch = dict(obs.status)
@@ -217,6 +230,9 @@ class Reconciler:
             state.phases[key] = obs.phase
             if patch:
                 state.patches[key] = patch
+            elif obs.phase.finished:
+                finished[key] = (version, job)
+        self._finished = finished  # jobs gone from the list are forgotten
         return state
 
     @staticmethod
