@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from carpool import chaos, crds, devcluster, simnodes, stack
 from carpool.core import names
@@ -87,12 +88,13 @@ class Carpool:
 
     cluster: devcluster.Cluster
     log_dir: Path
+    extender_kubeconfig: Path  # through a chaos.ApiProxy, so it can be cut off
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, component: str) -> None:
         if component == "extender":
             self.processes[component] = devcluster.start_extender(
-                self.cluster.kubeconfig, self.cluster.extender_port,
+                self.extender_kubeconfig, self.cluster.extender_port,
                 self.log_dir / "extender.log", timeout=60)
         else:
             self.processes[component] = stack.start_operator(
@@ -223,7 +225,11 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     capacity = chaos.capacities(g for g in gpunodes if g["metadata"]["name"].startswith("load-"))
     assert len(capacity) == NODES * GPUS_PER_NODE
 
-    carpool = Carpool(cluster, log_dir)
+    server = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host, _, port = server.removeprefix("https://").partition(":")
+    proxy = chaos.ApiProxy((host, int(port)))
+    carpool = Carpool(cluster, log_dir,
+                      proxy.kubeconfig(cluster.kubeconfig, log_dir / "extender.kubeconfig"))
     devcluster.stop_extender(paths)
     carpool.start("extender")
     carpool.start("operator")
@@ -282,6 +288,13 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                         "after the restart began")
             return run
 
+        def cut_off() -> str:
+            proxy.cut()
+            time.sleep(20)
+            proxy.restore()
+            return (f"extender's API connections cut for 20 s ({proxy.refused} reconnects "
+                    "refused), then restored")
+
         def unhealthy() -> str:
             uuid = mark_gpu_unhealthy(api, nodes[0].name)
             sampler.mark_unhealthy(uuid, datetime.now(UTC))
@@ -289,6 +302,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
 
         plan = [("operator", restart_own("operator")),
                 ("extender", restart_own("extender")),
+                ("extender-cut-off", cut_off),
                 ("kube-scheduler", restart_control_plane("kube-scheduler", 2)),
                 ("gpu-unhealthy", unhealthy),
                 ("kube-apiserver", restart_control_plane("kube-apiserver", 5)),
@@ -349,6 +363,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         supervisor.stop()
         alive = carpool.alive()
         carpool.stop()
+        proxy.close()
         for project in PROJECTS:  # a kept cluster's next run should not list these jobs
             with contextlib.suppress(Exception):
                 core.delete_namespace(project)
@@ -384,5 +399,5 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     assert sampler.samples >= done_at * 0.8  # sampled about every second
     if FAULTS:
         assert [f["fault"] for f in faults.rows] == [
-            "operator", "extender", "kube-scheduler", "gpu-unhealthy", "kube-apiserver", "etcd",
-            "operator-again"]
+            "operator", "extender", "extender-cut-off", "kube-scheduler", "gpu-unhealthy",
+            "kube-apiserver", "etcd", "operator-again"]

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from carpool import devcluster
 from carpool.core import names
@@ -117,6 +120,86 @@ def kill_process(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         process.kill()
     process.wait(10)
+
+
+class ApiProxy:
+    """A TCP relay in front of the API server, to cut one client off and let it back in.
+
+    The client's kubeconfig points here (same host, so the server certificate still matches);
+    `cut()` closes every relayed connection and refuses new ones until `restore()`.
+    """
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self._cut = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self.refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def kubeconfig(self, source: Path, target: Path) -> Path:
+        """A copy of `source` whose cluster server is this proxy."""
+        config = yaml.safe_load(source.read_text())
+        for entry in config["clusters"]:
+            entry["cluster"]["server"] = f"https://127.0.0.1:{self.port}"
+        target.write_text(yaml.safe_dump(config))
+        return target
+
+    def cut(self) -> None:
+        self._cut.set()
+        with self._lock:
+            for sock in list(self._open):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self._open.clear()
+
+    def restore(self) -> None:
+        self._cut.clear()
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client_sock, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._cut.is_set():
+                self.refused += 1
+                client_sock.close()
+                continue
+            try:
+                server_sock = socket.create_connection(self.upstream, timeout=5)
+                server_sock.settimeout(None)
+            except OSError:
+                client_sock.close()
+                continue
+            with self._lock:
+                self._open.update((client_sock, server_sock))
+            for a, b in ((client_sock, server_sock), (server_sock, client_sock)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self._open.discard(source)
+                self._open.discard(sink)
 
 
 # --------------------------------------------------------------------------------------------
