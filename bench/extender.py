@@ -413,9 +413,16 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             process.terminate()
         for process in processes:
             process.wait(10)
-        core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
-        core.delete_namespace(namespace)
-        simnodes.delete_nodes(api, [n.name for n in nodes], workers=16)
+        for what, cleanup in (
+                ("pods", lambda: core.delete_collection_namespaced_pod(
+                    namespace, grace_period_seconds=0, _request_timeout=120)),
+                ("namespace", lambda: core.delete_namespace(namespace)),
+                ("nodes", lambda: simnodes.delete_nodes(api, [n.name for n in nodes],
+                                                        workers=16))):
+            try:
+                cleanup()
+            except Exception as exc:  # keep cleaning; say what was left behind
+                print(f"cleanup of {what} failed: {exc}", file=sys.stderr)
     return 0
 
 
