@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from carpool.core.annotations import load_annotation_json
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -78,10 +79,7 @@ def _int_field(raw: Mapping[str, object], key: str, where: str, default: int | N
 
 def parse_assignment(text: str) -> tuple[str, tuple[AssignedGpu, ...]]:
     """The node and GPUs of a `carpool.dev/assignment` annotation; ValueError when malformed."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{ANN_ASSIGNMENT} is not JSON: {err}") from None
+    data = load_annotation_json(text, ANN_ASSIGNMENT)
     if not isinstance(data, dict) or not isinstance(data.get("node"), str):
         raise ValueError(f"{ANN_ASSIGNMENT} must be an object with a node name")
     raw_gpus = data.get("gpus")
@@ -109,8 +107,8 @@ def allocated_containers(pod: PodView) -> set[str]:
     if not text:
         return set()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
+        data = load_annotation_json(text, ANN_ALLOCATED)
+    except ValueError:
         return {name for name, _ in pod.gpu_containers}  # set by someone else: treat as done
     containers = data.get("containers") if isinstance(data, dict) else None
     if not isinstance(containers, dict):
@@ -125,10 +123,10 @@ def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str]
     containers: dict[str, object] = {}
     if text:
         try:
-            old = json.loads(text)
+            old = load_annotation_json(text, ANN_ALLOCATED)
             if isinstance(old, dict) and isinstance(old.get("containers"), dict):
                 containers = dict(old["containers"])
-        except json.JSONDecodeError:
+        except ValueError:
             pass
     containers[container] = {"deviceIDs": list(device_ids), "gpus": list(gpus)}
     return json.dumps({"containers": containers,

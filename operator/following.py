@@ -7,11 +7,11 @@ pass rather than remembering events, so a restart (or a missed event) changes no
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import names
+from carpool.core.annotations import load_annotation_json
 
 Obj = dict[str, Any]
 
@@ -59,7 +59,7 @@ def view_pod(pod: Obj) -> PodView:
     assignment = None
     if raw := annotations.get(names.ANN_ASSIGNMENT):
         try:
-            parsed = json.loads(raw)
+            parsed = load_annotation_json(raw, names.ANN_ASSIGNMENT)
             assignment = parsed if isinstance(parsed, dict) else None
         except ValueError:
             assignment = None

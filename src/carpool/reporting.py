@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import names
+from carpool.core.annotations import load_annotation_json
 from carpool.core.durations import parse_duration
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_hours
@@ -339,7 +340,7 @@ def assignments_by_gpu(pods: Iterable[Obj]) -> dict[str, list[Share]]:
         if not text or status.get("phase") in TERMINAL_POD_PHASES:
             continue
         try:
-            data = json.loads(str(text))
+            data = load_annotation_json(str(text), names.ANN_ASSIGNMENT)
             node = data["node"]
             grants = data["gpus"]
         except (ValueError, KeyError, TypeError):

@@ -125,6 +125,8 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise WireError("request body nests too deeply to be a scheduler request") from None
 
 
 def _mapping(value: object, what: str) -> Mapping[str, Any]:
