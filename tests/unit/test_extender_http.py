@@ -115,6 +115,7 @@ def test_full_nodes_are_echoed_when_the_scheduler_is_not_cache_capable() -> None
         "NodeNames": ["n1"]}, "whole number"),
     ("/bind", {"PodName": "p"}, "PodNamespace must be a non-empty string"),
     ("/bind", b"\xff\xfe", "not valid JSON"),
+    ("/filter", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
 ])
 def test_bad_input_is_a_400_with_a_reason(path: str, body: Any, fragment: str) -> None:
     extender, _ = world()
