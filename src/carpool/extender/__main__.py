@@ -62,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    api = api_client(args.kubeconfig)
+    try:
+        api = api_client(args.kubeconfig)
+    except Exception as exc:  # the kubernetes client raises its own types for bad configs
+        print(f"error: cannot load the cluster configuration "
+              f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
+        return 2
     cache = ClusterCache()
     start_informers(api, cache)
     extender = Extender(cache, KubeCluster(api), settings)
