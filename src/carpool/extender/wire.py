@@ -127,8 +127,6 @@ def parse_json(body: bytes) -> Any:
         raise WireError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # Python's parser recurses per nesting level
         raise WireError("request body is nested too deeply") from None
-    except RecursionError:
-        raise WireError("request body nests too deeply to be a scheduler request") from None
 
 
 def _mapping(value: object, what: str) -> Mapping[str, Any]:
