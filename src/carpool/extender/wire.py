@@ -16,6 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from carpool.core import names
+from carpool.core.annotations import load_annotation_json
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
 
 MIB_PER_GIB = 1024
@@ -300,7 +301,11 @@ def encode_assignment(assignment: Assignment) -> str:
 
 def decode_assignment(text: str) -> Assignment:
     """Parse `carpool.dev/assignment`; WireError if it is not what the extender writes."""
-    data = _mapping(parse_json(text.encode()), names.ANN_ASSIGNMENT)
+    try:
+        raw = load_annotation_json(text, names.ANN_ASSIGNMENT)
+    except ValueError as exc:
+        raise WireError(str(exc)) from None
+    data = _mapping(raw, names.ANN_ASSIGNMENT)
     gpus_raw = data.get("gpus")
     if not isinstance(gpus_raw, list):
         raise WireError(f"{names.ANN_ASSIGNMENT}: gpus must be a list")
