@@ -191,3 +191,16 @@ def test_the_informer_relists_after_a_410_and_forgets_what_vanished_meanwhile() 
     assert calls == ["list", "watch@1", "list", "watch@3"]
     assert cache.synced(["nodes"])
     assert set(cache.snapshot(["a", "b", "c", "d"], "", NOW).states) == {"a", "c"}
+
+
+def test_a_heartbeat_that_changes_nothing_keeps_the_nodes_state() -> None:
+    cache = cache_with_node()
+    before = cache.snapshot(["n"], "", NOW).states["n"]
+    beat = gpunode_object("n", [{"uuid": "n-g0", "model": "A100", "memoryTotalMiB": 40 * GIB}])
+    beat["status"]["heartbeat"] = "2027-01-15T08:00:10Z"
+    cache.apply_gpunode("MODIFIED", beat)
+    assert cache.snapshot(["n"], "", NOW).states["n"] is before
+    beat["status"]["gpus"][0]["temperatureC"] = 80.0
+    cache.apply_gpunode("MODIFIED", beat)
+    after = cache.snapshot(["n"], "", NOW).states["n"]
+    assert after is not before and after.inventory.gpus[0].temperature_c == 80.0

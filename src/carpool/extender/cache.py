@@ -117,15 +117,22 @@ class ClusterCache:
     def _rebuild_inventory(self, name: str) -> None:
         node = self._nodes.get(name)
         self._broken.pop(name, None)
-        self._states.pop(name, None)
         if node is None:
             self._inventories.pop(name, None)
+            self._states.pop(name, None)
             return
         try:
-            self._inventories[name] = inventory_from_objects(node, self._gpunodes.get(name))
+            inventory = inventory_from_objects(node, self._gpunodes.get(name))
         except InventoryError as exc:
             self._inventories.pop(name, None)
+            self._states.pop(name, None)
             self._broken[name] = str(exc)
+            return
+        if inventory != self._inventories.get(name):
+            # Heartbeats and unchanged readings leave it equal: keeping the old object keeps
+            # the node's memoised state and every evaluation made on it.
+            self._inventories[name] = inventory
+            self._states.pop(name, None)
 
     def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))

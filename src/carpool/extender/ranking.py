@@ -22,7 +22,7 @@ from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.wire import PodDemand, Policy
 
 MAX_SCORE = 10  # the extender API's MaxExtenderPriority
-MAX_MEMO_ENTRIES = 200_000
+MAX_MEMO_ENTRIES = 100_000  # then start afresh (entries hold replaced node states alive)
 WORKLOAD_WINDOW = 5_000  # pods remembered for the target workload
 WORKLOAD_FIRST = 200  # pods seen before the first target workload is built
 WORKLOAD_REFRESH = 2_000  # further pods between checks whether it has drifted
