@@ -267,7 +267,7 @@ def scheduler_configuration(port: int) -> dict[str, Any]:
                 "filterVerb": "filter",
                 "prioritizeVerb": "prioritize",
                 "bindVerb": "bind",
-                "weight": 1,
+                "weight": 5,  # Carpool scores span 0..10; 5 outweighs the default spread plugins
                 "enableHTTPS": False,
                 "nodeCacheCapable": True,
                 "httpTimeout": "10s",

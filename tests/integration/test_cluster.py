@@ -170,7 +170,7 @@ def test_the_running_scheduler_is_configured_with_the_carpool_extender(
         "bind",
     )
     assert extender["nodeCacheCapable"] is True and extender["ignorable"] is False
-    assert extender["httpTimeout"] == "10s" and extender["weight"] == 1
+    assert extender["httpTimeout"] == "10s" and extender["weight"] == 5
     assert {r["name"]: r["ignoredByScheduler"] for r in extender["managedResources"]} == {
         names.RESOURCE_GPU: True,
         names.RESOURCE_GPU_MEMORY: True,
