@@ -256,7 +256,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                          names.GROUP, names.VERSION, body["metadata"]["namespace"], "gpujobs",
                          body, _request_timeout=30))
 
-        with ThreadPoolExecutor(max_workers=4) as pool:
+        with submit_api, ThreadPoolExecutor(max_workers=4) as pool:
             for i, body in enumerate(manifests):
                 delay = t0 + i / RATE - time.monotonic()
                 if delay > 0:
@@ -364,11 +364,13 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         alive = carpool.alive()
         carpool.stop()
         proxy.close()
+        sampler.api.close()
         for project in PROJECTS:  # a kept cluster's next run should not list these jobs
             with contextlib.suppress(Exception):
                 core.delete_namespace(project)
                 custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
                                                     "projectquotas", project)
+        api.close()
 
     attempts: dict[int, int] = {}
     for job in final_jobs:

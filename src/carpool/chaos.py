@@ -183,6 +183,10 @@ class ApiProxy:
                 client_sock.close()
                 continue
             with self._lock:
+                if self._cut.is_set():  # cut while connecting
+                    client_sock.close()
+                    server_sock.close()
+                    continue
                 self._open.update((client_sock, server_sock))
             for a, b in ((client_sock, server_sock), (server_sock, client_sock)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
@@ -194,12 +198,12 @@ class ApiProxy:
         except OSError:
             pass
         finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
             with self._lock:
-                self._open.discard(source)
-                self._open.discard(sink)
+                for sock in (source, sink):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()  # the other direction's pump then ends with an OSError
+                    self._open.discard(sock)
 
 
 # --------------------------------------------------------------------------------------------
