@@ -405,6 +405,31 @@ def test_bad_assignment_annotations_crash_neither_component(
           f"good pod allocated; GPU-0 allocations: {outcomes}")
 
 
+@pytest.mark.xfail(strict=True, reason="found here: the device plugin builds its answer from "
+                   "the assignment without checking it against the node: a GPU it does not "
+                   "have, or more memory than the GPU holds, is handed out")
+@pytest.mark.parametrize("case", ["unknown-gpu", "more-memory-than-the-gpu"])
+def test_plugin_refuses_assignments_it_cannot_honour(world: World, cluster: devcluster.Cluster,
+                                                     case: str) -> None:
+    """The only pod in flight asks for something this node cannot give: Allocate must refuse
+    it (a deliberate status), not start a container on a GPU that is not there or with an MPS
+    limit far beyond the GPU."""
+    core = client.CoreV1Api(cluster.api())
+    core.delete_collection_namespaced_pod(world.namespace, grace_period_seconds=0)
+    wait_for("an empty namespace", lambda: not core.list_namespaced_pod(world.namespace).items)
+    gpu0, _ = world.gpus
+    grant = ({"uuid": "GPU-does-not-exist", "index": 0, "memoryMiB": 1024, "cores": 10}
+             if case == "unknown-gpu" else
+             {"uuid": gpu0, "index": 0, "memoryMiB": 10**7, "cores": 10})
+    core.create_namespaced_pod(world.namespace, bound_pod(
+        f"cannot-{case}", world.node, json.dumps({"node": world.node, "gpus": [grant]})))
+    time.sleep(2)
+    code, envs = asyncio.run(allocate(world, [f"{gpu0}::1"]))
+    core.delete_namespaced_pod(f"cannot-{case}", world.namespace, grace_period_seconds=0)
+    assert_alive(world)
+    assert code != "OK", envs
+
+
 def test_deeply_nested_assignment_does_not_block_the_node(
         world: World, cluster: devcluster.Cluster) -> None:
     """Runs last: one pod whose assignment is 5,000 nested brackets, next to a good pod."""
