@@ -242,7 +242,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pass_seconds = [sum(float(x) for x in m.groups()) for line in log_lines
                         if (m := PASS_LINE.search(line))]
 
-    latencies = [admitted_at[k] - created[k] for k in admitted_at if k in created]
+    # only this run's jobs (a namespace of an earlier run may still be terminating)
+    admitted_at = {k: v for k, v in admitted_at.items() if k in created}
+    starts = {k: v for k, v in starts.items() if k in created}
+    latencies = [admitted_at[k] - created[k] for k in admitted_at]
     times = sorted(admitted_at.values())
     # the initial burst: admissions of jobs that never had to wait
     burst = sorted(admitted_at[k] for k in admitted_at if k not in waited)

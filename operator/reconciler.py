@@ -67,6 +67,7 @@ class ReconcilerConfig:
     # unless its estimate moved by more than `estimate_jump_s`.
     wait_refresh_s: float = 15.0
     estimate_jump_s: float = 60.0
+    max_admissions_per_pass: int = 200  # 0: no cap
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
@@ -74,7 +75,8 @@ class ReconcilerConfig:
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
         ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "32")),
-            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "15")))
+            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "15")),
+            max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "200")))
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
@@ -106,6 +108,7 @@ class PassState:
     pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
+    admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
 
 
 def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
@@ -288,14 +291,14 @@ class Reconciler:
         self._write_quota_status(result, quota_objects)
         self._flush(state)
         # off the admission path: a job's pod and status first, its finalizer after
-        guard = [*state.unguarded, *(a.job_key for a in result.admissions)]
+        guard = [*state.unguarded, *state.admitted]
         list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
         self._record_metrics(state, result)
         self.last_result = result
         spent = time.monotonic() - started
         metrics.PASS_SECONDS.observe(spent)
         log.info("reconcile pass: %d jobs, %d admitted, %d preempted, %d waiting, %d writes; "
-                 "read %.2fs decide %.2fs act %.2fs", len(state.jobs), len(result.admissions),
+                 "read %.2fs decide %.2fs act %.2fs", len(state.jobs), len(state.admitted),
                  len(result.preemptions), len(result.waits), writes, read_s, decide_s,
                  spent - read_s - decide_s)
         return result
@@ -362,10 +365,18 @@ class Reconciler:
         def admit(admission: Admission) -> None:
             try:
                 self._admit(state, jobs[admission.job_key], admission, now)
+                self._flush_one(state, admission.job_key)  # Admitted as soon as its pod is
             except Exception:  # one job's failure must not stop the others' decisions
                 log.exception("admitting %s failed; retrying next pass", admission.job_key)
 
-        list(self._pool.map(admit, result.admissions))  # distinct jobs: no shared writes
+        # Admissions beyond the cap are left for the next pass (in queue order, so the
+        # highest-ranked go first): a pass stays short even when the API server is slow, and
+        # leaving an admission out only leaves capacity the core counted as taken.
+        admissions = sorted(result.admissions, key=lambda a: a.position)
+        cap = self.config.max_admissions_per_pass
+        acted = admissions[:cap] if cap > 0 else admissions
+        state.admitted = [a.job_key for a in acted]
+        list(self._pool.map(admit, acted))
         for preemption in result.preemptions:
             try:
                 self._preempt(state, jobs, preemption)

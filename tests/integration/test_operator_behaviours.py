@@ -173,8 +173,13 @@ def test_short_job_preempts_another_projects_borrowed_batch_job(scenario: Scenar
 
     scenario.submit(ns_a, "short", owner, cls="short", node=node,
                     estimatedDuration="30s", simulatedDuration="4s")
-    requeued = scenario.wait_phase(ns_b, "batch", {"Queued", "Preempted"}, timeout=30)
-    assert requeued["reason"].startswith("Preempted") or requeued["reason"] == "Preempted"
+    def preempted() -> Obj | None:
+        status = scenario.status(ns_b, "batch")
+        outcomes = [r.get("outcome") for r in status.get("history") or []]
+        return status if "Preempted" in outcomes else None
+
+    requeued = wait_for("the batch job preempted and requeued", preempted, timeout=30)
+    assert requeued["submitTime"] == submitted and requeued["attempts"] >= 1
     short = scenario.wait_phase(ns_a, "short", {"Running", "Succeeded"}, timeout=30)
     assert short["attempts"] == 1
 
