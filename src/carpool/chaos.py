@@ -342,6 +342,8 @@ class Sampler:
     violations: list[str] = field(default_factory=list)
     samples: int = 0
     max_live_pods: int = 0
+    peak_project_gpus: dict[str, float] = field(default_factory=dict)  # how close quotas came
+    peak_gpu_memory_share: float = 0.0  # the fullest GPU seen, as a share of its memory
     watch_restarts: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -409,6 +411,19 @@ class Sampler:
                        if (p.get("status") or {}).get("phase") not in TERMINAL_POD_PHASES)
             self.max_live_pods = max(self.max_live_pods, live)
             unhealthy = dict(self.unhealthy_since)
+        use: dict[str, float] = {}
+        memory: dict[str, int] = {}
+        for h in held:
+            use[h.project] = use.get(h.project, 0.0) + gpu_equivalents(h, self.capacity)
+            memory[h.gpu_uuid] = memory.get(h.gpu_uuid, 0) + h.memory_mib
+        for project, gpus in use.items():
+            self.peak_project_gpus[project] = max(self.peak_project_gpus.get(project, 0.0),
+                                                  round(gpus, 3))
+        for uuid, mib in memory.items():
+            gpu = self.capacity.get(uuid)
+            if gpu is not None and gpu.memory_mib:
+                self.peak_gpu_memory_share = max(self.peak_gpu_memory_share,
+                                                 round(mib / gpu.memory_mib, 3))
         return (overcommitted_gpus(held, self.capacity)
                 + projects_over_quota(held, self.capacity, self.quota_limits)
                 + placed_on_unhealthy(held, unhealthy, self.unhealthy_grace_s))
