@@ -99,17 +99,15 @@ def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
 @pytest.fixture(scope="module")
 def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
     """hack/policies applied (cluster-wide), removed afterwards; the pod-annotation policy's
-    parameters name this module's release accounts."""
+    writers are this module's release accounts."""
     crds.apply_crds(cluster.api())
     objects = [o for path in sorted(POLICIES.glob("*.yaml"))
                for o in yaml.safe_load_all(path.read_text()) if o]
-    for obj in objects:
-        if obj["kind"] == "ConfigMap":
-            obj["metadata"]["namespace"] = rbac.namespace
-            obj["data"]["writers"] = ",".join(rbac.account(c)
-                                              for c in ("extender", "device-plugin"))
-        if obj["kind"] == "ValidatingAdmissionPolicyBinding" and "paramRef" in obj["spec"]:
-            obj["spec"]["paramRef"]["namespace"] = rbac.namespace
+    for obj in objects:  # the pod-annotation policy's writers: this module's accounts
+        for variable in (obj.get("spec") or {}).get("variables", []):
+            if variable["name"] == "writers":
+                variable["expression"] = json.dumps([rbac.account(c)
+                                                     for c in ("extender", "device-plugin")])
     apply_manifests(cluster, objects)
     try:
         yield
