@@ -8,7 +8,8 @@ and etcd. Scale by environment (defaults fit a shared 2-core machine in about te
     CARPOOL_LOAD_JOBS=1000 CARPOOL_LOAD_NODES=200 CARPOOL_LOAD_RATE=2.5 \
         .venv/bin/pytest e2e/test_reliability_load.py -s
 
-Jobs arrive at RATE per second over four projects (one with a tight concurrent quota) and
+Jobs arrive at RATE per second over four projects (3 in 10 to one whose concurrent quota of 2
+GPUs is less than its demand, so its jobs queue and the quota invariant bites) and
 finish after 3-12 simulated seconds, so jobs finish while new ones arrive. Checked every second
 from a watch-fed copy of the pods (carpool.chaos): no GPU holds more memory or cores than it
 has, no exclusive grant shares a GPU, no project holds more GPUs than its concurrent quota, no
@@ -52,7 +53,7 @@ GPUS_PER_NODE = 8
 # Names carry a run id, so a kept cluster can run again without meeting the last run's jobs.
 RUN = datetime.now(UTC).strftime("%H%M%S")
 TIGHT, OTHERS = f"load-tight-{RUN}", (f"load-a-{RUN}", f"load-b-{RUN}", f"load-c-{RUN}")
-PROJECTS = {TIGHT: 6.0, **{p: 400.0 for p in OTHERS}}
+PROJECTS = {TIGHT: 2.0, **{p: 400.0 for p in OTHERS}}
 
 
 def log(message: str) -> None:
@@ -240,7 +241,8 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     supervisor = chaos.Supervisor(paths, cluster.bin_dir)
     supervisor.start()
     rng = random.Random(20261129)
-    manifests = [job_manifest(rng, i, TIGHT if i % 10 == 0 else OTHERS[i % 3])
+    # 3 jobs in 10 bill the tight project: more than its 2 GPUs can run, so it queues there.
+    manifests = [job_manifest(rng, i, TIGHT if i % 10 < 3 else OTHERS[i % 3])
                  for i in range(JOBS)]
     submitted = 0
     t0 = time.monotonic()
