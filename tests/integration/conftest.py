@@ -11,10 +11,14 @@ import pytest
 from carpool import devcluster, stack
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """The extender and one operator running against the cluster for the whole session."""
+    """The extender and one operator running against the cluster for one test module.
+
+    Per module, not per session: modules that test a part on its own (the kubectl plugin
+    writing statuses, say) must not have an operator rewriting their objects underneath.
+    """
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
     with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}) as processes:
         processes_with_logs = dict(processes)
