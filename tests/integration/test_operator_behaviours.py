@@ -191,8 +191,8 @@ def test_short_job_preempts_another_projects_borrowed_batch_job(scenario: Scenar
     assert _parse(second["start"]) >= _parse(first["end"])
     short_done = scenario.wait_phase(ns_a, "short", {"Succeeded"}, timeout=20)
     assert _parse(second["start"]) >= _parse(short_done["startTime"])
-    reasons = {e["reason"] for e in scenario.events(ns_b, "batch")}
-    assert {"Preempted", "Requeued"} <= reasons, reasons
+    wait_for("Preempted and Requeued events", lambda: {"Preempted", "Requeued"} <= {
+        e["reason"] for e in scenario.events(ns_b, "batch")}, timeout=15)
 
 
 def test_borrowed_job_is_reclaimed_when_the_owner_needs_its_guarantee(
@@ -216,7 +216,7 @@ def test_borrowed_job_is_reclaimed_when_the_owner_needs_its_guarantee(
     scenario.submit(ns_own, "owner", owner, node=node, estimatedDuration="10m",
                     simulatedDuration="3s")
     done = scenario.wait_phase(ns_own, "owner", {"Succeeded"}, timeout=45)
-    assert done["borrowed"] is False if "borrowed" in done else True
+    assert done.get("borrowed") is False  # it ran within its own guarantee
     phases = {i: scenario.status(ns_bor, f"b{i}") for i in range(2)}
     reclaimed = [s for s in phases.values() if s.get("attempts", 0) >= 2
                  or s.get("reason") == "PreemptedReclaimBorrowed"
@@ -252,7 +252,8 @@ def test_budget_runs_out_mid_period_and_the_refill_releases_held_jobs(
     assert quota["remainingGpuHours"] < 2 / 3600
     assert quota["pending"] == 1
     assert _parse(held["estimatedStart"]) == pytest.approx(refill, abs=10)
-    assert "Budget" in {e["reason"] for e in scenario.events(ns, "second")}
+    wait_for("the Budget event", lambda: "Budget" in {
+        e["reason"] for e in scenario.events(ns, "second")}, timeout=15)
 
     started = scenario.wait_phase(ns, "second", {"Running", "Succeeded"}, timeout=60)
     admitted_at = _parse(started["admitTime"])
@@ -309,9 +310,8 @@ def test_estimated_start_is_shown_then_met_and_gpu_hours_follow_the_definition(
     term = pod["status"]["containerStatuses"][0]["state"]["terminated"]
     wall = (_parse(term["startedAt"]), _parse(term["finishedAt"]))
     assert first["gpuHours"] == pytest.approx(gpu_hours(0.6, *wall), rel=1e-3, abs=1e-6)
-    assert first["hardware"] == {"gpuModel": scenario.model, "driverVersion": "580.159.03",
-                                 "cudaVersion": "13.0"} or first["hardware"]["gpuModel"] \
-        == scenario.model
+    assert first["hardware"]["gpuModel"] == scenario.model
+    assert first["hardware"]["driverVersion"] and first["hardware"]["cudaVersion"]
     conditions = {c["type"]: (c["status"], c["reason"]) for c in first["conditions"]}
     assert conditions == {"Admitted": ("True", "Admitted"), "Running": ("False", "Finished"),
                           "Finished": ("True", "Succeeded")}
@@ -330,7 +330,8 @@ def test_max_duration_is_enforced(scenario: Scenario) -> None:
     assert 5 <= ran <= 15, ran
     (record,) = _history(failed)
     assert record["outcome"] == "MaxDurationExceeded"
-    assert "MaxDurationExceeded" in {e["reason"] for e in scenario.events(ns, "endless")}
+    wait_for("the MaxDurationExceeded event", lambda: "MaxDurationExceeded" in {
+        e["reason"] for e in scenario.events(ns, "endless")}, timeout=15)  # posted in background
     wait_for("the pod gone", lambda: not scenario.core.list_namespaced_pod(ns).items,
              timeout=20)
 
