@@ -365,3 +365,29 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
     assert status["retired"]["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
     time.sleep(3)  # a pass after the deletion
     assert scenario.quota_status(project)["usedGpuHours"] == pytest.approx(used, abs=1e-4)
+
+
+def test_mps_borrowers_holding_every_gpu_are_preempted_for_an_in_quota_job(
+        scenario: Scenario) -> None:
+    """The live demo's case: shared (MPS) borrowed jobs on every GPU, an in-quota MPS job
+    waiting. It used to wait with BehindHigherRanked ("GPUs are free but reserved for 0
+    higher-ranked ...") because held GPUs looked free at epoch times; it must preempt."""
+    node = scenario.node(gpus=1)
+    ns_own, ns_bor = scenario.namespace("own"), scenario.namespace("bor")
+    owner = scenario.project("own", [ns_own], concurrent={"gpus": 1})
+    borrower = scenario.project("bor", [ns_bor], concurrent={"gpus": 0},
+                                borrowing={"enabled": True})
+    for i in range(2):
+        scenario.submit(ns_bor, f"b{i}", borrower, node=node, isolation="mps", memory_gib=20,
+                        cores=50, preemptible=True, estimatedDuration="10m",
+                        checkpoint={"gracePeriod": "1s"})
+    for i in range(2):
+        assert scenario.wait_phase(ns_bor, f"b{i}", {"Running"})["borrowed"] is True
+    scenario.submit(ns_own, "owner", owner, cls="short", node=node, isolation="mps",
+                    memory_gib=20, cores=50, estimatedDuration="1m", simulatedDuration="3s")
+    done = scenario.wait_phase(ns_own, "owner", {"Succeeded"}, timeout=45)
+    assert done["attempts"] == 1
+    preempted = [i for i in range(2) if any(
+        r.get("outcome") == "Preempted" for r in scenario.status(ns_bor, f"b{i}").get("history")
+        or [])]
+    assert len(preempted) == 1  # half a GPU was needed: one borrower went, not both
