@@ -3,9 +3,10 @@ killed (-9) and restarted mid-run, a GPU turning Unhealthy, invariants sampled e
 
 Runs on a cluster of its own (`$CARPOOL_LOAD_CLUSTER`, default carpool-load; its scheduler calls
 the extender on `$CARPOOL_LOAD_EXTENDER_PORT`, default 18095), because it kills the API server
-and etcd. Scale by environment (defaults fit a shared 2-core machine in about ten minutes):
+and etcd. Scale by environment (the defaults took 17 minutes on a shared 2-core machine;
+docs/reliability.md lists the runs):
 
-    CARPOOL_LOAD_JOBS=1000 CARPOOL_LOAD_NODES=200 CARPOOL_LOAD_RATE=2.5 \
+    CARPOOL_LOAD_JOBS=1000 CARPOOL_LOAD_NODES=500 CARPOOL_LOAD_RATE=2.5 \
         .venv/bin/pytest e2e/test_reliability_load.py -s
 
 Jobs arrive at RATE per second over four projects (3 in 10 to one whose concurrent quota of 2
@@ -43,7 +44,7 @@ from carpool.core import names
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = int(os.environ.get("CARPOOL_LOAD_JOBS", "1000"))
-NODES = int(os.environ.get("CARPOOL_LOAD_NODES", "200"))
+NODES = int(os.environ.get("CARPOOL_LOAD_NODES", "500"))
 RATE = float(os.environ.get("CARPOOL_LOAD_RATE", "2.5"))
 TIMEOUT_S = float(os.environ.get("CARPOOL_LOAD_TIMEOUT", "1500"))
 FAULTS = os.environ.get("CARPOOL_LOAD_FAULTS", "1") == "1"
