@@ -21,6 +21,11 @@ from carpool.core import names
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
+# (connect, read) seconds for every call: an API server that accepts a request and never
+# answers must not stall admission; the call fails and the next pass retries it.
+REQUEST_TIMEOUT = (5.0, 120.0)
+# Every call: raw JSON back (no model deserialization), with the timeout.
+RAW: dict[str, Any] = {"_preload_content": False, "_request_timeout": REQUEST_TIMEOUT}
 
 
 class Kube:
@@ -38,25 +43,25 @@ class Kube:
 
     def list_gpujobs(self) -> list[Obj]:
         return self._items(self.custom.list_cluster_custom_object(
-            names.GROUP, names.VERSION, names.GPUJOB_PLURAL, _preload_content=False))
+            names.GROUP, names.VERSION, names.GPUJOB_PLURAL, **RAW))
 
     def list_quotas(self) -> list[Obj]:
         return self._items(self.custom.list_cluster_custom_object(
-            names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, _preload_content=False))
+            names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, **RAW))
 
     def list_gpunodes(self) -> list[Obj]:
         return self._items(self.custom.list_cluster_custom_object(
-            names.GROUP, names.VERSION, names.GPUNODE_PLURAL, _preload_content=False))
+            names.GROUP, names.VERSION, names.GPUNODE_PLURAL, **RAW))
 
     def list_nodes(self) -> list[Obj]:
-        return self._items(self.core.list_node(_preload_content=False))
+        return self._items(self.core.list_node(**RAW))
 
     def list_managed_pods(self) -> list[Obj]:
         return self._items(self.core.list_pod_for_all_namespaces(
-            label_selector=f"{names.LABEL_MANAGED}=true", _preload_content=False))
+            label_selector=f"{names.LABEL_MANAGED}=true", **RAW))
 
     def list_namespaces(self) -> list[Obj]:
-        return self._items(self.core.list_namespace(_preload_content=False))
+        return self._items(self.core.list_namespace(**RAW))
 
     def ensure_priority_class(self) -> None:
         """The PriorityClass every job pod uses: it makes kube-scheduler's own preemption
@@ -67,7 +72,7 @@ class Kube:
                 "preemptionPolicy": "Never", "globalDefault": False,
                 "description": "Carpool GpuJob pods; Carpool itself decides preemption."}
         try:
-            client.SchedulingV1Api(self.api).create_priority_class(body, _preload_content=False)
+            client.SchedulingV1Api(self.api).create_priority_class(body, **RAW)
         except ApiException as err:
             if err.status == 403:  # installed by the Helm chart; the operator may not create it
                 log.info("may not create PriorityClass %s; expecting it to exist",
@@ -79,7 +84,7 @@ class Kube:
         """Create the pod; False if it already exists (an earlier pass created it)."""
         try:
             self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod,
-                                            _preload_content=False)
+                                            **RAW)
         except ApiException as err:
             if err.status == 409:
                 return False
@@ -89,7 +94,7 @@ class Kube:
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
         body = client.V1DeleteOptions(grace_period_seconds=grace_seconds)
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            self.core.delete_namespaced_pod(name, namespace, body=body, **RAW)
         except ApiException as err:
             if err.status != 404:
                 raise
@@ -99,7 +104,7 @@ class Kube:
         try:
             response = self.custom.patch_namespaced_custom_object_status(
                 names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name,
-                {"status": status}, _preload_content=False)
+                {"status": status}, **RAW)
         except ApiException as err:
             if err.status != 404:  # deleted meanwhile: nothing to record
                 raise
@@ -117,7 +122,7 @@ class Kube:
         try:
             self.custom.patch_namespaced_custom_object(
                 names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, name, body,
-                _preload_content=False)
+                **RAW)
         except ApiException as err:
             if err.status in (404, 409):
                 return False
@@ -128,7 +133,7 @@ class Kube:
         try:
             self.custom.patch_cluster_custom_object_status(
                 names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, name,
-                {"status": status}, _preload_content=False)
+                {"status": status}, **RAW)
         except ApiException as err:
             if err.status != 404:
                 raise
@@ -169,6 +174,6 @@ class Kube:
         }
         try:
             self.events.create_namespaced_event(namespace, body,
-                                                _preload_content=False)
+                                                **RAW)
         except Exception as err:
             log.warning("event %s on %s not recorded: %s", reason, meta.get("name"), err)
