@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from carpool.core.annotations import load_annotation_json
+from carpool.core.assignment import AssignedGpu
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -29,18 +30,6 @@ class HandshakeError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code  # "INVALID_ARGUMENT" | "NOT_FOUND" | "FAILED_PRECONDITION"
-
-
-@dataclass(frozen=True)
-class AssignedGpu:
-    """One GPU a container holds, as the extender recorded it at bind."""
-
-    uuid: str
-    index: int
-    memory_mib: int
-    cores_pct: int
-    mig_instance: str = ""
-    container: str = ""
 
 
 @dataclass(frozen=True)

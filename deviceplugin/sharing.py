@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from carpool.deviceplugin.handshake import AssignedGpu, HandshakeError
+from carpool.deviceplugin.handshake import HandshakeError
 
+from carpool.core.assignment import AssignedGpu
 from carpool.core.resources import Isolation
 
 CONTAINER_MPS_PIPE_DIR = "/run/carpool/mps"

@@ -11,7 +11,6 @@ from carpool.deviceplugin.backends.base import HealthEvent, HealthEventKind, Pro
 from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.devices import advertised_shares
 from carpool.deviceplugin.handshake import (
-    AssignedGpu,
     HandshakeError,
     PodView,
     allocated_annotation,
@@ -37,6 +36,7 @@ from carpool.deviceplugin.watchdog import (
     watchdog_step,
 )
 
+from carpool.core.assignment import AssignedGpu
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId

@@ -20,13 +20,13 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from carpool.core import names
+from carpool.core.assignment import AssignedGpu
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
-    AssignedGpu,
     Assignment,
     BindingArgs,
     ExtenderArgs,

@@ -17,6 +17,7 @@ from typing import Any
 
 from carpool.core import names
 from carpool.core.annotations import load_annotation_json
+from carpool.core.assignment import AssignedGpu
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
 
 MIB_PER_GIB = 1024
@@ -84,18 +85,6 @@ class BindingArgs:
     @property
     def key(self) -> str:
         return f"{self.pod_namespace}/{self.pod_name}"
-
-
-@dataclass(frozen=True)
-class AssignedGpu:
-    """One GPU of a recorded assignment (one element of the annotation's `gpus`)."""
-
-    uuid: str
-    index: int
-    memory_mib: int
-    cores_pct: int
-    mig_instance: str = ""
-    container: str = ""
 
 
 @dataclass(frozen=True)
