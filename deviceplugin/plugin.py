@@ -33,6 +33,7 @@ from carpool.deviceplugin.metrics import GpuMetrics
 from carpool.deviceplugin.pods import PodSource
 from carpool.deviceplugin.sharing import MpsSettings, container_setup
 
+from carpool.core.assignment import AssignedGpu
 from carpool.core.names import RESOURCE_GPU
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -222,6 +223,26 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                                  f"devices are unhealthy: {', '.join(sick)}")
         return shares
 
+    def _check_honourable(self, pod: str, gpus: Sequence[AssignedGpu]) -> None:
+        """Refuse an assignment this node cannot give (a GPU or MIG instance it does not have,
+        more memory than the GPU holds): the annotation is only text on a pod, and starting a
+        container on a missing GPU or with a cap beyond the card would silently break it."""
+        facts = {g.uuid: g for g in self.state.gpus}
+        for gpu in gpus:
+            have = facts.get(gpu.uuid)
+            if have is None:
+                raise HandshakeError("FAILED_PRECONDITION",
+                                     f"{pod} is assigned GPU {gpu.uuid}, which node "
+                                     f"{self.state.config.node} does not have")
+            if gpu.mig_instance and gpu.mig_instance not in {m.uuid for m in have.mig_instances}:
+                raise HandshakeError("FAILED_PRECONDITION",
+                                     f"{pod} is assigned MIG instance {gpu.mig_instance}, "
+                                     f"which GPU {gpu.uuid} does not have")
+            if gpu.memory_mib > have.memory_total_mib:
+                raise HandshakeError("FAILED_PRECONDITION",
+                                     f"{pod} is assigned {gpu.memory_mib} MiB on GPU {gpu.uuid}, "
+                                     f"which holds {have.memory_total_mib} MiB")
+
     async def _allocate_one(self, ids: list[str]) -> api_pb2.ContainerAllocateResponse:
         state = self.state
         shares = self._check_devices(ids)
@@ -229,6 +250,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         match = match_request(pods, state.config.node, shares, state.clock(),
                               frozenset(state.handed_over))
         isolation = self._isolation(match)
+        self._check_honourable(match.pod.key, match.gpus)
         setup = container_setup(isolation, match.gpus, state.config.mps)
         assigned = [g.uuid for g in match.gpus]
         if {s.gpu_uuid for s in shares} != set(assigned):

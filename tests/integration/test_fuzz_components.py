@@ -405,9 +405,6 @@ def test_bad_assignment_annotations_crash_neither_component(
           f"good pod allocated; GPU-0 allocations: {outcomes}")
 
 
-@pytest.mark.xfail(strict=True, reason="found here: the device plugin builds its answer from "
-                   "the assignment without checking it against the node: a GPU it does not "
-                   "have, or more memory than the GPU holds, is handed out")
 @pytest.mark.parametrize("case", ["unknown-gpu", "more-memory-than-the-gpu"])
 def test_plugin_refuses_assignments_it_cannot_honour(world: World, cluster: devcluster.Cluster,
                                                      case: str) -> None:
