@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import crds, devcluster
+from carpool import crds, devcluster, simnodes
 from carpool.core import names
 
 pytestmark = pytest.mark.cluster
@@ -199,6 +199,54 @@ def test_chart_crds_are_accepted(cluster: devcluster.Cluster, release: Release) 
         assert conditions["Established"] == "True"
 
 
+def test_installed_policies_confine_the_device_plugin_to_its_node(
+        cluster: devcluster.Cluster, release: Release, tmp_path: Path) -> None:
+    """The chart's ValidatingAdmissionPolicy, as `helm install` put it: the release's
+    device-plugin account with a token bound to node A (the claim its DaemonSet pod's token
+    carries) writes GpuNode A's status, and is refused GpuNode B's, which stays unchanged."""
+    policies = sorted(o["metadata"]["name"] for o in release.objects
+                      if o["kind"].startswith("ValidatingAdmissionPolicy"))
+    assert policies == sorted(f"{release.name}-{p}" for p in ("gpunode-own-node",
+                                                               "pod-annotations") for _ in "ab")
+    suffix = uuid.uuid4().hex[:6]
+    nodes = simnodes.parse_nodes({"nodes": [
+        {"name": f"helm-vap-{x}-{suffix}", "gpus": [{"model": "H200", "count": 1}]}
+        for x in "ab"]})
+    api = cluster.api()
+    simnodes.apply_nodes(api, nodes)
+    node_a, node_b = (n.name for n in nodes)
+    try:
+        token = cluster.kubectl("create", "token", f"{release.name}-device-plugin", "-n",
+                                release.namespace, "--bound-object-kind=Node",
+                                f"--bound-object-name={node_a}", "--duration=10m").stdout.strip()
+        kubeconfig = token_kubeconfig(cluster, release, "device-plugin", tmp_path, token)
+
+        def as_plugin(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([str(cluster.bin_dir / "kubectl"), "--kubeconfig",
+                                   str(kubeconfig), *args], capture_output=True, text=True,
+                                  timeout=60, check=False)
+
+        def heartbeat(node: str) -> str:
+            return cluster.kubectl("get", "gpunode", node, "-o",
+                                   "jsonpath={.status.heartbeat}").stdout
+
+        patch = json.dumps({"status": {"heartbeat": "2030-01-01T00:00:00Z"}})
+        own = as_plugin("patch", "gpunode", node_a, "--subresource=status", "--type=merge",
+                        "-p", patch)
+        assert own.returncode == 0, own.stderr
+        assert heartbeat(node_a) == "2030-01-01T00:00:00Z"
+        before = heartbeat(node_b)
+        other = as_plugin("patch", "gpunode", node_b, "--subresource=status", "--type=merge",
+                          "-p", patch)
+        assert other.returncode != 0
+        assert f"{release.name}-gpunode-own-node" in other.stderr, other.stderr
+        assert f"may write only GpuNode {node_a}" in other.stderr, other.stderr
+        assert heartbeat(node_b) == before
+    finally:
+        simnodes.delete_nodes(api, [n.name for n in nodes])
+        api.close()
+
+
 def test_uninstall_removes_everything_but_the_crds(cluster: devcluster.Cluster) -> None:
     suffix = uuid.uuid4().hex[:6]
     name, namespace = f"carpool-rm-{suffix}", f"carpool-helm-rm-{suffix}"
@@ -206,7 +254,8 @@ def test_uninstall_removes_everything_but_the_crds(cluster: devcluster.Cluster) 
          "--wait=false")
     try:
         helm(cluster, "uninstall", name, "--namespace", namespace, "--wait")
-        roles = cluster.kubectl("get", "clusterroles", "-l",
+        roles = cluster.kubectl("get", "clusterroles,validatingadmissionpolicies,"
+                                "validatingadmissionpolicybindings", "-l",
                                 f"app.kubernetes.io/instance={name}", "-o", "name").stdout
         assert roles.strip() == ""
         left = cluster.kubectl("get", "deployments,daemonsets,services,configmaps,"
@@ -224,11 +273,11 @@ FORBIDDEN_MARKERS = ("Forbidden", "forbidden", "403", "Traceback")
 
 
 def token_kubeconfig(cluster: devcluster.Cluster, release: Release, account: str,
-                     directory: Path) -> Path:
-    """A kubeconfig that authenticates as the chart's ServiceAccount `account` (a bound token),
-    for the same API server as the cluster's own kubeconfig."""
-    token = cluster.kubectl("create", "token", f"{release.name}-{account}", "-n",
-                            release.namespace, "--duration=1h").stdout.strip()
+                     directory: Path, token: str | None = None) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount `account` (a bound token,
+    or `token`), for the same API server as the cluster's own kubeconfig."""
+    token = token or cluster.kubectl("create", "token", f"{release.name}-{account}", "-n",
+                                     release.namespace, "--duration=1h").stdout.strip()
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
     context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])
     server = next(c for c in admin["clusters"] if c["name"] == context["context"]["cluster"])

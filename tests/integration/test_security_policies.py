@@ -6,9 +6,10 @@ and applied alone, under a release name of this module's own, so nothing else fr
 runs. tests/integration/test_helm_install.py already asks `auth can-i` for what each account
 needs and a first set of denials; this module asks the dangerous rest (minting tokens,
 impersonation, RBAC escalation, exec, secrets, node writes, admission policy changes) and
-proves the rules that RBAC alone cannot express: `hack/policies/` (ValidatingAdmissionPolicy,
-user roles) with real node-bound tokens and impersonation, and the operator refusing a
-namespace that bills a project it is not bound to.
+proves the rules that RBAC alone cannot express: the chart's policies (templates/policies.yaml,
+whose source is `hack/policies/`: ValidatingAdmissionPolicies and user roles, named after the
+release) with real node-bound tokens and impersonation, and the operator refusing a namespace
+that bills a project it is not bound to.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "carpool"
-POLICIES = REPO / "hack" / "policies"
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 ACCOUNTS = ("operator", "extender", "device-plugin")
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 
@@ -65,6 +66,18 @@ class Rbac:
     def account(self, component: str) -> str:
         return f"system:serviceaccount:{self.namespace}:{self.release}-{component}"
 
+    def named(self, policy: str) -> str:
+        """A chart object's name in this release: hack/policies' carpool-X is <release>-X."""
+        return f"{self.release}-{policy}"
+
+
+def render(cluster: devcluster.Cluster, rbac_release: str, namespace: str,
+           kinds: tuple[str, ...]) -> list[dict[str, Any]]:
+    rendered = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", rbac_release, str(CHART), "--namespace",
+         namespace], capture_output=True, text=True, timeout=120, check=True).stdout
+    return [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in kinds]
+
 
 def apply_manifests(cluster: devcluster.Cluster, objects: list[dict[str, Any]]) -> None:
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
@@ -77,14 +90,12 @@ def delete_manifests(cluster: devcluster.Cluster, objects: list[dict[str, Any]])
 
 @pytest.fixture(scope="module")
 def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
-    """Only the chart's RBAC objects, applied under a fresh release name and namespace."""
+    """Only the chart's RBAC objects (the user roles included), applied under a fresh release
+    name and namespace."""
     suffix = uuid.uuid4().hex[:6]
     # A release name with "carpool" in it is the chart's full name: accounts carpool-relsec-*
     release, namespace = f"carpool-relsec-{suffix}", f"relsec-{suffix}"
-    rendered = subprocess.run(
-        [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace",
-         namespace], capture_output=True, text=True, timeout=120, check=True).stdout
-    objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in RBAC_KINDS]
+    objects = render(cluster, release, namespace, RBAC_KINDS)
     assert {o["kind"] for o in objects} == set(RBAC_KINDS)
     crds.apply_crds(cluster.api())  # kubectl resolves carpool.dev resources by discovery
     cluster.kubectl("create", "namespace", namespace)
@@ -98,16 +109,12 @@ def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
 
 @pytest.fixture(scope="module")
 def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
-    """hack/policies applied (cluster-wide), removed afterwards; the pod-annotation policy's
-    writers are this module's release accounts."""
+    """The chart's ValidatingAdmissionPolicies for this module's release (cluster-wide; the
+    pod-annotation policy's writers are the release's accounts), removed afterwards."""
     crds.apply_crds(cluster.api())
-    objects = [o for path in sorted(POLICIES.glob("*.yaml"))
-               for o in yaml.safe_load_all(path.read_text()) if o]
-    for obj in objects:  # the pod-annotation policy's writers: this module's accounts
-        for variable in (obj.get("spec") or {}).get("variables", []):
-            if variable["name"] == "writers":
-                variable["expression"] = json.dumps([rbac.account(c)
-                                                     for c in ("extender", "device-plugin")])
+    objects = render(cluster, rbac.release, rbac.namespace, POLICY_KINDS)
+    assert sorted(o["metadata"]["name"] for o in objects) == sorted(
+        rbac.named(p) for p in ("gpunode-own-node", "pod-annotations") for _ in range(2))
     apply_manifests(cluster, objects)
     try:
         yield
@@ -207,7 +214,7 @@ def test_the_accounts_are_not_inert(cluster: devcluster.Cluster, rbac: Rbac) -> 
 
 @pytest.fixture(scope="module")
 def people(cluster: devcluster.Cluster, rbac: Rbac, policies: None) -> Iterator[dict[str, str]]:
-    """alice: `edit` in one namespace; pat: the carpool-platform-team ClusterRole."""
+    """alice: `edit` in one namespace; pat: the release's platform-team ClusterRole."""
     suffix = rbac.namespace.removeprefix("relsec-")
     team_ns, other_ns = f"relsec-team-{suffix}", f"relsec-other-{suffix}"
     alice, pat = f"alice-{suffix}", f"pat-{suffix}"
@@ -218,7 +225,7 @@ def people(cluster: devcluster.Cluster, rbac: Rbac, policies: None) -> Iterator[
     cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit",
                     f"--user={alice}", "-n", other_ns)
     cluster.kubectl("create", "clusterrolebinding", f"relsec-pat-{suffix}",
-                    "--clusterrole=carpool-platform-team", f"--user={pat}")
+                    f"--clusterrole={rbac.named('platform-team')}", f"--user={pat}")
     # The controller manager folds carpool-gpujob-edit into `edit` a moment after it exists.
     wait_for("aggregation into edit", lambda: can_i(cluster, alice, "create",
                                                     "gpujobs.carpool.dev", team_ns))
@@ -385,14 +392,15 @@ def test_device_plugin_writes_its_own_gpunode(plugin_on_node_a: Writer,
 
 
 def test_device_plugin_cannot_write_another_nodes_gpunode(
-        plugin_on_node_a: Writer, two_nodes: tuple[str, str], cluster: devcluster.Cluster) -> None:
+        plugin_on_node_a: Writer, two_nodes: tuple[str, str], cluster: devcluster.Cluster,
+        rbac: Rbac) -> None:
     node_a, node_b = two_nodes
     before = cluster.kubectl("get", "gpunode", node_b, "-o",
                              "jsonpath={.status.heartbeat}").stdout
     result = plugin_on_node_a("patch", "gpunode", node_b, "--subresource=status",
                               "--type=merge", "-p", heartbeat_patch())
     assert result.returncode != 0
-    assert "carpool-gpunode-own-node" in result.stderr, result.stderr
+    assert rbac.named("gpunode-own-node") in result.stderr, result.stderr
     assert f"may write only GpuNode {node_a}" in result.stderr, result.stderr
     after = cluster.kubectl("get", "gpunode", node_b, "-o", "jsonpath={.status.heartbeat}").stdout
     assert after == before

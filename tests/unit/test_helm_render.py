@@ -22,6 +22,7 @@ from carpool.core import names
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "carpool"
+POLICIES = REPO / "hack" / "policies"
 NAMESPACE = "carpool-system"
 Obj = dict[str, Any]
 
@@ -90,8 +91,13 @@ def test_default_install_has_every_component(default: list[Obj]) -> None:
     ]
     assert not [o for o in default if o["kind"] == "ServiceMonitor"]  # opt-in
     assert all(o["metadata"].get("namespace") == NAMESPACE for o in default
-               if o["kind"] not in ("ClusterRole", "ClusterRoleBinding", "PriorityClass")
+               if o["kind"] not in CLUSTER_SCOPED
                and not (o["kind"] == "RoleBinding" and o["metadata"]["namespace"] == "kube-system"))
+    assert not [o for o in default if o["kind"] in CLUSTER_SCOPED and "namespace" in o["metadata"]]
+
+
+CLUSTER_SCOPED = ("ClusterRole", "ClusterRoleBinding", "PriorityClass",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 
 def test_no_role_grants_secrets_or_wildcards(default: list[Obj]) -> None:
@@ -365,3 +371,77 @@ def test_images_carry_what_the_chart_runs(default: list[Obj]) -> None:
     script = REPO / "docker" / "mps-entrypoint.sh"
     assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
     assert "mps-entrypoint.sh" in (REPO / "docker" / "mps.Dockerfile").read_text()
+
+
+# --- the policies from hack/policies ---------------------------------------------------------
+
+
+def policy_sources() -> list[Obj]:
+    return [o for path in sorted(POLICIES.glob("*.yaml"))
+            for o in yaml.safe_load_all(path.read_text()) if o]
+
+
+def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
+    """Drift check of files/policies/, and the rendered objects are hack/policies' objects with
+    only the release's names, the chart's labels and the release's writer accounts."""
+    check = subprocess.run(["bash", str(POLICIES / "sync-chart.sh"), "--check"],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + "\n(run bash hack/policies/sync-chart.sh)"
+    rendered = {(o["kind"], o["metadata"]["name"]): o
+                for o in objects(helm, "--show-only", "templates/policies.yaml")}
+    sources = policy_sources()
+    assert len(rendered) == len(sources) == 8
+    writers = [f"system:serviceaccount:{NAMESPACE}:carpool-{c}"
+               for c in ("extender", "device-plugin")]
+    for source in sources:
+        # release "carpool" is the chart's full name, so the names are hack/policies' own
+        got = rendered[(source["kind"], source["metadata"]["name"])]
+        assert got["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        assert source["metadata"]["labels"].items() <= got["metadata"]["labels"].items()
+        for variable in got.get("spec", {}).get("variables", []):
+            if variable["name"] == "writers":
+                assert json.loads(variable["expression"]) == writers
+        strip = {k: v for k, v in got.items() if k != "metadata"}
+        expected = {k: v for k, v in source.items() if k != "metadata"}
+        if source["kind"] == "ValidatingAdmissionPolicy":
+            for variable in expected["spec"].get("variables", []):
+                if variable["name"] == "writers":
+                    variable["expression"] = json.dumps(writers, separators=(",", ":"))
+        assert strip == expected, source["metadata"]["name"]
+
+
+def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
+    result = subprocess.run(
+        [str(helm), "template", "team", str(CHART), "--namespace", "gpu",
+         "--kube-version", "1.35.4", "--show-only", "templates/policies.yaml"],
+        capture_output=True, text=True, timeout=60, check=True)
+    renamed = [o for o in yaml.safe_load_all(result.stdout) if o]
+    names_ = sorted(o["metadata"]["name"] for o in renamed)
+    assert all(n.startswith("team-carpool-") for n in names_), names_
+    bindings = {o["metadata"]["name"]: o["spec"]["policyName"] for o in renamed
+                if o["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert bindings == {"team-carpool-gpunode-own-node": "team-carpool-gpunode-own-node",
+                        "team-carpool-pod-annotations": "team-carpool-pod-annotations"}
+    annotations = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-pod-annotations"
+                       and o["kind"] == "ValidatingAdmissionPolicy")
+    (writers,) = [v for v in annotations["spec"]["variables"] if v["name"] == "writers"]
+    assert json.loads(writers["expression"]) == [
+        "system:serviceaccount:gpu:team-carpool-extender",
+        "system:serviceaccount:gpu:team-carpool-device-plugin"]
+
+    def kinds(*args: str) -> list[str]:
+        """The kinds of the policy objects rendered with these values."""
+        ours = ("-platform-team", "-gpujob-edit", "-gpujob-view", "-cluster-view",
+                "-gpunode-own-node", "-pod-annotations")
+        return sorted(o["kind"] for o in objects(helm, *args)
+                      if o["metadata"]["name"].endswith(ours))
+
+    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 2 + [
+        "ValidatingAdmissionPolicyBinding"] * 2  # on by default
+    assert kinds("--set", "policies.gpuNodeOwnNode=false", "--set",
+                 "policies.podAnnotations=false", "--set", "policies.userRoles=false") == []
+    assert kinds("--set", "policies.userRoles=false") == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
+    assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false") == [
+        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
