@@ -3,28 +3,35 @@ killed (-9) and restarted mid-run, a GPU turning Unhealthy, invariants sampled e
 
 Runs on a cluster of its own (`$CARPOOL_LOAD_CLUSTER`, default carpool-load; its scheduler calls
 the extender on `$CARPOOL_LOAD_EXTENDER_PORT`, default 18095), because it kills the API server
-and etcd. Scale by environment (the defaults took 17 minutes on a shared 2-core machine;
-docs/reliability.md lists the runs):
+and etcd. Scale by environment (docs/reliability.md lists the runs and their times):
 
     CARPOOL_LOAD_JOBS=1000 CARPOOL_LOAD_NODES=500 CARPOOL_LOAD_RATE=2.5 \
         .venv/bin/pytest e2e/test_reliability_load.py -s
 
-Jobs arrive at RATE per second over four projects (3 in 10 to one whose concurrent quota of 2
-GPUs is less than its demand, so its jobs queue and the quota invariant bites) and
-finish after 3-12 simulated seconds, so jobs finish while new ones arrive. Checked every second
-from a watch-fed copy of the pods (carpool.chaos): no GPU holds more memory or cores than it
-has, no exclusive grant shares a GPU, no project holds more GPUs than its concurrent quota, no
-pod is assigned to a GPU after it turned Unhealthy. At the end: every job Succeeded, none ran
-to success twice, and the operator and extender processes are alive. Results go to
-`$CARPOOL_LOAD_REPORT` (default build/reliability-load.json) for docs/reliability.md.
+Jobs arrive at RATE per second over five projects (3 in 10 to one whose concurrent quota of 2
+GPUs is less than its demand, so its jobs queue and the quota invariant bites; 1 in 10 to one
+with a GPU-hour budget per 5 minutes below its demand while jobs arrive) and finish after 3-12
+simulated seconds, so jobs finish while new ones arrive. KWOK runs the pods of all nodes but
+`$CARPOOL_LOAD_PLUGIN_NODES` (default 4): there the real device plugin (fake GPU backend) hands
+out the GPUs, driven by a stand-in kubelet (carpool.chaos.StandInKubelet), and 1 job in 10 is
+pinned to them. Checked every second from a watch-fed copy of the pods (carpool.chaos): no GPU
+holds more memory or cores than it has, no exclusive grant shares a GPU, no project holds more
+GPUs than its concurrent quota, no project used more GPU-hours in the current period than its
+budget, no pod is assigned to a GPU after it turned Unhealthy, and in the device plugin's own
+Allocate answers no GPU is over-committed and no pod got other GPUs than assigned. At the end:
+every job Succeeded, none ran to success twice, the operator, extender and device plugins are
+alive, and each plugin's published GpuNode status is fresh and names its node's GPUs. Results
+go to `$CARPOOL_LOAD_REPORT` (default build/reliability-load.json) for docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -49,12 +56,25 @@ RATE = float(os.environ.get("CARPOOL_LOAD_RATE", "2.5"))
 TIMEOUT_S = float(os.environ.get("CARPOOL_LOAD_TIMEOUT", "1500"))
 FAULTS = os.environ.get("CARPOOL_LOAD_FAULTS", "1") == "1"
 REPORT = Path(os.environ.get("CARPOOL_LOAD_REPORT", str(REPO / "build" / "reliability-load.json")))
+# Nodes whose pods the real device plugin serves (a stand-in kubelet drives it; KWOK runs the
+# rest); one job in ten is pinned to them.
+PLUGIN_NODES = int(os.environ.get("CARPOOL_LOAD_PLUGIN_NODES", "4"))
 GPUS_PER_NODE = 8
-# project (and its namespace) -> concurrent GPUs; "tight" is where the quota invariant bites.
-# Names carry a run id, so a kept cluster can run again without meeting the last run's jobs.
+# project (and its namespace) -> concurrent GPUs; "tight" is where the quota invariant bites,
+# "budget" is where the GPU-hour budget does. Names carry a run id, so a kept cluster can run
+# again without meeting the last run's jobs.
 RUN = datetime.now(UTC).strftime("%H%M%S")
-TIGHT, OTHERS = f"load-tight-{RUN}", (f"load-a-{RUN}", f"load-b-{RUN}", f"load-c-{RUN}")
-PROJECTS = {TIGHT: 2.0, **{p: 400.0 for p in OTHERS}}
+TIGHT, BUDGETED = f"load-tight-{RUN}", f"load-budget-{RUN}"
+OTHERS = (f"load-a-{RUN}", f"load-b-{RUN}", f"load-c-{RUN}")
+PROJECTS = {TIGHT: 2.0, BUDGETED: 400.0, **{p: 400.0 for p in OTHERS}}
+PLUGIN_LABEL = ("carpool.dev/load-kubelet", "stand-in")
+# The budgeted project: one job in ten, each with maxDuration 90 s (admission claims fraction x
+# 90 s), budget per 5-minute period sized so its demand exceeds the budget while jobs arrive
+# (the budget holds jobs back) yet all finish about one period after the last arrives.
+BUDGET_PERIOD_S = 300.0
+MEAN_JOB_GPU_S = 0.415 * 7.5  # the mix's mean GPU equivalents x mean simulated seconds
+BUDGET_GPU_S = max(120.0, 1.3 * JOBS / 10 * MEAN_JOB_GPU_S * BUDGET_PERIOD_S
+                   / (JOBS / RATE + BUDGET_PERIOD_S))
 
 
 def log(message: str) -> None:
@@ -91,10 +111,26 @@ class Carpool:
     cluster: devcluster.Cluster
     log_dir: Path
     extender_kubeconfig: Path  # through a chaos.ApiProxy, so it can be cut off
+    plugin_dirs: dict[str, Path] = field(default_factory=dict)  # node -> its plugin directory
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, component: str) -> None:
-        if component == "extender":
+        if component.startswith("device-plugin:"):
+            node = component.removeprefix("device-plugin:")
+            spec = self.log_dir / f"{node}.yaml"
+            spec.write_text(yaml.safe_dump(simnodes.parse_nodes({"nodes": [{
+                "name": node, "gpus": [{"model": "H200", "count": GPUS_PER_NODE}]}]}
+            )[0].backend_spec()))
+            with (self.log_dir / f"plugin-{node}.log").open("ab") as out:
+                self.processes[component] = subprocess.Popen(
+                    [sys.executable, "-m", "carpool.deviceplugin", "--node-name", node,
+                     "--backend", "fake", "--fake-spec", str(spec),
+                     "--plugin-dir", str(self.plugin_dirs[node]), "--sharing-mode", "mps",
+                     "--no-manage-mps", "--metrics-port", "0", "--publish-interval", "10",
+                     "--kubeconfig", str(self.cluster.kubeconfig)],
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=dict(os.environ, PYTHONSAFEPATH="1"))
+        elif component == "extender":
             self.processes[component] = devcluster.start_extender(
                 self.extender_kubeconfig, self.cluster.extender_port,
                 self.log_dir / "extender.log", timeout=60)
@@ -114,7 +150,8 @@ class Carpool:
             devcluster.stop_process(process)
 
 
-def job_manifest(rng: random.Random, index: int, project: str) -> dict[str, Any]:
+def job_manifest(rng: random.Random, index: int, project: str, on_plugin_nodes: bool = False
+                 ) -> dict[str, Any]:
     shape = rng.random()
     if shape < 0.1:
         gpu: dict[str, Any] = {"count": 1, "memory": "100Gi", "isolation": "exclusive"}
@@ -124,13 +161,17 @@ def job_manifest(rng: random.Random, index: int, project: str) -> dict[str, Any]
     else:
         gpu = {"count": 1, "memory": f"{rng.choice((8, 16, 24, 40, 70))}Gi", "isolation": "mps",
                "cores": rng.choice((10, 20, 25, 30, 50))}
+    pod_spec: dict[str, Any] = {"containers": [{"name": "main", "image": "trainer"}]}
+    if on_plugin_nodes:
+        pod_spec["nodeSelector"] = dict([PLUGIN_LABEL])
+    spec: dict[str, Any] = {"project": project, "class": rng.choice(["short", "long", "batch"]),
+                            "gpu": gpu, "estimatedDuration": "10m",
+                            "simulatedDuration": f"{rng.randint(3, 12)}s",
+                            "template": {"spec": pod_spec}}
+    if project == BUDGETED:  # claims fraction x 90 s of the budget, released at the end
+        spec.update(estimatedDuration="20s", maxDuration="90s")
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
-            "metadata": {"name": f"j{index:05d}", "namespace": project},
-            "spec": {"project": project, "class": rng.choice(["short", "long", "batch"]),
-                     "gpu": gpu, "estimatedDuration": "10m",
-                     "simulatedDuration": f"{rng.randint(3, 12)}s",
-                     "template": {"spec": {"containers": [{"name": "main",
-                                                           "image": "trainer"}]}}}}
+            "metadata": {"name": f"j{index:05d}", "namespace": project}, "spec": spec}
 
 
 def retrying(what: str, call: Callable[[], Any], deadline_s: float = 180) -> Any:
@@ -176,6 +217,28 @@ def mark_gpu_unhealthy(api: Any, node: str) -> str:
     return str(gpus[0]["uuid"])
 
 
+def published_by_plugins(custom: Any, nodes: list[simnodes.SimNode]) -> list[str]:
+    """What is wrong with the GpuNode status each device plugin published: a stale heartbeat
+    (it stopped publishing, e.g. after its restart), other GPUs than its node has, or a GPU
+    reporting more memory used than it has."""
+    problems = []
+    for node in nodes:
+        status = custom.get_cluster_custom_object(names.GROUP, names.VERSION,
+                                                  names.GPUNODE_PLURAL, node.name,
+                                                  _request_timeout=30).get("status") or {}
+        age = (datetime.now(UTC) - datetime.fromisoformat(
+            str(status.get("heartbeat", "2000-01-01T00:00:00Z")).replace("Z", "+00:00")))
+        if age.total_seconds() > 60:
+            problems.append(f"{node.name}: heartbeat {age.total_seconds():.0f} s old")
+        gpus = status.get("gpus") or []
+        if [g.get("uuid") for g in gpus] != [g.uuid for g in node.backend().inventory()]:
+            problems.append(f"{node.name}: published GPUs {[g.get('uuid') for g in gpus]}")
+        problems += [f"{node.name}: {g.get('uuid')} uses {g.get('memoryUsedMiB')} MiB of "
+                     f"{g.get('memoryTotalMiB')}" for g in gpus
+                     if int(g.get("memoryUsedMiB") or 0) > int(g.get("memoryTotalMiB") or 0)]
+    return problems
+
+
 def test_invariant_checks_catch_breaches() -> None:
     """The sampler's checks flag what they exist to flag (else a clean run proves nothing)."""
     capacity = {"g0": chaos.GpuCapacity("n0", 1000, True)}
@@ -190,6 +253,28 @@ def test_invariant_checks_catch_breaches() -> None:
     pod = {"metadata": {"name": "a", "namespace": "ns", "annotations": {
         names.ANN_ASSIGNMENT: "{not json"}}, "status": {"phase": "Running"}}
     assert chaos.holdings(pod) == []
+    # the budget: 0.5 GPU for 60 s and 1 GPU for 30 s since the period began = 60 GPU-s
+    budget = chaos.Budget(gpu_hours=50 / 3600, period_s=300, anchor=1000.0)
+    runs = [chaos.Run("ns/a", "p", 0.5, 900.0, 1060.0), chaos.Run("ns/b", "p", 1.0, 1260.0, None),
+            chaos.Run("ns/c", "q", 1.0, 1000.0, None)]
+    assert abs(chaos.budget_used(runs, "p", budget, now=1290.0) * 3600 - 60) < 1e-6
+    assert chaos.projects_over_budget(runs, {"p": budget}, now=1290.0)
+    assert not chaos.projects_over_budget(runs, {"p": budget}, now=1290.0, open_until=1265.0)
+    assert not chaos.projects_over_budget(runs, {"p": budget}, now=1320.0)  # refilled at 1300
+    finished = {"metadata": {"name": "d", "namespace": "ns", "labels": {
+        names.LABEL_PROJECT: "p"}, "annotations": {names.ANN_ASSIGNMENT: json.dumps(
+            {"gpus": [{"uuid": "g0", "memoryMiB": 500, "cores": 20}]})}},
+        "status": {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {
+            "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:00:10Z"}}}]}}
+    run = chaos.pod_run(finished, capacity)
+    assert run is not None and (run.fraction, run.end - run.start) == (0.5, 10.0)
+    # the device plugin's answers: two 600 MiB MPS caps on a 1000 MiB GPU, one GPU not assigned
+    answer = {"CUDA_VISIBLE_DEVICES": "g0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=600M",
+              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30", "CARPOOL_ISOLATION": "mps"}
+    answers = {p: chaos.plugin_grants(p, answer, capacity) for p in ("ns/a", "ns/b")}
+    problems = chaos.plugin_overcommits(answers, {"ns/a": {"g0"}, "ns/b": {"g1"}}, capacity)
+    assert len(problems) == 2 and "600 MiB" not in problems[0], problems
+    assert not chaos.plugin_overcommits({"ns/a": answers["ns/a"]}, {"ns/a": {"g0"}}, capacity)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 900)
@@ -209,17 +294,27 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     nodes = simnodes.parse_nodes({"nodes": [{
         "name": "load", "replicas": NODES, "sharing": "mps", "zone": "zone-a",
         "gpus": [{"model": "H200", "count": GPUS_PER_NODE}]}]})
+    plugin_nodes = [dataclasses.replace(n, kwok=False, labels=(*n.labels, PLUGIN_LABEL))
+                    for n in simnodes.parse_nodes({"nodes": [{
+                        "name": f"loaddp-{RUN}", "replicas": PLUGIN_NODES, "sharing": "mps",
+                        "zone": "zone-a", "gpus": [{"model": "H200", "count": GPUS_PER_NODE}]}]}
+                    )] if PLUGIN_NODES else []
     started = time.monotonic()
-    simnodes.apply_nodes(api, nodes, workers=8)
-    log(f"{NODES} nodes applied in {time.monotonic() - started:.0f}s")
+    simnodes.apply_nodes(api, nodes + plugin_nodes, workers=8)
+    log(f"{NODES} + {PLUGIN_NODES} nodes applied in {time.monotonic() - started:.0f}s")
+    anchor = datetime.now(UTC).replace(microsecond=0)
+    budget = chaos.Budget(BUDGET_GPU_S / 3600, BUDGET_PERIOD_S, anchor.timestamp())
     for project, gpus in PROJECTS.items():
         namespace = client.V1Namespace(metadata=client.V1ObjectMeta(name=project))
         retrying("namespace", lambda: core.create_namespace(namespace))  # noqa: B023
+        spec: dict[str, Any] = {"namespaces": [project], "concurrent": {"gpus": int(gpus)}}
+        if project == BUDGETED:
+            spec["gpuHours"] = {"budget": budget.gpu_hours, "period": f"{BUDGET_PERIOD_S:.0f}s",
+                                "periodAnchor": anchor.strftime("%Y-%m-%dT%H:%M:%SZ")}
         custom.patch_cluster_custom_object(
             names.GROUP, names.VERSION, "projectquotas", project,
             {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
-             "metadata": {"name": project},
-             "spec": {"namespaces": [project], "concurrent": {"gpus": int(gpus)}}},
+             "metadata": {"name": project}, "spec": spec},
             field_manager="carpool-load", _content_type="application/apply-patch+yaml",
             force=True)
     gpunodes = custom.list_cluster_custom_object(names.GROUP, names.VERSION,
@@ -230,20 +325,33 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     server = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     host, _, port = server.removeprefix("https://").partition(":")
     proxy = chaos.ApiProxy((host, int(port)))
+    # short paths: unix socket paths are limited to 107 bytes
+    plugin_dirs = {n.name: Path(f"/tmp/cpl-{RUN}-{i}") for i, n in enumerate(plugin_nodes)}
     carpool = Carpool(cluster, log_dir,
-                      proxy.kubeconfig(cluster.kubeconfig, log_dir / "extender.kubeconfig"))
+                      proxy.kubeconfig(cluster.kubeconfig, log_dir / "extender.kubeconfig"),
+                      plugin_dirs)
+    kubelet = chaos.StandInKubelet(cluster.api(), plugin_dirs, capacity)
+    kubelet.start()
+    for node in plugin_dirs:
+        carpool.start(f"device-plugin:{node}")
+    for node in plugin_dirs:
+        kubelet.wait_registered(node, 1, timeout=120)
     devcluster.stop_extender(paths)
     carpool.start("extender")
     carpool.start("operator")
-    sampler = chaos.Sampler(cluster.api(), capacity, PROJECTS)
+    sampler = chaos.Sampler(cluster.api(), capacity, PROJECTS, budgets={BUDGETED: budget},
+                            extra_checks=[kubelet.check])
     sampler.start()
     faults = FaultLog()
     fault_errors: list[str] = []
     supervisor = chaos.Supervisor(paths, cluster.bin_dir)
     supervisor.start()
     rng = random.Random(20261129)
-    # 3 jobs in 10 bill the tight project: more than its 2 GPUs can run, so it queues there.
-    manifests = [job_manifest(rng, i, TIGHT if i % 10 < 3 else OTHERS[i % 3])
+    # 3 jobs in 10 bill the tight project: more than its 2 GPUs can run, so it queues there;
+    # 1 in 10 the budgeted one; 1 in 10 runs on the device plugin's nodes.
+    manifests = [job_manifest(rng, i, TIGHT if i % 10 < 3 else BUDGETED if i % 10 == 3
+                              else OTHERS[i % 3], on_plugin_nodes=bool(plugin_nodes)
+                              and i % 10 == 5)
                  for i in range(JOBS)]
     submitted = 0
     t0 = time.monotonic()
@@ -298,6 +406,17 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
             return (f"extender's API connections cut for 20 s ({proxy.refused} reconnects "
                     "refused), then restored")
 
+        def restart_plugin() -> str:
+            node = plugin_nodes[0].name
+            before = kubelet.registrations[node]
+            carpool.kill(f"device-plugin:{node}")
+            time.sleep(2)
+            carpool.start(f"device-plugin:{node}")
+            took = kubelet.wait_registered(node, before + 1, timeout=120)
+            return (f"kill -9 of {node}'s device plugin, restarted after 2 s, registered "
+                    f"again {took:.1f} s later ({kubelet.plugin_down_retries} allocation "
+                    "retries while it was down, so far)")
+
         def unhealthy() -> str:
             uuid = mark_gpu_unhealthy(api, nodes[0].name)
             sampler.mark_unhealthy(uuid, datetime.now(UTC))
@@ -305,6 +424,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
 
         plan = [("operator", restart_own("operator")),
                 ("extender", restart_own("extender")),
+                *([("device-plugin", restart_plugin)] if plugin_nodes else []),
                 ("extender-cut-off", cut_off),
                 ("kube-scheduler", restart_control_plane("kube-scheduler", 2)),
                 ("gpu-unhealthy", unhealthy),
@@ -354,6 +474,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
             progress.append((time.monotonic() - t0, finished))
             log(f"submitted {submitted}, phases {dict(sorted(phases.items()))}, "
                 f"live pods {sampler.max_live_pods} max, {len(sampler.violations)} violations, "
+                f"plugin allocations {kubelet.allocated}, "
                 f"alive {carpool.alive()}")
             if finished == JOBS and not injector.is_alive():
                 done_at = time.monotonic() - t0
@@ -361,11 +482,15 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         injector.join(1)
         submitter.join(1)
         final_jobs = jobs
+        published = retrying("GpuNodes", lambda: published_by_plugins(custom, plugin_nodes))
     finally:
         sampler.stop()
         supervisor.stop()
         alive = carpool.alive()
         carpool.stop()
+        kubelet.stop()
+        for directory in plugin_dirs.values():
+            shutil.rmtree(directory, ignore_errors=True)
         proxy.close()
         sampler.api.close()
         for project in PROJECTS:  # a kept cluster's next run should not list these jobs
@@ -390,6 +515,15 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         "peak_project_gpus": sampler.peak_project_gpus, "quota_gpus": PROJECTS,
         "peak_gpu_memory_share": sampler.peak_gpu_memory_share,
         "watch_restarts": sampler.watch_restarts,
+        "budget": {"project": BUDGETED, "gpu_hours": round(budget.gpu_hours, 5),
+                   "period_s": BUDGET_PERIOD_S,
+                   "peak_share_used": sampler.peak_budget_share.get(BUDGETED)},
+        "device_plugin": {
+            "nodes": list(plugin_dirs), "allocations": kubelet.allocated,
+            "registrations": kubelet.registrations, "refusals": kubelet.refusals[:20],
+            "refusal_count": len(kubelet.refusals),
+            "retries_while_down": kubelet.plugin_down_retries,
+            "pods_failed_admission": kubelet.failed_pods, "published_problems": published},
         "faults": faults.rows, "fault_errors": fault_errors,
         "control_plane_restarts_by_supervisor": supervisor.restarts, "alive_at_end": alive,
         "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
@@ -405,7 +539,12 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     assert all(alive.values()), f"a component died on its own: {alive}\n" + "\n".join(
         stack.log_tail(log_dir / f"{c}.log") for c, ok in alive.items() if not ok)
     assert sampler.samples >= done_at * 0.8  # sampled about every second
+    if plugin_nodes:  # the real device plugin served its share of the load, refusing none
+        assert kubelet.allocated >= JOBS // 20, kubelet.allocated
+        assert not kubelet.failed_pods, kubelet.refusals[:10]
+        assert not published, published
     if FAULTS:
         assert [f["fault"] for f in faults.rows] == [
-            "operator", "extender", "extender-cut-off", "kube-scheduler", "gpu-unhealthy",
+            "operator", "extender", *(["device-plugin"] if plugin_nodes else []),
+            "extender-cut-off", "kube-scheduler", "gpu-unhealthy",
             "kube-apiserver", "etcd", "operator-again"]

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -236,9 +237,14 @@ def holdings(pod: Mapping[str, Any]) -> list[Holding]:
     A malformed annotation counts as holding nothing; the run's bad-input tests check that
     the components survive such annotations, this only measures placements.
     """
-    meta = pod.get("metadata") or {}
     if (pod.get("status") or {}).get("phase") in TERMINAL_POD_PHASES:
         return []
+    return assigned(pod)
+
+
+def assigned(pod: Mapping[str, Any]) -> list[Holding]:
+    """The GPUs the extender assigned a pod, whatever its phase (see `holdings`)."""
+    meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     raw = annotations.get(names.ANN_ASSIGNMENT)
     if not raw:
@@ -311,6 +317,131 @@ def placed_on_unhealthy(held: Iterable[Holding], unhealthy_since: Mapping[str, d
     return problems
 
 
+def parse_time(text: object) -> float | None:
+    """Epoch seconds of an RFC 3339 time (as the API server writes them), None if absent."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Run:
+    """One pod's use of its GPUs: from its containers' start to their end (None: running).
+    The same times the operator charges a run by (container startedAt / finishedAt)."""
+
+    pod: str
+    project: str
+    fraction: float  # GPU equivalents held (carpool.core.gpuhours)
+    start: float
+    end: float | None
+
+
+def pod_run(pod: Mapping[str, Any], capacity: Mapping[str, GpuCapacity]) -> Run | None:
+    """The run of a pod that has started, with its assignment's GPU equivalents; else None."""
+    held = assigned(pod)
+    status = pod.get("status") or {}
+    if not held or status.get("phase") in (None, "Pending"):
+        return None
+    start = parse_time(status.get("startTime"))
+    end = None
+    for container in status.get("containerStatuses") or []:
+        state = container.get("state") or {}
+        for key in ("running", "terminated"):
+            if key in state and (started := parse_time((state[key] or {}).get("startedAt"))):
+                start = started
+        if finished := parse_time((state.get("terminated") or {}).get("finishedAt")):
+            end = max(end or finished, finished)
+    if start is None:
+        return None
+    if status.get("phase") in TERMINAL_POD_PHASES and end is None:
+        end = parse_time((pod.get("metadata") or {}).get("deletionTimestamp")) or start
+    return Run(held[0].pod, held[0].project, sum(gpu_equivalents(h, capacity) for h in held),
+               start, end)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A project's hard GPU-hour budget, refilled every `period_s` counted from `anchor`."""
+
+    gpu_hours: float
+    period_s: float
+    anchor: float
+
+    def period_start(self, now: float) -> float:
+        return self.anchor + ((now - self.anchor) // self.period_s) * self.period_s
+
+
+def budget_used(runs: Iterable[Run], project: str, budget: Budget, now: float,
+                open_until: float | None = None) -> float:
+    """GPU-hours the project's runs used in the budget period containing `now`. Runs still
+    open count up to `open_until` (default `now`): the last instant their state was known."""
+    period = budget.period_start(now)
+    until = now if open_until is None else min(now, open_until)
+    used = 0.0
+    for run in runs:
+        if run.project != project:
+            continue
+        end = min(run.end if run.end is not None else until, now)
+        used += max(0.0, end - max(run.start, period)) / 3600.0 * run.fraction
+    return used
+
+
+def projects_over_budget(runs: Iterable[Run], budgets: Mapping[str, Budget], now: float,
+                         open_until: float | None = None) -> list[str]:
+    """Projects that used more GPU-hours in the current period than their budget."""
+    runs = list(runs)
+    problems = []
+    for project, budget in sorted(budgets.items()):
+        used = budget_used(runs, project, budget, now, open_until)
+        if used > budget.gpu_hours + 1e-6:
+            period = datetime.fromtimestamp(budget.period_start(now), UTC).strftime("%H:%M:%S")
+            problems.append(f"{project} over its budget in the period from {period}: "
+                            f"{used:.5f} GPU-h used of {budget.gpu_hours:.5f}")
+    return problems
+
+
+def plugin_grants(pod: str, envs: Mapping[str, str], capacity: Mapping[str, GpuCapacity]
+                  ) -> list[Holding]:
+    """What the device plugin handed one container, read back from its Allocate answer:
+    GPUs by UUID (CUDA_VISIBLE_DEVICES), MPS memory caps per visible device
+    (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT "0=8G,1=4096M"), the MPS thread percentage (absent: no
+    cap, counted as 0 here), the time-slice memory limit, and exclusivity."""
+    uuids = [u for u in envs.get("CUDA_VISIBLE_DEVICES", "").split(",") if u]
+    limits: dict[int, int] = {}
+    for part in envs.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "").split(","):
+        index, _, value = part.partition("=")
+        if index.isdigit() and value[:-1].isdigit() and value[-1:] in ("G", "M"):
+            limits[int(index)] = int(value[:-1]) * (1024 if value.endswith("G") else 1)
+    exclusive = envs.get("CARPOOL_ISOLATION") == "exclusive"
+    cores = int(envs.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0") or 0)
+    timeslice = envs.get("CARPOOL_GPU_MEMORY_LIMIT_MIB", "")
+    out = []
+    for i, uuid in enumerate(uuids):
+        gpu = capacity.get(uuid)
+        memory = limits.get(i, int(timeslice) if timeslice.isdigit() else 0)
+        if exclusive and gpu is not None:
+            memory = gpu.memory_mib
+        out.append(Holding(pod, "", uuid, memory, cores, exclusive, ""))
+    return out
+
+
+def plugin_overcommits(answers: Mapping[str, list[Holding]], assignments: Mapping[str, set[str]],
+                       capacity: Mapping[str, GpuCapacity]) -> list[str]:
+    """Over-commit in the device plugin's own answers (`answers`: live pod -> what the plugin
+    handed it), and answers that name other GPUs than the extender assigned the pod."""
+    problems = [f"device plugin: {p}" for p in
+                overcommitted_gpus([h for hs in answers.values() for h in hs], capacity)]
+    for pod, grants in sorted(answers.items()):
+        handed = {h.gpu_uuid for h in grants}
+        if pod in assignments and handed != assignments[pod]:
+            problems.append(f"device plugin: {pod} was handed {sorted(handed)}, assigned "
+                            f"{sorted(assignments[pod])}")
+    return problems
+
+
 def capacities(gpunodes: Iterable[Mapping[str, Any]]) -> dict[str, GpuCapacity]:
     """GPU uuid -> capacity and health, from GpuNode objects."""
     out = {}
@@ -336,7 +467,14 @@ class Sampler:
     quota_limits: dict[str, float]
     interval: float = 1.0
     unhealthy_grace_s: float = 5.0
+    budgets: dict[str, Budget] = field(default_factory=dict)
+    # More checks each sample (e.g. the device plugin's view): each returns its breaches.
+    extra_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Every run seen, kept after its pod is gone (budgets count finished runs too).
+    runs: dict[str, Run] = field(default_factory=dict)
+    peak_budget_share: dict[str, float] = field(default_factory=dict)  # used / budget
+    stale_since: float | None = None  # the watch is down since then: open runs end there
     succeeded_pods: dict[str, set[str]] = field(default_factory=dict)  # job key -> pod names
     unhealthy_since: dict[str, datetime] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
@@ -368,6 +506,8 @@ class Sampler:
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
         self.pods[key] = pod
+        if run := pod_run(pod, self.capacity):
+            self.runs[key] = run
         if (pod.get("status") or {}).get("phase") == "Succeeded":
             job = f"{meta['namespace']}/{(meta.get('labels') or {}).get(names.LABEL_JOB)}"
             self.succeeded_pods.setdefault(job, set()).add(meta["name"])
@@ -385,6 +525,11 @@ class Sampler:
                     self.pods.clear()
                     for pod in listed.get("items") or []:
                         self._record(pod)
+                    # Runs of pods deleted while the watch was down end when last known.
+                    for key, run in list(self.runs.items()):
+                        if run.end is None and key not in self.pods:
+                            self.runs[key] = replace(run, end=self.stale_since or time.time())
+                    self.stale_since = None
                 stream = watch.Watch().stream(
                     core.list_pod_for_all_namespaces, label_selector=selector,
                     resource_version=listed["metadata"]["resourceVersion"],
@@ -397,11 +542,17 @@ class Sampler:
                         if event["type"] == "DELETED":
                             self._record(pod)  # a last Succeeded state still counts
                             meta = pod["metadata"]
-                            self.pods.pop(f"{meta['namespace']}/{meta['name']}", None)
+                            key = f"{meta['namespace']}/{meta['name']}"
+                            self.pods.pop(key, None)
+                            last = self.runs.get(key)
+                            if last is not None and last.end is None:
+                                self.runs[key] = replace(last, end=time.time())
                         elif event["type"] in ("ADDED", "MODIFIED"):
                             self._record(pod)
             except Exception:  # any failure: relist (the API server may be down)
                 self.watch_restarts += 1
+                with self._lock:
+                    self.stale_since = self.stale_since or time.time()
                 self._stop.wait(1.0)
 
     def check(self) -> list[str]:
@@ -411,6 +562,14 @@ class Sampler:
                        if (p.get("status") or {}).get("phase") not in TERMINAL_POD_PHASES)
             self.max_live_pods = max(self.max_live_pods, live)
             unhealthy = dict(self.unhealthy_since)
+            runs = list(self.runs.values())
+            stale_since = self.stale_since
+        now = time.time()
+        for project, budget in self.budgets.items():
+            used = budget_used(runs, project, budget, now, stale_since)
+            if budget.gpu_hours > 0:
+                self.peak_budget_share[project] = max(self.peak_budget_share.get(project, 0.0),
+                                                      round(used / budget.gpu_hours, 3))
         use: dict[str, float] = {}
         memory: dict[str, int] = {}
         for h in held:
@@ -426,16 +585,380 @@ class Sampler:
                                                  round(mib / gpu.memory_mib, 3))
         return (overcommitted_gpus(held, self.capacity)
                 + projects_over_quota(held, self.capacity, self.quota_limits)
-                + placed_on_unhealthy(held, unhealthy, self.unhealthy_grace_s))
+                + placed_on_unhealthy(held, unhealthy, self.unhealthy_grace_s)
+                + projects_over_budget(runs, self.budgets, now, stale_since)
+                + [problem for check in self.extra_checks for problem in check()])
 
     def _sample_loop(self) -> None:
         previous: set[str] = set()
         while not self._stop.wait(self.interval):
-            now = set(self.check())
+            now = self.check()
             self.samples += 1
             # A breach seen in two samples in a row is real, not a watch event still in flight.
-            lasting = sorted(now & previous)
+            # Breaches are matched by what is breached (before ": "), as amounts may move.
+            lasting = [v for v in now if breach_key(v) in previous]
             if lasting:
                 stamp = datetime.now(UTC).strftime("%H:%M:%S")
                 self.violations.extend(f"{stamp} {v}" for v in lasting)
-            previous = now
+            previous = {breach_key(v) for v in now}
+
+
+def breach_key(problem: str) -> str:
+    """What a breach message is about (a GPU, a project, a pod), without the amounts."""
+    prefix = "device plugin: " if problem.startswith("device plugin: ") else ""
+    return prefix + problem.removeprefix(prefix).split(": ", 1)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# A stand-in kubelet, so the real device plugin runs under load on simulated nodes
+
+
+@dataclass
+class PluginAnswer:
+    """What the device plugin answered for one pod (all its GPU containers)."""
+
+    node: str
+    device_ids: list[str]
+    grants: list[Holding]
+
+
+class StandInKubelet:
+    """The kubelet's side of the device-plugin protocol, and just enough pod lifecycle, for a
+    few simulated nodes that KWOK leaves alone (`SimNode.kwok = False`), so the real device
+    plugin (`python -m carpool.deviceplugin --backend fake`) serves them under load.
+
+    Per node it serves the Registration socket in that node's plugin directory and keeps the
+    Node Ready. For each Carpool pod bound to one of its nodes it does what a kubelet does
+    before starting the containers: offers the plugin's healthy device IDs that no live pod of
+    the node holds (from ListAndWatch), asks GetPreferredAllocation for each GPU container,
+    calls Allocate with the answer; then marks the pod Running and, after its
+    `carpool.dev/simulated-duration`, Succeeded (like the KWOK stages), and removes pods being
+    deleted. While the plugin is down (kill -9), it retries; a real kubelet would fail the pod
+    (UnexpectedAdmissionError), which this run leaves to the KWOK-free tests. What the plugin
+    answered is kept per live pod (`answers`), for `plugin_overcommits`.
+    """
+
+    def __init__(self, api: Any, plugin_dirs: Mapping[str, Path],
+                 capacity: Mapping[str, GpuCapacity]) -> None:
+        self.api = api
+        self.plugin_dirs = dict(plugin_dirs)
+        self.capacity = capacity
+        self.registrations: dict[str, int] = dict.fromkeys(plugin_dirs, 0)
+        self.answers: dict[str, PluginAnswer] = {}  # live pods only
+        self.assignments: dict[str, set[str]] = {}  # live pods: GPUs the extender assigned
+        self.allocated = 0
+        self.refusals: list[str] = []  # deliberate gRPC refusals (not the plugin being down)
+        self.plugin_down_retries = 0
+        self.failed_pods: list[str] = []
+        self._handled: set[str] = set()  # pods whose allocation began
+        self._due: dict[str, tuple[float, dict[str, Any]]] = {}  # pod -> (completion, pod)
+        self._lock = threading.Lock()
+        # The kubelet admits one pod at a time per node: device IDs are offered once.
+        self._node_locks = {node: threading.Lock() for node in plugin_dirs}
+        self._stop = threading.Event()
+        self._servers: list[Any] = []
+        self._threads: list[threading.Thread] = []
+        self._pool: Any = None
+
+    # -- registration ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        from concurrent import futures
+
+        import grpc
+
+        from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+
+        kubelet = self
+
+        class Registration(api_pb2_grpc.RegistrationServicer):
+            def __init__(self, node: str) -> None:
+                self.node = node
+
+            def Register(self, request: Any, context: Any) -> Any:
+                with kubelet._lock:
+                    kubelet.registrations[self.node] += 1
+                return api_pb2.Empty()
+
+        for node, directory in self.plugin_dirs.items():
+            directory.mkdir(parents=True, exist_ok=True)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            api_pb2_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
+                Registration(node), server)
+            server.add_insecure_port(f"unix://{directory / 'kubelet.sock'}")
+            server.start()
+            self._servers.append(server)
+        self._pool = futures.ThreadPoolExecutor(max_workers=4)
+        for target in (self._node_loop, self._watch_loop, self._completion_loop):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(15)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for server in self._servers:
+            server.stop(0)
+
+    def wait_registered(self, node: str, count: int, timeout: float) -> float:
+        """Seconds until `node`'s plugin has registered `count` times in all."""
+        began = time.monotonic()
+        while self.registrations[node] < count:
+            if time.monotonic() - began > timeout:
+                raise RuntimeError(f"the device plugin of {node} did not register again")
+            time.sleep(0.2)
+        return time.monotonic() - began
+
+    def live_answers(self) -> dict[str, list[Holding]]:
+        with self._lock:
+            return {pod: list(a.grants) for pod, a in self.answers.items()}
+
+    def check(self) -> list[str]:
+        """The device plugin's view, for `Sampler.extra_checks`."""
+        with self._lock:
+            answers = {pod: list(a.grants) for pod, a in self.answers.items()}
+            assignments = dict(self.assignments)
+        return plugin_overcommits(answers, assignments, self.capacity)
+
+    # -- the node -------------------------------------------------------------------------
+
+    def _node_loop(self) -> None:
+        """Ready every 10 s (the node lifecycle controller's heartbeat)."""
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api)
+        while not self._stop.is_set():
+            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            conditions = [{"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
+                           "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
+                          for kind, reason in (("MemoryPressure", "SufficientMemory"),
+                                               ("DiskPressure", "NoDiskPressure"),
+                                               ("PIDPressure", "SufficientPID"))]
+            conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
+                               "lastHeartbeatTime": stamp, "lastTransitionTime": stamp})
+            for node in self.plugin_dirs:
+                with contextlib.suppress(Exception):  # the API server may be down on purpose
+                    core.patch_node_status(node, {"status": {"conditions": conditions}},
+                                           _request_timeout=10)
+            self._stop.wait(10)
+
+    # -- pods -----------------------------------------------------------------------------
+
+    def _watch_loop(self) -> None:
+        from kubernetes import client, watch
+
+        core = client.CoreV1Api(self.api)
+        selector = f"{names.LABEL_MANAGED}=true"
+        while not self._stop.is_set():
+            try:
+                listed = self.api.sanitize_for_serialization(core.list_pod_for_all_namespaces(
+                    label_selector=selector, _request_timeout=30))
+                live = set()
+                for pod in listed.get("items") or []:
+                    live.add(self._see(pod, deleted=False))
+                with self._lock:  # pods that went away while the watch was down
+                    for key in set(self.answers) - live:
+                        self.answers.pop(key, None)
+                        self.assignments.pop(key, None)
+                stream = watch.Watch().stream(
+                    core.list_pod_for_all_namespaces, label_selector=selector,
+                    resource_version=listed["metadata"]["resourceVersion"],
+                    timeout_seconds=60, _request_timeout=90)
+                for event in stream:
+                    if self._stop.is_set():
+                        return
+                    pod = self.api.sanitize_for_serialization(event["object"])
+                    self._see(pod, deleted=event["type"] == "DELETED")
+            except Exception:
+                self._stop.wait(1.0)
+
+    def _see(self, pod: dict[str, Any], deleted: bool) -> str:
+        meta = pod.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if node not in self.plugin_dirs:
+            return key
+        phase = (pod.get("status") or {}).get("phase")
+        if deleted or phase in TERMINAL_POD_PHASES:
+            with self._lock:  # the kubelet frees a terminated pod's devices
+                self.answers.pop(key, None)
+                self.assignments.pop(key, None)
+                self._due.pop(key, None)
+            return key
+        if meta.get("deletionTimestamp"):
+            self._pool.submit(self._remove, meta.get("namespace"), meta.get("name"))
+            return key
+        with self._lock:
+            if key in self._handled:
+                return key
+            self._handled.add(key)
+        self._pool.submit(self._admit, key, node, pod)
+        return key
+
+    def _remove(self, namespace: str, name: str) -> None:
+        from kubernetes import client
+
+        with contextlib.suppress(Exception):
+            client.CoreV1Api(self.api).delete_namespaced_pod(
+                name, namespace, grace_period_seconds=0, _request_timeout=30)
+
+    def _devices(self, node: str) -> list[str]:
+        """The plugin's healthy device IDs, from the first ListAndWatch answer."""
+        import grpc
+
+        from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+
+        with grpc.insecure_channel(f"unix://{self.plugin_dirs[node] / 'carpool-gpu.sock'}"
+                                   ) as channel:
+            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+            stream = stub.ListAndWatch(api_pb2.Empty(), timeout=10)
+            try:
+                first = next(stream)
+            finally:
+                stream.cancel()
+        return [d.ID for d in first.devices if d.health == "Healthy"]
+
+    def _admit(self, key: str, node: str, pod: dict[str, Any]) -> None:
+        """Allocate through the plugin (retrying while it is down), then run the pod."""
+        import grpc
+
+        counts = []
+        for container in (pod.get("spec") or {}).get("containers") or []:
+            limit = ((container.get("resources") or {}).get("limits") or {}).get(
+                names.RESOURCE_GPU)
+            if limit:
+                counts.append(int(limit))
+        began = time.monotonic()
+        allocated = False
+        while not allocated and not self._stop.is_set():
+            try:
+                with self._node_locks[node]:
+                    ids, envs = self._allocate(node, counts)
+                allocated = True
+                continue
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.CANCELLED):
+                    self.plugin_down_retries += 1
+                elif time.monotonic() - began > 60:  # a kubelet gives up on admission
+                    self.refusals.append(f"{key}: {code}: {err.details()}")
+                    self._fail(pod)
+                    return
+                else:
+                    self.refusals.append(f"{key}: {code} (retried): {err.details()}")
+            except (StopIteration, OSError, ValueError):  # no device list yet: not serving
+                self.plugin_down_retries += 1
+            self._stop.wait(1.0)
+        if not allocated:
+            return
+        grants = [h for env in envs for h in plugin_grants(key, env, self.capacity)]
+        with self._lock:
+            self.answers[key] = PluginAnswer(node, ids, grants)
+            self.assignments[key] = {h.gpu_uuid for h in assigned(pod)}
+            self.allocated += 1
+        self._run(key, pod)
+
+    def _allocate(self, node: str, counts: list[int]) -> tuple[list[str], list[dict[str, str]]]:
+        """GetPreferredAllocation and Allocate per GPU container, over free device IDs."""
+        import grpc
+
+        from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+
+        with self._lock:
+            in_use = {d for a in self.answers.values() if a.node == node for d in a.device_ids}
+        available = [d for d in self._devices(node) if d not in in_use]
+        ids: list[str] = []
+        envs: list[dict[str, str]] = []
+        with grpc.insecure_channel(f"unix://{self.plugin_dirs[node] / 'carpool-gpu.sock'}"
+                                   ) as channel:
+            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+            for count in counts:
+                offer = [d for d in available if d not in ids]
+                preferred = stub.GetPreferredAllocation(
+                    api_pb2.PreferredAllocationRequest(container_requests=[
+                        api_pb2.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=offer, allocation_size=count)]),
+                    timeout=30)
+                chosen = list(preferred.container_responses[0].deviceIDs) or offer[:count]
+                answer = stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+                    api_pb2.ContainerAllocateRequest(devices_ids=chosen)]), timeout=30)
+                ids += chosen
+                envs.append(dict(answer.container_responses[0].envs))
+        return ids, envs
+
+    def _patch_status(self, pod: dict[str, Any], status: dict[str, Any]) -> bool:
+        """Patch a pod's status through outages; False once the pod is gone."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        meta = pod["metadata"]
+        core = client.CoreV1Api(self.api)
+        while not self._stop.is_set():
+            try:
+                core.patch_namespaced_pod_status(meta["name"], meta["namespace"],
+                                                 {"status": status}, _request_timeout=30)
+                return True
+            except ApiException as err:
+                if err.status == 404:
+                    return False
+            except Exception:  # the API server may be down on purpose
+                pass
+            self._stop.wait(1.0)
+        return False
+
+    def _run(self, key: str, pod: dict[str, Any]) -> None:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        containers = (pod.get("spec") or {}).get("containers") or []
+        status = {
+            "phase": "Running", "startTime": stamp, "podIP": "10.0.0.1", "hostIP": "10.0.0.1",
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": stamp}
+                           for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+            "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "ready": True,
+                                   "started": True, "restartCount": 0,
+                                   "state": {"running": {"startedAt": stamp}}}
+                                  for c in containers]}
+        if not self._patch_status(pod, status):
+            return
+        duration = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+            names.ANN_SIM_DURATION, "")
+        try:
+            seconds = float(duration)
+        except ValueError:
+            return  # runs until deleted, as on KWOK
+        with self._lock:
+            self._due[key] = (time.time() + math.ceil(seconds), {**pod, "_started": stamp})
+
+    def _completion_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.time()
+            with self._lock:
+                due = [(k, p) for k, (at, p) in self._due.items() if at <= now]
+                for key, _ in due:
+                    self._due.pop(key, None)
+            for _, pod in due:
+                self._pool.submit(self._complete, pod)
+
+    def _complete(self, pod: dict[str, Any]) -> None:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        started = pod.get("_started", stamp)
+        self._patch_status(pod, {
+            "phase": "Succeeded",
+            "conditions": [{"type": t, "status": "False", "reason": "PodCompleted",
+                            "lastTransitionTime": stamp} for t in ("ContainersReady", "Ready")],
+            "containerStatuses": [{"name": c["name"], "image": c.get("image", ""),
+                                   "ready": False, "started": False, "restartCount": 0,
+                                   "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                            "startedAt": started,
+                                                            "finishedAt": stamp}}}
+                                  for c in (pod.get("spec") or {}).get("containers") or []]})
+
+    def _fail(self, pod: dict[str, Any]) -> None:
+        """A kubelet that cannot get a pod its devices rejects it."""
+        meta = pod["metadata"]
+        self.failed_pods.append(f"{meta['namespace']}/{meta['name']}")
+        self._patch_status(pod, {"phase": "Failed", "reason": "UnexpectedAdmissionError",
+                                 "message": "the device plugin refused the allocation"})

@@ -109,6 +109,9 @@ class SimNode:
     cuda_version: str = DEFAULT_CUDA
     labels: tuple[tuple[str, str], ...] = field(default=())
     taints: tuple[Taint, ...] = ()  # none by default: KWOK manages nodes by annotation
+    # False: KWOK leaves the node and its pods alone, for a stand-in kubelet that drives the
+    # real device plugin (carpool.chaos.StandInKubelet) to run them instead.
+    kwok: bool = True
 
     @property
     def gpu_count(self) -> int:
@@ -405,15 +408,18 @@ def node_manifest(node: SimNode) -> dict[str, Any]:
     """The KWOK Node (metadata and spec; its status is applied through /status).
 
     No taint unless asked for: KWOK manages the node because of its annotation, and Carpool's
-    pods then need no toleration.
+    pods then need no toleration. Without `node.kwok` the annotation is left out.
     """
+    annotations = {"node.alpha.kubernetes.io/ttl": "0"}
+    if node.kwok:
+        annotations = {KWOK_NODE_ANNOTATION: "fake", **annotations}
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": node.name,
             "labels": node_labels(node),
-            "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "annotations": annotations,
         },
         "spec": {"taints": [t.manifest() for t in node.taints]} if node.taints else {},
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 from datetime import UTC, datetime
@@ -127,6 +128,13 @@ def test_bad_openb_rows_are_refused_with_their_line(text: str, expected: str) ->
 
 def _rows(text: str) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_a_node_for_a_stand_in_kubelet_is_not_kwoks() -> None:
+    (node,) = simnodes.parse_nodes(node_doc())
+    manifest = simnodes.node_manifest(dataclasses.replace(node, kwok=False))
+    assert simnodes.KWOK_NODE_ANNOTATION not in manifest["metadata"]["annotations"]
+    assert manifest["metadata"]["labels"] == simnodes.node_manifest(node)["metadata"]["labels"]
 
 
 def test_node_manifest_is_a_kwok_node_with_equal_capacity_and_allocatable() -> None:
