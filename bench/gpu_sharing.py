@@ -32,6 +32,13 @@ from typing import Any
 GIB = 1024
 RESNET_BATCH = 8
 WORKER_FLAG = "--worker"
+# the throughput setups, in the order each round runs them
+SETUPS = {
+    "exclusive": "exclusive, 1 process",
+    "timeslice": "time-sliced, 4 processes",
+    "mps": "MPS, 4 processes (8 GiB / 25 % each)",
+    "mps_open": "MPS, 4 processes (8 GiB each, no SM cap)",
+}
 
 
 # --- worker side (runs in a subprocess with the plugin's environment) --------------------------
@@ -69,28 +76,55 @@ def worker_memory() -> dict[str, Any]:
     return out
 
 
-def worker_resnet(seconds: float) -> dict[str, Any]:
-    """Serve ResNet-50 fp16 batch-8 requests back to back for `seconds`; latency per request."""
+def worker_resnet(seconds: float, graph: bool) -> dict[str, Any]:
+    """Serve ResNet-50 fp16 batch-8 requests back to back for `seconds`; latency per request.
+
+    `graph`: each request replays a captured CUDA graph of the forward pass (one launch), as a
+    tuned inference server does, instead of eager PyTorch's ~160 kernel launches from Python.
+
+    Set up as a serving process would be: one intra-op CPU thread (the work is on the GPU; a
+    pool per process only fights the other workers for cores) and no garbage-collector pauses
+    inside the timed loop."""
+    import gc
+
     import torch
     import torchvision
 
+    torch.set_num_threads(1)
     torch.backends.cudnn.benchmark = True
     model = torchvision.models.resnet50(weights=None).half().cuda().eval()
     model = model.to(memory_format=torch.channels_last)
     batch = torch.randn(RESNET_BATCH, 3, 224, 224, device="cuda", dtype=torch.float16)
     batch = batch.to(memory_format=torch.channels_last)
     with torch.inference_mode():
-        for _ in range(30):
-            model(batch)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (and cuDNN's autotuning) off the capture
+            for _ in range(30):
+                model(batch)
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        forward: Any = lambda: model(batch)  # noqa: E731
+        if graph:
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                model(batch)
+            forward = captured.replay
+            for _ in range(10):
+                forward()
+            torch.cuda.synchronize()
+        gc.collect()
+        gc.freeze()
+        gc.disable()
         print(json.dumps({"ready": True}), flush=True)
         sys.stdin.readline()
         latencies = []
         end = time.perf_counter() + seconds
         while (now := time.perf_counter()) < end:
-            model(batch)
+            forward()
             torch.cuda.synchronize()
             latencies.append(time.perf_counter() - now)
+        gc.enable()
     return {"requests": len(latencies), "seconds": seconds, "latencies_ms":
             [round(x * 1000, 3) for x in latencies]}
 
@@ -112,7 +146,7 @@ def worker_main(argv: list[str]) -> int:
     if kind == "memory":
         result = worker_memory()
     elif kind == "resnet":
-        result = worker_resnet(float(argv[1]))
+        result = worker_resnet(float(argv[1]), argv[2:] == ["graph"])
     elif kind == "hog":
         result = worker_hog(int(argv[1]), float(argv[2]))
     else:
@@ -196,9 +230,11 @@ def tail(err: Any) -> str:
     return str(err.read())[-3000:]
 
 
-def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Throughput and latency of one setup over its rounds (each a list of worker results)."""
+    results = [r for one in rounds for r in one]
     latencies = sorted(x for r in results for x in r["latencies_ms"])
-    seconds = max(r["seconds"] for r in results)
+    seconds = sum(max(r["seconds"] for r in one) for one in rounds)
     requests = sum(r["requests"] for r in results)
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
     return {"req_per_s": requests / seconds, "p50_ms": statistics.median(latencies),
@@ -349,6 +385,10 @@ def main() -> int:
         return worker_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="per throughput run")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="each request replays a CUDA graph instead of eager launches")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="throughput rounds; each runs every setup once")
     parser.add_argument("--json", type=Path, help="also write all results here")
     parser.add_argument("--dry-run", action="store_true",
                         help="fake backend, no GPU: only the plugin's Allocate answers")
@@ -397,44 +437,33 @@ def main() -> int:
         print(json.dumps({"pod": a["pod"], "deviceIDs": a["deviceIDs"], "envs": a["envs"],
                           "mounts": a["mounts"]}), flush=True)
 
-    rows = []
-    log(f"(c) exclusive: 1 process, ResNet-50 fp16 batch {RESNET_BATCH}, {args.seconds:.0f}s")
-    exclusive = summarize(run_workers(["resnet", str(args.seconds)], [host_env(excl)]))
-    rows.append(("exclusive, 1 process", exclusive))
-    log(f"    {exclusive}")
-    log("(c) time-sliced: 4 processes, no MPS")
-    sliced = summarize(run_workers(["resnet", str(args.seconds)], [host_env(a) for a in slices]))
-    rows.append(("time-sliced, 4 processes", sliced))
-    log(f"    {sliced}")
-
-    daemon = MpsDaemon(pipe_dir, log_dir, binary=find_mps_control())
-    daemon.start()
-    log(f"MPS control daemon up (pipe {pipe_dir})")
-    try:
-        log("(b) memory caps and SM share under MPS, 4 clients with the plugin's env")
-        memory = run_workers(["memory"], [host_env(a) for a in clients])
-        report["mps_memory"] = memory
-        for n, m in enumerate(memory):
-            log(f"    client {n}: 10 GiB {m['alloc_10GiB']}; 6 GiB {m['alloc_6GiB']}; "
-                f"bf16 matmul {m['matmul_tflops']} TFLOP/s while all 4 ran")
-        log("(c) MPS: 4 processes with the plugin's env (8 GiB / 25 % each)")
-        mps = summarize(run_workers(["resnet", str(args.seconds)], [host_env(a) for a in clients]))
-        rows.append(("MPS, 4 processes (8 GiB / 25 % each)", mps))
-        log(f"    {mps}")
-        log("(c) MPS: 4 processes, 8 GiB each, no SM cap")
-        uncapped = summarize(run_workers(["resnet", str(args.seconds)],
-                                         [host_env(a) for a in opened]))
-        rows.append(("MPS, 4 processes (8 GiB each, no SM cap)", uncapped))
-        log(f"    {uncapped}")
-        report["mps_server_list"] = daemon.command("get_server_list")
-    finally:
-        daemon.stop()
-        log("MPS control daemon stopped")
-
-    log("(c) exclusive again (drift check)")
-    again = summarize(run_workers(["resnet", str(args.seconds)], [host_env(excl)]))
-    rows.append(("exclusive, 1 process (repeat)", again))
-    log(f"    {again}")
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in SETUPS}
+    memory: list[dict[str, Any]] = []
+    resnet = ["resnet", str(args.seconds)] + (["graph"] if args.cuda_graph else [])
+    for round_no in range(1, args.rounds + 1):
+        # every setup once per round, back to back, so that drift in the VM's CPU speed (the
+        # work is launch-bound) hits all of them alike; the ratios use the sums over rounds
+        log(f"(c) round {round_no}/{args.rounds}: ResNet-50 fp16 batch {RESNET_BATCH}, "
+            f"{args.seconds:.0f}s per setup")
+        runs["exclusive"].append(run_workers(resnet, [host_env(excl)]))
+        runs["timeslice"].append(run_workers(resnet, [host_env(a) for a in slices]))
+        daemon = MpsDaemon(pipe_dir, log_dir, binary=find_mps_control())
+        daemon.start()
+        try:
+            if round_no == 1:
+                log("(b) memory caps and SM share under MPS, 4 clients with the plugin's env")
+                memory = run_workers(["memory"], [host_env(a) for a in clients])
+                report["mps_memory"] = memory
+                for n, m in enumerate(memory):
+                    log(f"    client {n}: 10 GiB {m['alloc_10GiB']}; 6 GiB {m['alloc_6GiB']}; "
+                        f"bf16 matmul {m['matmul_tflops']} TFLOP/s while all 4 ran")
+            runs["mps"].append(run_workers(resnet, [host_env(a) for a in clients]))
+            runs["mps_open"].append(run_workers(resnet, [host_env(a) for a in opened]))
+            report["mps_server_list"] = daemon.command("get_server_list")
+        finally:
+            daemon.stop()
+        for name in SETUPS:
+            log(f"    {name}: {summarize(runs[name][-1:])}")
 
     log("(d) time-slice watchdog: a pod granted 4 GiB holding 6 GiB")
     try:
@@ -445,20 +474,31 @@ def main() -> int:
         log(f"    watchdog demo failed: {err!r}")
     backend.close()
 
-    report["throughput"] = {name: r for name, r in rows}
-    base = exclusive
+    rows = {name: summarize(runs[name]) for name in SETUPS}
+    report["throughput"] = rows
+    report["rounds"] = [{name: summarize([runs[name][n]])["req_per_s"] for name in SETUPS}
+                        for n in range(args.rounds)]
+    base, mps, uncapped = rows["exclusive"], rows["mps"], rows["mps_open"]
     print()
     print(f"GPU sharing on {gpu.model} ({gpu.memory_total_mib} MiB), driver "
           f"{report['status']['driverVersion']}, CUDA {report['status']['cudaVersion']}, "
           f"{report['date']}")
-    print(f"ResNet-50 fp16, batch {RESNET_BATCH}, {args.seconds:.0f}s per run, requests back to "
-          f"back in each process")
+    mode = "CUDA graph replay" if args.cuda_graph else "eager"
+    print(f"ResNet-50 fp16, batch {RESNET_BATCH}, {mode}, {args.rounds} rounds x "
+          f"{args.seconds:.0f}s per setup, requests back to back in each process")
     print()
     print("| setup | req/s | vs exclusive | p50 ms | p99 ms | p99 vs exclusive |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, r in rows:
-        print(f"| {name} | {r['req_per_s']:.0f} | {r['req_per_s'] / base['req_per_s']:.2f}x | "
+    for name, label in SETUPS.items():
+        r = rows[name]
+        print(f"| {label} | {r['req_per_s']:.0f} | {r['req_per_s'] / base['req_per_s']:.2f}x | "
               f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['p99_ms'] / base['p99_ms']:.2f}x |")
+    print()
+    print("| round | " + " | ".join(SETUPS) + " | MPS vs exclusive |")
+    print("|---:|" + "---:|" * (len(SETUPS) + 1))
+    for n, one in enumerate(report["rounds"], start=1):
+        print(f"| {n} | " + " | ".join(f"{one[name]:.0f}" for name in SETUPS)
+              + f" | {one['mps'] / one['exclusive']:.2f}x |")
     mps_ok = (mps["req_per_s"] >= 4 * base["req_per_s"], mps["p99_ms"] <= 1.2 * base["p99_ms"])
     caps_ok = all(m["alloc_10GiB"].startswith("refused") and m["alloc_6GiB"] == "ok"
                   for m in memory)
