@@ -7,11 +7,13 @@ from carpool.core.resources import Gpu, GpuRequest, NodeInventory
 from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.ranking import (
     MAX_SCORE,
+    WORKLOAD_FIRST,
     Ranker,
     WorkloadTracker,
     materially_different,
     place,
     scale_scores,
+    supply_differs,
 )
 from carpool.extender.wire import ContainerDemand, PodDemand, Policy
 
@@ -83,3 +85,98 @@ def test_the_workload_is_learned_once_per_pod_and_rebuilt_only_on_drift() -> Non
     assert [p for _, p in workload.shapes] == [1.0]
     assert not materially_different(workload, tracker.workload())
     assert materially_different(workload, TargetWorkload())
+
+
+class Source:
+    """The warmer's view of the nodes (the cache, in the extender)."""
+
+    def __init__(self, states: dict[str, NodeState]) -> None:
+        self.states = states
+        self.changed: set[str] = set()
+
+    def node_names(self) -> list[str]:
+        return sorted(self.states)
+
+    def state_of(self, name: str) -> NodeState | None:
+        return self.states.get(name)
+
+    def drain_changed(self) -> set[str]:
+        changed, self.changed = self.changed, set()
+        return changed
+
+
+def warm_all(ranker: Ranker, source: Source) -> None:
+    for _ in range(100):
+        if not ranker.warm(source, deadline=float("inf")):
+            return
+    raise AssertionError("the warmer never finished")
+
+
+def test_the_warmer_re_evaluates_recent_shapes_on_nodes_that_changed() -> None:
+    ranker = Ranker(learn_workload=False)
+    ranker.background_warming = True
+    source = Source({"a": node("a"), "b": node("b")})
+    small, large = demand((1, 10)), demand((1, 30))
+    for pod in (small, large):
+        ranker.evaluate_all(source.states, pod, Policy.BINPACK)
+    placed = ranker.evaluate(source.states["a"], small, Policy.BINPACK).placement
+    assert placed is not None
+    source.states["a"] = source.states["a"].with_grants(placed.grants)
+    source.changed.add("a")
+    warm_all(ranker, source)
+    assert ranker.warmed == 2  # both shapes on the changed node, nothing else
+    misses = ranker.misses
+    for pod in (small, large):
+        ranker.evaluate_all(source.states, pod, Policy.BINPACK)
+    assert ranker.misses == misses
+
+
+def test_a_new_workload_takes_over_only_once_the_warmer_has_evaluated_it() -> None:
+    ranker = Ranker(learn_workload=True)
+    ranker.background_warming = True
+    source = Source({"a": node("a"), "b": node("b", gpus=4)})
+    first = ranker._scorers
+    pods = [demand((1, 10), uid=f"u{i}") for i in range(WORKLOAD_FIRST)]
+    for pod in pods:
+        ranker.observe(pod)
+        ranker.evaluate_all(source.states, pod, Policy.BINPACK)
+    assert ranker.workload_rebuilds == 1
+    assert ranker._scorers is first and not ranker.workload.shapes  # still the old one
+    warm_all(ranker, source)
+    assert ranker._scorers is not first and ranker.workload.shapes
+    misses = ranker.misses
+    ranker.evaluate_all(source.states, pods[0], Policy.BINPACK)
+    assert ranker.misses == misses  # the new scorers' evaluations were made by the warmer
+
+
+def test_without_a_warmer_a_new_workload_takes_over_at_once() -> None:
+    ranker = Ranker(learn_workload=True)
+    first = ranker._scorers
+    for i in range(WORKLOAD_FIRST):
+        ranker.observe(demand((1, 10), uid=f"u{i}"))
+    assert ranker._scorers is not first and ranker.workload.shapes
+
+
+def test_gpu_supply_rebuilds_the_scorers_only_when_it_moves_materially() -> None:
+    assert supply_differs({}, {"A100": 8})
+    assert supply_differs({"A100": 8}, {"A100": 8, "T4": 1})  # a new model
+    assert not supply_differs({"A100": 1000}, {"A100": 1008})
+    assert supply_differs({"A100": 1000}, {"A100": 800})
+    ranker = Ranker(learn_workload=False)
+    first = ranker._scorers
+    ranker.set_supply({"A100": 1000})
+    second = ranker._scorers
+    assert second is not first
+    ranker.set_supply({"A100": 1008})
+    assert ranker._scorers is second
+
+
+def test_placements_build_their_grants_on_the_gpus_the_scorer_chose() -> None:
+    state = node(gpus=4)
+    hot = NodeState(NodeInventory("n", tuple(
+        Gpu(i, f"n-g{i}", "A100", 40 * GIB, temperature_c=70.0 - 10 * i) for i in range(4))))
+    for st in (state, hot):
+        placed = place(st, demand((2, 10)), Ranker()._scorers[Policy.BINPACK])
+        assert not isinstance(placed, str)
+        assert len(placed.grants) == 2 and all(g.memory_mib == 10 * GIB for g in placed.grants)
+    assert [g.gpu_uuid for g in placed.grants] == ["n-g3", "n-g2"]  # the coolest first

@@ -98,3 +98,17 @@ def test_fits_somewhere_over_mappings_and_iterables() -> None:
     assert fits_somewhere({"a": full, "b": empty}, request)
     assert not fits_somewhere([full], request)
     assert not fits_somewhere([], request)
+
+
+def test_derived_values_are_computed_once_per_state() -> None:
+    calls: list[NodeState] = []
+
+    def gpu_count(state: NodeState) -> int:
+        calls.append(state)
+        return len(state.free())
+
+    state = NodeState(NodeInventory("n", (Gpu(0, "g0", "A100", 40 * 1024),)))
+    assert state.derived("count", gpu_count) == state.derived("count", gpu_count) == 1
+    changed = state.with_grants([GpuGrant("g0", 1024, 10)])
+    assert changed.derived("count", gpu_count) == 1
+    assert calls == [state, changed]

@@ -6,12 +6,14 @@ what some GPU can hold now) and the placement benchmark, so all three agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
 
 TEMPERATURE_MARGIN_C = 5.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,19 @@ class NodeState:
             cached = tuple(self._compute_free())
             object.__setattr__(self, "_free_memo", cached)
         return list(cached)
+
+    def derived(self, key: str, compute: Callable[[NodeState], T]) -> T:
+        """`compute(self)`, once per state and key: what scoring derives from a node (its
+        profile, its GPUs by slot) is asked for by every pod shape that meets this state."""
+        memos: dict[str, object] | None = self.__dict__.get("_derived")
+        if memos is None:
+            memos = {}
+            object.__setattr__(self, "_derived", memos)
+        try:
+            return cast(T, memos[key])
+        except KeyError:
+            value = memos[key] = compute(self)
+            return value
 
     def _compute_free(self) -> list[GpuFree]:
         by_gpu: dict[str, list[GpuGrant]] = {}

@@ -161,7 +161,12 @@ def usable(gpu: Gpu) -> bool:
 
 
 def profile_of(node: NodeState) -> NodeProfile:
-    """The node's profile: its usable GPUs that are not held exclusively."""
+    """The node's profile: its usable GPUs that are not held exclusively (memoised on the
+    state, which never changes: every demand shape scored against it needs the same)."""
+    return node.derived("scoring.profile", _profile_of)
+
+
+def _profile_of(node: NodeState) -> NodeProfile:
     inv = node.inventory
     slots = []
     for free in node.free():
@@ -586,24 +591,65 @@ class NodeScore:
     plan: Plan = field(repr=False)
 
 
-def _gpus_for(node: NodeState, request: GpuRequest, plan: Plan) -> tuple[int, ...]:
-    """Concrete GPU indices for the plan's slots: among equal slots the coolest, then lowest."""
-    candidates: list[tuple[GpuSlot, float, int]] = []
+def _gpus_by_slot(node: NodeState, exclusive: bool) -> dict[GpuSlot, tuple[int, ...]]:
+    """Usable GPU indices per slot, coolest first, then lowest index; `exclusive` leaves out
+    GPUs that already carry a grant."""
+    candidates: list[tuple[float, int, GpuSlot]] = []
     for free in node.free():
-        if not usable(free.gpu) or free.exclusive_taken:
-            continue
-        if request.isolation is Isolation.EXCLUSIVE and free.grants:
+        if not usable(free.gpu) or free.exclusive_taken or (exclusive and free.grants):
             continue
         slot = gpu_slot(free.gpu, free.memory_mib, free.cores_pct, free.grants)
-        candidates.append((slot, free.gpu.temperature_c, free.gpu.index))
-    candidates.sort(key=lambda c: (c[1], c[2]))
+        candidates.append((free.gpu.temperature_c, free.gpu.index, slot))
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    by_slot: dict[GpuSlot, list[int]] = {}
+    for _, index, slot in candidates:
+        by_slot.setdefault(slot, []).append(index)
+    return {slot: tuple(indices) for slot, indices in by_slot.items()}
+
+
+def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[int, ...]]:
+    return _gpus_by_slot(node, exclusive=False)
+
+
+def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[int, ...]]:
+    return _gpus_by_slot(node, exclusive=True)
+
+
+def _temperature_terms(node: NodeState) -> dict[int, float]:
+    return {g.index: temperature_term(g.temperature_c, g.slowdown_temp_c)
+            for g in node.inventory.gpus}
+
+
+def _gpus_for(node: NodeState, request: GpuRequest, plan: Plan) -> tuple[int, ...]:
+    """Concrete GPU indices for the plan's slots: among equal slots the coolest, then lowest."""
+    if request.isolation is Isolation.EXCLUSIVE:
+        by_slot = node.derived("scoring.gpus.exclusive", _exclusive_gpus)
+    else:
+        by_slot = node.derived("scoring.gpus.shared", _shared_gpus)
     chosen: list[int] = []
+    taken: dict[GpuSlot, int] = {}
     for slot in plan.slots:
-        match = next((c for c in candidates if c[0] == slot and c[2] not in chosen), None)
-        if match is None:
+        indices = by_slot.get(slot, ())
+        k = taken.get(slot, 0)
+        if k >= len(indices):
             raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
-        chosen.append(match[2])
+        chosen.append(indices[k])
+        taken[slot] = k + 1
     return tuple(chosen)
+
+
+_DEMANDS: dict[tuple[GpuRequest, int, int], Demand] = {}
+
+
+def _demand(request: GpuRequest, cpu_milli: int, memory_mib: int) -> Demand:
+    key = (request, cpu_milli, memory_mib)
+    demand = _DEMANDS.get(key)
+    if demand is None:
+        if len(_DEMANDS) > 10_000:
+            _DEMANDS.clear()
+        demand = _DEMANDS[key] = Demand.from_request(request, cpu_milli=cpu_milli,
+                                                     memory_mib=memory_mib)
+    return demand
 
 
 def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = None, *,
@@ -616,20 +662,46 @@ def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = Non
     first; this only ranks.
     """
     scorer = scorer if scorer is not None else Scorer()
-    policy = scorer.policy
-    profile = profile_of(node)
-    demand = Demand.from_request(request, cpu_milli=cpu_milli, memory_mib=memory_mib)
-    plan = scorer.plan(profile, demand)
+    scored = score_gpus(node, request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
+                        dataset=dataset)
+    if scored is None:
+        return None
+    plan = scorer.plan(profile_of(node), _demand(request, cpu_milli, memory_mib))
+    assert plan is not None
+    return NodeScore(scored[0], scored[1], plan)
+
+
+def score_gpus(node: NodeState, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
+               memory_mib: int = 0, dataset: Dataset | None = None
+               ) -> tuple[float, tuple[int, ...]] | None:
+    """`score_node`'s score and GPU indices without its result object: the extender runs
+    this on every candidate node for every new demand shape."""
+    plan = scorer.plan(profile_of(node), _demand(request, cpu_milli, memory_mib))
     if plan is None:
         return None
     indices = _gpus_for(node, request, plan)
-    by_index = {g.index: g for g in node.inventory.gpus}
-    temperature = (sum(temperature_term(by_index[i].temperature_c, by_index[i].slowdown_temp_c)
-                       for i in indices) / len(indices)) if indices else 1.0
-    locality = 1.0
-    if dataset is not None:
-        locality = locality_term(dataset.name in node.inventory.datasets, dataset.size_gib,
-                                 zone_hops(node.inventory.zone, dataset.zones))
-    score = combine(((policy.profile_weight, plan.score), (policy.temperature, temperature),
-                     (policy.locality, locality)))
-    return NodeScore(score, indices, plan)
+    policy = scorer.policy
+    # combine() over (profile, temperature, locality), written out: the hot path
+    num = 0.0
+    den = 0.0
+    weight = policy.profile_weight
+    if weight > 0:
+        num += weight * plan.score
+        den += weight
+    weight = policy.temperature
+    if weight > 0:
+        temperature = 1.0
+        if indices:
+            terms = node.derived("scoring.temperature", _temperature_terms)
+            temperature = sum(terms[i] for i in indices) / len(indices)
+        num += weight * temperature
+        den += weight
+    weight = policy.locality
+    if weight > 0:
+        locality = 1.0
+        if dataset is not None:
+            locality = locality_term(dataset.name in node.inventory.datasets, dataset.size_gib,
+                                     zone_hops(node.inventory.zone, dataset.zones))
+        num += weight * locality
+        den += weight
+    return (num / den if den > 0 else 0.0), indices

@@ -11,6 +11,7 @@ HTTP or API call — so two concurrent binds can never both take the same free c
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -20,7 +21,7 @@ from carpool.core import names
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
 from carpool.extender.inventory import InventoryError, inventory_from_objects
-from carpool.extender.wire import Assignment, WireError, decode_assignment
+from carpool.extender.wire import Assignment, WireError, decode_assignment, pod_requests
 
 IN_FLIGHT_STALE_S = 60.0  # the handshake rule's staleness timeout (see deviceplugin/README.md)
 ASSUMED_TTL_S = 300.0  # an assumption the watch never confirmed is dropped after this
@@ -39,6 +40,8 @@ class Hold:
     assigned_at: float  # epoch seconds
     settled: bool = False  # the device plugin took it over, or the pod runs
     assumed: bool = False  # only the extender's belief so far
+    cpu_milli: int = 0  # the pod's CPU and memory requests (assumed holds: until the watch
+    memory_mib: int = 0  # shows the pod on its node)
 
     def in_flight(self, now: float) -> bool:
         """Bound (or binding) but not yet handed over, within the staleness timeout."""
@@ -93,6 +96,12 @@ class ClusterCache:
         self._keys_on_node: dict[str, set[str]] = {}
         self._unsettled: set[str] = set()  # effective holds that may still be in flight
         self._states: dict[str, NodeState] = {}  # memoised per node; dropped on change
+        self._changed: set[str] = set()  # nodes whose state was dropped (see drain_changed)
+        self._supply: Counter[str] = Counter()  # GPUs per model over the known nodes
+        # CPU and memory requested on each node by the pods there (any pod, GPU or not):
+        self._observed_usage: dict[str, tuple[str, int, int]] = {}  # from the watch
+        self._usage: dict[str, tuple[str, int, int]] = {}  # effective: observed, else assumed
+        self._node_usage: dict[str, tuple[int, int]] = {}
         self._synced: set[str] = set()
         self.pods_watch_healthy = False
 
@@ -111,28 +120,39 @@ class ClusterCache:
     def put_inventory(self, inventory: NodeInventory) -> None:
         """Set a node's inventory directly (benchmarks and tests; no Node object needed)."""
         with self._lock:
-            self._inventories[inventory.name] = inventory
-            self._states.pop(inventory.name, None)
+            self._set_inventory(inventory.name, inventory)
+
+    def _set_inventory(self, name: str, inventory: NodeInventory | None) -> None:
+        old = self._inventories.pop(name, None)
+        if old is not None:
+            for gpu in old.gpus:
+                self._supply[gpu.model] -= 1
+        if inventory is not None:
+            self._inventories[name] = inventory
+            for gpu in inventory.gpus:
+                self._supply[gpu.model] += 1
+        self._drop_state(name)
+
+    def _drop_state(self, name: str) -> None:
+        self._states.pop(name, None)
+        self._changed.add(name)
 
     def _rebuild_inventory(self, name: str) -> None:
         node = self._nodes.get(name)
         self._broken.pop(name, None)
         if node is None:
-            self._inventories.pop(name, None)
-            self._states.pop(name, None)
+            self._set_inventory(name, None)
             return
         try:
             inventory = inventory_from_objects(node, self._gpunodes.get(name))
         except InventoryError as exc:
-            self._inventories.pop(name, None)
-            self._states.pop(name, None)
+            self._set_inventory(name, None)
             self._broken[name] = str(exc)
             return
         if inventory != self._inventories.get(name):
             # Heartbeats and unchanged readings leave it equal: keeping the old object keeps
             # the node's memoised state and every evaluation made on it.
-            self._inventories[name] = inventory
-            self._states.pop(name, None)
+            self._set_inventory(name, inventory)
 
     def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
@@ -209,17 +229,42 @@ class ClusterCache:
         if old is not None:
             self._keys_on_node.get(old.node, set()).discard(key)
             if not same_grants:  # keep the memoised state (and its evaluations) when we can
-                self._states.pop(old.node, None)
+                self._drop_state(old.node)
         if new is not None:
             self._effective[key] = new
             self._keys_on_node.setdefault(new.node, set()).add(key)
             if not same_grants:
-                self._states.pop(new.node, None)
+                self._drop_state(new.node)
             if not new.settled:
                 self._unsettled.add(key)
+        self._refresh_usage(key)
+
+    def _refresh_usage(self, key: str) -> None:
+        old = self._usage.pop(key, None)
+        new = self._observed_usage.get(key)
+        assumed = self._assumed.get(key)
+        if new is None and assumed is not None:
+            new = (assumed.node, assumed.cpu_milli, assumed.memory_mib)
+        if new is not None and (new[1] or new[2]):
+            self._usage[key] = new
+        else:
+            new = None
+        if old == new:
+            return
+        for usage, sign in ((old, -1), (new, 1)):
+            if usage is not None:
+                node, cpu, memory = usage
+                used_cpu, used_memory = self._node_usage.get(node, (0, 0))
+                self._node_usage[node] = (used_cpu + sign * cpu, used_memory + sign * memory)
+                self._drop_state(node)
 
     def _observe(self, pod: Mapping[str, Any], deleted: bool, now: float) -> str:
         key = _pod_key(pod)
+        usage = None if deleted else _usage_of(pod)
+        if usage is None:
+            self._observed_usage.pop(key, None)
+        else:
+            self._observed_usage[key] = usage
         hold = None if deleted else self._hold_from_pod(pod, now)
         if hold is None:
             self._observed.pop(key, None)
@@ -240,8 +285,9 @@ class ClusterCache:
     def replace_pods(self, pods: Iterable[Mapping[str, Any]], now: float) -> None:
         """A relist: the listed pods are the truth; assumptions stay until confirmed."""
         with self._lock:
-            keys = set(self._observed)
+            keys = set(self._observed) | set(self._observed_usage)
             self._observed = {}
+            self._observed_usage = {}
             for pod in pods:
                 keys.add(self._observe(pod, False, now))
             for key in keys | set(self._assumed):
@@ -276,12 +322,18 @@ class ClusterCache:
                 return None
             keys = sorted(self._keys_on_node.get(node, ()))
             grants = tuple(g for k in keys for g in self._effective[k].grants)
-            state = self._states[node] = NodeState(inventory, grants)
+            cpu, memory = self._node_usage.get(node, (0, 0))
+            state = self._states[node] = NodeState(inventory, grants, cpu, memory)
         return state
 
     def _without(self, state: NodeState, node: str, exclude_key: str) -> NodeState:
         rest = sorted(self._keys_on_node.get(node, set()) - {exclude_key})
-        return NodeState(state.inventory, tuple(g for k in rest for g in self._effective[k].grants))
+        cpu, memory = state.cpu_used_milli, state.memory_used_mib
+        own = self._usage.get(exclude_key)
+        if own is not None and own[0] == node:
+            cpu, memory = cpu - own[1], memory - own[2]
+        return NodeState(state.inventory, tuple(g for k in rest for g in self._effective[k].grants),
+                         cpu, memory)
 
     def _in_flight(self, node: str, exclude_key: str, now: float) -> tuple[Hold, ...]:
         return tuple(h for k in sorted(self._keys_on_node.get(node, ()))
@@ -313,6 +365,28 @@ class ClusterCache:
             self._unsettled.difference_update(stale)
         return Snapshot(states, missing, in_flight)
 
+    def state_of(self, node: str) -> NodeState | None:
+        """The node's current state (None if unknown)."""
+        with self._lock:
+            return self._state(node)
+
+    def drain_changed(self) -> set[str]:
+        """Nodes whose state changed since the last call (the ranker's warmer re-evaluates
+        them)."""
+        with self._lock:
+            changed, self._changed = self._changed, set()
+            return changed
+
+    def supply(self) -> dict[str, int]:
+        """GPUs per model over the known nodes (healthy or not: it moves only with nodes)."""
+        with self._lock:
+            return {model: n for model, n in self._supply.items() if n > 0}
+
+    def usage_of(self, node: str) -> tuple[int, int]:
+        """CPU milli and memory MiB requested by the pods on (or assumed onto) the node."""
+        with self._lock:
+            return self._node_usage.get(node, (0, 0))
+
     def hold_of(self, pod_key: str) -> Hold | None:
         with self._lock:
             return self._effective.get(pod_key)
@@ -329,7 +403,8 @@ class ClusterCache:
     # --- the one write a bind makes ------------------------------------------------------
 
     def reserve(self, pod_key: str, uid: str, node: str, gpu_counts: frozenset[int],
-                now: float, choose: Chooser) -> Assignment | str:
+                now: float, choose: Chooser, cpu_milli: int = 0,
+                memory_mib: int = 0) -> Assignment | str:
         """Choose GPUs on `node` and assume them, atomically; a reason string if it can't.
 
         `choose` runs under the lock on the node's current state (this pod's own holds left
@@ -349,7 +424,8 @@ class ClusterCache:
                 return chosen
             assignment, grants = chosen
             self._assumed[pod_key] = Hold(pod_key, uid, node, grants, gpu_counts, now,
-                                          assumed=True)
+                                          assumed=True, cpu_milli=cpu_milli,
+                                          memory_mib=memory_mib)
             self._refresh(pod_key)
             return assignment
 
@@ -360,6 +436,16 @@ class ClusterCache:
             if hold is not None:
                 self._assumed[pod_key] = replace(hold, settled=True)
                 self._refresh(pod_key)
+
+
+def _usage_of(pod: Mapping[str, Any]) -> tuple[str, int, int] | None:
+    """(node, CPU milli, memory MiB) a bound, unfinished pod requests; None otherwise."""
+    spec = pod.get("spec") or {}
+    node = spec.get("nodeName") if isinstance(spec, Mapping) else None
+    if not node or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+        return None
+    cpu, memory = pod_requests(spec)
+    return str(node), cpu, memory
 
 
 def hold_uid(pod: Mapping[str, Any]) -> str:

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.core.resources import NodeInventory
 
 
@@ -40,4 +41,20 @@ def inventory_from_objects(node: Mapping[str, Any],
         inventory = inventory_from_gpunode(name, status, labels)
     except (ValueError, TypeError) as exc:
         raise InventoryError(f"GpuNode status unreadable: {exc}") from None
-    return replace(inventory, ready=inventory.ready and node_ready(node))
+    cpu_milli, memory_mib = node_allocatable(node)
+    return replace(inventory, ready=inventory.ready and node_ready(node), cpu_milli=cpu_milli,
+                   memory_mib=memory_mib)
+
+
+def node_allocatable(node: Mapping[str, Any]) -> tuple[int, int]:
+    """The Node's allocatable CPU (milli) and memory (MiB); 0 (unconstrained) where missing
+    or unreadable: they feed the CPU-balance score, while kube-scheduler enforces them."""
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    out = []
+    for resource, parse in (("cpu", quantity_milli), ("memory", quantity_mib)):
+        value = allocatable.get(resource) if isinstance(allocatable, Mapping) else None
+        try:
+            out.append(max(0, parse(str(value))) if value is not None else 0)
+        except (ValueError, ArithmeticError):
+            out.append(0)
+    return out[0], out[1]

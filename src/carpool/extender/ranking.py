@@ -11,35 +11,83 @@ actually seen (`WorkloadTracker`).
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import NamedTuple, Protocol
 
 from carpool.core.placement import GpuFree, NodeState, gpu_rejection, grant_for, node_rejection
-from carpool.core.resources import GpuGrant, GpuRequest, NodeInventory
-from carpool.core.scoring import CARPOOL, Dataset, Scorer, ScoringPolicy, Strategy, score_node
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.scoring import CARPOOL, Dataset, Scorer, ScoringPolicy, Strategy, score_gpus
 from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.wire import PodDemand, Policy
 
 MAX_SCORE = 10  # the extender API's MaxExtenderPriority
-MAX_MEMO_ENTRIES = 100_000  # then start afresh (entries hold replaced node states alive)
+MAX_MEMO_ENTRIES = 200_000  # evaluations kept (least recently used shapes go first)
+WARM_SHAPES = 32  # the warmer keeps this many recent shapes evaluated on every node
+SUPPLY_TOLERANCE = 0.05  # a model's GPU count must move this much to rebuild the scorers
 WORKLOAD_WINDOW = 5_000  # pods remembered for the target workload
 WORKLOAD_FIRST = 200  # pods seen before the first target workload is built
 WORKLOAD_REFRESH = 2_000  # further pods between checks whether it has drifted
 WORKLOAD_TOLERANCE = 0.1  # a shape's share must move this much to rebuild (costly: see Ranker)
 
 
-@dataclass(frozen=True)
 class Placement:
-    """GPUs chosen on one node, per container (in container order), and the node's score."""
+    """GPUs chosen on one node, per container (in container order), and the node's score.
 
-    node: str
-    per_container: tuple[tuple[GpuGrant, ...], ...]
-    score: float  # in [0, 1]; mean over containers
+    Filter and prioritize need only the score, and every new demand shape is placed on every
+    candidate node, so the last container's grants are built from the scorer's GPU indices
+    only when someone asks (bind, for the one node it binds to).
+    """
+
+    __slots__ = ("_done", "_indices", "_request", "_state", "node", "score")
+
+    def __init__(self, node: str, per_container: tuple[tuple[GpuGrant, ...], ...],
+                 score: float, pending: tuple[NodeState, GpuRequest, tuple[int, ...]] | None
+                 = None) -> None:
+        self.node = node
+        self.score = score  # in [0, 1]; mean over containers
+        self._done = per_container
+        self._state: NodeState | None = pending[0] if pending else None
+        self._request: GpuRequest | None = pending[1] if pending else None
+        self._indices: tuple[int, ...] = pending[2] if pending else ()
+
+    @property
+    def per_container(self) -> tuple[tuple[GpuGrant, ...], ...]:
+        if self._state is not None and self._request is not None:
+            grants = _grants_at(self._state, self._request, self._indices)
+            self._done = (*self._done, grants)
+            self._state = self._request = None
+        return self._done
 
     @property
     def grants(self) -> tuple[GpuGrant, ...]:
         return tuple(g for grants in self.per_container for g in grants)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Placement) and (self.node, self.score, self.per_container) == (
+            other.node, other.score, other.per_container)
+
+    def __hash__(self) -> int:
+        return hash((self.node, self.score))
+
+    def __repr__(self) -> str:
+        return f"Placement({self.node!r}, {self.per_container!r}, {self.score!r})"
+
+
+def _grants_at(state: NodeState, request: GpuRequest, indices: tuple[int, ...]
+               ) -> tuple[GpuGrant, ...]:
+    """Grants on the scorer's GPUs, each checked against the filter's GPU rules (which the
+    scorer's own fit implies; a disagreement falls back to the tightest GPUs)."""
+    frees = state.derived("ranking.frees", _frees_by_index)
+    chosen = [frees.get(i) for i in indices]
+    if any(f is None or gpu_rejection(f, request) is not None for f in chosen):
+        fallback = _fallback_choice(state.free(), request)
+        if fallback is None:
+            raise RuntimeError(f"no GPUs fit on {state.name} although the scorer placed there")
+        return fallback
+    return tuple(grant_for(f, request) for f in chosen if f is not None)
 
 
 def _fallback_choice(frees: Sequence[GpuFree], request: GpuRequest
@@ -52,46 +100,80 @@ def _fallback_choice(frees: Sequence[GpuFree], request: GpuRequest
     return tuple(grant_for(f, request) for f in usable[: request.count])
 
 
+def _frees_by_index(state: NodeState) -> dict[int, GpuFree]:
+    return {f.gpu.index: f for f in state.free()}
+
+
 def _scored_choice(state: NodeState, request: GpuRequest, scorer: Scorer,
-                   dataset: Dataset | None) -> tuple[tuple[GpuGrant, ...], float] | None:
-    """The scorer's GPUs for one container, checked against the filter's own GPU rules."""
+                   dataset: Dataset | None, cpu_milli: int = 0, memory_mib: int = 0
+                   ) -> tuple[tuple[int, ...], float] | None:
+    """The scorer's GPUs (indices) for one container, and the score.
+
+    The scorer's fit implies the filter's per-GPU rules for shared and exclusive requests
+    (free memory and cores, health, temperature, exclusivity), so those are checked when the
+    grants are built; MIG instances are not in the scorer's view and are checked here.
+    """
     try:
-        scored = score_node(state, request, scorer, dataset=dataset)
+        scored = score_gpus(state, request, scorer, cpu_milli=cpu_milli,
+                            memory_mib=memory_mib, dataset=dataset)
     except AssertionError:  # the scorer's plan could not be mapped onto distinct GPUs
         return None
-    if scored is None or len(set(scored.gpu_indices)) != request.count:
+    if scored is None:
         return None
-    frees = {f.gpu.index: f for f in state.free()}
-    grants = []
-    for index in scored.gpu_indices:
-        free = frees.get(index)
-        if free is None or gpu_rejection(free, request) is not None:
-            return None
-        grants.append(grant_for(free, request))
-    return tuple(grants), scored.score
+    score, indices = scored
+    if len(indices) != request.count or (len(indices) > 1 and len(set(indices)) != len(indices)):
+        return None
+    if request.isolation is Isolation.MIG:
+        frees = state.derived("ranking.frees", _frees_by_index)
+        for index in indices:
+            free = frees.get(index)
+            if free is None or gpu_rejection(free, request) is not None:
+                return None
+    return indices, score
 
 
 def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | str:
-    """GPUs for every container of `demand` on this node, or the reason it does not fit."""
+    """GPUs for every container of `demand` on this node, or the reason it does not fit.
+
+    The pod's CPU and memory requests go with its first GPU container (the node gives them
+    once per pod), so the scorer's CPU-balance term sees them; kube-scheduler's own filter
+    enforces them, so a node short of CPU only loses its score here, not its fit.
+    """
     dataset = (Dataset(demand.dataset, demand.dataset_size_gib) if demand.dataset else None)
     chosen: list[tuple[GpuGrant, ...]] = []
     total = 0.0
+    inventory = state.inventory
+    cpu_milli, memory_mib = demand.cpu_milli, demand.memory_mib
     for container in demand.containers:
         request = container.request
-        reason = node_rejection(state, request)
-        if reason is not None:
-            return reason
-        scored = _scored_choice(state, request, scorer, dataset)
+        # The scorer's choice is checked GPU by GPU against the filter's rules, so when it
+        # succeeds (on a ready node offering the isolation) the node fits: the reasons are
+        # only worked out for nodes where it does not.
+        scored = None
+        if inventory.ready and request.isolation in inventory.sharing:
+            scored = _scored_choice(state, request, scorer, dataset, cpu_milli, memory_mib)
+        last = len(chosen) + 1 == len(demand.containers)
         if scored is None:
+            reason = node_rejection(state, request)
+            if reason is not None:
+                return reason
             grants = _fallback_choice(state.free(), request)
             if grants is None:  # node_rejection said it fits; kept for safety
                 return "no GPUs fit"
             score = 0.0
         else:
-            grants, score = scored
+            indices, score = scored
+            if last:  # grants when asked for (see Placement)
+                return Placement(state.name, tuple(chosen), (total + score) / (len(chosen) + 1),
+                                 (state, request, indices))
+            grants = _grants_at(state, request, indices)
         chosen.append(grants)
         total += score
-        state = state.with_grants(grants)
+        if not last:  # the next container sees this one's GPUs
+            state = NodeState(inventory, state.grants + grants,
+                              state.cpu_used_milli + cpu_milli,
+                              state.memory_used_mib + memory_mib)
+        cpu_milli = memory_mib = 0
     return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
 
 
@@ -164,9 +246,8 @@ def materially_different(old: TargetWorkload, new: TargetWorkload,
     return any(abs(old_p[d] - new_p[d]) > tolerance for d in old_p)
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    """One node judged for one pod."""
+class Evaluation(NamedTuple):
+    """One node judged for one pod (a tuple: the extender makes one per node and shape)."""
 
     placement: Placement | None
     reason: str = ""  # why it does not fit, when placement is None
@@ -175,78 +256,148 @@ class Evaluation:
 DemandShape = tuple[object, ...]
 
 
+class NodeSource(Protocol):
+    """Where the warmer reads nodes from (the extender's cache)."""
+
+    def node_names(self) -> list[str]: ...
+
+    def state_of(self, node: str) -> NodeState | None: ...
+
+    def drain_changed(self) -> set[str]: ...
+
+
+class _Generation:
+    """Scorers for one target workload and GPU supply, with their memoised evaluations:
+    per demand shape (most recently used last), per node name, the state it was made on."""
+
+    def __init__(self, policy: ScoringPolicy, workload: TargetWorkload,
+                 supply: Mapping[str, int]) -> None:
+        self.workload = workload
+        self.supply = dict(supply)
+        self.scorers = {p: Scorer(replace(policy, strategy=Strategy(p)), workload, supply)
+                        for p in Policy.ALL}
+        self.memo: OrderedDict[DemandShape, dict[str, tuple[NodeState, Evaluation]]] = (
+            OrderedDict())
+
+
 class Ranker:
-    """`place`, memoised per (scorer generation, demand shape, policy, node state).
+    """`place`, memoised per (demand shape, policy, node state), plus a warmer.
 
     The cache hands out the same NodeState object for a node until something on it changes,
     so the scheduler's filter and prioritize for one pod, and every later pod of the same
-    shape, reuse each unchanged node's evaluation: a scheduling cycle costs real work only
-    for the nodes that changed since. Safe to share between threads (a lost race recomputes).
+    shape, reuse each unchanged node's evaluation. `warm` (run off the request path, in
+    small steps) keeps that memo complete: it re-evaluates the recent shapes on nodes that
+    changed, and when the target workload or the GPU supply changes it builds the new
+    scorers' memo on the side and switches only when it is complete, so no request pays for
+    a cold pass over every node. Without a warmer (`background_warming` False) a new
+    generation takes over at once. Safe to share between threads (a lost race recomputes).
     """
 
-    def __init__(self, policy: ScoringPolicy = CARPOOL, learn_workload: bool = True) -> None:
+    def __init__(self, policy: ScoringPolicy = CARPOOL, learn_workload: bool = True,
+                 max_entries: int = MAX_MEMO_ENTRIES) -> None:
         self.policy = policy
-        self._workload = TargetWorkload()
-        self._scorers = self._make_scorers()
-        self._generation = 0
+        self.background_warming = False
+        self._current = _Generation(policy, TargetWorkload(), {})
+        self._next: _Generation | None = None
         self._tracker = WorkloadTracker() if learn_workload else None
-        self._memo: dict[DemandShape, dict[int, tuple[NodeState, Evaluation]]] = {}
-        self._empty: dict[DemandShape, dict[int, tuple[NodeInventory, bool]]] = {}
-        self._entries = 0
+        self._demands: dict[DemandShape, tuple[PodDemand, str]] = {}
+        self._max_entries = max_entries
+        self._todo: OrderedDict[tuple[_Generation, DemandShape, str], None] = OrderedDict()
+        self._todo_lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.warmed = 0
         self.workload_rebuilds = 0
 
-    def _make_scorers(self) -> dict[str, Scorer]:
-        return {p: Scorer(replace(self.policy, strategy=Strategy(p)), self._workload)
-                for p in Policy.ALL}
+    @property
+    def _scorers(self) -> dict[str, Scorer]:
+        return self._current.scorers
+
+    @property
+    def workload(self) -> TargetWorkload:
+        return self._current.workload
 
     def observe(self, demand: PodDemand) -> None:
         """Learn the workload from the pods the scheduler asks about."""
         if self._tracker is None:
             return
-        demands = [Demand.from_request(c.request) for c in demand.containers]
+        demands = [Demand.from_request(c.request, cpu_milli=demand.cpu_milli if i == 0 else 0,
+                                       memory_mib=demand.memory_mib if i == 0 else 0)
+                   for i, c in enumerate(demand.containers)]
         if self._tracker.observe(demand.uid or demand.key, demands):
             workload = self._tracker.workload()
-            if materially_different(self._workload, workload):
-                self._workload = workload
-                self._scorers = self._make_scorers()
-                self._generation += 1
-                self._memo.clear()
-                self.workload_rebuilds += 1
+            latest = self._next or self._current
+            if materially_different(latest.workload, workload):
+                self._start(_Generation(self.policy, workload, latest.supply))
+
+    def set_supply(self, supply: Mapping[str, int]) -> None:
+        """GPUs per model in the cluster (the scarcity term's denominator)."""
+        latest = self._next or self._current
+        if supply_differs(latest.supply, supply):
+            self._start(_Generation(self.policy, latest.workload, supply))
+
+    def _start(self, generation: _Generation) -> None:
+        self.workload_rebuilds += 1
+        if not self.background_warming:
+            self._current, self._next = generation, None
+            return
+        self._next = generation
+        with self._todo_lock:
+            self._todo.clear()  # the old next generation's work, if any
+        self._queue(generation, self._current.memo, None)
+
+    def _queue(self, generation: _Generation, shapes: Iterable[DemandShape],
+               names: Iterable[str] | None) -> None:
+        """Ask the warmer to evaluate `shapes` on `names` (None: on every node)."""
+        wanted = [s for s in shapes if s in self._demands][-WARM_SHAPES:]
+        with self._todo_lock:
+            for shape in reversed(wanted):  # the most recently used first
+                if names is None:
+                    self._todo[(generation, shape, "")] = None
+                else:
+                    for name in names:
+                        self._todo[(generation, shape, name)] = None
 
     def _shape(self, demand: PodDemand, policy: str) -> DemandShape:
-        return (self._generation, demand.containers, demand.dataset, demand.dataset_size_gib,
-                policy)
+        return (tuple(c.request for c in demand.containers), demand.cpu_milli,
+                demand.memory_mib, demand.dataset, demand.dataset_size_gib, policy)
 
-    def _room(self) -> None:
-        self._entries += 1
-        if self._entries > MAX_MEMO_ENTRIES:
-            self._memo.clear()
-            self._empty.clear()
-            self._entries = 0
+    def _memo_for(self, generation: _Generation, shape: DemandShape, demand: PodDemand,
+                  policy: str) -> dict[str, tuple[NodeState, Evaluation]]:
+        memo = generation.memo.get(shape)
+        if memo is None:
+            memo = generation.memo[shape] = {}
+            self._demands[shape] = (demand, policy)
+            total = sum(len(m) for m in generation.memo.values())
+            while len(generation.memo) > 1 and total > self._max_entries:
+                _, dropped = generation.memo.popitem(last=False)  # least recently used
+                total -= len(dropped)
+            live = set(self._current.memo) | set(self._next.memo if self._next else ())
+            for old in [s for s in self._demands if s not in live and s != shape]:
+                del self._demands[old]
+        else:
+            generation.memo.move_to_end(shape)
+        return memo
 
     def place(self, state: NodeState, demand: PodDemand, policy: str) -> Placement | str:
-        return place(state, demand, self._scorers[policy])
+        return place(state, demand, self._current.scorers[policy])
 
     def evaluate_all(self, states: Mapping[str, NodeState], demand: PodDemand,
                      policy: str) -> dict[str, Evaluation]:
+        generation = self._current
         shape = self._shape(demand, policy)
-        scorer = self._scorers[policy]
-        memo = self._memo.setdefault(shape, {})
+        scorer = generation.scorers[policy]
+        memo = self._memo_for(generation, shape, demand, policy)
         out = {}
         hits = 0
         for name, state in states.items():
-            entry = memo.get(id(state))
+            entry = memo.get(name)
             if entry is not None and entry[0] is state:
                 out[name] = entry[1]
                 hits += 1
                 continue
-            placement = place(state, demand, scorer)
-            evaluation = out[name] = (Evaluation(None, placement) if isinstance(placement, str)
-                                      else Evaluation(placement))
-            self._room()
-            memo[id(state)] = (state, evaluation)
+            evaluation = out[name] = _evaluate(state, demand, scorer)
+            memo[name] = (state, evaluation)
         self.hits += hits
         self.misses += len(states) - hits
         return out
@@ -256,12 +407,73 @@ class Ranker:
 
     def fits_when_empty(self, inventory: NodeInventory, demand: PodDemand, policy: str) -> bool:
         """Whether the pod fits the node with nothing else on it (else preemption is futile)."""
-        memo = self._empty.setdefault(self._shape(demand, policy), {})
-        entry = memo.get(id(inventory))
-        if entry is not None and entry[0] is inventory:
-            return entry[1]
-        fits = all(node_rejection(NodeState(inventory), c.request) is None
-                   for c in demand.containers)
-        self._room()
-        memo[id(inventory)] = (inventory, fits)
-        return fits
+        return all(_fits_empty(inventory, c.request) for c in demand.containers)
+
+    def warm(self, source: NodeSource, deadline: float,
+             clock: Callable[[], float] = time.monotonic) -> bool:
+        """Fill the memo until `deadline`; True if work is left. See the class docstring."""
+        changed = source.drain_changed()
+        if changed:
+            for generation in (self._current, self._next):
+                if generation is not None:
+                    self._queue(generation, generation.memo, changed)
+        done = 0
+        while True:
+            with self._todo_lock:
+                if not self._todo:
+                    break
+                (generation, shape, name), _ = self._todo.popitem(last=False)
+            if generation is not self._current and generation is not self._next:
+                continue
+            if not name:  # every node: expand now, so later changes queue behind it
+                self._queue(generation, [shape], source.node_names())
+                continue
+            state = source.state_of(name)
+            known = self._demands.get(shape)
+            if state is None or known is None:
+                continue
+            demand, policy = known
+            memo = generation.memo.get(shape)
+            if memo is None:
+                memo = self._memo_for(generation, shape, demand, policy)
+            entry = memo.get(name)
+            if entry is None or entry[0] is not state:
+                memo[name] = (state, _evaluate(state, demand, generation.scorers[policy]))
+                self.warmed += 1
+                done += 1
+                if done % 16 == 0 and clock() >= deadline:
+                    return True
+        if self._next is not None:  # its memo is complete: switch
+            self._current, self._next = self._next, None
+            return True
+        return False
+
+
+def _evaluate(state: NodeState, demand: PodDemand, scorer: Scorer) -> Evaluation:
+    placement = place(state, demand, scorer)
+    return Evaluation(None, placement) if isinstance(placement, str) else Evaluation(placement)
+
+
+_EMPTY_FITS: dict[tuple[int, GpuRequest], tuple[NodeInventory, bool]] = {}
+
+
+def _fits_empty(inventory: NodeInventory, request: GpuRequest) -> bool:
+    """Memoised per inventory object (the cache keeps it while the node is unchanged)."""
+    key = (id(inventory), request)
+    entry = _EMPTY_FITS.get(key)
+    if entry is not None and entry[0] is inventory:
+        return entry[1]
+    if len(_EMPTY_FITS) > MAX_MEMO_ENTRIES:
+        _EMPTY_FITS.clear()
+    fits = node_rejection(NodeState(inventory), request) is None
+    _EMPTY_FITS[key] = (inventory, fits)
+    return fits
+
+
+def supply_differs(old: Mapping[str, int], new: Mapping[str, int],
+                   tolerance: float = SUPPLY_TOLERANCE) -> bool:
+    """True if a model appeared or vanished, or its GPU count moved by more than
+    `tolerance` (relative): the scarcity term barely moves for a node or two."""
+    if {m for m, n in old.items() if n > 0} != {m for m, n in new.items() if n > 0}:
+        return True
+    return any(abs(new.get(m, 0) - n) > tolerance * n for m, n in old.items() if n > 0)

@@ -186,6 +186,14 @@ class Extender:
         self._pods_lock = threading.Lock()
         self.nominations = Nominations()
 
+    def warm(self, budget_s: float) -> bool:
+        """One step of keeping the ranker's memo complete (see `Ranker.warm`), for at most
+        about `budget_s`; True if there is more to do. Run between requests."""
+        if not self.cache.synced(CACHE_KINDS):
+            return False
+        self.ranker.set_supply(self.cache.supply())
+        return self.ranker.warm(self.cache, time.monotonic() + budget_s)
+
     def _policy(self, demand: PodDemand) -> str:
         return demand.policy or self.settings.policy
 
@@ -201,6 +209,7 @@ class Extender:
             return encode_filter_result(args, list(args.node_names), {}, {})
         policy = self._policy(demand)
         self.remember_pod(args.pod)
+        self.ranker.set_supply(self.cache.supply())
         self.ranker.observe(demand)
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
@@ -345,7 +354,7 @@ class Extender:
         now = self.clock()
         self.cache.expire_assumed(now)
         reserved = self.cache.reserve(demand.key, plan.uid, plan.args.node, demand.gpu_counts,
-                                      now, choose)
+                                      now, choose, demand.cpu_milli, demand.memory_mib)
         if isinstance(reserved, InFlightClash):
             return reserved  # still nominated: other pods keep away while this one waits
         self.nominations.clear(demand.key)
