@@ -66,15 +66,18 @@ GPUS_PER_NODE = 8
 RUN = datetime.now(UTC).strftime("%H%M%S")
 TIGHT, BUDGETED = f"load-tight-{RUN}", f"load-budget-{RUN}"
 OTHERS = (f"load-a-{RUN}", f"load-b-{RUN}", f"load-c-{RUN}")
-PROJECTS = {TIGHT: 2.0, BUDGETED: 400.0, **{p: 400.0 for p in OTHERS}}
+TIGHT_GPUS = float(os.environ.get("CARPOOL_LOAD_TIGHT_GPUS", "2"))
+PROJECTS = {TIGHT: TIGHT_GPUS, BUDGETED: 400.0, **{p: 400.0 for p in OTHERS}}
+POLL_S = max(5.0, JOBS / 500)  # how often the run lists every GpuJob for its progress
 PLUGIN_LABEL = ("carpool.dev/load-kubelet", "stand-in")
 # The budgeted project: one job in ten, each with maxDuration 90 s (admission claims fraction x
-# 90 s), budget per 5-minute period sized so its demand exceeds the budget while jobs arrive
-# (the budget holds jobs back) yet all finish about one period after the last arrives.
+# 90 s until the job ends). Its budget per 5-minute period is FACTOR x its mean demand per
+# period while jobs arrive, so busier periods meet the budget and its jobs wait for the refill;
+# at least 120 GPU-seconds, so the biggest job's claim fits a period.
 BUDGET_PERIOD_S = 300.0
 MEAN_JOB_GPU_S = 0.415 * 7.5  # the mix's mean GPU equivalents x mean simulated seconds
-BUDGET_GPU_S = max(120.0, 1.3 * JOBS / 10 * MEAN_JOB_GPU_S * BUDGET_PERIOD_S
-                   / (JOBS / RATE + BUDGET_PERIOD_S))
+BUDGET_FACTOR = float(os.environ.get("CARPOOL_LOAD_BUDGET_FACTOR", "1.0"))
+BUDGET_GPU_S = max(120.0, BUDGET_FACTOR * RATE / 10 * MEAN_JOB_GPU_S * BUDGET_PERIOD_S)
 
 
 def log(message: str) -> None:
@@ -172,6 +175,20 @@ def job_manifest(rng: random.Random, index: int, project: str, on_plugin_nodes: 
         spec.update(estimatedDuration="20s", maxDuration="90s")
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
             "metadata": {"name": f"j{index:05d}", "namespace": project}, "spec": spec}
+
+
+def list_jobs(custom: Any, namespace: str) -> list[dict[str, Any]]:
+    """Every GpuJob of a namespace, in pages (one list of thousands can outlast a timeout)."""
+    items: list[dict[str, Any]] = []
+    token = None
+    while True:
+        page = custom.list_namespaced_custom_object(
+            names.GROUP, names.VERSION, namespace, "gpujobs", limit=500,
+            _continue=token, _request_timeout=60)
+        items += page["items"]
+        token = page["metadata"].get("continue")
+        if not token:
+            return items
 
 
 def retrying(what: str, call: Callable[[], Any], deadline_s: float = 180) -> Any:
@@ -288,6 +305,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     paths = devcluster.ClusterPaths.for_name(cluster.name)
     log_dir = Path(tmp_path_factory.mktemp("load-logs"))
+    started_utc = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S")
     log(f"cluster {cluster.name}; {JOBS} jobs over {NODES} nodes x {GPUS_PER_NODE} H200, "
         f"{RATE}/s, faults={'on' if FAULTS else 'off'}; logs in {log_dir}")
 
@@ -300,7 +318,13 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                         "zone": "zone-a", "gpus": [{"model": "H200", "count": GPUS_PER_NODE}]}]}
                     )] if PLUGIN_NODES else []
     started = time.monotonic()
-    simnodes.apply_nodes(api, nodes + plugin_nodes, workers=8)
+    simnodes.apply_nodes(api, plugin_nodes, workers=8)
+    # the stand-in kubelet right away: the node lifecycle controller taints a node not Ready
+    # (short paths: unix socket paths are limited to 107 bytes)
+    plugin_dirs = {n.name: Path(f"/tmp/cpl-{RUN}-{i}") for i, n in enumerate(plugin_nodes)}
+    kubelet = chaos.StandInKubelet(cluster.api(), plugin_dirs, {})
+    kubelet.start()
+    simnodes.apply_nodes(api, nodes, workers=8)
     log(f"{NODES} + {PLUGIN_NODES} nodes applied in {time.monotonic() - started:.0f}s")
     anchor = datetime.now(UTC).replace(microsecond=0)
     budget = chaos.Budget(BUDGET_GPU_S / 3600, BUDGET_PERIOD_S, anchor.timestamp())
@@ -325,13 +349,10 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     server = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
     host, _, port = server.removeprefix("https://").partition(":")
     proxy = chaos.ApiProxy((host, int(port)))
-    # short paths: unix socket paths are limited to 107 bytes
-    plugin_dirs = {n.name: Path(f"/tmp/cpl-{RUN}-{i}") for i, n in enumerate(plugin_nodes)}
+    kubelet.capacity = capacity
     carpool = Carpool(cluster, log_dir,
                       proxy.kubeconfig(cluster.kubeconfig, log_dir / "extender.kubeconfig"),
                       plugin_dirs)
-    kubelet = chaos.StandInKubelet(cluster.api(), plugin_dirs, capacity)
-    kubelet.start()
     for node in plugin_dirs:
         carpool.start(f"device-plugin:{node}")
     for node in plugin_dirs:
@@ -451,21 +472,21 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         injector.start()
 
     phases: dict[str, int] = {}
+    loads: list[float] = []  # 1-minute load average at each progress line
     done_at = None
     progress: list[tuple[float, int]] = []
     try:
         deadline = t0 + TIMEOUT_S
         while time.monotonic() < deadline:
-            time.sleep(5)
+            time.sleep(POLL_S)
             try:
                 jobs = []
                 for project in PROJECTS:
-                    jobs += custom.list_namespaced_custom_object(
-                        names.GROUP, names.VERSION, project, "gpujobs",
-                        _request_timeout=30)["items"]
+                    jobs += list_jobs(custom, project)
             except Exception as err:  # the API server may be down on purpose
                 log(f"list failed ({type(err).__name__}); retrying")
                 continue
+            loads.append(os.getloadavg()[0])
             phases = {}
             for job in jobs:
                 phase = (job.get("status") or {}).get("phase", "New")
@@ -527,6 +548,10 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         "faults": faults.rows, "fault_errors": fault_errors,
         "control_plane_restarts_by_supervisor": supervisor.restarts, "alive_at_end": alive,
         "machine": f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        "load_average_during_run": {"min": min(loads, default=0.0),
+                                    "max": max(loads, default=0.0),
+                                    "mean": round(sum(loads) / max(1, len(loads)), 1)},
+        "started_utc": started_utc, "tight_quota_gpus": TIGHT_GPUS,
     }
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(json.dumps(report, indent=2))

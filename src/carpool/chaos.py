@@ -726,19 +726,33 @@ class StandInKubelet:
     # -- the node -------------------------------------------------------------------------
 
     def _node_loop(self) -> None:
-        """Ready every 10 s (the node lifecycle controller's heartbeat)."""
+        """Ready, and the node Lease renewed, every 10 s (the node lifecycle controller's
+        heartbeats; without them it taints the node and evicts its pods)."""
         from kubernetes import client
 
         core = client.CoreV1Api(self.api)
+        leases = client.CoordinationV1Api(self.api)
+        since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         while not self._stop.is_set():
+            micro = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            for node in self.plugin_dirs:
+                lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                         "metadata": {"name": node, "namespace": "kube-node-lease"},
+                         "spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
+                                  "renewTime": micro}}
+                with contextlib.suppress(Exception):
+                    leases.patch_namespaced_lease(
+                        node, "kube-node-lease", lease, field_manager="carpool-stand-in-kubelet",
+                        force=True, _content_type="application/apply-patch+yaml",
+                        _request_timeout=10)
             stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
             conditions = [{"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
-                           "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}
+                           "lastHeartbeatTime": stamp, "lastTransitionTime": since}
                           for kind, reason in (("MemoryPressure", "SufficientMemory"),
                                                ("DiskPressure", "NoDiskPressure"),
                                                ("PIDPressure", "SufficientPID"))]
             conditions.append({"type": "Ready", "status": "True", "reason": "KubeletReady",
-                               "lastHeartbeatTime": stamp, "lastTransitionTime": stamp})
+                               "lastHeartbeatTime": stamp, "lastTransitionTime": since})
             for node in self.plugin_dirs:
                 with contextlib.suppress(Exception):  # the API server may be down on purpose
                     core.patch_node_status(node, {"status": {"conditions": conditions}},
