@@ -7,15 +7,18 @@ nodes and `--projects` ProjectQuotas, then creates `--jobs` GpuJobs as fast as i
 threads) and follows them with a watch until all have started. It reports:
 
 - admissions/s: jobs admitted / seconds from the first job created to the last admission of
-  the initial burst (jobs admitted while capacity was free), and over the whole run;
-- p50/p99 seconds from a job's creation (the create call's return) to the watch first showing
-  it Admitted (or later);
+  the initial burst (jobs admitted while capacity was free), and over the whole run; with
+  `--create-first` every GpuJob exists before the operator starts (a queue of `--jobs` at
+  startup) and the seconds count from the operator's start instead, so the rate is the
+  operator's and not the bench client's creation rate;
+- p50/p99 seconds from a job's creation (the create call's return; with `--create-first`,
+  the operator's start) to the watch first showing it Admitted (or later);
 - the operator's peak RSS (VmHWM in /proc/<pid>/status);
 - the median absolute error of the first estimated start a queued job showed vs. its actual
   start (status.startTime, from the pod), over jobs that waited.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/admission.py [--jobs 5000] [--nodes 200]
-        [--write-doc docs/benchmarks.md]
+        [--create-first] [--write-doc docs/benchmarks.md]
 
 The cluster is kept for reuse unless `--delete-cluster`.
 """
@@ -23,6 +26,7 @@ The cluster is kept for reuse unless `--delete-cluster`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -58,7 +62,6 @@ class Tracker:
 
     def __init__(self, api: Any):
         self.custom = client.CustomObjectsApi(api)
-        self.created: dict[str, float] = {}
         self.admitted: dict[str, float] = {}
         self.first_estimate: dict[str, float] = {}
         self.started: dict[str, float] = {}
@@ -116,6 +119,55 @@ def _rss_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+COMPONENTS = ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager",
+              "kwok-controller")
+REQUEST_LINE = re.compile(r'^apiserver_request_total\{(.*)\} (\S+)$')
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _component_pids(cluster: str) -> dict[str, int]:
+    workdir = devcluster.ClusterPaths.for_name(cluster).workdir
+    pids = {}
+    for name in COMPONENTS:
+        try:
+            pids[name] = int((workdir / "pids" / f"{name}.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _api_requests(api: Any) -> dict[str, float]:
+    """The API server's request counters, per `VERB resource[/subresource]`."""
+    response = api.rest_client.pool_manager.request(
+        "GET", f"{api.configuration.host}/metrics", retries=False)
+    totals: dict[str, float] = {}
+    for line in response.data.decode().splitlines():
+        if (match := REQUEST_LINE.match(line)) is None:
+            continue
+        labels = dict(LABEL.findall(match.group(1)))
+        if labels.get("verb") in ("WATCH", "GET", "LIST"):
+            continue
+        key = f"{labels.get('verb')} {labels.get('resource')}" + (
+            f"/{labels['subresource']}" if labels.get("subresource") else "")
+        totals[key] = totals.get(key, 0.0) + float(match.group(2))
+    return totals
+
+
+def _signal_scheduler(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):  # already gone
+            os.kill(pid, signum)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -176,76 +228,115 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = [(p, f"j{i}") for i in range(args.jobs) for p in [projects[i % len(projects)]]]
     manifests = [_job(p, name, p, rng, model) for p, name in jobs]
 
-    env = {"CARPOOL_RESYNC_SECONDS": "5"}
-    with stack.running_stack(cluster, log_dir, env) as processes:
-        operator_pid = processes["operator"].pid
-        tracker = Tracker(cluster.api())
-        tracker.start()
-        rss_samples: list[int] = []
-        sampling = threading.Event()
+    created: dict[str, float] = {}
+    # GpuJobs are created through the client's connection pool directly: the generated API
+    # classes cost ~10 ms of CPU per call, which capped creation near 100/s on two cores
+    pool = api.rest_client.pool_manager
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
 
-        def sample_rss() -> None:
-            while not sampling.is_set():
-                try:
-                    rss_samples.append(_rss_kib(operator_pid, "VmRSS"))
-                except OSError:
-                    return
-                time.sleep(1.0)
-
-        threading.Thread(target=sample_rss, daemon=True).start()
-        time.sleep(3)  # let the operator win its lease and list
-
-        def create(manifest: dict[str, Any]) -> None:
-            meta = manifest["metadata"]
-            for _ in range(5):
-                try:
-                    custom.create_namespaced_custom_object(
-                        names.GROUP, names.VERSION, meta["namespace"], names.GPUJOB_PLURAL,
-                        manifest)
-                    break
-                except client.ApiException as err:
-                    if err.status == 409:
-                        break
-                    time.sleep(0.5)
-            with tracker.lock:
-                tracker.created[f"{meta['namespace']}/{meta['name']}"] = time.time()
-
-        t0 = time.time()
-        with ThreadPoolExecutor(max_workers=args.create_workers) as pool:
-            list(pool.map(create, manifests))
-        created_s = time.time() - t0
-        print(f"created {len(manifests)} GpuJobs in {created_s:.1f}s", file=sys.stderr)
-
-        deadline = time.monotonic() + args.timeout
-        while time.monotonic() < deadline:
-            with tracker.lock:
-                admitted, startedn = len(tracker.admitted), len(tracker.started)
-            print(f"  t+{time.time() - t0:5.0f}s admitted {admitted}/{len(manifests)} "
-                  f"started {startedn}  rss {rss_samples[-1] // 1024 if rss_samples else 0}"
-                  " MiB", file=sys.stderr)
-            if startedn >= len(manifests):
+    def create(manifest: dict[str, Any]) -> None:
+        meta = manifest["metadata"]
+        url = (f"{api.configuration.host}/apis/{names.GROUP}/{names.VERSION}/namespaces/"
+               f"{meta['namespace']}/{names.GPUJOB_PLURAL}")
+        for _ in range(5):
+            response = pool.request("POST", url, body=json.dumps(manifest).encode(),
+                                    headers=headers, retries=False)
+            if response.status < 300 or response.status == 409:
                 break
-            time.sleep(5)
-        peak_kib = _rss_kib(operator_pid, "VmHWM")
-        sampling.set()
-        tracker.stop.set()
-        with tracker.lock:
-            created = dict(tracker.created)
-            admitted_at = dict(tracker.admitted)
-            estimates = dict(tracker.first_estimate)
-            starts = dict(tracker.started)
-            waited = set(tracker.waited)
-            reasons = dict(tracker.reasons)
-        operator_log = log_dir / "operator.log"
-        log_lines = operator_log.read_text(errors="replace").splitlines()
-        failures = sum(1 for line in log_lines if "reconcile pass failed" in line)
-        pass_seconds = [sum(float(x) for x in m.groups()) for line in log_lines
-                        if (m := PASS_LINE.search(line))]
+            time.sleep(0.5)
+        created[f"{meta['namespace']}/{meta['name']}"] = time.time()
+
+    def create_all() -> tuple[float, float]:
+        first = time.time()
+        with ThreadPoolExecutor(max_workers=args.create_workers) as workers:
+            list(workers.map(create, manifests))
+        print(f"created {len(manifests)} GpuJobs in {time.time() - first:.1f}s",
+              file=sys.stderr)
+        return first, time.time() - first
+
+    if args.create_first:
+        _, created_s = create_all()
+    env = {"CARPOOL_RESYNC_SECONDS": "5"}
+    paused: list[int] = []
+    if args.pause_scheduler:
+        scheduler = _component_pids(args.cluster).get("kube-scheduler")
+        if scheduler is not None:
+            paused.append(scheduler)
+            _signal_scheduler(paused, signal.SIGSTOP)
+    try:
+        with stack.running_stack(cluster, log_dir, env) as processes:
+            operator_start = time.time()
+            operator_pid = processes["operator"].pid
+            pids = {**_component_pids(args.cluster), "operator": operator_pid,
+                    "extender": processes["extender"].pid, "bench (this client)": os.getpid()}
+            cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+            requests_before = _api_requests(api)
+            tracker = Tracker(cluster.api())
+            tracker.start()
+            rss_samples: list[int] = []
+            sampling = threading.Event()
+
+            def sample_rss() -> None:
+                while not sampling.is_set():
+                    try:
+                        rss_samples.append(_rss_kib(operator_pid, "VmRSS"))
+                    except OSError:
+                        return
+                    time.sleep(1.0)
+
+            threading.Thread(target=sample_rss, daemon=True).start()
+            if args.create_first:
+                t0 = operator_start
+            else:
+                time.sleep(3)  # let the operator win its lease and list
+                t0, created_s = create_all()
+
+            deadline = time.monotonic() + args.timeout
+            last_count, last_change = -1, time.monotonic()
+            while time.monotonic() < deadline:
+                with tracker.lock:
+                    admitted, startedn = len(tracker.admitted), len(tracker.started)
+                print(f"  t+{time.time() - t0:5.0f}s admitted {admitted}/{len(manifests)} "
+                      f"started {startedn}  rss {rss_samples[-1] // 1024 if rss_samples else 0}"
+                      " MiB", file=sys.stderr)
+                if admitted != last_count:
+                    last_count, last_change = admitted, time.monotonic()
+                if paused and (admitted >= len(manifests)
+                               or time.monotonic() - last_change > 15):
+                    _signal_scheduler(paused, signal.SIGCONT)  # the burst is over
+                    paused.clear()
+                    print("  kube-scheduler resumed", file=sys.stderr)
+                if startedn >= len(manifests):
+                    break
+                time.sleep(5)
+            peak_kib = _rss_kib(operator_pid, "VmHWM")
+            window = time.time() - operator_start
+            cpu = {name: (_cpu_seconds(pid) - cpu_before[name]) / window
+                   for name, pid in pids.items()}
+            requests_after = _api_requests(api)
+            requests = {k: (v - requests_before.get(k, 0.0)) / window
+                        for k, v in requests_after.items() if v > requests_before.get(k, 0.0)}
+            sampling.set()
+            tracker.stop.set()
+            with tracker.lock:
+                admitted_at = dict(tracker.admitted)
+                estimates = dict(tracker.first_estimate)
+                starts = dict(tracker.started)
+                waited = set(tracker.waited)
+                reasons = dict(tracker.reasons)
+            operator_log = log_dir / "operator.log"
+            log_lines = operator_log.read_text(errors="replace").splitlines()
+            failures = sum(1 for line in log_lines if "reconcile pass failed" in line)
+            pass_seconds = [sum(float(x) for x in m.groups()) for line in log_lines
+                            if (m := PASS_LINE.search(line))]
+
+    finally:
+        _signal_scheduler(paused, signal.SIGCONT)  # never leave the scheduler stopped
 
     # only this run's jobs (a namespace of an earlier run may still be terminating)
     admitted_at = {k: v for k, v in admitted_at.items() if k in created}
     starts = {k: v for k, v in starts.items() if k in created}
-    latencies = [admitted_at[k] - created[k] for k in admitted_at]
+    latencies = [admitted_at[k] - max(created[k], t0) for k in admitted_at]
     times = sorted(admitted_at.values())
     # the initial burst: admissions of jobs that never had to wait
     burst = sorted(admitted_at[k] for k in admitted_at if k not in waited)
@@ -253,7 +344,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     total_rate = len(times) / max(1e-9, times[-1] - t0) if times else 0.0
     errors = [abs(starts[k] - estimates[k]) for k in estimates if k in starts]
     result = {
-        "jobs": len(manifests), "projects": args.projects, "nodes": args.nodes,
+        "jobs": len(manifests), "create_first": args.create_first,
+        "scheduler_paused": args.pause_scheduler,
+        "projects": args.projects, "nodes": args.nodes,
         "gpus": gpus, "created_s": created_s, "admitted": len(admitted_at),
         "burst_admitted": len(burst), "burst_rate": burst_rate, "total_rate": total_rate,
         "p50": _percentile(latencies, 0.5), "p99": _percentile(latencies, 0.99),
@@ -262,6 +355,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": len(starts), "wait_reasons": reasons, "log": str(log_dir),
         "pass_failures": failures, "passes": len(pass_seconds),
         "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
+        "window_s": window,
+        "cpu_cores": {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
+        "api_writes_per_s": {k: round(v, 1) for k, v in
+                             sorted(requests.items(), key=lambda kv: -kv[1]) if v >= 0.5},
     }
     if args.delete_cluster:
         devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)
@@ -280,11 +377,14 @@ def table(result: dict[str, Any]) -> str:
     rows = [
         ("GpuJobs / projects / simulated nodes (GPUs)",
          f"{result['jobs']} / {result['projects']} / {result['nodes']} ({result['gpus']})"),
-        ("created by the bench in", f"{result['created_s']:.1f} s"),
+        ("created by the bench in", f"{result['created_s']:.1f} s"
+         + (" (before the operator started)" if result.get("create_first") else "")),
         ("admissions/s, initial burst (jobs that never waited)",
          f"{result['burst_rate']:.1f} ({result['burst_admitted']} jobs)"),
         ("admissions/s, whole run", f"{result['total_rate']:.1f} ({result['admitted']} jobs)"),
-        ("creation -> Admitted p50 / p99", f"{result['p50']:.1f} s / {result['p99']:.1f} s"),
+        ("creation (or operator start, if later) -> Admitted p50 / p99"
+         if result.get("create_first") else "creation -> Admitted p50 / p99",
+         f"{result['p50']:.1f} s / {result['p99']:.1f} s"),
         ("operator peak RSS (VmHWM)", f"{result['peak_rss_mib']:.0f} MiB"),
         ("estimated vs actual start, median abs. error", eta),
         ("operator reconcile passes: count, p50 / max seconds",
@@ -292,6 +392,11 @@ def table(result: dict[str, Any]) -> str:
         ("why jobs waited (first reason seen)",
          ", ".join(f"{k} {v}" for k, v in sorted(result["wait_reasons"].items())) or "-"),
     ]
+    rows.append(("CPU cores used, operator start to end (2 = the whole machine)",
+                 ", ".join(f"{k} {v:.2f}" for k, v in result["cpu_cores"].items())))
+    rows.append(("API writes/s over the same window (all clients)",
+                 ", ".join(f"{k} {v:.0f}"
+                           for k, v in list(result["api_writes_per_s"].items())[:8])))
     width = max(len(r[0]) for r in rows)
     lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
@@ -323,6 +428,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--delete-cluster", action="store_true")
+    parser.add_argument("--pause-scheduler", action="store_true",
+                        help="stop kube-scheduler (SIGSTOP) until the admission burst is over:"
+                        " the operator's admission path alone, without scheduling and"
+                        " simulated pods competing for the same CPUs")
+    parser.add_argument("--create-first", action="store_true",
+                        help="create every GpuJob before the operator starts")
     parser.add_argument("--write-doc", type=Path)
     parser.add_argument("--notes", default="")
     args = parser.parse_args()

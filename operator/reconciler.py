@@ -1,4 +1,4 @@
-"""One reconcile pass: list, derive each job's state from its pods, decide, act.
+"""One reconcile pass: read the watch caches, derive each job's state from its pods, decide, act.
 
 The pass is the imperative shell around `carpool.core.queueing.admission_cycle`: it decodes
 the cluster into a `ClusterSnapshot`, asks the core, then carries out the decisions (create
@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from carpool.operator import metrics
 from carpool.operator.decoding import (
@@ -26,7 +27,8 @@ from carpool.operator.decoding import (
     retired_to_status,
 )
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
-from carpool.operator.kube import Kube, Obj
+from carpool.operator.informer import Informers
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import (
     grants_from_assignment,
@@ -59,24 +61,32 @@ ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status ch
 @dataclass
 class ReconcilerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    # API writes (pods, statuses) in flight at once: a loaded API server answers each in tens
-    # of ms, so throughput grows with concurrency (measured: 8 -> 21/s, 32 -> 50/s)
-    write_workers: int = 32
+    # API writes (pods, statuses) in flight at once: each waits tens of ms on the API server,
+    # so throughput grows with concurrency up to the server's own limit (measured with
+    # direct pool requests on an idle 2-core machine: 8 threads 570 pod creates/s, 32: 530/s)
+    write_workers: int = 16
     # A queued job whose reason stays the same gets its position, estimate and message
     # rewritten at most this often (they move every pass; thousands of writes otherwise),
     # unless its estimate moved by more than `estimate_jump_s`.
     wait_refresh_s: float = 15.0
     estimate_jump_s: float = 60.0
-    max_admissions_per_pass: int = 200  # 0: no cap
+    # 0: act on every admission a pass decides (a pass is cheap now that it reads watch
+    # caches; deferring admissions only left capacity idle until the next pass)
+    max_admissions_per_pass: int = 0
+    # A pass starts no new admission after this many seconds of acting (the rest, lower in
+    # the queue, go to the next pass): a burst of thousands then runs as a series of short
+    # passes, so pods that started or finished meanwhile are seen within seconds. 0: none.
+    admission_budget_s: float = 10.0
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
         return cls(AdmissionConfig(
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
-        ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "32")),
+        ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "15")),
-            max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "200")))
+            max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
+            admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")))
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
@@ -109,6 +119,7 @@ class PassState:
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
+    initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
 
 
 def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
@@ -123,24 +134,31 @@ def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None
     return {"gpuModel": ",".join(models), "driverVersion": driver, "cudaVersion": cuda}
 
 
+class CacheBehind(RuntimeError):
+    """The watch caches have not caught up with our own writes: no pass on a stale view."""
+
+
 class Reconciler:
-    def __init__(self, api: Any, config: ReconcilerConfig):
-        self.kube = Kube(api)
+    def __init__(self, kube: Kube, config: ReconcilerConfig, informers: Informers):
+        self.kube = kube
+        self.informers = informers
         self.config = config
         self.last_result: CycleResult | None = None
         self._priority_class_ready = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
                                         thread_name_prefix="writes")
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
-        self._finished: dict[str, tuple[str, Job]] = {}  # key -> (resourceVersion, decoded)
+        # key -> (resourceVersion, decoded) of jobs whose decoding cannot change while their
+        # object stays the same (see read)
+        self._decoded: dict[str, tuple[str, Job]] = {}
 
     # -- reading ---------------------------------------------------------------------------
 
     def _read_nodes(self, state: PassState) -> None:
         """Inventories, driver/CUDA versions and per-pod peak memory from the GpuNodes."""
         labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
-                  for n in self.kube.list_nodes()}
-        for gn in self.kube.list_gpunodes():
+                  for n in self.informers.objects("nodes")}
+        for gn in self.informers.objects(names.GPUNODE_PLURAL):
             name = gn["metadata"]["name"]
             if name not in labels:
                 continue  # the Node is gone; its GpuNode is stale
@@ -168,34 +186,37 @@ class Reconciler:
         mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
                       for g in inv.gpus for m in g.mig_instances}
         pods: dict[str, list[PodView]] = {}
-        for pod in self.kube.list_managed_pods():
+        for pod in self.informers.objects(PODS):
             job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
             if job_ref:
                 pods.setdefault(job_ref, []).append(view_pod(pod))
-        finished: dict[str, tuple[str, Job]] = {}
-        for obj in self.kube.list_gpujobs():
+        decoded: dict[str, tuple[str, Job]] = {}
+        for obj in self.informers.objects(GPUJOBS):
             key = _job_key(obj)
             state.objects[key] = obj
-            version = str(obj["metadata"].get("resourceVersion", ""))
-            cached = self._finished.get(key)
-            if cached is not None and cached[0] == version:
-                # an unchanged finished job: its decoded form cannot have changed either
-                state.jobs.append(cached[1])
-                state.phases[key] = cached[1].phase
-                finished[key] = cached
-                if names.FINALIZER not in (obj["metadata"].get("finalizers") or ()) \
-                        and cached[1].runs:
+            meta = obj["metadata"]
+            version = str(meta.get("resourceVersion", ""))
+            guarded = names.FINALIZER in (meta.get("finalizers") or ())
+            cached = self._decoded.get(key)
+            if cached is not None and cached[0] == version \
+                    and (cached[1].phase.finished or key not in pods):
+                # unchanged, and nothing its pods say can have changed: a finished job, or a
+                # queued one without pods (thousands of them wait through many passes)
+                job = cached[1]
+                decoded[key] = cached
+                if not guarded and job.runs:
                     state.unguarded.append(key)
+                state.jobs.append(job)
+                state.phases[key] = job.phase
+                if not job.phase.finished:
+                    state.initial[key] = self._initial_status(obj)
                 continue
             obs = observe(obj, pods.get(key, []), totals, now, mig_slices)
             status = obj.get("status") or {}
-            patch = dict(obs.status)
+            # only what differs: a running job's derived status mostly equals what it shows
+            patch = _changes(status, obs.status)
             if obs.live_pod is not None:
                 self._observe_hardware(state, obs.live_pod, status, patch)
-            if not status.get("submitTime"):
-                patch["submitTime"] = obj["metadata"].get("creationTimestamp")
-            if not status.get("phase"):
-                patch.setdefault("phase", Phase.QUEUED.value)
             for type_, reason, note in obs.events:
                 self.kube.event(obj, reason, note, type_)
             merged = {**status, **patch}
@@ -214,14 +235,14 @@ class Reconciler:
                                       merged.get("history") or [])
             except ValueError as err:
                 if not obs.phase.finished:
-                    patch.update(phase=Phase.FAILED.value, reason="InvalidSpec", message=str(err))
+                    patch.update(self._initial_status(obj), phase=Phase.FAILED.value,
+                                 reason="InvalidSpec", message=str(err))
                     self.kube.event(obj, "InvalidSpec", str(err), "Warning")
                 state.patches[key] = patch
                 continue
             if job.holds_gpus and node not in state.inventories:
                 job = _detached(job)  # its node is gone: it holds nothing we can see
-            guarded = names.FINALIZER in (obj["metadata"].get("finalizers") or ())
-            if obj["metadata"].get("deletionTimestamp"):
+            if meta.get("deletionTimestamp"):
                 live = obs.live_pod if obs.live_pod and not obs.live_pod.terminal else None
                 if guarded:
                     state.deleting[key] = (job, live)
@@ -232,11 +253,29 @@ class Reconciler:
             state.jobs.append(job)
             state.phases[key] = obs.phase
             if patch:
-                state.patches[key] = patch
-            elif obs.phase.finished:
-                finished[key] = (version, job)
-        self._finished = finished  # jobs gone from the list are forgotten
+                # a job written anyway gets its submit time and phase with it
+                state.patches[key] = {**self._initial_status(obj), **patch}
+            else:
+                if obs.phase.finished or (obs.phase is Phase.QUEUED and key not in pods
+                                          and not meta.get("deletionTimestamp")):
+                    decoded[key] = (version, job)
+                if not obs.phase.finished:
+                    state.initial[key] = self._initial_status(obj)
+        self._decoded = decoded  # jobs gone from the cache are forgotten
         return state
+
+    @staticmethod
+    def _initial_status(obj: Obj) -> Obj:
+        """The submit time and Queued phase a new job shows; written with the job's first
+        other write (its wait reason or its admission), not on its own: a job admitted in
+        the pass that first sees it costs one status write, not two."""
+        status = obj.get("status") or {}
+        out: Obj = {}
+        if not status.get("submitTime"):
+            out["submitTime"] = obj["metadata"].get("creationTimestamp")
+        if not status.get("phase"):
+            out["phase"] = Phase.QUEUED.value
+        return out
 
     @staticmethod
     def _observe_hardware(state: PassState, pod: PodView, status: Obj, patch: Obj) -> None:
@@ -253,7 +292,7 @@ class Reconciler:
     def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
         quotas: dict[str, ProjectQuota] = {}
         objects: dict[str, Obj] = {}
-        for obj in self.kube.list_quotas():
+        for obj in self.informers.objects(QUOTAS):
             try:
                 quota = quota_from_object(obj)
             except ValueError as err:
@@ -265,8 +304,12 @@ class Reconciler:
 
     # -- one pass --------------------------------------------------------------------------
 
-    def run_pass(self, now: float, still_leader: Callable[[], bool] = lambda: True) -> CycleResult:
+    def run_pass(self, now: float, still_leader: Callable[[], bool] = lambda: True,
+                 catch_up_s: float = 15.0) -> CycleResult:
         started = time.monotonic()
+        if not self.informers.caught_up(catch_up_s):
+            raise CacheBehind("a watch cache is behind this operator's own writes")
+        now = max(now, time.time())  # the wait above may have taken a while
         state = self.read(now)
         quotas, quota_objects = self.quotas()
         retired = {name: r for name, obj in quota_objects.items()
@@ -285,9 +328,8 @@ class Reconciler:
         if not self._priority_class_ready:
             self.kube.ensure_priority_class()
             self._priority_class_ready = True
-        writes = len(state.patches) + len(result.admissions)
+        writes_before = self.kube.rest.writes
         self._apply(state, result, now)
-        writes = max(writes, len(state.patches) + len(result.admissions))
         self._write_quota_status(result, quota_objects)
         self._flush(state)
         # off the admission path: a job's pod and status first, its finalizer after
@@ -295,6 +337,7 @@ class Reconciler:
         list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
         self._record_metrics(state, result)
         self.last_result = result
+        writes = self.kube.rest.writes - writes_before
         spent = time.monotonic() - started
         metrics.PASS_SECONDS.observe(spent)
         log.info("reconcile pass: %d jobs, %d admitted, %d preempted, %d waiting, %d writes; "
@@ -369,14 +412,25 @@ class Reconciler:
             except Exception:  # one job's failure must not stop the others' decisions
                 log.exception("admitting %s failed; retrying next pass", admission.job_key)
 
-        # Admissions beyond the cap are left for the next pass (in queue order, so the
-        # highest-ranked go first): a pass stays short even when the API server is slow, and
-        # leaving an admission out only leaves capacity the core counted as taken.
+        # Admissions beyond the cap or the time budget are left for the next pass (in queue
+        # order, so the highest-ranked go first): a pass stays short even when the API server
+        # is slow, and leaving an admission out only leaves capacity the core counted as taken.
         admissions = sorted(result.admissions, key=lambda a: a.position)
         cap = self.config.max_admissions_per_pass
-        acted = admissions[:cap] if cap > 0 else admissions
-        state.admitted = [a.job_key for a in acted]
-        list(self._pool.map(admit, acted))
+        budget = self.config.admission_budget_s
+        deadline = time.monotonic() + budget
+        slots = threading.BoundedSemaphore(max(1, self.config.write_workers))
+        pending = []
+        for admission in admissions[:cap] if cap > 0 else admissions:
+            slots.acquire()  # submit only as fast as the pool writes, so the budget holds
+            if budget > 0 and time.monotonic() > deadline:
+                slots.release()
+                break
+            state.admitted.append(admission.job_key)
+            future = self._pool.submit(admit, admission)
+            future.add_done_callback(lambda _: slots.release())
+            pending.append(future)
+        cf.wait(pending)
         for preemption in result.preemptions:
             try:
                 self._preempt(state, jobs, preemption)
@@ -445,7 +499,8 @@ class Reconciler:
                 < self.config.wait_refresh_s:
             return  # only the position, message or a small estimate shift: later
         self._wait_written[wait.job_key] = clock
-        state.patches.setdefault(wait.job_key, {}).update(changed)
+        state.patches.setdefault(wait.job_key, {}).update(
+            state.initial.pop(wait.job_key, {}), **changed)
         if status.get("reason") != wait.reason.value:
             self.kube.event(obj, wait.reason.value, wait.message,
                             "Warning" if wait.reason.refused else "Normal", "Queue")
@@ -460,12 +515,14 @@ class Reconciler:
                 raise  # transient (API down, throttled): the next pass tries again
             message = f"the pod for attempt {admission.attempt} was refused: {_api_message(err)}"
             state.patches.setdefault(job.key, {}).update(
+                state.initial.pop(job.key, {}),
                 phase=Phase.FAILED.value, reason="PodRejected", message=message,
                 completionTime=format_time(now))
             self.kube.event(obj, "PodRejected", message, "Warning", "Admit")
             return
         inventory = state.inventories.get(admission.node)
         patch = state.patches.setdefault(job.key, {})
+        patch.update(state.initial.pop(job.key, {}))
         patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
                      node=admission.node, gpus=grants_to_status(admission.grants, inventory),
                      borrowed=admission.borrowed, admitTime=format_time(now),
@@ -480,19 +537,25 @@ class Reconciler:
 
     def _flush_one(self, state: PassState, key: str) -> None:
         patch = state.patches.pop(key, None)
-        if patch:
-            obj = state.objects.get(key)
-            current = (obj or {}).get("status") or {}
-            conditions = job_conditions({**current, **patch}, time.time())
-            if conditions is not None:
-                patch["conditions"] = conditions
-            namespace, name = key.split("/", 1)
-            version = self.kube.patch_job_status(namespace, name, patch)
-            if obj is not None:  # a second flush in this pass sees what the first wrote
-                obj["status"] = {k: v for k, v in {**current, **patch}.items()
-                                 if v is not None}
-                if version:
-                    obj["metadata"]["resourceVersion"] = version
+        if not patch:
+            return
+        obj = state.objects.get(key)
+        current = (obj or {}).get("status") or {}
+        # only what changes: most running jobs' derived status equals what they show
+        patch = _changes(current, patch)
+        conditions = job_conditions({**current, **patch}, time.time())
+        if conditions is not None:
+            patch["conditions"] = conditions
+        if not patch:
+            return
+        namespace, name = key.split("/", 1)
+        version = self.kube.patch_job_status(namespace, name, patch)
+        if obj is not None:  # a second flush in this pass sees what the first wrote
+            # a new object: the cached one is shared with the watch's store
+            meta = dict(obj["metadata"], resourceVersion=version or
+                        obj["metadata"].get("resourceVersion"))
+            state.objects[key] = {**obj, "metadata": meta, "status": {
+                k: v for k, v in {**current, **patch}.items() if v is not None}}
 
     def _flush(self, state: PassState) -> None:
         def flush(key: str) -> None:
@@ -538,6 +601,13 @@ class Reconciler:
             metrics.RUNNING_GPUS.labels(project.project).set(project.running_gpus)
             if project.remaining_gpu_hours is not None:
                 metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
+
+
+def _changes(current: Obj, patch: Obj) -> Obj:
+    """The fields of `patch` that change `current` (an absent field equals null and, for
+    the history of a pod not started yet, an empty list)."""
+    return {k: v for k, v in patch.items()
+            if current.get(k) != v and not (v == [] and current.get(k) is None)}
 
 
 def _api_message(err: Exception) -> str:

@@ -1,7 +1,8 @@
-"""The operator's long-running parts: leader election, the reconcile loop, metrics.
+"""The operator's long-running parts: leader election, watch caches, the reconcile loop.
 
 Started by kopf's startup handler; the loop runs a pass when poked by a watch event (batched:
 events arriving during a pass cause one more pass, not one each) or every resync period.
+Every replica keeps its caches warm; only the leader runs passes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from carpool.operator.informer import Informers
+from carpool.operator.kube import Kube
 from carpool.operator.leadership import LeaderElector, LeaseConfig
-from carpool.operator.reconciler import Reconciler, ReconcilerConfig
+from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
 from kubernetes import client, config
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,11 @@ class OperatorRuntime:
                  reconciler_config: ReconcilerConfig, identity: str | None = None):
         self.config = runtime
         self.elector = LeaderElector(api, LeaseConfig(namespace=runtime.namespace), identity)
-        self.reconciler = Reconciler(api, reconciler_config)
+        kube = Kube(api)  # one record of our own writes, for the caches' fence
+        self.informers = Informers(kube, self._poke_from_thread)
+        self.reconciler = Reconciler(kube, reconciler_config, self.informers)
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._poke_pending = False  # a wake-up is already on its way to the loop
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,13 +75,32 @@ class OperatorRuntime:
             from prometheus_client import start_http_server
 
             start_http_server(self.config.metrics_port)
+        self._loop_ref = asyncio.get_running_loop()
+        self.informers.start()
         self._tasks = [asyncio.create_task(self.elector.run(self._stop)),
                        asyncio.create_task(self._loop())]
 
     def poke(self) -> None:
         self._wake.set()
 
+    def _poke_from_thread(self) -> None:
+        """Wake the loop from a watch thread; one wake-up in flight at a time (watch events
+        come in thousands per second during a burst)."""
+        loop = self._loop_ref
+        if loop is None or self._poke_pending:
+            return
+        self._poke_pending = True
+        try:
+            loop.call_soon_threadsafe(self._poked)
+        except RuntimeError:  # the loop has closed: shutting down
+            self._poke_pending = False
+
+    def _poked(self) -> None:
+        self._poke_pending = False
+        self._wake.set()
+
     async def stop(self) -> None:
+        self.informers.stop()
         self._stop.set()
         self._wake.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -92,6 +118,9 @@ class OperatorRuntime:
             try:
                 await asyncio.to_thread(self.reconciler.run_pass, time.time(),
                                         self.elector.is_leader)
+            except CacheBehind as err:
+                log.warning("reconcile pass skipped: %s", err)
+                await asyncio.sleep(0.2)
             except Exception:
                 log.exception("reconcile pass failed; retrying")
                 await asyncio.sleep(1.0)

@@ -1,0 +1,203 @@
+"""The operator's watch caches and one reconcile pass over them, against a recording fake
+of the API port (no cluster): what a pass writes, and that it waits for its own writes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from carpool.operator.informer import Informer, Informers
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
+from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
+
+from carpool.core import names
+
+MODEL = "H100"
+
+
+class FakeRest:
+    writes = 0
+
+
+class FakeKube:
+    """Records writes; answers with increasing resourceVersions like the API server."""
+
+    def __init__(self) -> None:
+        self.rest = FakeRest()
+        self.written: dict[str, int] = {}
+        self._lock = __import__("threading").Lock()
+        self.version = 100
+        self.pods: list[Obj] = []
+        self.statuses: list[tuple[str, Obj]] = []
+        self.finalized: list[str] = []
+        self.events: list[str] = []
+
+    def _next(self, kind: str) -> str:
+        with self._lock:
+            self.version += 1
+            self.written[kind] = self.version
+            self.rest.writes += 1
+            return str(self.version)
+
+    def ensure_priority_class(self) -> None:
+        pass
+
+    def create_pod(self, pod: Obj) -> bool:
+        self._next(PODS)
+        self.pods.append(pod)
+        return True
+
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+        self._next(PODS)
+
+    def patch_job_status(self, namespace: str, name: str, status: Obj) -> str | None:
+        self.statuses.append((f"{namespace}/{name}", status))
+        return self._next(GPUJOBS)
+
+    def set_job_finalizers(self, namespace: str, name: str, finalizers: list[str],
+                           resource_version: str) -> bool:
+        self._next(GPUJOBS)
+        self.finalized.append(f"{namespace}/{name}")
+        return True
+
+    def patch_quota_status(self, name: str, status: Obj) -> None:
+        self._next(QUOTAS)
+
+    def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
+              action: str = "Reconcile") -> None:
+        self.events.append(reason)
+
+
+def _job(name: str, version: str = "1", status: Obj | None = None) -> Obj:
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": name, "namespace": "team", "uid": f"u-{name}",
+                         "resourceVersion": version,
+                         "creationTimestamp": "2026-11-29T10:00:00Z"},
+            "spec": {"project": "vision", "class": "short",
+                     "gpu": {"count": 1, "memory": "20Gi", "cores": 50, "isolation": "mps"},
+                     "estimatedDuration": "10m",
+                     "template": {"spec": {"containers": [{"name": "main", "image": "img"}]}}},
+            "status": status or {}}
+
+
+def _cluster(gpus: int) -> dict[str, list[Obj]]:
+    return {
+        "nodes": [{"metadata": {"name": "n1", "resourceVersion": "2", "labels": {}}}],
+        names.GPUNODE_PLURAL: [{"metadata": {"name": "n1", "resourceVersion": "3"},
+                                "status": {"sharingMode": "mps", "gpus": [
+                                    {"index": i, "uuid": f"GPU-{i}", "model": MODEL,
+                                     "memoryTotalMiB": 81920} for i in range(gpus)]}}],
+        QUOTAS: [{"metadata": {"name": "vision", "resourceVersion": "4",
+                               "creationTimestamp": "2026-11-29T00:00:00Z"},
+                  "spec": {"namespaces": ["team"], "concurrent": {"gpus": 8}}}],
+        PODS: [],
+        GPUJOBS: [],
+    }
+
+
+def _informers(kube: FakeKube, objects: dict[str, list[Obj]], version: int) -> Informers:
+    informers = Informers(kube)  # type: ignore[arg-type]
+    for kind, informer in informers.by_kind.items():
+        informer.items = {f"{o['metadata'].get('namespace', '')}/{o['metadata']['name']}"
+                          .lstrip("/"): o for o in objects[kind]}
+        informer.synced = True
+        informer.version = version
+    return informers
+
+
+def _reconciler(kube: FakeKube, informers: Informers) -> Reconciler:
+    return Reconciler(kube, ReconcilerConfig(write_workers=4), informers)  # type: ignore[arg-type]
+
+
+def test_watch_events_keep_the_newest_object_and_a_410_asks_for_a_list() -> None:
+    changes: list[int] = []
+    informer = Informer(FakeKube(), Informers(FakeKube()).by_kind[GPUJOBS].kind,  # type: ignore[arg-type]
+                        lambda: changes.append(1))
+    assert informer._apply({"type": "ADDED", "object": _job("a", "5")})
+    assert informer._apply({"type": "MODIFIED", "object": _job("a", "7", {"phase": "Queued"})})
+    assert informer._apply({"type": "ADDED", "object": _job("b", "8")})
+    assert informer._apply({"type": "DELETED", "object": _job("b", "9")})
+    assert [o["status"] for o in informer.snapshot()] == [{"phase": "Queued"}]
+    assert informer.version == 9 and len(changes) == 4
+    assert informer._apply({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}})
+    assert informer.version == 12 and len(changes) == 4  # a bookmark changes no object
+    assert not informer._apply({"type": "ERROR", "object": {"code": 410, "message": "gone"}})
+
+
+def test_a_cache_behind_our_own_write_is_waited_for_then_relisted() -> None:
+    kube = FakeKube()
+    informers = _informers(kube, _cluster(1), version=50)
+    kube.written[PODS] = 60
+    assert not informers.caught_up(0.05)
+    assert informers.by_kind[PODS]._relist.is_set()  # the watch is told to list again
+    informers.by_kind[PODS].version = 60
+    assert informers.caught_up(0.05)
+    informers.by_kind[GPUJOBS].synced = False  # not listed yet: never a pass on nothing
+    assert not informers.caught_up(0.05)
+
+
+def test_a_pass_on_a_stale_cache_is_refused() -> None:
+    kube = FakeKube()
+    informers = _informers(kube, _cluster(1), version=50)
+    kube.written[GPUJOBS] = 70
+    try:
+        _reconciler(kube, informers).run_pass(0.0, catch_up_s=0.05)
+    except CacheBehind:
+        return
+    raise AssertionError("a pass ran on a cache behind its own writes")
+
+
+def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None:
+    kube = FakeKube()
+    cluster = _cluster(2)
+    cluster[GPUJOBS] = [_job("a"), _job("b")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    result = reconciler.run_pass(1_800_000_000.0)
+    assert sorted(a.job_key for a in result.admissions) == ["team/a", "team/b"]
+    assert sorted(p["metadata"]["name"] for p in kube.pods) == ["a-1", "b-1"]
+    # one status write per job: its submit time rides along with the admission
+    assert sorted(key for key, _ in kube.statuses) == ["team/a", "team/b"]
+    for _, status in kube.statuses:
+        assert status["phase"] == "Admitted"
+        assert status["submitTime"] == "2026-11-29T10:00:00Z"
+    assert sorted(kube.finalized) == ["team/a", "team/b"]  # after the pods and statuses
+
+
+def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(1_800_000_000.0)
+    ((_, status),) = kube.statuses
+    # what the watch then shows: the pod (pending, placed by the extender) and the status
+    pod = copy.deepcopy(kube.pods[0])
+    pod["metadata"]["resourceVersion"] = str(kube.version)
+    job = _job("a", str(kube.version), {k: v for k, v in status.items() if v is not None})
+    job["metadata"]["finalizers"] = [names.FINALIZER]
+    cluster[PODS], cluster[GPUJOBS] = [pod], [job]
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    statuses, pods = len(kube.statuses), len(kube.pods)
+    result = reconciler.run_pass(1_800_000_001.0)
+    assert not result.admissions
+    # the derived status equals the shown one (a pending pod's empty history included)
+    assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
+
+
+def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reused() -> None:
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a"), _job("b", status={}), _job("c")]
+    # 1 GPU of 80 GiB, MPS at 50 % cores: two of the three fit
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    result = reconciler.run_pass(1_800_000_000.0)
+    waiting = [w.job_key for w in result.waits]
+    assert len(result.admissions) == 2 and len(waiting) == 1
+    (write,) = [s for k, s in kube.statuses if k == waiting[0]]
+    assert write["phase"] == "Queued" and write["submitTime"] and write["reason"]
+    decoded: Any = reconciler._decoded[waiting[0]][1]
+    for informer in reconciler.informers.by_kind.values():
+        informer.version = kube.version  # caught up (the objects left as they were)
+    reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
+    # the queued job's object is the same: its decoding is reused
+    assert reconciler._decoded[waiting[0]][1] is decoded
