@@ -141,12 +141,25 @@ def worker_hog(gib: int, seconds: float) -> dict[str, Any]:
     return {"survived": True}
 
 
+def worker_spin(seconds: float) -> dict[str, Any]:
+    """Pure-Python busy loop: how much CPU this process gets, in loop turns per second."""
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    turns, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(1000):
+            turns += 1
+    return {"turns_per_s": turns / seconds}
+
+
 def worker_main(argv: list[str]) -> int:
     kind = argv[0]
     if kind == "memory":
         result = worker_memory()
     elif kind == "resnet":
         result = worker_resnet(float(argv[1]), argv[2:] == ["graph"])
+    elif kind == "spin":
+        result = worker_spin(float(argv[1]))
     elif kind == "hog":
         result = worker_hog(int(argv[1]), float(argv[2]))
     else:
@@ -328,6 +341,19 @@ def find_mps_control() -> str:
     raise SystemExit("nvidia-cuda-mps-control not found: MPS needs the driver's MPS tools")
 
 
+def cpu_scaling(seconds: float = 3.0, rounds: int = 3) -> float:
+    """How much CPU four busy processes get together, relative to one alone (4.0 = perfect).
+
+    Eager inference is launch-bound: each worker runs at its CPU's speed. On a host whose
+    vCPUs slow down when several are busy, four MPS clients cannot reach 4x one exclusive
+    process, whatever the GPU does; this puts the sharing ratios in context."""
+    alone, together = 0.0, 0.0
+    for _ in range(rounds):
+        alone += run_workers(["spin", str(seconds)], [{}])[0]["turns_per_s"]
+        together += sum(r["turns_per_s"] for r in run_workers(["spin", str(seconds)], [{}] * 4))
+    return together / alone
+
+
 def part_a(backend: Any) -> dict[str, Any]:
     from carpool.deviceplugin.telemetry import status_from_backend
 
@@ -387,6 +413,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="per throughput run")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="each request replays a CUDA graph instead of eager launches")
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="only measure how the CPU scales from 1 to 4 busy processes")
     parser.add_argument("--rounds", type=int, default=3,
                         help="throughput rounds; each runs every setup once")
     parser.add_argument("--json", type=Path, help="also write all results here")
@@ -401,6 +429,11 @@ def main() -> int:
                          "putting the repo root on sys.path") from None
 
     report: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds")}
+    report["cpu_scaling_4"] = cpu_scaling()
+    log(f"CPU: 4 busy processes get {report['cpu_scaling_4']:.2f}x the CPU of one "
+        f"(a ceiling for launch-bound sharing ratios)")
+    if args.cpu_only:
+        return 0
     mps_root = Path(tempfile.mkdtemp(prefix="carpool-mps-", dir="/tmp"))
     pipe_dir, log_dir = mps_root / "pipe", mps_root / "log"
     client_requests = [(f"mps-{n}", "mps", 8 * GIB, 25) for n in range(4)]
@@ -503,6 +536,8 @@ def main() -> int:
     caps_ok = all(m["alloc_10GiB"].startswith("refused") and m["alloc_6GiB"] == "ok"
                   for m in memory)
     print()
+    print(f"CPU: 4 busy processes got {report['cpu_scaling_4']:.2f}x the CPU of one (a ceiling "
+          f"for the eager, launch-bound ratios)")
     print(f"memory caps: 10 GiB refused and 6 GiB allowed in all 4 MPS clients: {caps_ok}")
     print(f"target MPS >= 4x exclusive throughput: {mps_ok[0]}; p99 <= 1.2x exclusive: "
           f"{mps_ok[1]} (25 % SM cap); without the SM cap: "
