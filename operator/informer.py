@@ -49,6 +49,24 @@ KINDS = (
 )
 
 
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def trimmed(obj: Obj, pod: bool = False) -> Obj:
+    """What the store keeps of an object: no managedFields or last-applied copy (often half
+    an object), and of a pod only what the operator reads (metadata, node, status)."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        meta.pop("managedFields", None)
+        annotations = meta.get("annotations")
+        if isinstance(annotations, dict):
+            annotations.pop(LAST_APPLIED, None)
+    if pod:
+        node = (obj.get("spec") or {}).get("nodeName")
+        obj["spec"] = {"nodeName": node} if node else {}
+    return obj
+
+
 def object_key(obj: Obj) -> str:
     meta = obj.get("metadata") or {}
     namespace = meta.get("namespace")
@@ -127,7 +145,8 @@ class Informer:
     def _list(self) -> None:
         self._relist.clear()
         items, version = self.kube.list_all(self.kind.path, self._query())
-        fresh = {object_key(obj): obj for obj in items}
+        pod = self.kind.name == PODS
+        fresh = {object_key(obj): trimmed(obj, pod) for obj in items}
         with self._cond:
             self.items = fresh
             self.version = max(self.version, int(version) if version.isdigit() else 0)
@@ -170,7 +189,7 @@ class Informer:
         version = _version(obj)
         with self._cond:
             if kind in ("ADDED", "MODIFIED"):
-                self.items[object_key(obj)] = obj
+                self.items[object_key(obj)] = trimmed(obj, self.kind.name == PODS)
             elif kind == "DELETED":
                 self.items.pop(object_key(obj), None)
             self.version = max(self.version, version)

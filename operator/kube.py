@@ -213,8 +213,13 @@ class Kube:
     def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
               action: str = "Reconcile") -> None:
         """Record a Kubernetes Event on `regarding` in the background (events are best effort
-        and must not slow a pass down); failures are logged, never raised."""
-        self._event_pool.submit(self._post_event, regarding, reason, note, type_, action)
+        and must not slow a pass down); failures are logged, never raised. Only a reference
+        to the object waits in the queue, not the object (a burst queues thousands)."""
+        meta = regarding.get("metadata", {})
+        reference = {"apiVersion": regarding.get("apiVersion"), "kind": regarding.get("kind"),
+                     "name": meta.get("name"), "namespace": meta.get("namespace"),
+                     "uid": meta.get("uid")}
+        self._event_pool.submit(self._post_event, reference, reason, note, type_, action)
 
     def drain_events(self) -> None:
         """Wait until every Event submitted so far is posted (tests, clean shutdown)."""
@@ -223,12 +228,12 @@ class Kube:
 
     def _post_event(self, regarding: Obj, reason: str, note: str, type_: str,
                     action: str) -> None:
-        meta = regarding.get("metadata", {})
         now = dt.datetime.now(dt.UTC)
-        namespace = meta.get("namespace") or "default"
+        namespace = regarding.get("namespace") or "default"
+        name = str(regarding.get("name") or "carpool")
         body: Obj = {
             "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"name": f"{meta.get('name', 'carpool')[:200]}.{uuid.uuid4().hex[:16]}",
+            "metadata": {"name": f"{name[:200]}.{uuid.uuid4().hex[:16]}",
                          "namespace": namespace},
             "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "reportingController": f"{names.GROUP}/{self.component}",
@@ -237,16 +242,10 @@ class Kube:
             "reason": reason,
             "note": note[:1024],
             "type": type_,
-            "regarding": {
-                "apiVersion": regarding.get("apiVersion"),
-                "kind": regarding.get("kind"),
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace"),
-                "uid": meta.get("uid"),
-            },
+            "regarding": regarding,
         }
         try:
             self.rest.call("POST", f"/apis/events.k8s.io/v1/namespaces/{quote(namespace)}/events",
                            body)
         except Exception as err:
-            log.warning("event %s on %s not recorded: %s", reason, meta.get("name"), err)
+            log.warning("event %s on %s not recorded: %s", reason, name, err)

@@ -68,14 +68,16 @@ class ReconcilerConfig:
     # A queued job whose reason stays the same gets its position, estimate and message
     # rewritten at most this often (they move every pass; thousands of writes otherwise),
     # unless its estimate moved by more than `estimate_jump_s`.
-    wait_refresh_s: float = 15.0
+    wait_refresh_s: float = 60.0
     estimate_jump_s: float = 60.0
     # 0: act on every admission a pass decides (a pass is cheap now that it reads watch
     # caches; deferring admissions only left capacity idle until the next pass)
     max_admissions_per_pass: int = 0
-    # A pass starts no new admission after this many seconds of acting (the rest, lower in
-    # the queue, go to the next pass): a burst of thousands then runs as a series of short
-    # passes, so pods that started or finished meanwhile are seen within seconds. 0: none.
+    # A pass starts no new admission after this many seconds of acting, or three times what
+    # reading and deciding took if that is longer (so they stay a quarter of a pass); the
+    # rest, lower in the queue, go to the next pass: a burst of thousands then runs as a
+    # series of short passes, so pods that started or finished meanwhile are seen within
+    # seconds. 0: no budget.
     admission_budget_s: float = 10.0
 
     @classmethod
@@ -84,7 +86,7 @@ class ReconcilerConfig:
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
         ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
-            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "15")),
+            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
             admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")))
 
@@ -147,6 +149,9 @@ class Reconciler:
         self._priority_class_ready = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
                                         thread_name_prefix="writes")
+        self._guard_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="finalizers")
+        self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
+        self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
         # key -> (resourceVersion, decoded) of jobs whose decoding cannot change while their
         # object stays the same (see read)
@@ -329,12 +334,14 @@ class Reconciler:
             self.kube.ensure_priority_class()
             self._priority_class_ready = True
         writes_before = self.kube.rest.writes
-        self._apply(state, result, now)
+        self._apply(state, result, now, budget=max(self.config.admission_budget_s,
+                                                   3 * (read_s + decide_s)))
         self._write_quota_status(result, quota_objects)
         self._flush(state)
-        # off the admission path: a job's pod and status first, its finalizer after
-        guard = [*state.unguarded, *state.admitted]
-        list(self._pool.map(lambda key: self._guard(state.objects[key]), guard))
+        # off the admission path: a job's pod and status first, its finalizer after, on a
+        # lane of its own that the next pass does not wait for
+        for key in [*state.unguarded, *state.admitted]:
+            self._guard_later(state.objects[key])
         self._record_metrics(state, result)
         self.last_result = result
         writes = self.kube.rest.writes - writes_before
@@ -348,20 +355,34 @@ class Reconciler:
 
     # -- accounting of deleted jobs ---------------------------------------------------------
 
-    def _guard(self, obj: Obj) -> None:
+    def _guard_later(self, obj: Obj) -> None:
         """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
-        deletion waits until its GPU-hours are folded into its project's retired usage."""
+        deletion waits until its GPU-hours are folded into its project's retired usage; in
+        the background, holding only what the write needs."""
         meta = obj["metadata"]
         finalizers = list(meta.get("finalizers") or [])
         if names.FINALIZER in finalizers or meta.get("deletionTimestamp"):
             return
-        try:
-            self.kube.set_job_finalizers(meta["namespace"], meta["name"],
-                                         [*finalizers, names.FINALIZER],
-                                         str(meta.get("resourceVersion", "")))
-        except Exception:
-            log.exception("adding the accounting finalizer to %s failed; next pass retries",
-                          _job_key(obj))
+        key = _job_key(obj)
+        namespace, name = meta["namespace"], meta["name"]
+        version = str(meta.get("resourceVersion", ""))
+        with self._guarding_lock:
+            if key in self._guarding:
+                return  # already on its way (a pass may run before it lands)
+            self._guarding.add(key)
+
+        def guard() -> None:
+            try:
+                self.kube.set_job_finalizers(namespace, name, [*finalizers, names.FINALIZER],
+                                             version)
+            except Exception:
+                log.exception("adding the accounting finalizer to %s failed; next pass "
+                              "retries", key)
+            finally:
+                with self._guarding_lock:
+                    self._guarding.discard(key)
+
+        self._guard_pool.submit(guard)
 
     def _retire(self, state: PassState, quotas: Mapping[str, ProjectQuota],
                 quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage],
@@ -402,7 +423,8 @@ class Reconciler:
 
     # -- acting ----------------------------------------------------------------------------
 
-    def _apply(self, state: PassState, result: CycleResult, now: float) -> None:
+    def _apply(self, state: PassState, result: CycleResult, now: float,
+               budget: float = 0.0) -> None:
         jobs = {j.key: j for j in state.jobs}
 
         def admit(admission: Admission) -> None:
@@ -417,7 +439,7 @@ class Reconciler:
         # is slow, and leaving an admission out only leaves capacity the core counted as taken.
         admissions = sorted(result.admissions, key=lambda a: a.position)
         cap = self.config.max_admissions_per_pass
-        budget = self.config.admission_budget_s
+        budget = budget if self.config.admission_budget_s > 0 else 0.0
         deadline = time.monotonic() + budget
         slots = threading.BoundedSemaphore(max(1, self.config.write_workers))
         pending = []

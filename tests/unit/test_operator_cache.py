@@ -160,7 +160,8 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     for _, status in kube.statuses:
         assert status["phase"] == "Admitted"
         assert status["submitTime"] == "2026-11-29T10:00:00Z"
-    assert sorted(kube.finalized) == ["team/a", "team/b"]  # after the pods and statuses
+    reconciler._guard_pool.shutdown(wait=True)  # finalizers go on a lane of their own
+    assert sorted(kube.finalized) == ["team/a", "team/b"]
 
 
 def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
@@ -201,3 +202,18 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
     # the queued job's object is the same: its decoding is reused
     assert reconciler._decoded[waiting[0]][1] is decoded
+
+
+def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
+    informer = Informers(FakeKube()).by_kind[PODS]  # type: ignore[arg-type]
+    pod = {"metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "3",
+                        "managedFields": [{"manager": "kwok"}],
+                        "annotations": {names.ANN_JOB: "team/a",
+                                        "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
+           "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": "img"}]},
+           "status": {"phase": "Running"}}
+    assert informer._apply({"type": "ADDED", "object": pod})
+    (kept,) = informer.snapshot()
+    assert kept["spec"] == {"nodeName": "n1"} and kept["status"] == {"phase": "Running"}
+    assert "managedFields" not in kept["metadata"]
+    assert kept["metadata"]["annotations"] == {names.ANN_JOB: "team/a"}
