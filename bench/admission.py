@@ -343,6 +343,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     burst_rate = len(burst) / max(1e-9, burst[-1] - t0) if burst else 0.0
     total_rate = len(times) / max(1e-9, times[-1] - t0) if times else 0.0
     errors = [abs(starts[k] - estimates[k]) for k in estimates if k in starts]
+    # the error in two parts: estimate -> the watch showing it Admitted (the queue's own
+    # forecast, and pass timing), Admitted -> the pod running (scheduling and pod start)
+    to_admit = [admitted_at[k] - estimates[k] for k in estimates
+                if k in starts and k in admitted_at]
+    to_start = [starts[k] - admitted_at[k] for k in estimates
+                if k in starts and k in admitted_at]
     result = {
         "jobs": len(manifests), "create_first": args.create_first,
         "scheduler_paused": args.pause_scheduler,
@@ -352,6 +358,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "p50": _percentile(latencies, 0.5), "p99": _percentile(latencies, 0.99),
         "peak_rss_mib": peak_kib / 1024,
         "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
+        "eta_admit_minus_estimate_p50": statistics.median(to_admit) if to_admit else None,
+        "eta_start_minus_admit_p50": statistics.median(to_start) if to_start else None,
         "started": len(starts), "wait_reasons": reasons, "log": str(log_dir),
         "pass_failures": failures, "passes": len(pass_seconds),
         "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
@@ -374,6 +382,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     eta = (f"{result['eta_mae']:.1f} s over {result['eta_jobs']} jobs that waited"
            if result["eta_mae"] is not None else "n/a (no job waited)")
+    if result.get("eta_admit_minus_estimate_p50") is not None:
+        eta += (f" (median signed: Admitted - estimate "
+                f"{result['eta_admit_minus_estimate_p50']:+.1f} s, running - Admitted "
+                f"{result['eta_start_minus_admit_p50']:+.1f} s)")
     rows = [
         ("GpuJobs / projects / simulated nodes (GPUs)",
          f"{result['jobs']} / {result['projects']} / {result['nodes']} ({result['gpus']})"),

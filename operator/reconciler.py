@@ -31,6 +31,7 @@ from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import (
+    admission_to_start_s,
     grants_from_assignment,
     history_gpu_hours,
     job_conditions,
@@ -153,6 +154,7 @@ class Reconciler:
         self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
+        self._start_delay = 0.0  # recent median seconds from admission to a running pod
         # key -> (resourceVersion, decoded) of jobs whose decoding cannot change while their
         # object stays the same (see read)
         self._decoded: dict[str, tuple[str, Job]] = {}
@@ -267,6 +269,8 @@ class Reconciler:
                 if not obs.phase.finished:
                     state.initial[key] = self._initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
+        self._start_delay = admission_to_start_s(
+            obj.get("status") or {} for obj in state.objects.values())
         return state
 
     @staticmethod
@@ -504,10 +508,15 @@ class Reconciler:
     def _record_wait(self, state: PassState, wait: Wait) -> None:
         obj = state.objects[wait.job_key]
         status = obj.get("status") or {}
-        estimate = (format_time(round(wait.estimated_start / ESTIMATE_ROUNDING_S)
+        # the queue estimates the admission; the pod then takes the recent delay to run
+        delay = round(self._start_delay / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
+        estimate = (format_time(round((wait.estimated_start + delay) / ESTIMATE_ROUNDING_S)
                                 * ESTIMATE_ROUNDING_S)
                     if wait.estimated_start is not None else None)
-        fields = {"reason": wait.reason.value, "message": wait.message,
+        message = wait.message
+        if estimate is not None and delay > 0:
+            message += f" (+{delay:.0f}s from admission to a running pod, recent median)"
+        fields = {"reason": wait.reason.value, "message": message,
                   "queuePosition": wait.position or None, "estimatedStart": estimate}
         changed = {k: v for k, v in fields.items() if status.get(k) != v}
         if not changed:

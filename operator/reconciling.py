@@ -9,6 +9,8 @@ up incrementally, so a replayed pass cannot count twice.
 
 from __future__ import annotations
 
+import heapq
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +169,23 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
                        f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
     return Observation(new_phase, attempts, patch, tuple(events), current)
+
+
+def admission_to_start_s(statuses: Iterable[Mapping[str, Any]], recent: int = 50) -> float:
+    """Median seconds from admission to a running pod over the `recent` latest first runs.
+
+    The queue estimates when a job is admitted; a user waits for it to run, which takes the
+    scheduler, the node and the image that much longer (seconds when idle, minutes behind a
+    burst). Only first attempts count: a job's startTime is that of its first run."""
+    pairs: list[tuple[float, float]] = []
+    for status in statuses:
+        if status.get("attempts") != 1 or not status.get("startTime"):
+            continue
+        admitted, started = parse_time(status.get("admitTime")), parse_time(status["startTime"])
+        if admitted is not None and started is not None and started >= admitted:
+            pairs.append((started, started - admitted))
+    latest = heapq.nlargest(recent, pairs)
+    return float(statistics.median(d for _, d in latest)) if latest else 0.0
 
 
 @dataclass

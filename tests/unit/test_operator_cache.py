@@ -217,3 +217,21 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     assert kept["spec"] == {"nodeName": "n1"} and kept["status"] == {"phase": "Running"}
     assert "managedFields" not in kept["metadata"]
     assert kept["metadata"]["annotations"] == {names.ANN_JOB: "team/a"}
+
+
+def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
+    from carpool.operator.reconciler import PassState
+
+    from carpool.core.queueing import Wait, WaitReason
+
+    kube = FakeKube()
+    reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
+    wait = Wait("team/a", WaitReason.CAPACITY, "no node has room now", 1, 0,
+                1_800_000_000.0)
+    for delay, shown in ((0.0, "2027-01-15T08:00:00Z"), (33.0, "2027-01-15T08:00:30Z")):
+        state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
+        reconciler._start_delay = delay
+        reconciler._wait_written.clear()
+        reconciler._record_wait(state, wait)
+        assert state.patches["team/a"]["estimatedStart"] == shown
+    assert "+30s from admission to a running pod" in state.patches["team/a"]["message"]

@@ -11,6 +11,7 @@ from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciler import PassState, Reconciler
 from carpool.operator.reconciling import (
+    admission_to_start_s,
     assignment_fraction,
     grants_from_assignment,
     history_gpu_hours,
@@ -199,3 +200,17 @@ def test_hardware_fingerprint_and_peak_memory_come_from_the_gpunode() -> None:
     unchanged: dict[str, Any] = {}
     Reconciler._observe_hardware(state, pod, {**patch, "peakMemoryMiB": 9500}, unchanged)
     assert unchanged == {}
+
+
+def test_admission_to_start_is_the_median_of_recent_first_runs() -> None:
+    def status(admit: int, start: int | None, attempts: int = 1) -> dict[str, Any]:
+        out: dict[str, Any] = {"attempts": attempts, "admitTime": f"2026-11-29T10:00:{admit:02d}Z"}
+        if start is not None:
+            out["startTime"] = f"2026-11-29T10:01:{start:02d}Z"
+        return out
+
+    assert admission_to_start_s([]) == 0.0
+    statuses = [status(0, 0), status(0, 10), status(0, 30), status(0, None),  # not started
+                status(0, 59, attempts=2)]  # a requeued job's startTime is its first run's
+    assert admission_to_start_s(statuses) == 70.0  # 60, 70, 90
+    assert admission_to_start_s(statuses, recent=2) == 80.0  # the two latest starts: 70, 90
