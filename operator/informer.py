@@ -217,6 +217,10 @@ class Informers:
     def objects(self, kind: str) -> list[Obj]:
         return self.by_kind[kind].snapshot()
 
+    def get(self, kind: str, key: str) -> Obj | None:
+        """The newest object of `key` (`namespace/name`, or `name`) the watch has shown."""
+        return self.by_kind[kind].items.get(key)
+
     def caught_up(self, timeout: float) -> bool:
         """Wait until every store has listed and seen this operator's latest write of its
         kind; a store still behind after `timeout` is told to list again (False)."""

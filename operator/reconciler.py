@@ -150,7 +150,7 @@ class Reconciler:
         self._priority_class_ready = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
                                         thread_name_prefix="writes")
-        self._guard_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="finalizers")
+        self._guard_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="finalizers")
         self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
@@ -362,14 +362,12 @@ class Reconciler:
     def _guard_later(self, obj: Obj) -> None:
         """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
         deletion waits until its GPU-hours are folded into its project's retired usage; in
-        the background, holding only what the write needs."""
+        the background, on the newest version of the job the watch has shown by then (a
+        queue of them can take minutes behind a burst, and the write is conditional on it)."""
         meta = obj["metadata"]
-        finalizers = list(meta.get("finalizers") or [])
-        if names.FINALIZER in finalizers or meta.get("deletionTimestamp"):
+        if names.FINALIZER in (meta.get("finalizers") or ()) or meta.get("deletionTimestamp"):
             return
         key = _job_key(obj)
-        namespace, name = meta["namespace"], meta["name"]
-        version = str(meta.get("resourceVersion", ""))
         with self._guarding_lock:
             if key in self._guarding:
                 return  # already on its way (a pass may run before it lands)
@@ -377,8 +375,12 @@ class Reconciler:
 
         def guard() -> None:
             try:
-                self.kube.set_job_finalizers(namespace, name, [*finalizers, names.FINALIZER],
-                                             version)
+                latest = (self.informers.get(GPUJOBS, key) or obj)["metadata"]
+                finalizers = list(latest.get("finalizers") or [])
+                if names.FINALIZER not in finalizers and not latest.get("deletionTimestamp"):
+                    self.kube.set_job_finalizers(
+                        latest["namespace"], latest["name"], [*finalizers, names.FINALIZER],
+                        str(latest.get("resourceVersion", "")))
             except Exception:
                 log.exception("adding the accounting finalizer to %s failed; next pass "
                               "retries", key)
