@@ -104,6 +104,17 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
     return out
 
 
+@dataclass(frozen=True)
+class _Decoded:
+    """A job's decoding, valid while its resourceVersion and its pods' stay the same (any
+    pods for a finished job: they cannot change what it shows)."""
+
+    version: str
+    pods: tuple[str, ...] | None
+    job: Job
+    live_pod: PodView | None
+
+
 def _job_key(obj: Obj) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
@@ -155,9 +166,7 @@ class Reconciler:
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
         self._start_delay = 0.0  # recent median seconds from admission to a running pod
-        # key -> (resourceVersion, decoded) of jobs whose decoding cannot change while their
-        # object stays the same (see read)
-        self._decoded: dict[str, tuple[str, Job]] = {}
+        self._decoded: dict[str, _Decoded] = {}  # see read
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -193,35 +202,34 @@ class Reconciler:
         mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
                       for g in inv.gpus for m in g.mig_instances}
         pods: dict[str, list[PodView]] = {}
+        pod_versions: dict[str, list[str]] = {}
         for pod in self.informers.objects(PODS):
             job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
             if job_ref:
                 pods.setdefault(job_ref, []).append(view_pod(pod))
-        decoded: dict[str, tuple[str, Job]] = {}
+                pod_versions.setdefault(job_ref, []).append(
+                    str(pod["metadata"].get("resourceVersion", "")))
+        decoded: dict[str, _Decoded] = {}
         for obj in self.informers.objects(GPUJOBS):
             key = _job_key(obj)
             state.objects[key] = obj
             meta = obj["metadata"]
             version = str(meta.get("resourceVersion", ""))
             guarded = names.FINALIZER in (meta.get("finalizers") or ())
+            signature = tuple(sorted(pod_versions.get(key, ())))
             cached = self._decoded.get(key)
-            if cached is not None and cached[0] == version \
-                    and (cached[1].phase.finished or key not in pods):
-                # unchanged, and nothing its pods say can have changed: a finished job, or a
-                # queued one without pods (thousands of them wait through many passes)
-                job = cached[1]
+            if cached is not None and cached.version == version \
+                    and cached.pods in (None, signature):
+                # neither the job nor its pods changed since a pass derived nothing to write
+                # for it: the same decoding (thousands of jobs wait or run through many passes)
                 decoded[key] = cached
-                if not guarded and job.runs:
-                    state.unguarded.append(key)
-                state.jobs.append(job)
-                state.phases[key] = job.phase
-                if not job.phase.finished:
-                    state.initial[key] = self._initial_status(obj)
+                self._reuse(state, obj, cached, guarded)
                 continue
             obs = observe(obj, pods.get(key, []), totals, now, mig_slices)
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = _changes(status, obs.status)
+            settled = not patch and not obs.events  # nothing to write but hardware facts
             if obs.live_pod is not None:
                 self._observe_hardware(state, obs.live_pod, status, patch)
             for type_, reason, note in obs.events:
@@ -247,6 +255,9 @@ class Reconciler:
                     self.kube.event(obj, "InvalidSpec", str(err), "Warning")
                 state.patches[key] = patch
                 continue
+            if settled and not meta.get("deletionTimestamp"):
+                decoded[key] = _Decoded(version, None if obs.phase.finished else signature,
+                                        job, obs.live_pod)
             if job.holds_gpus and node not in state.inventories:
                 job = _detached(job)  # its node is gone: it holds nothing we can see
             if meta.get("deletionTimestamp"):
@@ -262,16 +273,31 @@ class Reconciler:
             if patch:
                 # a job written anyway gets its submit time and phase with it
                 state.patches[key] = {**self._initial_status(obj), **patch}
-            else:
-                if obs.phase.finished or (obs.phase is Phase.QUEUED and key not in pods
-                                          and not meta.get("deletionTimestamp")):
-                    decoded[key] = (version, job)
-                if not obs.phase.finished:
-                    state.initial[key] = self._initial_status(obj)
+            elif not obs.phase.finished:
+                state.initial[key] = self._initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
         self._start_delay = admission_to_start_s(
             obj.get("status") or {} for obj in state.objects.values())
         return state
+
+    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, guarded: bool) -> None:
+        """A job decoded as before; only its node's presence and hardware facts (from the
+        GpuNodes, which change on their own) are looked at again."""
+        key = cached.job.key
+        job = cached.job
+        if job.holds_gpus and job.node not in state.inventories:
+            job = _detached(job)
+        if not guarded and (job.runs or cached.live_pod is not None):
+            state.unguarded.append(key)
+        state.jobs.append(job)
+        state.phases[key] = job.phase
+        patch: Obj = {}
+        if cached.live_pod is not None:
+            self._observe_hardware(state, cached.live_pod, obj.get("status") or {}, patch)
+        if patch:
+            state.patches[key] = {**self._initial_status(obj), **patch}
+        elif not job.phase.finished:
+            state.initial[key] = self._initial_status(obj)
 
     @staticmethod
     def _initial_status(obj: Obj) -> Obj:

@@ -183,6 +183,16 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     assert not result.admissions
     # the derived status equals the shown one (a pending pod's empty history included)
     assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
+    assert reconciler._decoded["team/a"].pods == (pod["metadata"]["resourceVersion"],)
+    # the pod runs: a new pod version, so the job is derived again and shows Running
+    running = copy.deepcopy(pod)
+    running["metadata"]["resourceVersion"] = str(kube.version + 1)
+    running["spec"] = {"nodeName": "n1"}
+    running["status"] = {"phase": "Running", "startTime": "2027-01-15T08:00:05Z"}
+    cluster[PODS] = [running]
+    reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
+    reconciler.run_pass(1_800_000_010.0)
+    assert kube.statuses[-1][1]["phase"] == "Running"
 
 
 def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reused() -> None:
@@ -196,12 +206,12 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     assert len(result.admissions) == 2 and len(waiting) == 1
     (write,) = [s for k, s in kube.statuses if k == waiting[0]]
     assert write["phase"] == "Queued" and write["submitTime"] and write["reason"]
-    decoded: Any = reconciler._decoded[waiting[0]][1]
+    decoded: Any = reconciler._decoded[waiting[0]].job
     for informer in reconciler.informers.by_kind.values():
         informer.version = kube.version  # caught up (the objects left as they were)
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
     # the queued job's object is the same: its decoding is reused
-    assert reconciler._decoded[waiting[0]][1] is decoded
+    assert reconciler._decoded[waiting[0]].job is decoded
 
 
 def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
