@@ -338,6 +338,29 @@ def _bind_times(core: Any, namespace: str, selector: str, count: int,
     return sorted(seen.values())
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _apiserver_binding_latency(api: Any) -> tuple[float, float]:
+    """The API server's (sum of seconds, count) over POST pods/binding so far."""
+    method, url, headers, body, _ = api.param_serialize("GET", "/metrics",
+                                                        auth_settings=["BearerToken"])
+    text = api.call_api(method, url, headers, body, _request_timeout=30).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_duration_seconds_") or (
+                'subresource="binding"' not in line or 'verb="POST"' not in line):
+            continue
+        if line.startswith("apiserver_request_duration_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("apiserver_request_duration_seconds_count"):
+            count += float(line.split()[-1])
+    return total, count
+
+
 def bench_cluster(args: argparse.Namespace) -> int:
 
 
@@ -417,9 +440,16 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
                     for i in range(args.pods)]
             with ThreadPoolExecutor(16) as pool:  # all pending before the scheduler starts
                 list(pool.map(lambda p: core.create_namespaced_pod(namespace, p), pods))
+            cpu_before = _cpu_seconds(processes[0].pid)
+            api_before = _apiserver_binding_latency(api)
             processes.append(_scheduler(bin_dir, paths.kubeconfig, workdir, scheduler_name,
                                         port if with_extender else None))
             times = _bind_times(core, namespace, f"bench={scheduler_name}", args.pods, 600)
+            api_after = _apiserver_binding_latency(api)
+            binds = api_after[1] - api_before[1]
+            print(f"  API server: {binds:.0f} Binding POSTs, mean "
+                  f"{1000 * (api_after[0] - api_before[0]) / max(binds, 1):.1f} ms; extender "
+                  f"process CPU {_cpu_seconds(processes[0].pid) - cpu_before:.1f} s")
             rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
             results[label] = rate
             print(f"{label:<17} {len(times)} of {args.pods} pods bound; "

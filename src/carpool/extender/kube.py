@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+from urllib.parse import quote
 
+import aiohttp
 from kubernetes import client, config, watch
 from kubernetes.client.exceptions import ApiException
 
 from carpool.core import names
 from carpool.extender.cache import ClusterCache
 from carpool.extender.service import ClusterError
+from carpool.extender.wire import dump_json
 
 log = logging.getLogger(__name__)
 
 WATCH_TIMEOUT_S = 240  # the server ends each watch after this; we then resume from the last RV
 MAX_BACKOFF_S = 10.0
+BIND_CONNECTIONS = 64  # concurrent Binding requests to the API server
 
 
 def api_client(kubeconfig: str | None, pool_size: int = 80) -> Any:
@@ -56,6 +61,8 @@ class KubeCluster:
     def __init__(self, api: Any, timeout_s: float = 10.0) -> None:
         self.core: Any = client.CoreV1Api(api)  # returns raw responses: typed as Any
         self.timeout_s = timeout_s
+        self._configuration: Any = api.configuration
+        self._session: aiohttp.ClientSession | None = None
 
     def get_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:
@@ -69,6 +76,18 @@ class KubeCluster:
     def bind_pod(self, namespace: str, name: str, uid: str, node: str,
                  annotations: Mapping[str, str], resource_version: str = "") -> None:
         """POST pods/NAME/binding; the API server copies its annotations onto the pod."""
+        binding = self._binding(name, namespace, uid, node, annotations, resource_version)
+        try:
+            self.core.create_namespaced_pod_binding(name, namespace, binding,
+                                                    _preload_content=False,
+                                                    _request_timeout=self.timeout_s)
+        except ApiException as exc:
+            raise _error(exc) from None
+
+
+    @staticmethod
+    def _binding(name: str, namespace: str, uid: str, node: str,
+                 annotations: Mapping[str, str], resource_version: str) -> dict[str, Any]:
         metadata: dict[str, Any] = {"name": name, "namespace": namespace}
         if uid:
             metadata["uid"] = uid
@@ -76,14 +95,60 @@ class KubeCluster:
             metadata["resourceVersion"] = resource_version
         if annotations:
             metadata["annotations"] = dict(annotations)
-        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": metadata,
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+        return {"apiVersion": "v1", "kind": "Binding", "metadata": metadata,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+
+    async def bind_pod_async(self, namespace: str, name: str, uid: str, node: str,
+                             annotations: Mapping[str, str], resource_version: str = "") -> None:
+        """`bind_pod` on the caller's event loop (aiohttp, same credentials).
+
+        The Python client's blocking calls need a thread each; with a hundred binds a second
+        those threads contended for the interpreter with filter and prioritize, and each
+        call cost more CPU than the request itself.
+        """
+        cfg = self._configuration
+        url = (f"{cfg.host.rstrip('/')}/api/v1/namespaces/{quote(namespace, safe='')}"
+               f"/pods/{quote(name, safe='')}/binding")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        token = cfg.get_api_key_with_prefix("authorization")
+        if token:
+            headers["Authorization"] = token
+        body = dump_json(self._binding(name, namespace, uid, node, annotations,
+                                       resource_version))
         try:
-            self.core.create_namespaced_pod_binding(name, namespace, binding,
-                                                    _preload_content=False,
-                                                    _request_timeout=self.timeout_s)
-        except ApiException as exc:
-            raise _error(exc) from None
+            async with self._http().post(url, data=body, headers=headers) as resp:
+                if resp.status < 300:
+                    return
+                text = await resp.text()
+                status, reason = resp.status, resp.reason or "error"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ClusterError(0, f"API server not reached: {exc}") from None
+        try:
+            message = json.loads(text).get("message") or reason
+        except (ValueError, AttributeError):
+            message = reason
+        raise ClusterError(status, str(message))
+
+    def _http(self) -> aiohttp.ClientSession:
+        """One session per extender, made on first use (inside the running loop)."""
+        if self._session is None or self._session.closed:
+            cfg = self._configuration
+            tls: ssl.SSLContext | bool = False
+            if str(cfg.host).startswith("https"):
+                tls = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+                if not cfg.verify_ssl:
+                    tls.check_hostname = False
+                    tls.verify_mode = ssl.CERT_NONE
+                if cfg.cert_file:
+                    tls.load_cert_chain(cfg.cert_file, cfg.key_file)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=tls, limit=BIND_CONNECTIONS),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 class Informer(threading.Thread):

@@ -1,9 +1,10 @@
 """The extender's HTTP face (aiohttp): the scheduler verbs, health and Prometheus metrics.
 
 Routes are thin: read the body (size-limited), decode, call `Extender`, encode. Malformed
-requests get HTTP 400 with `{"Error": ...}`; a body over the limit gets 413. Bind runs in a
-thread pool because it makes blocking API calls; filter and prioritize are pure CPU over the
-cache and run inline.
+requests get HTTP 400 with `{"Error": ...}`; a body over the limit gets 413. Filter and
+prioritize are pure CPU over the cache and run inline; bind's Binding write is asynchronous
+(aiohttp) and its rare blocking calls (reading a pod) go to a thread pool. Between requests
+a warmer keeps the placement memo complete (see `Ranker.warm`).
 """
 
 from __future__ import annotations
@@ -189,6 +190,9 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
         if WARMER_KEY in app:
             app[WARMER_KEY].cancel()
         pool.shutdown(wait=False, cancel_futures=True)
+        close = getattr(extender.cluster, "close", None)
+        if close is not None:
+            await close()
 
     app.on_startup.append(start_warming)
     app.on_cleanup.append(shutdown)

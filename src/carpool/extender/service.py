@@ -371,33 +371,70 @@ class Extender:
         (the scheduler's) was out of date and the caller should read the pod and plan again.
         """
         args = plan.args
-        annotations = {}
-        if plan.demand.containers:
-            annotations = {names.ANN_ASSIGNMENT: encode_assignment(assignment),
-                           names.ANN_ASSIGNED_AT: rfc3339(self.clock())}
         started = time.monotonic()
         try:
             self.cluster.bind_pod(args.pod_namespace, args.pod_name, plan.uid, args.node,
-                                  annotations, plan.resource_version)
+                                  self._annotations(plan, assignment), plan.resource_version)
         except ClusterError as exc:
-            self.cache.forget(plan.demand.key, plan.uid)
-            if exc.status != 409:
-                return f"creating the Binding failed: {exc}"
-            bound_to = self._bound_to(args)
-            if bound_to == args.node:
-                return ""  # an earlier attempt bound it; the watch brings its assignment
-            if bound_to is None and not plan.fresh:
-                return STALE
-            return f"creating the Binding failed: {exc}"
+            outcome = self._bind_failed(plan, exc)
+            if outcome is None:
+                outcome = self._after_conflict(plan, exc, self._bound_to(args))
+            return outcome
+        self._bound(plan, started)
+        return ""
+
+    async def commit_bind_async(self, plan: BindPlan, assignment: Assignment,
+                                run_blocking: RunBlocking) -> str:
+        """`commit_bind`, on the event loop when the cluster port can bind asynchronously
+        (the Kubernetes adapter can), else in `run_blocking`."""
+        bind_async = getattr(self.cluster, "bind_pod_async", None)
+        if bind_async is None:
+            result: str = await run_blocking(self.commit_bind, plan, assignment)
+            return result
+        args = plan.args
+        started = time.monotonic()
+        try:
+            await bind_async(args.pod_namespace, args.pod_name, plan.uid, args.node,
+                             self._annotations(plan, assignment), plan.resource_version)
+        except ClusterError as exc:
+            outcome = self._bind_failed(plan, exc)
+            if outcome is None:
+                outcome = self._after_conflict(plan, exc,
+                                               await run_blocking(self._bound_to, args))
+            return outcome
+        self._bound(plan, started)
+        return ""
+
+    def _annotations(self, plan: BindPlan, assignment: Assignment) -> dict[str, str]:
+        if not plan.demand.containers:
+            return {}
+        return {names.ANN_ASSIGNMENT: encode_assignment(assignment),
+                names.ANN_ASSIGNED_AT: rfc3339(self.clock())}
+
+    def _bind_failed(self, plan: BindPlan, exc: ClusterError) -> str | None:
+        """Give the GPUs back; the error, or None when a conflict needs the pod read."""
+        self.cache.forget(plan.demand.key, plan.uid)
+        return None if exc.status == 409 else f"creating the Binding failed: {exc}"
+
+    @staticmethod
+    def _after_conflict(plan: BindPlan, exc: ClusterError, bound_to: str | None) -> str:
+        if bound_to == plan.args.node:
+            return ""  # an earlier attempt bound it; the watch brings its assignment
+        if bound_to is None and not plan.fresh:
+            return STALE
+        return f"creating the Binding failed: {exc}"
+
+    @staticmethod
+    def _bound(plan: BindPlan, started: float) -> None:
         took = time.monotonic() - started
         if took > SLOW_COMMIT_S:
-            log.info("binding %s to %s took %.2fs", args.key, args.node, took)
-        return ""
+            log.info("binding %s to %s took %.2fs", plan.args.key, plan.args.node, took)
 
     async def bind_async(self, args: BindingArgs, run_blocking: RunBlocking
                          ) -> dict[str, str]:
         """ExtenderBindingResult. The in-memory steps run here, on the caller's event loop;
-        the API calls through `run_blocking` (a thread pool in the server)."""
+        the Binding too when the cluster port binds asynchronously, other API calls through
+        `run_blocking` (a thread pool in the server)."""
         pod = self.recalled_pod(args)
         fresh = pod is None
         while True:
@@ -422,7 +459,7 @@ class Extender:
             if isinstance(reserved, str):
                 self.nominations.clear(plan.demand.key)
                 return {"Error": reserved}
-            result = await run_blocking(self.commit_bind, plan, reserved)
+            result = await self.commit_bind_async(plan, reserved, run_blocking)
             if result == STALE:
                 pod = None
                 continue
