@@ -377,3 +377,42 @@ def test_restarting_the_extender_loses_no_pod_and_double_books_no_gpu(
     for name in pods:  # none lost: each is bound or still pending, waiting to be scheduled
         pod = read_pod(core, namespace, name)
         assert pod["status"]["phase"] in ("Pending", "Running"), (name, pod["status"])
+
+
+def call_extender(extender: ExtenderProcess, verb: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(f"http://127.0.0.1:{extender.port}/{verb}",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_cpu_requests_steer_pods_by_the_cpu_left_for_the_idle_gpus(
+        namespace: str, extender: ExtenderProcess, nodes: Nodes) -> None:
+    """The CPU-balance term in the live path: the pod's CPU request from its spec, the
+    node's from its allocatable, the workload's CPU per GPU learned from the pods seen."""
+    eight = simnodes.SimGpuGroup(model="A100", count=8)
+    poor, rich = nodes.add(
+        simnodes.SimNode(name=f"cpu-poor-{RUN}", gpus=(eight,), cpu_milli=24_000),
+        simnodes.SimNode(name=f"cpu-rich-{RUN}", gpus=(eight,), cpu_milli=128_000))
+
+    def pod(name: str, cpu: str) -> dict[str, Any]:
+        manifest = gpu_pod(name, memory_gib=16, cores=100)
+        manifest["metadata"].update(namespace=namespace, uid=f"uid-{name}")
+        manifest["spec"]["containers"][0]["resources"]["requests"] = {"cpu": cpu}
+        return manifest
+
+    # the scheduler asks about pods that bring 12 cores per GPU (they need not exist)
+    for i in range(250):
+        call_extender(extender, "filter", {"Pod": pod(f"learn-{i}-{RUN}", "12"),
+                                           "NodeNames": [poor, rich]})
+
+    def scores(cpu: str) -> dict[str, int]:
+        result = call_extender(extender, "prioritize", {"Pod": pod(f"ask-{RUN}", cpu),
+                                                        "NodeNames": [poor, rich]})
+        return {entry["Host"]: entry["Score"] for entry in result}
+
+    # (equal raw scores would come back as 10 and 9: prioritize names one favourite)
+    eventually(lambda: scores("20") == {rich: 10, poor: 0}, 30,
+               "a CPU-heavy pod to prefer the CPU-rich node")
+    assert scores("1") == {poor: 10, rich: 0}  # light pods use the CPU-poor node's GPUs
