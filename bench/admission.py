@@ -164,6 +164,85 @@ def _api_requests(api: Any) -> dict[str, float]:
     return totals
 
 
+def _strip_cel(node: Any) -> None:
+    if isinstance(node, dict):
+        node.pop("x-kubernetes-validations", None)
+        for value in node.values():
+            _strip_cel(value)
+    elif isinstance(node, list):
+        for value in node:
+            _strip_cel(value)
+
+
+def _api_ceiling(api: Any, namespace: str, count: int, workers: int = 16) -> dict[str, float]:
+    """What the API server alone takes on this machine, before the operator starts: `count`
+    pod creates (pods no scheduler picks up), then `count` status patches of GpuJobs made for
+    it, each from `workers` threads through the client's pool: the operator's two writes per
+    admission, without scheduling or simulated pods. For comparison, the same GpuJob status
+    patches on a copy of the GpuJob CRD without its CEL rules (a temporary CRD). The objects
+    are deleted afterwards."""
+    pool = api.rest_client.pool_manager
+    base = api.configuration.host
+    json_headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    merge_headers = {**json_headers, "Content-Type": "application/merge-patch+json"}
+    jobs_url = (f"{base}/apis/{names.GROUP}/{names.VERSION}/namespaces/{namespace}/"
+                f"{names.GPUJOB_PLURAL}")
+    pods_url = f"{base}/api/v1/namespaces/{namespace}/pods"
+    probe = _job(namespace, "ceiling", namespace, random.Random(0), "NONE")
+    names_ = [f"ceiling-{i}" for i in range(count)]
+
+    def timed(call: Any) -> float:
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=workers) as threads:
+            list(threads.map(call, names_))
+        return count / (time.monotonic() - started)
+
+    def make_job(name: str) -> None:
+        pool.request("POST", jobs_url, body=json.dumps(
+            {**probe, "metadata": {"name": name, "namespace": namespace}}).encode(),
+            headers=json_headers, retries=False)
+
+    def create_pod(name: str) -> None:
+        pool.request("POST", pods_url, body=json.dumps({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"bench": "ceiling"}},
+            "spec": {"schedulerName": "nobody", "restartPolicy": "Never",
+                     "containers": [{"name": "main", "image": "work"}]}}).encode(),
+            headers=json_headers, retries=False)
+
+    def patch_status(name: str) -> None:
+        pool.request("PATCH", f"{jobs_url}/{name}/status", body=json.dumps(
+            {"status": {"phase": "Queued", "reason": "Capacity", "message": "ceiling"}}
+        ).encode(), headers=merge_headers, retries=False)
+
+    def delete(name: str) -> None:
+        pool.request("DELETE", f"{pods_url}/{name}?gracePeriodSeconds=0", retries=False)
+        pool.request("DELETE", f"{jobs_url}/{name}", retries=False)
+
+    rates = {"gpujob_creates_per_s": timed(make_job), "pod_creates_per_s": timed(create_pod),
+             "status_patches_per_s": timed(patch_status)}
+    timed(delete)
+    # the same schema without CEL rules, under another name
+    crd = next(c for c in crds.load_crds() if c["spec"]["names"]["plural"] == names.GPUJOB_PLURAL)
+    crd = json.loads(json.dumps(crd))
+    _strip_cel(crd)
+    plural, kind = "gpujobnocels", "GpuJobNoCel"
+    crd["metadata"] = {"name": f"{plural}.{names.GROUP}"}
+    crd["spec"]["names"] = {"plural": plural, "singular": "gpujobnocel", "kind": kind,
+                            "listKind": f"{kind}List"}
+    crd_url = f"{base}/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    pool.request("POST", crd_url, body=json.dumps(crd).encode(), headers=json_headers)
+    time.sleep(5)  # established
+    jobs_url = f"{base}/apis/{names.GROUP}/{names.VERSION}/namespaces/{namespace}/{plural}"
+    probe = {**probe, "kind": kind}
+    timed(make_job)
+    rates["status_patches_without_cel_per_s"] = timed(patch_status)
+    pool.request("DELETE", f"{crd_url}/{plural}.{names.GROUP}")
+    print("API server alone: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()),
+          file=sys.stderr)
+    return rates
+
+
 def _signal_scheduler(pids: list[int], signum: int) -> None:
     for pid in pids:
         with contextlib.suppress(OSError):  # already gone
@@ -254,6 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr)
         return first, time.time() - first
 
+    ceiling = _api_ceiling(api, projects[0], args.ceiling) if args.ceiling else {}
     if args.create_first:
         _, created_s = create_all()
     env = {"CARPOOL_RESYNC_SECONDS": "5"}
@@ -363,7 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": len(starts), "wait_reasons": reasons, "log": str(log_dir),
         "pass_failures": failures, "passes": len(pass_seconds),
         "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
-        "window_s": window,
+        "window_s": window, "api_ceiling": ceiling,
         "cpu_cores": {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
         "api_writes_per_s": {k: round(v, 1) for k, v in
                              sorted(requests.items(), key=lambda kv: -kv[1]) if v >= 0.5},
@@ -409,6 +489,10 @@ def table(result: dict[str, Any]) -> str:
     rows.append(("API writes/s over the same window (all clients)",
                  ", ".join(f"{k} {v:.0f}"
                            for k, v in list(result["api_writes_per_s"].items())[:8])))
+    if result.get("api_ceiling"):
+        rows.append(("API server alone, before the run (16 threads, writes/s)",
+                     ", ".join(f"{k.removesuffix('_per_s').replace('_', ' ')} {v:.0f}"
+                               for k, v in result["api_ceiling"].items())))
     width = max(len(r[0]) for r in rows)
     lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
@@ -444,6 +528,9 @@ def main() -> None:
                         help="stop kube-scheduler (SIGSTOP) until the admission burst is over:"
                         " the operator's admission path alone, without scheduling and"
                         " simulated pods competing for the same CPUs")
+    parser.add_argument("--ceiling", type=int, default=0, metavar="N",
+                        help="first measure the API server alone with N pod creates and N "
+                        "GpuJob status patches")
     parser.add_argument("--create-first", action="store_true",
                         help="create every GpuJob before the operator starts")
     parser.add_argument("--write-doc", type=Path)

@@ -28,7 +28,7 @@ from carpool.operator.decoding import (
 )
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.informer import Informers
-from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, REQUEST_TIMEOUT, Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import (
     admission_to_start_s,
@@ -57,6 +57,8 @@ from carpool.core.resources import GpuGrant, NodeInventory, Phase
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less
+STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
+GUARD_WORKERS = 2  # background finalizer writes
 
 
 @dataclass
@@ -161,7 +163,12 @@ class Reconciler:
         self._priority_class_ready = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
                                         thread_name_prefix="writes")
-        self._guard_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="finalizers")
+        self._guard_pool = ThreadPoolExecutor(max_workers=GUARD_WORKERS,
+                                              thread_name_prefix="_guard_pool")
+        self._status_pool = ThreadPoolExecutor(max_workers=STATUS_WORKERS,
+                                               thread_name_prefix="_status_pool")
+        self._flushing: dict[str, threading.Event] = {}  # job key -> its write has landed
+        self._flushing_lock = threading.Lock()
         self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
@@ -367,7 +374,7 @@ class Reconciler:
         self._apply(state, result, now, budget=max(self.config.admission_budget_s,
                                                    3 * (read_s + decide_s)))
         self._write_quota_status(result, quota_objects)
-        self._flush(state)
+        self._flush_later(state)
         # off the admission path: a job's pod and status first, its finalizer after, on a
         # lane of its own that the next pass does not wait for
         for key in [*state.unguarded, *state.admitted]:
@@ -384,6 +391,13 @@ class Reconciler:
         return result
 
     # -- accounting of deleted jobs ---------------------------------------------------------
+
+    def settle(self) -> None:
+        """Wait until every background write submitted so far has landed (tests, shutdown)."""
+        for name, workers in (("_status_pool", STATUS_WORKERS), ("_guard_pool", GUARD_WORKERS)):
+            pool: ThreadPoolExecutor = getattr(self, name)
+            pool.shutdown(wait=True)
+            setattr(self, name, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name))
 
     def _guard_later(self, obj: Obj) -> None:
         """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
@@ -594,10 +608,14 @@ class Reconciler:
             metrics.ADMISSIONS.labels(job.project, cls).inc()
             metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
 
-    def _flush_one(self, state: PassState, key: str) -> None:
+    def _flush_one(self, state: PassState, key: str, background: bool = False) -> None:
         patch = state.patches.pop(key, None)
         if not patch:
             return
+        with self._flushing_lock:
+            landing = None if background else self._flushing.get(key)
+        if landing is not None:  # a background write of this job first, so they land in order
+            landing.wait(REQUEST_TIMEOUT[1])
         obj = state.objects.get(key)
         current = (obj or {}).get("status") or {}
         # only what changes: most running jobs' derived status equals what they show
@@ -616,14 +634,33 @@ class Reconciler:
             state.objects[key] = {**obj, "metadata": meta, "status": {
                 k: v for k, v in {**current, **patch}.items() if v is not None}}
 
-    def _flush(self, state: PassState) -> None:
-        def flush(key: str) -> None:
-            try:
-                self._flush_one(state, key)
-            except Exception:
-                log.exception("writing the status of %s failed; next pass retries", key)
+    def _flush_later(self, state: PassState) -> None:
+        """Write the remaining statuses (waits, started and finished runs) in the background:
+        the next pass reads and decides meanwhile. At most one write per job is in flight, so
+        a job's writes land in order; a job whose write is still in flight is left to a later
+        pass (which derives its patch again from the pods)."""
+        for key in list(state.patches):
+            landed = threading.Event()
+            with self._flushing_lock:
+                if key in self._flushing:
+                    state.patches.pop(key, None)
+                    continue
+                self._flushing[key] = landed
+            single = PassState(objects={key: state.objects[key]} if key in state.objects
+                               else {}, patches={key: state.patches.pop(key)})
 
-        list(self._pool.map(flush, list(state.patches)))
+            def flush(key: str = key, single: PassState = single,
+                      landed: threading.Event = landed) -> None:
+                try:
+                    self._flush_one(single, key, background=True)
+                except Exception:
+                    log.exception("writing the status of %s failed; next pass retries", key)
+                finally:
+                    with self._flushing_lock:
+                        self._flushing.pop(key, None)
+                    landed.set()
+
+            self._status_pool.submit(flush)
 
     def _write_quota_status(self, result: CycleResult, objects: Mapping[str, Obj]) -> None:
         for project in result.projects:

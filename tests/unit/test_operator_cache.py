@@ -153,6 +153,7 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     cluster[GPUJOBS] = [_job("a"), _job("b")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
+    reconciler.settle()  # statuses and finalizers land in the background
     assert sorted(a.job_key for a in result.admissions) == ["team/a", "team/b"]
     assert sorted(p["metadata"]["name"] for p in kube.pods) == ["a-1", "b-1"]
     # one status write per job: its submit time rides along with the admission
@@ -160,7 +161,6 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     for _, status in kube.statuses:
         assert status["phase"] == "Admitted"
         assert status["submitTime"] == "2026-11-29T10:00:00Z"
-    reconciler._guard_pool.shutdown(wait=True)  # finalizers go on a lane of their own
     assert sorted(kube.finalized) == ["team/a", "team/b"]
 
 
@@ -170,6 +170,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[GPUJOBS] = [_job("a")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0)
+    reconciler.settle()  # statuses and finalizers land in the background
     ((_, status),) = kube.statuses
     # what the watch then shows: the pod (pending, placed by the extender) and the status
     pod = copy.deepcopy(kube.pods[0])
@@ -180,6 +181,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     statuses, pods = len(kube.statuses), len(kube.pods)
     result = reconciler.run_pass(1_800_000_001.0)
+    reconciler.settle()  # statuses and finalizers land in the background
     assert not result.admissions
     # the derived status equals the shown one (a pending pod's empty history included)
     assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
@@ -192,6 +194,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[PODS] = [running]
     reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
     reconciler.run_pass(1_800_000_010.0)
+    reconciler.settle()  # statuses and finalizers land in the background
     assert kube.statuses[-1][1]["phase"] == "Running"
 
 
@@ -202,6 +205,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     # 1 GPU of 80 GiB, MPS at 50 % cores: two of the three fit
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
+    reconciler.settle()  # statuses and finalizers land in the background
     waiting = [w.job_key for w in result.waits]
     assert len(result.admissions) == 2 and len(waiting) == 1
     (write,) = [s for k, s in kube.statuses if k == waiting[0]]
@@ -210,6 +214,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     for informer in reconciler.informers.by_kind.values():
         informer.version = kube.version  # caught up (the objects left as they were)
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
+    reconciler.settle()  # statuses and finalizers land in the background
     # the queued job's object is the same: its decoding is reused
     assert reconciler._decoded[waiting[0]].job is decoded
 
@@ -245,3 +250,37 @@ def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
         reconciler._record_wait(state, wait)
         assert state.patches["team/a"]["estimatedStart"] == shown
     assert "+30s from admission to a running pod" in state.patches["team/a"]["message"]
+
+
+def test_a_job_has_at_most_one_status_write_in_flight() -> None:
+    import threading
+    import time
+
+    kube = FakeKube()
+    in_flight: dict[str, int] = {}
+    most = [0]
+    lock = threading.Lock()
+    patch = kube.patch_job_status
+
+    def slow_patch(namespace: str, name: str, status: Obj) -> str | None:
+        key = f"{namespace}/{name}"
+        with lock:
+            in_flight[key] = in_flight.get(key, 0) + 1
+            most[0] = max(most[0], in_flight[key])
+        if name == "c":  # the waiting job's write is slow; admissions go at once
+            time.sleep(0.3)
+        with lock:
+            in_flight[key] -= 1
+        return patch(namespace, name, status)
+
+    kube.patch_job_status = slow_patch  # type: ignore[method-assign]
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a"), _job("b"), _job("c")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(1_800_000_000.0)  # c waits: its status goes out in the background
+    for informer in reconciler.informers.by_kind.values():
+        informer.version = 10_000  # the next pass does not wait for the watch
+    reconciler._wait_written.clear()  # and would write c's wait again at once
+    reconciler.run_pass(1_800_000_100.0, catch_up_s=0.05)
+    reconciler.settle()
+    assert most[0] == 1
