@@ -173,6 +173,8 @@ class Reconciler:
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
         self._start_delay = 0.0  # recent median seconds from admission to a running pod
+        self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
+        self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._decoded: dict[str, _Decoded] = {}  # see read
 
     # -- reading ---------------------------------------------------------------------------
@@ -489,6 +491,7 @@ class Reconciler:
         deadline = time.monotonic() + budget
         slots = threading.BoundedSemaphore(max(1, self.config.write_workers))
         pending = []
+        acting = time.monotonic()
         for admission in admissions[:cap] if cap > 0 else admissions:
             slots.acquire()  # submit only as fast as the pool writes, so the budget holds
             if budget > 0 and time.monotonic() > deadline:
@@ -499,6 +502,8 @@ class Reconciler:
             future.add_done_callback(lambda _: slots.release())
             pending.append(future)
         cf.wait(pending)
+        self._note_backlog(len(state.admitted), len(admissions) - len(state.admitted),
+                           time.monotonic() - acting)
         for preemption in result.preemptions:
             try:
                 self._preempt(state, jobs, preemption)
@@ -514,6 +519,16 @@ class Reconciler:
             del self._wait_written[key]
         for wait in result.waits:
             self._record_wait(state, wait)
+
+    def _note_backlog(self, acted: int, deferred: int, seconds: float) -> None:
+        """How long the admissions decided but left for later passes will take at the rate
+        this operator carries them out: the queue's estimates assume every admission it
+        decides happens now, so a waiting job's estimate shifts by that much."""
+        if acted and seconds > 0:
+            rate = acted / seconds
+            self._admit_rate = rate if not self._admit_rate else \
+                0.5 * rate + 0.5 * self._admit_rate
+        self._backlog_s = deferred / self._admit_rate if deferred and self._admit_rate else 0.0
 
     def _preempt(self, state: PassState, jobs: Mapping[str, Job], preemption: Preemption) -> None:
         victim = jobs[preemption.victim_key]
@@ -550,12 +565,16 @@ class Reconciler:
     def _record_wait(self, state: PassState, wait: Wait) -> None:
         obj = state.objects[wait.job_key]
         status = obj.get("status") or {}
-        # the queue estimates the admission; the pod then takes the recent delay to run
+        # the queue estimates the admission as if every admission it decided happened now;
+        # the admissions left for later passes take their time, then the pod its own to run
+        backlog = round(self._backlog_s / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
         delay = round(self._start_delay / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
-        estimate = (format_time(round((wait.estimated_start + delay) / ESTIMATE_ROUNDING_S)
-                                * ESTIMATE_ROUNDING_S)
+        estimate = (format_time(round((wait.estimated_start + backlog + delay)
+                                      / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S)
                     if wait.estimated_start is not None else None)
         message = wait.message
+        if estimate is not None and backlog > 0:
+            message += f" (+{backlog:.0f}s to carry out the admissions decided before it)"
         if estimate is not None and delay > 0:
             message += f" (+{delay:.0f}s from admission to a running pod, recent median)"
         fields = {"reason": wait.reason.value, "message": message,

@@ -284,3 +284,22 @@ def test_a_job_has_at_most_one_status_write_in_flight() -> None:
     reconciler.run_pass(1_800_000_100.0, catch_up_s=0.05)
     reconciler.settle()
     assert most[0] == 1
+
+
+def test_admissions_left_for_later_passes_push_estimates_back_by_their_time() -> None:
+    from carpool.operator.reconciler import PassState
+
+    from carpool.core.queueing import Wait, WaitReason
+
+    kube = FakeKube()
+    reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
+    reconciler._note_backlog(acted=200, deferred=0, seconds=10.0)
+    assert (reconciler._admit_rate, reconciler._backlog_s) == (20.0, 0.0)
+    reconciler._note_backlog(acted=400, deferred=1200, seconds=10.0)  # 40/s, smoothed 30/s
+    assert (reconciler._admit_rate, reconciler._backlog_s) == (30.0, 40.0)
+    state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
+    reconciler._record_wait(state, Wait("team/a", WaitReason.CAPACITY, "no room", 1, 0,
+                                        1_800_000_000.0))
+    assert state.patches["team/a"]["estimatedStart"] == "2027-01-15T08:00:40Z"
+    assert "+40s to carry out the admissions decided before it" in \
+        state.patches["team/a"]["message"]
