@@ -5,7 +5,8 @@ and operator processes, so killing the operator touches nothing else. Jobs are e
 one-GPU jobs of a few seconds (`spec.simulatedDuration`), ten projects without borrowing, so a
 project's concurrent quota is its guarantee, counted in GPUs.
 
-CARPOOL_FAULT_JOBS (default 1000) and CARPOOL_FAULT_KILLS (default 10) size the kill run.
+CARPOOL_FAULT_JOBS (default 1000) and CARPOOL_FAULT_KILLS (default 10) size the kill run;
+CARPOOL_FAULT_CLUSTER and CARPOOL_FAULT_EXTENDER_PORT name another cluster and port.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from kubernetes import client
 from carpool import crds, devcluster, simnodes, stack
 from carpool.core import names
 
-FAULT_CLUSTER = "carpool-e2e-faults"
-FAULT_PORT = 18170
+# overridable, so that two sessions on one machine can each run it on clusters of their own
+FAULT_CLUSTER = os.environ.get("CARPOOL_FAULT_CLUSTER", "carpool-e2e-faults")
+FAULT_PORT = int(os.environ.get("CARPOOL_FAULT_EXTENDER_PORT", "18170"))
 PROJECTS = 10
 GUARANTEE = 6
 Obj = dict[str, Any]
