@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tls-key", default=None, help="... and this key")
     parser.add_argument("--policy", choices=Policy.ALL, default=Policy.BINPACK,
                         help="placement policy when the job does not set one")
-    for term in ("fragmentation", "packing", "alignment", "temperature", "locality"):
+    for term in ("fragmentation", "balance", "scarcity", "packing", "alignment", "temperature",
+                 "locality"):
         parser.add_argument(f"--weight-{term}", type=float, default=getattr(CARPOOL, term),
                             help=f"weight of the {term} score term (default %(default)s)")
     parser.add_argument("--static-workload", action="store_true",
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         scoring = replace(CARPOOL, fragmentation=args.weight_fragmentation,
+                          balance=args.weight_balance, scarcity=args.weight_scarcity,
                           packing=args.weight_packing, alignment=args.weight_alignment,
                           temperature=args.weight_temperature, locality=args.weight_locality)
         settings = Settings(args.policy, scoring, learn_workload=not args.static_workload,

@@ -302,6 +302,7 @@ class Ranker:
         self._tracker = WorkloadTracker() if learn_workload else None
         self._demands: dict[DemandShape, tuple[PodDemand, str]] = {}
         self._max_entries = max_entries
+        self._nodes_seen = 0  # nodes in the last full sweep (bounds the shapes warmed)
         self._todo: OrderedDict[tuple[_Generation, DemandShape, str], None] = OrderedDict()
         self._todo_lock = threading.Lock()
         self.hits = 0
@@ -349,7 +350,9 @@ class Ranker:
     def _queue(self, generation: _Generation, shapes: Iterable[DemandShape],
                names: Iterable[str] | None) -> None:
         """Ask the warmer to evaluate `shapes` on `names` (None: on every node)."""
-        wanted = [s for s in shapes if s in self._demands][-WARM_SHAPES:]
+        # no more shapes than the memo holds on every node (else warming one evicts another)
+        keep = max(1, min(WARM_SHAPES, self._max_entries // max(1, self._nodes_seen)))
+        wanted = [s for s in shapes if s in self._demands][-keep:]
         with self._todo_lock:
             for shape in reversed(wanted):  # the most recently used first
                 if names is None:
@@ -426,7 +429,9 @@ class Ranker:
             if generation is not self._current and generation is not self._next:
                 continue
             if not name:  # every node: expand now, so later changes queue behind it
-                self._queue(generation, [shape], source.node_names())
+                every = source.node_names()
+                self._nodes_seen = len(every)
+                self._queue(generation, [shape], every)
                 continue
             state = source.state_of(name)
             known = self._demands.get(shape)
