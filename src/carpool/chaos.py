@@ -956,9 +956,19 @@ class StandInKubelet:
             for _, pod in due:
                 self._pool.submit(self._complete, pod)
 
+    def _forget(self, pod: dict[str, Any]) -> None:
+        """Free a pod's devices once its containers are done, as the kubelet does: at once,
+        not when its own watch shows the new phase (that can lag many seconds under load)."""
+        meta = pod["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        with self._lock:
+            self.answers.pop(key, None)
+            self.assignments.pop(key, None)
+
     def _complete(self, pod: dict[str, Any]) -> None:
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         started = pod.get("_started", stamp)
+        self._forget(pod)
         self._patch_status(pod, {
             "phase": "Succeeded",
             "conditions": [{"type": t, "status": "False", "reason": "PodCompleted",
@@ -974,5 +984,6 @@ class StandInKubelet:
         """A kubelet that cannot get a pod its devices rejects it."""
         meta = pod["metadata"]
         self.failed_pods.append(f"{meta['namespace']}/{meta['name']}")
+        self._forget(pod)
         self._patch_status(pod, {"phase": "Failed", "reason": "UnexpectedAdmissionError",
                                  "message": "the device plugin refused the allocation"})
