@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 16 * 2**20  # a full ExtenderArgs with Nodes for ~2,000 nodes fits
 WARM_STEP_S = 0.002  # the warmer's longest stretch on the event loop between requests
 WARM_IDLE_S = 0.05  # how often it looks for changed nodes when it has nothing to do
-GC_FREEZE_EVERY_S = 10.0  # when idle, move surviving objects out of the collector's scans
+GC_FREEZE_EVERY_S = 1.0  # when idle, move surviving objects out of the collector's scans
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 EXTENDER_KEY = web.AppKey("extender", Extender)
