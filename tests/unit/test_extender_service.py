@@ -213,17 +213,51 @@ def test_bind_is_idempotent_on_retry() -> None:
     assert w.cluster.bindings == [("default/p", "n")]
 
 
-def test_a_failed_bind_gives_the_gpus_back_and_writes_nothing() -> None:
+def test_a_refused_bind_gives_the_gpus_back_and_writes_nothing() -> None:
     w = World()
     w.add_node("n", [gpu("g0"), gpu("g1")])
     w.add_pod("p", memory_gib=10)
-    w.cluster.fail_bind.add("default/p")
-    assert "injected bind failure" in w.bind("p", "n")
+    w.cluster.refuse_bind.add("default/p")
+    assert "injected refusal" in w.bind("p", "n")
     assert names.ANN_ASSIGNMENT not in w.cluster.pod("default", "p")["metadata"]["annotations"]
     assert w.cache.hold_of("default/p") is None
-    w.cluster.fail_bind.clear()
+    w.cluster.refuse_bind.clear()
     assert w.bind("p", "n") == ""
     assert w.cache.hold_of("default/p") is not None
+
+
+def test_a_bind_that_may_have_been_written_keeps_its_gpus_until_the_retry() -> None:
+    w = World()
+    w.add_node("n", [gpu("g0"), gpu("g1")])
+    w.add_pod("p", memory_gib=10)
+    w.cluster.fail_bind.add("default/p")  # a 500: the write may or may not have happened
+    assert "injected bind failure" in w.bind("p", "n")
+    held = w.cache.hold_of("default/p")
+    assert held is not None and held.assumed
+    w.cluster.fail_bind.clear()
+    assert w.bind("p", "n") == ""  # the scheduler's retry replaces the pod's own hold
+    assert w.cluster.bindings == [("default/p", "n")]
+
+
+def test_a_bind_written_despite_its_error_is_never_double_booked() -> None:
+    """etcd applied the Binding but the API server answered 500, and the watch lags: the next
+    same-count pod must not be given the same GPU (it was, before: 150 % of its SMs)."""
+    w = World()
+    lagging: list[tuple[str, dict[str, Any]]] = []
+    w.cluster.on_change = lambda event, pod: lagging.append((event, pod))
+    w.add_node("n", [gpu("g0", memory_gib=80), gpu("g1", memory_gib=80)])
+    w.add_pod("a", memory_gib=60, cores=60)
+    w.add_pod("b", memory_gib=60, cores=60)
+    for event, pod in lagging:
+        w.cache.apply_pod(event, pod, w.clock.now)
+    lagging.clear()
+    w.cluster.fail_after_bind.add("default/a")
+    assert "timed out" in w.bind("a", "n")
+    w.clock.now += 61  # past the hand-over window: b does not wait for a
+    assert w.bind("b", "n") == ""
+    for event, pod in lagging:  # the watch catches up: both are bound to n
+        w.cache.apply_pod(event, pod, w.clock.now)
+    assert {w.assignment("a").gpus[0].uuid, w.assignment("b").gpus[0].uuid} == {"g0", "g1"}
 
 
 def test_bind_reuses_an_assignment_recorded_for_the_node() -> None:

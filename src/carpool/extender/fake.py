@@ -25,7 +25,9 @@ class FakeCluster:
         self.delay_s = delay_s
         self.on_change = on_change
         self.bindings: list[tuple[str, str]] = []  # (pod key, node), in order
-        self.fail_bind: set[str] = set()  # pod keys whose Binding the "server" rejects
+        self.fail_bind: set[str] = set()  # pod keys whose Binding fails with a 500, unwritten
+        self.refuse_bind: set[str] = set()  # ... is refused (403)
+        self.fail_after_bind: set[str] = set()  # ... is written, yet answered with a 500
         self._version = 0
         self.calls: list[str] = []  # "get", "annotate", "bind", in order
 
@@ -111,6 +113,8 @@ class FakeCluster:
                 raise ClusterError(409, "Precondition failed: resourceVersion mismatch")
             if key in self.fail_bind:
                 raise ClusterError(500, "injected bind failure")
+            if key in self.refuse_bind:
+                raise ClusterError(403, "injected refusal")
             if pod["spec"].get("nodeName"):
                 raise ClusterError(409, f"pod {name} is already assigned to node "
                                         f"{pod['spec']['nodeName']}")
@@ -120,6 +124,8 @@ class FakeCluster:
             self.bindings.append((key, node))
             snapshot = copy.deepcopy(pod)
         self._notify("MODIFIED", snapshot)
+        if key in self.fail_after_bind:
+            raise ClusterError(500, "etcdserver: request timed out")
 
     def delete_pod(self, namespace: str, name: str) -> None:
         with self._lock:

@@ -412,14 +412,25 @@ class Extender:
                 names.ANN_ASSIGNED_AT: rfc3339(self.clock())}
 
     def _bind_failed(self, plan: BindPlan, exc: ClusterError) -> str | None:
-        """Give the GPUs back; the error, or None when a conflict needs the pod read."""
-        self.cache.forget(plan.demand.key, plan.uid)
-        return None if exc.status == 409 else f"creating the Binding failed: {exc}"
+        """The error, or None when a conflict needs the pod read first.
 
-    @staticmethod
-    def _after_conflict(plan: BindPlan, exc: ClusterError, bound_to: str | None) -> str:
+        Only a refusal (4xx) proves the Binding was not written, so only then do the GPUs go
+        back at once. After a timeout, a lost connection or a 5xx the write may still have
+        been applied (etcd can commit a request that timed out): giving the GPUs back then
+        let the next pod take the same ones while this pod was in fact bound there (seen
+        after an etcd restart under load). So they stay assumed until the watch shows where
+        the pod went, its next bind replaces them, or the assumption expires.
+        """
+        if exc.status == 409:
+            return None
+        if 400 <= exc.status < 500:
+            self.cache.forget(plan.demand.key, plan.uid)
+        return f"creating the Binding failed: {exc}"
+
+    def _after_conflict(self, plan: BindPlan, exc: ClusterError, bound_to: str | None) -> str:
         if bound_to == plan.args.node:
             return ""  # an earlier attempt bound it; the watch brings its assignment
+        self.cache.forget(plan.demand.key, plan.uid)
         if bound_to is None and not plan.fresh:
             return STALE
         return f"creating the Binding failed: {exc}"
