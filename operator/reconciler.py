@@ -657,7 +657,9 @@ class Reconciler:
         """Write the remaining statuses (waits, started and finished runs) in the background:
         the next pass reads and decides meanwhile. At most one write per job is in flight, so
         a job's writes land in order; a job whose write is still in flight is left to a later
-        pass (which derives its patch again from the pods)."""
+        pass (which derives its patch again from the pods). A queued write holds only its
+        patch and compares it with the newest status the watch shows when it goes out (a
+        backlog of thousands must not keep as many old copies of jobs alive)."""
         for key in list(state.patches):
             landed = threading.Event()
             with self._flushing_lock:
@@ -665,12 +667,14 @@ class Reconciler:
                     state.patches.pop(key, None)
                     continue
                 self._flushing[key] = landed
-            single = PassState(objects={key: state.objects[key]} if key in state.objects
-                               else {}, patches={key: state.patches.pop(key)})
+            patch = state.patches.pop(key)
 
-            def flush(key: str = key, single: PassState = single,
+            def flush(key: str = key, patch: Obj = patch,
                       landed: threading.Event = landed) -> None:
                 try:
+                    latest = self.informers.get(GPUJOBS, key)
+                    single = PassState(objects={key: latest} if latest else {},
+                                       patches={key: patch})
                     self._flush_one(single, key, background=True)
                 except Exception:
                     log.exception("writing the status of %s failed; next pass retries", key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import time
 from collections.abc import Mapping
@@ -45,6 +46,14 @@ def load_api_client(kubeconfig: str | None) -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Fewer glibc malloc arenas (default: 8 per core, one per busy thread): the operator's
+    ~30 I/O threads each fragmenting an arena of their own cost more RSS than the objects.
+    Must run before the threads start; a no-op where libc is not glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
+
+
 class OperatorRuntime:
     def __init__(self, api: client.ApiClient, runtime: RuntimeConfig,
                  reconciler_config: ReconcilerConfig, identity: str | None = None):
@@ -71,6 +80,7 @@ class OperatorRuntime:
                    env.get("CARPOOL_IDENTITY"))
 
     def start(self) -> None:
+        limit_malloc_arenas()
         if self.config.metrics_port:
             from prometheus_client import start_http_server
 
