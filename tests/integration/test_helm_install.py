@@ -145,7 +145,7 @@ def can_i(cluster: devcluster.Cluster, release: Release, account: str, verb: str
     ("operator", "get", "secrets", False),
     ("operator", "list", "secrets", False),
     ("operator", "get", "configmaps", False),
-    ("operator", "patch", "gpujobs.carpool.dev", False),
+    ("operator", "patch", "gpujobs.carpool.dev", True),  # the accounting finalizer
     ("operator", "delete", "gpujobs.carpool.dev", False),
     ("operator", "update", "projectquotas.carpool.dev", False),
     ("extender", "create", "pods/binding", True),
