@@ -117,8 +117,11 @@ def test_operator_rbac(default: list[Obj]) -> None:
     assert {(group, "gpujobs/status", "patch"), (group, "projectquotas/status", "patch"),
             ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "watch"),
             ("events.k8s.io", "events", "create")} <= rules
-    # the specs belong to users and the platform team; the operator writes only statuses
-    assert not {v for g, r, v in rules if g == group and "/" not in r} - {"get", "list", "watch"}
+    # the specs belong to users and the platform team; the operator writes statuses, and
+    # patches a GpuJob only for its accounting finalizer
+    writes = {(r, v) for g, r, v in rules if g == group and "/" not in r} - {
+        (r, v) for r in ("gpujobs", "projectquotas", "gpunodes") for v in ("get", "list", "watch")}
+    assert writes == {("gpujobs", "patch")}
     assert not [r for r in rules if r[1] in ("configmaps", "secrets", "serviceaccounts")]
     lease_role = find(default, "Role", "carpool-operator-leader")
     assert granted(lease_role["rules"]) == {("coordination.k8s.io", "leases", v)
