@@ -7,6 +7,9 @@
   (c) ResNet-50 fp16 batch-8 inference: 1 process exclusive vs 4 processes time-sliced vs 4
       processes under MPS, every process started with the environment Allocate returned;
   (d) the time-slice watchdog against a process that holds more than its grant.
+First it measures how much CPU four busy processes get against one (`--cpu-only` stops there):
+eager inference is launch-bound, so that bounds the ratios in (c). `--cuda-graph` makes each
+request one graph replay instead, which shows what the GPU itself can give.
 
 Needs the `carpool` package importable (without the repo root on sys.path) plus torch and
 torchvision. `--dry-run` exercises the plugin side with the fake backend, without a GPU.
