@@ -28,6 +28,7 @@ import yaml
 
 from carpool import devcluster
 from carpool.core import names
+from carpool.core.durations import epoch_of as parse_time
 
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
@@ -315,16 +316,6 @@ def placed_on_unhealthy(held: Iterable[Holding], unhealthy_since: Mapping[str, d
         if (assigned - since).total_seconds() > grace_s:
             problems.append(f"{h.pod} assigned to unhealthy {h.gpu_uuid} at {h.assigned_at}")
     return problems
-
-
-def parse_time(text: object) -> float | None:
-    """Epoch seconds of an RFC 3339 time (as the API server writes them), None if absent."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)

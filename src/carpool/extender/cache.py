@@ -14,10 +14,10 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
 from typing import Any
 
 from carpool.core import names
+from carpool.core.durations import epoch_of
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
 from carpool.extender.inventory import InventoryError, inventory_from_objects
@@ -65,15 +65,6 @@ Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | str]
 
 class InFlightClash(str):
     """A reserve refusal that clears by itself once the in-flight pod is handed over."""
-
-
-def _parse_time(text: object) -> float | None:
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _pod_key(pod: Mapping[str, Any]) -> str:
@@ -212,7 +203,7 @@ class ClusterCache:
         counts: dict[str, int] = {}
         for g in assignment.gpus:
             counts[g.container] = counts.get(g.container, 0) + 1
-        assigned_at = _parse_time(annotations.get(names.ANN_ASSIGNED_AT))
+        assigned_at = epoch_of(annotations.get(names.ANN_ASSIGNED_AT))
         settled = bool(annotations.get(names.ANN_ALLOCATED)) or status.get("phase") == "Running"
         return Hold(
             pod_key=_pod_key(pod), uid=str(meta.get("uid", "")), node=assignment.node,
