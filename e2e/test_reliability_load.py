@@ -475,6 +475,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     loads: list[float] = []  # 1-minute load average at each progress line
     done_at = None
     progress: list[tuple[float, int]] = []
+    shown = 0  # violations printed so far
     try:
         deadline = t0 + TIMEOUT_S
         while time.monotonic() < deadline:
@@ -497,6 +498,10 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                 f"live pods {sampler.max_live_pods} max, {len(sampler.violations)} violations, "
                 f"plugin allocations {kubelet.allocated}, "
                 f"alive {carpool.alive()}")
+            # New breaches are printed as they come, so a run cut short still says what broke.
+            for violation in sampler.violations[shown:shown + 10]:
+                log(f"VIOLATION {violation}")
+            shown = len(sampler.violations)
             if finished == JOBS and not injector.is_alive():
                 done_at = time.monotonic() - t0
                 break
