@@ -114,7 +114,8 @@ def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
     crds.apply_crds(cluster.api())
     objects = render(cluster, rbac.release, rbac.namespace, POLICY_KINDS)
     assert sorted(o["metadata"]["name"] for o in objects) == sorted(
-        rbac.named(p) for p in ("gpunode-own-node", "pod-annotations") for _ in range(2))
+        rbac.named(p) for p in ("gpunode-own-node", "pod-annotations", "operator-finalizer-only")
+        for _ in range(2))
     apply_manifests(cluster, objects)
     try:
         yield
@@ -547,6 +548,43 @@ def test_device_plugin_marks_only_pods_on_its_node(
     assert extender.returncode == 0, extender.stderr
     operator = annotate("on-b", "operator", names.ANN_ASSIGNMENT, None)
     assert operator.returncode != 0  # RBAC: the operator cannot patch pods at all
+
+
+def test_the_operator_changes_only_the_finalizers_of_a_gpujob(
+        cluster: devcluster.Cluster, rbac: Rbac, people: dict[str, str]) -> None:
+    """RBAC gives the operator `patch` on GpuJobs for its accounting finalizer; the policy keeps
+    the rest of the object (labels, annotations, owners) out of its reach."""
+    team = people["team"]
+    cluster.kubectl("apply", "-f", "-",
+                    stdin=yaml.safe_dump(gpujob(team, "finalized", f"relsec-none-{team}")))
+    as_operator = f"--as={rbac.account('operator')}"
+
+    def patch(body: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl("patch", "gpujob", "finalized", "-n", team, as_operator,
+                               "--type=merge", "-p", json.dumps(body), *extra, check=False)
+
+    try:
+        own = patch({"metadata": {"finalizers": [names.FINALIZER]}})
+        assert own.returncode == 0, own.stderr
+        for field_ in ("labels", "annotations"):
+            refused = patch({"metadata": {field_: {"team": "other"}}})
+            assert refused.returncode != 0, field_
+            assert f"may change only metadata.finalizers of a GpuJob; this request also " \
+                   f"changes {field_}" in refused.stderr, refused.stderr
+        status = patch({"status": {"message": "checked"}}, "--subresource=status")
+        assert status.returncode == 0, status.stderr  # status is not this policy's business
+        admin = cluster.kubectl("label", "gpujob", "finalized", "-n", team, "team=mine",
+                                check=False)
+        assert admin.returncode == 0, admin.stderr  # other callers are not affected
+        job = json.loads(cluster.kubectl("get", "gpujob", "finalized", "-n", team,
+                                         "-o", "json").stdout)
+        assert job["metadata"]["finalizers"] == [names.FINALIZER]
+        assert job["metadata"]["labels"] == {"team": "mine"}
+    finally:
+        cluster.kubectl("patch", "gpujob", "finalized", "-n", team, "--type=merge",
+                        "-p", '{"metadata": {"finalizers": null}}', check=False)
+        cluster.kubectl("delete", "gpujob", "finalized", "-n", team, "--wait=false",
+                        check=False)
 
 
 # --- what runs with host access, checked by the API server's Pod Security admission ---------

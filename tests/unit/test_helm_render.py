@@ -393,9 +393,10 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
     rendered = {(o["kind"], o["metadata"]["name"]): o
                 for o in objects(helm, "--show-only", "templates/policies.yaml")}
     sources = policy_sources()
-    assert len(rendered) == len(sources) == 8
+    assert len(rendered) == len(sources) == 10
     writers = [f"system:serviceaccount:{NAMESPACE}:carpool-{c}"
                for c in ("extender", "device-plugin")]
+    operator = f"system:serviceaccount:{NAMESPACE}:carpool-operator"
     for source in sources:
         # release "carpool" is the chart's full name, so the names are hack/policies' own
         got = rendered[(source["kind"], source["metadata"]["name"])]
@@ -404,12 +405,16 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
         for variable in got.get("spec", {}).get("variables", []):
             if variable["name"] == "writers":
                 assert json.loads(variable["expression"]) == writers
+            if variable["name"] == "operator":
+                assert variable["expression"] == f"'{operator}'"
         strip = {k: v for k, v in got.items() if k != "metadata"}
         expected = {k: v for k, v in source.items() if k != "metadata"}
         if source["kind"] == "ValidatingAdmissionPolicy":
             for variable in expected["spec"].get("variables", []):
                 if variable["name"] == "writers":
                     variable["expression"] = json.dumps(writers, separators=(",", ":"))
+                if variable["name"] == "operator":
+                    variable["expression"] = f"'{operator}'"
         assert strip == expected, source["metadata"]["name"]
 
 
@@ -424,27 +429,35 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     bindings = {o["metadata"]["name"]: o["spec"]["policyName"] for o in renamed
                 if o["kind"] == "ValidatingAdmissionPolicyBinding"}
     assert bindings == {"team-carpool-gpunode-own-node": "team-carpool-gpunode-own-node",
-                        "team-carpool-pod-annotations": "team-carpool-pod-annotations"}
+                        "team-carpool-pod-annotations": "team-carpool-pod-annotations",
+                        "team-carpool-operator-finalizer-only":
+                            "team-carpool-operator-finalizer-only"}
     annotations = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-pod-annotations"
                        and o["kind"] == "ValidatingAdmissionPolicy")
     (writers,) = [v for v in annotations["spec"]["variables"] if v["name"] == "writers"]
     assert json.loads(writers["expression"]) == [
         "system:serviceaccount:gpu:team-carpool-extender",
         "system:serviceaccount:gpu:team-carpool-device-plugin"]
+    finalizer = next(o for o in renamed
+                     if o["metadata"]["name"] == "team-carpool-operator-finalizer-only"
+                     and o["kind"] == "ValidatingAdmissionPolicy")
+    (operator,) = [v for v in finalizer["spec"]["variables"] if v["name"] == "operator"]
+    assert operator["expression"] == "'system:serviceaccount:gpu:team-carpool-operator'"
 
     def kinds(*args: str) -> list[str]:
         """The kinds of the policy objects rendered with these values."""
         ours = ("-platform-team", "-gpujob-edit", "-gpujob-view", "-cluster-view",
-                "-gpunode-own-node", "-pod-annotations")
+                "-gpunode-own-node", "-pod-annotations", "-operator-finalizer-only")
         return sorted(o["kind"] for o in objects(helm, *args)
                       if o["metadata"]["name"].endswith(ours))
 
-    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 2 + [
-        "ValidatingAdmissionPolicyBinding"] * 2  # on by default
+    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 3 + [
+        "ValidatingAdmissionPolicyBinding"] * 3  # on by default
     assert kinds("--set", "policies.gpuNodeOwnNode=false", "--set",
-                 "policies.podAnnotations=false", "--set", "policies.userRoles=false") == []
+                 "policies.podAnnotations=false", "--set", "policies.userRoles=false",
+                 "--set", "policies.operatorFinalizerOnly=false") == []
     assert kinds("--set", "policies.userRoles=false") == [
-        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
-    assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false") == [
+        "ValidatingAdmissionPolicy"] * 3 + ["ValidatingAdmissionPolicyBinding"] * 3
+    assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false",
+                 "--set", "policies.operatorFinalizerOnly=false") == [
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
