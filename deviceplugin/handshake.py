@@ -3,9 +3,10 @@
 The kubelet calls Allocate with device IDs but no pod identity. The extender never keeps two pods
 "in flight" on one node whose GPU containers ask for the same `carpool.dev/gpu` count (in flight:
 assigned by the extender, not yet marked `carpool.dev/allocated`, not running, not finished,
-assigned less than 60 s ago). So among this node's in-flight pods exactly one container matches
-the request's count; its assignment annotation says which GPUs (and MIG instance, memory and
-cores) it holds. Everything here is pure: pods in, a decision or a `HandshakeError` out.
+assigned less than `HAND_OVER_STALE_S` (10 min) ago). So among this node's in-flight pods
+exactly one container matches the request's count; its assignment annotation says which GPUs
+(and MIG instance, memory and cores) it holds. Everything here is pure: pods in, a decision or
+a `HandshakeError` out.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from carpool.core.annotations import load_annotation_json
-from carpool.core.assignment import AssignedGpu
+from carpool.core.assignment import HAND_OVER_STALE_S, AssignedGpu
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
 
-IN_FLIGHT_STALE_S = 60.0
+IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the extender's rule uses the same value
 
 
 class HandshakeError(Exception):

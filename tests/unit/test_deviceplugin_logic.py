@@ -77,7 +77,7 @@ def test_match_by_count_ignores_settled_running_and_foreign_pods() -> None:
 
 
 def test_tie_breaks_prefer_gpu_match_then_fresh_then_oldest() -> None:
-    stale = pod("stale", [g("A")], at="2027-01-15T07:58:00Z")
+    stale = pod("stale", [g("A")], at="2027-01-15T07:49:00Z")  # 11 minutes before T0
     fresh_late = pod("fresh-late", [g("B")], at="2027-01-15T07:59:50Z")
     fresh_early = pod("fresh-early", [g("B")], at="2027-01-15T07:59:30Z")
     pods = [stale, fresh_late, fresh_early]

@@ -253,7 +253,7 @@ def test_a_bind_written_despite_its_error_is_never_double_booked() -> None:
     lagging.clear()
     w.cluster.fail_after_bind.add("default/a")
     assert "timed out" in w.bind("a", "n")
-    w.clock.now += 61  # past the hand-over window: b does not wait for a
+    w.clock.now += IN_FLIGHT_STALE_S + 1  # past the hand-over window: b does not wait for a
     assert w.bind("b", "n") == ""
     for event, pod in lagging:  # the watch catches up: both are bound to n
         w.cache.apply_pod(event, pod, w.clock.now)

@@ -17,13 +17,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from carpool.core import names
+from carpool.core.assignment import HAND_OVER_STALE_S
 from carpool.core.durations import epoch_of
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
 from carpool.extender.inventory import InventoryError, inventory_from_objects
 from carpool.extender.wire import Assignment, WireError, decode_assignment, pod_requests
 
-IN_FLIGHT_STALE_S = 60.0  # the handshake rule's staleness timeout (see deviceplugin/README.md)
+IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the handshake rule's last-resort timeout
 ASSUMED_TTL_S = 300.0  # an assumption the watch never confirmed is dropped after this
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
