@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from carpool.core.eta import (
     DurationEstimate,
@@ -148,3 +151,52 @@ def test_packing_score_prefers_the_fuller_node() -> None:
 def test_fluid_start_drains_at_cluster_rate() -> None:
     assert fluid_start(100.0, 8.0, 4.0) == pytest.approx(100 + 2 * HOUR)
     assert fluid_start(100.0, 8.0, 0.0) == 100.0
+
+
+SHARED = [GpuRequest(1, m * GIB, cores_pct=c, isolation=Isolation.MPS)
+          for m in (10, 30, 50) for c in (25, 50)] + [WHOLE]
+
+
+def _scanned(timeline: Timeline, request: GpuRequest, duration: float,
+             respect: bool) -> tuple[str, tuple[GpuGrant, ...]] | None:
+    """best_now by definition: every node, best score, ties to the first in name order."""
+    end = timeline.now + duration if respect else math.nextafter(timeline.now, math.inf)
+    best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
+    for name in timeline.node_names:
+        if timeline.never_fits(name, request):
+            continue
+        fit = timeline.fit_during(name, request, timeline.now, end)
+        if fit is not None and (best is None or fit[0] > best[0]):
+            best = (fit[0], name, fit[1])
+    return (best[1], best[2]) if best else None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "end", "ask"]), st.integers(0, 5),
+                          st.integers(0, len(SHARED) - 1), st.integers(-300, 300),
+                          st.integers(1, 600), st.booleans()), max_size=60))
+def test_best_now_equals_a_scan_of_every_node(ops: list[tuple[str, int, int, int, int, bool]]
+                                              ) -> None:
+    """best_now keeps per-request rankings between calls; they must always give what looking
+    at every node gives, through admissions, future reservations and shortened jobs."""
+    now = 1000.0
+    nodes = {f"n{i}": node(f"n{i}", gpus=2) for i in range(6)}
+    timeline = Timeline(nodes, now, packing_score)
+    keys: list[str] = []
+    for op, n, r, offset, length, respect in ops:
+        request = SHARED[r]
+        if op == "add":
+            start = now + min(0, offset) if offset < 150 else now + offset
+            slot = (timeline.best_now(request, length) if start <= now
+                    else timeline.earliest(request, length, start))
+            if slot is not None:
+                key = f"j{len(keys)}"
+                keys.append(key)
+                timeline.add(slot.node, Occupancy(key, slot.start, slot.start + length,
+                                                  slot.grants))
+        elif op == "end" and keys:
+            timeline.end_at(keys[n % len(keys)], now + offset - 200)  # mostly: gone by now
+        else:
+            got = timeline.best_now(request, length, respect)
+            assert (None if got is None else (got.node, got.grants)) \
+                == _scanned(timeline, request, length, respect)

@@ -12,6 +12,7 @@ start of a higher-ranked job.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -123,6 +124,17 @@ class Occupancy:
     grants: tuple[GpuGrant, ...]
 
 
+@dataclass
+class _BestNow:
+    """One request's nodes ranked by how well they hold it from now on, over the nodes whose
+    occupancies all started by now: there the fit does not depend on the span's end. Entries
+    are (-score, host index, node, node version, grants); an entry whose node changed since is
+    stale and dropped when it comes to the top."""
+
+    seen: int  # how much of the timeline's change log is folded in
+    heap: list[tuple[float, int, str, int, tuple[GpuGrant, ...]]]
+
+
 @dataclass(frozen=True)
 class Slot:
     """Where and when a job can run."""
@@ -154,6 +166,10 @@ class Timeline:
         self._hosts: dict[int, tuple[str, ...]] = {}  # request id -> nodes that could ever fit
         self._fits: dict[tuple[str, tuple[int, ...], int],
                          tuple[float, tuple[GpuGrant, ...]] | None] = {}
+        self._changed: list[str] = []  # nodes, each time their occupancies changed
+        self._future: set[str] = set()  # nodes with an occupancy that starts after now
+        self._host_index: dict[int, dict[str, int]] = {}  # request id -> node -> host order
+        self._best: dict[int, _BestNow] = {}  # request id -> its ranking (see best_now)
 
     def _request_id(self, request: GpuRequest) -> int:
         """A small int per distinct request, so the hot loops hash ints, not dataclasses."""
@@ -162,6 +178,7 @@ class Timeline:
             rid = self._request_ids[request] = len(self._request_ids)
             self._hosts[rid] = tuple(n for n in self._names
                                      if node_rejection(self._base[n], request) is None)
+            self._host_index[rid] = {n: i for i, n in enumerate(self._hosts[rid])}
         return rid
 
     @property
@@ -177,6 +194,9 @@ class Timeline:
         self._occupancies[node].append(occupancy)
         bisect.insort(self._starts[node], occupancy.start)
         self._versions[node] += 1
+        self._changed.append(node)
+        if occupancy.start > self.now:
+            self._future.add(node)
 
     def end_at(self, job_key: str, end: float) -> None:
         """Shorten a job's occupancy (a preempted job leaves after its grace period)."""
@@ -185,6 +205,7 @@ class Timeline:
                 if o.job_key == job_key and o.end > end:
                     occs[i] = Occupancy(o.job_key, o.start, end, o.grants)
                     self._versions[node] += 1
+                    self._changed.append(node)
 
     def _overlapping(self, node: str, start: float, end: float,
                      without: frozenset[str]) -> tuple[int, ...]:
@@ -253,8 +274,34 @@ class Timeline:
         # rounds back to `now` for epoch times (~1.7e9) and would overlap nothing.
         end = (self.now + duration_s if respect_reservations
                else math.nextafter(self.now, math.inf))
-        best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
         rid = self._request_id(request)
+        if without or end <= self.now:
+            return self._best_by_scan(request, rid, end, without)
+        # Equal to scanning every host (best score, ties to the first in name order), but a
+        # cycle asks this for thousands of jobs over hundreds of nodes while each admission
+        # changes one node: nodes whose occupancies all started by now hold the request the
+        # same way whatever `end` is, so their ranking is kept per request and updated from
+        # the change log; only nodes with a reservation starting later are looked at per call.
+        index = self._host_index[rid]
+        candidates = []
+        top = self._best_current(request, rid)
+        if top is not None:
+            candidates.append(top)
+        for name in self._future:
+            i = index.get(name)
+            if i is None:
+                continue
+            fit = self._fit(name, request, rid, self.now, end, without)
+            if fit is not None:
+                candidates.append((-fit[0], i, name, self._versions[name], fit[1]))
+        if not candidates:
+            return None
+        best = min(candidates)
+        return Slot(self.now, best[2], best[4])
+
+    def _best_by_scan(self, request: GpuRequest, rid: int, end: float,
+                      without: frozenset[str]) -> Slot | None:
+        best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
         for name in self._hosts[rid]:
             fit = self._fit(name, request, rid, self.now, end, without)
             if fit is None:
@@ -263,6 +310,34 @@ class Timeline:
             if best is None or score > best[0]:
                 best = (score, name, grants)
         return Slot(self.now, best[1], best[2]) if best else None
+
+    def _best_current(self, request: GpuRequest, rid: int
+                      ) -> tuple[float, int, str, int, tuple[GpuGrant, ...]] | None:
+        """The best entry of the request's ranking over nodes without later reservations."""
+        ranking = self._best.get(rid)
+        if ranking is None:
+            ranking = self._best[rid] = _BestNow(len(self._changed), [])
+            stale: Iterable[str] = self._hosts[rid]
+        else:
+            stale = dict.fromkeys(self._changed[ranking.seen:])
+            ranking.seen = len(self._changed)
+        index = self._host_index[rid]
+        # any end past now: these nodes' occupancies all overlap it or have ended by now
+        end = math.nextafter(self.now, math.inf)
+        for name in stale:
+            i = index.get(name)
+            if i is None or name in self._future:
+                continue
+            fit = self._fit(name, request, rid, self.now, end)
+            if fit is not None:
+                heapq.heappush(ranking.heap, (-fit[0], i, name, self._versions[name], fit[1]))
+        heap = ranking.heap
+        while heap:
+            entry = heap[0]
+            if entry[2] not in self._future and entry[3] == self._versions[entry[2]]:
+                return entry
+            heapq.heappop(heap)
+        return None
 
     def earliest(self, request: GpuRequest, duration_s: float, not_before: float) -> Slot | None:
         """The earliest slot at or after `not_before` for the whole duration; None if no node
