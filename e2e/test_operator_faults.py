@@ -192,25 +192,29 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
         world.submit(jobs)
         kill_times: list[float] = []
         deadline = time.monotonic() + 1500
-        # moments spread over the run: with watch caches 1,000 jobs take ~2 minutes here
+        # Random moments of the run, drawn as points of its progress (jobs finished), so all
+        # kills land before the end however fast this machine runs the jobs; each also waits
+        # until the restarted operator leads again, plus a random 0.5-4 s.
+        marks = sorted(rng.sample(range(int(total * 0.02), int(total * 0.85)), kills))
         next_kill = time.monotonic() + rng.uniform(2, 6)
         while time.monotonic() < deadline:
             done = sum(1 for j in world.jobs(projects)
                        if (j.get("status") or {}).get("phase") in ("Succeeded", "Failed"))
             if done >= total:
                 break
-            if len(kill_times) < kills and time.monotonic() >= next_kill:
+            if len(kill_times) < kills and time.monotonic() >= next_kill \
+                    and done >= marks[len(kill_times)]:
                 led = _leaderships(log)
                 os.kill(operator.pid, signal.SIGKILL)  # no cleanup, no lease release
                 operator.wait()
                 kill_times.append(time.monotonic())
+                print(f"kill {len(kill_times)} at {done} of {total} jobs finished")
                 operator = world.start_operator(identity, "operator-kills.log")
-                # the next kill comes at a random moment once the new one is acting
                 up_by = time.monotonic() + 180
                 while _leaderships(log) <= led and time.monotonic() < up_by:
-                    time.sleep(0.5)
-                next_kill = time.monotonic() + rng.uniform(1, 6)
-            time.sleep(1.0)
+                    time.sleep(0.2)
+                next_kill = time.monotonic() + rng.uniform(0.5, 4)
+            time.sleep(0.5)
         sampling.set()
         sampler.join(timeout=10)
         assert len(kill_times) == kills, f"only {len(kill_times)} kills before the run ended"
