@@ -433,6 +433,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the initial burst: admissions of jobs that never had to wait
     burst = sorted(admitted_at[k] for k in admitted_at if k not in waited)
     burst_rate = len(burst) / max(1e-9, burst[-1] - t0) if burst else 0.0
+    # sustained: the middle 80 % of the burst's admissions, without the start-up before the
+    # first (process start, lease, lists, the first decision) and the tail after the last
+    low, high = (burst[len(burst) // 10], burst[len(burst) * 9 // 10]) if burst else (0, 0)
+    sustained_rate = (len(burst) * 9 // 10 - len(burst) // 10) / (high - low) \
+        if high > low else 0.0
     total_rate = len(times) / max(1e-9, times[-1] - t0) if times else 0.0
     errors = [abs(starts[k] - estimates[k]) for k in estimates if k in starts]
     # the error in two parts: estimate -> the watch showing it Admitted (the queue's own
@@ -447,6 +452,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "projects": args.projects, "nodes": args.nodes,
         "gpus": gpus, "created_s": created_s, "admitted": len(admitted_at),
         "burst_admitted": len(burst), "burst_rate": burst_rate, "total_rate": total_rate,
+        "sustained_rate": sustained_rate,
+        "first_admission_s": (times[0] - t0) if times else None,
         "p50": _percentile(latencies, 0.5), "p99": _percentile(latencies, 0.99),
         "peak_rss_mib": peak_kib / 1024,
         "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
@@ -485,6 +492,11 @@ def table(result: dict[str, Any]) -> str:
          + (" (before the operator started)" if result.get("create_first") else "")),
         ("admissions/s, initial burst (jobs that never waited)",
          f"{result['burst_rate']:.1f} ({result['burst_admitted']} jobs)"),
+        ("admissions/s, sustained (middle 80 % of the burst's admissions)",
+         f"{result['sustained_rate']:.1f}"),
+        ("first admission after the operator started / the first job created",
+         f"{result['first_admission_s']:.1f} s" if result["first_admission_s"] is not None
+         else "-"),
         ("admissions/s, whole run", f"{result['total_rate']:.1f} ({result['admitted']} jobs)"),
         ("creation (or operator start, if later) -> Admitted p50 / p99"
          if result.get("create_first") else "creation -> Admitted p50 / p99",
