@@ -166,6 +166,7 @@ class Timeline:
         self._hosts: dict[int, tuple[str, ...]] = {}  # request id -> nodes that could ever fit
         self._fits: dict[tuple[str, tuple[int, ...], int],
                          tuple[float, tuple[GpuGrant, ...]] | None] = {}
+        self._states: dict[tuple[str, tuple[int, ...]], NodeState] = {}
         self._changed: list[str] = []  # nodes, each time their occupancies changed
         self._future: set[str] = set()  # nodes with an occupancy that starts after now
         self._host_index: dict[int, dict[str, int]] = {}  # request id -> node -> host order
@@ -213,10 +214,15 @@ class Timeline:
                      if o.start < end and o.end > start and o.job_key not in without)
 
     def _state(self, node: str, ids: tuple[int, ...]) -> NodeState:
-        base = self._base[node]
-        occs = self._occupancies[node]
-        held = tuple(g for i in ids for g in occs[i].grants)
-        return base.with_grants(held) if held else base
+        # one NodeState per situation, shared by every request shape that meets it: a state
+        # memoises what placement and scoring derive from it (free GPUs, profiles)
+        state = self._states.get((node, ids))
+        if state is None:
+            base = self._base[node]
+            occs = self._occupancies[node]
+            held = tuple(g for i in ids for g in occs[i].grants)
+            state = self._states[(node, ids)] = base.with_grants(held) if held else base
+        return state
 
     def state_during(self, node: str, start: float, end: float,
                      without: frozenset[str] = frozenset()) -> NodeState:
