@@ -12,7 +12,7 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
 from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash
 from carpool.extender.fake import gpunode_object, node_object, pod_object
-from carpool.extender.kube import Informer
+from carpool.extender.kube import PODS_THAT_HOLD, Informer
 from carpool.extender.wire import Assignment, encode_assignment
 
 NOW = 1_800_000_000.0
@@ -205,3 +205,42 @@ def test_a_heartbeat_that_changes_nothing_keeps_the_nodes_state() -> None:
     cache.apply_gpunode("MODIFIED", beat)
     after = cache.snapshot(["n"], "", NOW).states["n"]
     assert after is not before and after.inventory.gpus[0].temperature_c == 80.0
+
+
+def test_the_pod_informer_lists_and_watches_only_pods_that_can_hold_resources() -> None:
+    """Pending and finished pods are not sent (see kube.PODS_THAT_HOLD); a pod that
+    finishes leaves the selection as a DELETED event, which frees what it held."""
+    cache = ClusterCache()
+    cache.apply_node("ADDED", node_object("n"))
+    cache.apply_gpunode("ADDED", gpunode_object(
+        "n", [{"uuid": "n-g0", "model": "A100", "memoryTotalMiB": 40 * GIB}]))
+    bound = pod_object("a", memory_gib=10)
+    bound["spec"]["nodeName"] = "n"
+    bound["metadata"]["annotations"][names.ANN_ASSIGNMENT] = json.dumps(
+        {"node": "n", "gpus": [{"uuid": "n-g0", "index": 0, "memoryMiB": 10 * GIB,
+                                "cores": 0}]})
+    finished = {**bound, "status": {"phase": "Succeeded"}}
+    selectors: list[str] = []
+
+    def list_pods(*args: Any, watch: bool = False, **kwargs: Any) -> FakeResponse:
+        selectors.append(kwargs.get("field_selector", ""))
+        if not watch:
+            return FakeResponse(data={"metadata": {"resourceVersion": "1"}, "items": [bound]})
+        informer.stop()
+        return FakeResponse([{"type": "DELETED", "object": finished}])
+
+    held: list[int] = []
+
+    def relisted(pods: list[Any]) -> None:
+        cache.replace_pods(pods, NOW)
+        held.append(used_mib(cache))
+
+    informer = Informer("pods", list_pods, (), relisted,
+                        lambda event, pod: cache.apply_pod(event, pod, NOW), cache,
+                        field_selector=PODS_THAT_HOLD)
+    informer.start()
+    informer.join(10)
+    assert selectors == [PODS_THAT_HOLD, PODS_THAT_HOLD]
+    assert held == [10 * GIB]
+    assert "spec.nodeName!=" in PODS_THAT_HOLD and "status.phase!=Succeeded" in PODS_THAT_HOLD
+    assert used_mib(cache) == 0 and cache.hold_of("default/a") is None

@@ -468,3 +468,47 @@ def test_prioritize_nominates_its_favourite_and_filter_steers_the_next_pod_away(
     assert w.bind("first", favourite) == ""
     w.run("first")
     assert w.filter(second, ["n1", "n2"])["NodeNames"] == ["n1", "n2"]
+
+
+BEST_ONE = Settings(bind_wait_s=0.0, filter_best=1)
+
+
+def test_filter_best_passes_only_carpools_first_choice_and_nominates_it() -> None:
+    w = World(BEST_ONE)
+    w.add_node("warm", [gpu("w0", temp=75.0)])
+    w.add_node("cool", [gpu("c0", temp=35.0)])
+    w.add_node("t4", [gpu("t0", model="T4", memory_gib=16)])
+    pod = w.add_pod("p", memory_gib=10)
+    # the node prioritize would score 10, alone: the scheduler then binds it without scoring
+    assert w.scores(pod, ["warm", "cool"]) == {"cool": 10, "warm": 0}
+    result = w.filter(pod, ["warm", "cool", "t4"])
+    assert result["NodeNames"] == ["cool"]
+    assert result["FailedNodes"] == {} and result["FailedAndUnresolvableNodes"] == {}
+    # nominated, as prioritize would have: the next same-count pod is steered to the other
+    assert w.filter(w.add_pod("next", memory_gib=10), ["warm", "cool"])["NodeNames"] == [
+        "warm"]
+    assert w.bind("p", "cool") == ""
+
+
+def test_filter_best_keeps_the_best_few_in_order_and_explains_when_none_fits() -> None:
+    w = World(Settings(bind_wait_s=0.0, filter_best=2))
+    for name, temp in (("n30", 30.0), ("n50", 50.0), ("n70", 70.0), ("n40", 40.0)):
+        w.add_node(name, [gpu(f"{name}-g", temp=temp)])
+    assert w.filter(w.add_pod("p", memory_gib=10), ["n70", "n50", "n40", "n30"])[
+        "NodeNames"] == ["n30", "n40"]
+    too_big = w.filter(w.add_pod("big", memory_gib=100), ["n70", "n30"])
+    assert too_big["NodeNames"] == []
+    assert set(too_big["FailedAndUnresolvableNodes"]) == {"n70", "n30"}
+
+
+def test_filter_best_breaks_ties_per_pod_so_equal_nodes_share_the_load() -> None:
+    w = World(BEST_ONE)
+    nodes = [f"n{i}" for i in range(8)]
+    for name in nodes:
+        w.add_node(name, [gpu(f"{name}-g")])
+    chosen = {w.filter(w.add_pod(f"p{i}", memory_gib=10), nodes)["NodeNames"][0]
+              for i in range(8)}
+    assert len(chosen) > 1
+    pod = w.add_pod("same", memory_gib=10)
+    w.extender.nominations.clear("default/same")
+    assert w.filter(pod, nodes)["NodeNames"] == w.filter(pod, nodes)["NodeNames"]

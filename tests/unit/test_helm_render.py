@@ -195,6 +195,12 @@ def test_scheduler_calls_the_extender_for_carpool_resources(default: list[Obj]) 
     assert container["volumeMounts"][0]["mountPath"] == "/etc/carpool-scheduler"
 
 
+def test_carpools_profile_can_rank_every_feasible_node(helm: Path) -> None:
+    config = scheduler_config(objects(helm, "--set", "scheduler.percentageOfNodesToScore=100"))
+    assert config["profiles"] == [{"schedulerName": names.SCHEDULER_NAME,
+                                   "percentageOfNodesToScore": 100}]
+
+
 def test_scheduler_restarts_when_its_configuration_changes(helm: Path) -> None:
     def checksum(*args: str) -> str:
         objs = objects(helm, *args)
@@ -238,7 +244,7 @@ def test_extender_flags_parse(default: list[Obj]) -> None:
     c = container(find(default, "Deployment", "carpool-extender"))
     assert c["command"] == ["python", "-m", "carpool.extender"]
     args = parse_args(c["args"])
-    assert (args.port, args.policy) == (18080, "binpack")
+    assert (args.port, args.policy, args.filter_best) == (18080, "binpack", 1)
     assert {p["path"] for p in (c["livenessProbe"]["httpGet"], c["readinessProbe"]["httpGet"])
             } == {"/livez", "/healthz"}
 

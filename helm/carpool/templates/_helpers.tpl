@@ -66,6 +66,9 @@ leaderElection:
   resourceNamespace: {{ .Release.Namespace }}
 profiles:
   - schedulerName: carpool-scheduler
+    {{- with .Values.scheduler.percentageOfNodesToScore }}
+    percentageOfNodesToScore: {{ . }}
+    {{- end }}
 extenders:
   - urlPrefix: {{ include "carpool.extenderURL" . | quote }}
     filterVerb: filter

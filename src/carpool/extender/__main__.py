@@ -18,8 +18,8 @@ from aiohttp import web
 from carpool.core.scoring import CARPOOL
 from carpool.extender.cache import ClusterCache
 from carpool.extender.kube import KubeCluster, api_client, start_informers
-from carpool.extender.server import DEFAULT_MAX_BODY, make_app
-from carpool.extender.service import Extender, Settings
+from carpool.extender.server import DEFAULT_MAX_BODY, make_app, tune_interpreter
+from carpool.extender.service import SHIPPED_FILTER_BEST, Extender, Settings
 from carpool.extender.wire import Policy
 
 
@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="do not learn the target workload from the pods seen")
     parser.add_argument("--bind-wait-seconds", type=float, default=Settings.bind_wait_s,
                         help="how long bind waits for an in-flight hand-over on its node")
+    parser.add_argument("--filter-best", type=int, default=SHIPPED_FILTER_BEST, metavar="N",
+                        help="filter passes only Carpool's N best nodes for the pod; 1 lets "
+                             "the scheduler bind without scoring or prioritize; 0 passes "
+                             "every node that fits (default %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                           packing=args.weight_packing, alignment=args.weight_alignment,
                           temperature=args.weight_temperature, locality=args.weight_locality)
         settings = Settings(args.policy, scoring, learn_workload=not args.static_workload,
-                            bind_wait_s=args.bind_wait_seconds)
+                            bind_wait_s=args.bind_wait_seconds, filter_best=args.filter_best)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot load the cluster configuration "
               f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
         return 2
+    tune_interpreter()
     cache = ClusterCache()
     start_informers(api, cache)
     extender = Extender(cache, KubeCluster(api), settings)

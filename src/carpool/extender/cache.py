@@ -86,7 +86,8 @@ class ClusterCache:
         self._assumed: dict[str, Hold] = {}  # from our binds, until confirmed or forgotten
         self._effective: dict[str, Hold] = {}  # assumed wins over observed
         self._keys_on_node: dict[str, set[str]] = {}
-        self._unsettled: set[str] = set()  # effective holds that may still be in flight
+        # effective holds that may still be in flight, by node (filter asks per node)
+        self._unsettled: dict[str, set[str]] = {}
         self._states: dict[str, NodeState] = {}  # memoised per node; dropped on change
         self._changed: set[str] = set()  # nodes whose state was dropped (see drain_changed)
         self._supply: Counter[str] = Counter()  # GPUs per model over the known nodes
@@ -96,6 +97,8 @@ class ClusterCache:
         self._node_usage: dict[str, tuple[int, int]] = {}
         self._synced: set[str] = set()
         self.pods_watch_healthy = False
+        self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
+        self._expiry_checked = float("-inf")
 
     # --- sync state --------------------------------------------------------------------
 
@@ -149,6 +152,7 @@ class ClusterCache:
     def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
         with self._lock:
+            self.events["nodes"] += 1
             if event == "DELETED":
                 self._nodes.pop(name, None)
             else:
@@ -158,6 +162,7 @@ class ClusterCache:
     def apply_gpunode(self, event: str, gpunode: Mapping[str, Any]) -> None:
         name = str((gpunode.get("metadata") or {}).get("name", ""))
         with self._lock:
+            self.events["gpunodes"] += 1
             if event == "DELETED":
                 self._gpunodes.pop(name, None)
             else:
@@ -215,7 +220,8 @@ class ClusterCache:
     def _refresh(self, key: str) -> None:
         old = self._effective.pop(key, None)
         new = self._assumed.get(key) or self._observed.get(key)
-        self._unsettled.discard(key)
+        if old is not None:
+            self._settled(old.node, key)
         same_grants = (old is not None and new is not None and old.node == new.node
                        and old.grants == new.grants)
         if old is not None:
@@ -228,8 +234,15 @@ class ClusterCache:
             if not same_grants:
                 self._drop_state(new.node)
             if not new.settled:
-                self._unsettled.add(key)
+                self._unsettled.setdefault(new.node, set()).add(key)
         self._refresh_usage(key)
+
+    def _settled(self, node: str, key: str) -> None:
+        keys = self._unsettled.get(node)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._unsettled[node]
 
     def _refresh_usage(self, key: str) -> None:
         old = self._usage.pop(key, None)
@@ -272,6 +285,7 @@ class ClusterCache:
 
     def apply_pod(self, event: str, pod: Mapping[str, Any], now: float) -> None:
         with self._lock:
+            self.events["pods"] += 1
             self._refresh(self._observe(pod, event == "DELETED", now))
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]], now: float) -> None:
@@ -294,9 +308,14 @@ class ClusterCache:
                 self._refresh(pod_key)
 
     def expire_assumed(self, now: float) -> list[str]:
-        """Drop assumptions the (healthy) watch never confirmed within ASSUMED_TTL_S."""
-        if not self.pods_watch_healthy:
+        """Drop assumptions the (healthy) watch never confirmed within ASSUMED_TTL_S.
+
+        Every bind calls this; it looks through the assumptions at most once a second
+        (there are thousands when the API server falls behind, and the TTL is minutes).
+        """
+        if not self.pods_watch_healthy or now - self._expiry_checked < 1.0:
             return []
+        self._expiry_checked = now
         with self._lock:
             old = [k for k, h in self._assumed.items() if now - h.assigned_at > ASSUMED_TTL_S]
             for key in old:
@@ -348,13 +367,15 @@ class ClusterCache:
             if own is not None and own.node in states:
                 states[own.node] = self._without(states[own.node], own.node, exclude_key)
             stale = []
-            for key in sorted(self._unsettled):
-                hold = self._effective[key]
-                if not hold.in_flight(now):
-                    stale.append(key)
-                elif key != exclude_key and hold.node in states:
-                    in_flight[hold.node] = (*in_flight.get(hold.node, ()), hold)
-            self._unsettled.difference_update(stale)
+            for node in self._unsettled.keys() & states.keys():
+                for key in sorted(self._unsettled[node]):
+                    hold = self._effective[key]
+                    if not hold.in_flight(now):
+                        stale.append((node, key))
+                    elif key != exclude_key:
+                        in_flight[node] = (*in_flight.get(node, ()), hold)
+            for node, key in stale:
+                self._settled(node, key)
         return Snapshot(states, missing, in_flight)
 
     def state_of(self, node: str) -> NodeState | None:

@@ -17,7 +17,8 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-from kubernetes import client, config, watch
+import orjson
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from carpool.core import names
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 240  # the server ends each watch after this; we then resume from the last RV
 MAX_BACKOFF_S = 10.0
 BIND_CONNECTIONS = 64  # concurrent Binding requests to the API server
+# The pods the cache needs: only a bound, unfinished pod holds GPUs, CPU or memory. Pending
+# pods (every pod's first event, and the scheduler's status writes while it waits) are not
+# sent at all, and a pod that finishes leaves the selection (a DELETED event). What this
+# gives up: the deletion of a pod that never got bound. That matters only for a pod whose
+# bind failed ambiguously (its GPUs stay assumed, see `Extender._bind_failed`) and that is
+# then deleted before it is bound again; its assumption then lapses after ASSUMED_TTL_S
+# instead of at once (GPUs held too long, never given twice).
+PODS_THAT_HOLD = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
 
 def api_client(kubeconfig: str | None, pool_size: int = 80) -> Any:
@@ -152,16 +161,24 @@ class KubeCluster:
 
 
 class Informer(threading.Thread):
-    """List, then watch from the list's resourceVersion; relist on 410 or any error."""
+    """List, then watch from the list's resourceVersion; relist on 410 or any error.
+
+    The watch stream is read and decoded here (orjson), not by the client's `watch.Watch`
+    (the standard library's parser, and a copy of its buffer per line): this thread shares
+    the interpreter with the event loop that answers the scheduler, so its time per event
+    is time those requests may wait.
+    """
 
     def __init__(self, kind: str, list_fn: Callable[..., Any], args: tuple[Any, ...],
                  replace: Callable[[list[Mapping[str, Any]]], None],
                  apply: Callable[[str, Mapping[str, Any]], None], cache: ClusterCache,
-                 on_health: Callable[[bool], None] = lambda healthy: None) -> None:
+                 on_health: Callable[[bool], None] = lambda healthy: None,
+                 field_selector: str = "") -> None:
         super().__init__(name=f"informer-{kind}", daemon=True)
         self.kind = kind
         self._list_fn = list_fn
         self._args = args
+        self._selector = {"field_selector": field_selector} if field_selector else {}
         self._replace = replace
         self._apply = apply
         self._cache = cache
@@ -174,34 +191,59 @@ class Informer(threading.Thread):
 
     def _relist(self) -> str:
         try:
-            resp = self._list_fn(*self._args, _preload_content=False, _request_timeout=60)
+            resp = self._list_fn(*self._args, _preload_content=False, _request_timeout=60,
+                                 **self._selector)
         except ApiException as exc:
             if exc.status == 404:  # the GpuNode CRD is not installed (yet): no GPU inventory
                 self._replace([])
                 self._cache.mark_synced(self.kind)
                 log.warning("%s: the API server does not serve this resource yet", self.kind)
             raise
-        data = json.loads(resp.data)
+        data = orjson.loads(resp.data)
         self._replace(list(data.get("items") or []))
         self.relists += 1
         self._cache.mark_synced(self.kind)
         return str(data["metadata"]["resourceVersion"])
 
     def _watch(self, resource_version: str) -> str:
-        watcher: Any = watch.Watch()
-        stream = watcher.stream(
-            self._list_fn, *self._args, resource_version=resource_version,
-            timeout_seconds=WATCH_TIMEOUT_S, allow_watch_bookmarks=True, deserialize=False,
-            _request_timeout=WATCH_TIMEOUT_S + 30)
-        for event in stream:
-            obj = event.get("object") or {}
-            resource_version = (obj.get("metadata") or {}).get("resourceVersion",
-                                                               resource_version)
-            if event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
-                self._apply(str(event["type"]), obj)
-            if self._stopping.is_set():
-                break
+        """One watch request until the server ends it; the last resourceVersion seen.
+
+        An ERROR event (410 Gone: our version is too old) raises, and `run` lists again.
+        """
+        resp = self._list_fn(*self._args, watch=True, resource_version=resource_version,
+                             timeout_seconds=WATCH_TIMEOUT_S, allow_watch_bookmarks=True,
+                             _preload_content=False, _request_timeout=WATCH_TIMEOUT_S + 30,
+                             **self._selector)
+        try:
+            if not 200 <= int(resp.status) < 300:
+                raise ApiException(status=resp.status, reason="the watch was refused")
+            pending = b""
+            for chunk in resp.stream(amt=None, decode_content=False):
+                if b"\n" not in chunk:  # one event may span many chunks
+                    pending += chunk
+                    continue
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    resource_version = self._event(line, resource_version)
+                    if self._stopping.is_set():
+                        return resource_version
+        finally:
+            resp.close()
+            resp.release_conn()
         return resource_version
+
+    def _event(self, line: bytes, resource_version: str) -> str:
+        if not line.strip():
+            return resource_version
+        event = orjson.loads(line)
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            raise ApiException(status=int(obj.get("code") or 500),
+                               reason=str(obj.get("message") or "watch error"))
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self._apply(str(kind), obj)
+        return str((obj.get("metadata") or {}).get("resourceVersion") or resource_version)
 
     def run(self) -> None:
         backoff = 0.2
@@ -238,7 +280,7 @@ def start_informers(api: Any, cache: ClusterCache) -> list[Informer]:
         Informer("pods", core.list_pod_for_all_namespaces, (),
                  lambda pods: cache.replace_pods(pods, time.time()),
                  lambda event, pod: cache.apply_pod(event, pod, time.time()), cache,
-                 on_health=pods_health),
+                 on_health=pods_health, field_selector=PODS_THAT_HOLD),
     ]
     for informer in informers:
         informer.start()

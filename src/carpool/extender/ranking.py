@@ -183,18 +183,17 @@ def scale_scores(raw: Mapping[str, float], nodes: Sequence[str]) -> dict[str, in
     The extender's scores are added to kube-scheduler's own (CPU/memory) scores; stretching
     them over the full range keeps our ordering decisive. Equal raw scores give equal ints.
     """
-    values = [raw[n] for n in nodes if n in raw]
-    if not values:
-        return {n: 0 for n in nodes}
-    low, high = min(values), max(values)
-    out = {}
-    for n in nodes:
-        if n not in raw:
-            out[n] = 0
-        elif high - low < 1e-12:
-            out[n] = MAX_SCORE
-        else:
-            out[n] = round(MAX_SCORE * (raw[n] - low) / (high - low))
+    out = dict.fromkeys(nodes, 0)  # in the order given; raw's keys update in place
+    # (usually every candidate was placed: then raw is already the map wanted)
+    known = raw if raw.keys() == out.keys() else {n: raw[n] for n in out if n in raw}
+    if not known:
+        return out
+    low, high = min(known.values()), max(known.values())
+    span = high - low
+    if span < 1e-12:
+        out.update(dict.fromkeys(known, MAX_SCORE))
+    else:
+        out.update({n: round(MAX_SCORE * (score - low) / span) for n, score in known.items()})
     return out
 
 
@@ -251,6 +250,7 @@ class Evaluation(NamedTuple):
 
     placement: Placement | None
     reason: str = ""  # why it does not fit, when placement is None
+    resolvable: bool = True  # ... and whether it would fit the node with nothing on it
 
 
 DemandShape = tuple[object, ...]
@@ -391,26 +391,24 @@ class Ranker:
         shape = self._shape(demand, policy)
         scorer = generation.scorers[policy]
         memo = self._memo_for(generation, shape, demand, policy)
-        out = {}
-        hits = 0
-        for name, state in states.items():
-            entry = memo.get(name)
-            if entry is not None and entry[0] is state:
-                out[name] = entry[1]
-                hits += 1
-                continue
-            evaluation = out[name] = _evaluate(state, demand, scorer)
+        get = memo.get
+        misses: list[str] = []
+
+        def fresh(name: str, state: NodeState) -> Evaluation:
+            misses.append(name)
+            evaluation = _evaluate(state, demand, scorer)
             memo[name] = (state, evaluation)
-        self.hits += hits
-        self.misses += len(states) - hits
+            return evaluation
+
+        # (one comprehension: this runs over every candidate node on every request)
+        out = {name: entry[1] if (entry := get(name)) is not None and entry[0] is state
+               else fresh(name, state) for name, state in states.items()}
+        self.hits += len(states) - len(misses)
+        self.misses += len(misses)
         return out
 
     def evaluate(self, state: NodeState, demand: PodDemand, policy: str) -> Evaluation:
         return self.evaluate_all({state.name: state}, demand, policy)[state.name]
-
-    def fits_when_empty(self, inventory: NodeInventory, demand: PodDemand, policy: str) -> bool:
-        """Whether the pod fits the node with nothing else on it (else preemption is futile)."""
-        return all(_fits_empty(inventory, c.request) for c in demand.containers)
 
     def warm(self, source: NodeSource, deadline: float,
              clock: Callable[[], float] = time.monotonic) -> bool:
@@ -456,7 +454,10 @@ class Ranker:
 
 def _evaluate(state: NodeState, demand: PodDemand, scorer: Scorer) -> Evaluation:
     placement = place(state, demand, scorer)
-    return Evaluation(None, placement) if isinstance(placement, str) else Evaluation(placement)
+    if isinstance(placement, str):
+        empty = all(_fits_empty(state.inventory, c.request) for c in demand.containers)
+        return Evaluation(None, placement, empty)
+    return Evaluation(placement)
 
 
 _EMPTY_FITS: dict[tuple[int, GpuRequest], tuple[NodeInventory, bool]] = {}

@@ -9,6 +9,7 @@ client (`kube.KubeCluster`).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import threading
 import time
@@ -67,6 +68,10 @@ class ClusterPort(Protocol):
         """Create the pod's Binding (with these annotations); 409 if the preconditions fail."""
 
 
+# What the command ships with (`--filter-best`): Carpool's first choice goes straight to bind.
+SHIPPED_FILTER_BEST = 1
+
+
 @dataclass(frozen=True)
 class Settings:
     """The default policy (a job may override it) and the score weights."""
@@ -77,10 +82,18 @@ class Settings:
     # How long bind waits for another pod's hand-over on its node (the handshake rule)
     # before failing; keep it under the scheduler's httpTimeout (default 5 s).
     bind_wait_s: float = 3.0
+    # Filter passes only this many nodes, Carpool's best for the pod (0: every node that
+    # fits). With 1 the scheduler binds to Carpool's first choice without scoring or calling
+    # prioritize (it skips both when one node is left): one HTTP round trip per pod instead
+    # of two, and none of its own scoring. The command ships with 1 (`--filter-best`); see
+    # docs/benchmarks.md for the effect on placement.
+    filter_best: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in Policy.ALL:
             raise ValueError(f"policy must be one of {', '.join(Policy.ALL)}")
+        if self.filter_best < 0:
+            raise ValueError("filter_best must be 0 (every node) or more")
 
 
 def rfc3339(epoch: float) -> str:
@@ -111,6 +124,33 @@ def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
             return False
     mig = [g.mig_instance for g in combined.grants if g.mig_instance]
     return len(mig) == len(set(mig))
+
+
+def best_nodes(names: list[str], placed: Mapping[str, float], pod_key: str,
+               keep: int) -> list[str]:
+    """The `keep` of `names` with the highest scores (`placed`: every placed node's), best
+    first.
+
+    Ties break on a hash of pod and node: deterministic, yet pods scheduled back to back do
+    not all favour the same node. Only the nodes tied at the cut are hashed (at 1,000 equal
+    nodes that is all of them, still well under a millisecond).
+    """
+    scores = placed if len(names) == len(placed) else {name: placed[name] for name in names}
+    if len(scores) <= keep:
+        cut = min(scores.values())
+    elif keep == 1:
+        cut = max(scores.values())
+    else:
+        cut = heapq.nlargest(keep, scores.values())[-1]
+    candidates = [name for name, score in scores.items() if score >= cut]
+    salt = zlib.crc32(f"{pod_key}@".encode())
+
+    def rank(name: str) -> tuple[float, int]:
+        return scores[name], zlib.crc32(name.encode(), salt)
+
+    if keep == 1:
+        return [max(candidates, key=rank)]
+    return heapq.nlargest(keep, candidates, key=rank)
 
 
 class Nominations:
@@ -214,37 +254,51 @@ class Extender:
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
         counts = demand.gpu_counts
-        passed: list[str] = []
+        placed = {name: e.placement.score for name, e in evaluations.items() if e.placement}
+        fits = list(placed)
+        passed: list[str] = fits
         waiting: dict[str, str] = {}  # fit, but a same-count pod is in flight there
-        failed: dict[str, str] = {}
-        unresolvable = {name: f"carpool: {reason}" for name, reason in snapshot.missing.items()}
-        for name, evaluation in evaluations.items():
-            if evaluation.placement is None:
-                inventory = snapshot.states[name].inventory
-                if self.ranker.fits_when_empty(inventory, demand, policy):
-                    failed[name] = f"carpool: {evaluation.reason}"
+        in_flight = snapshot.in_flight
+        if in_flight:
+            passed = []
+            for name in fits:
+                flying = in_flight.get(name)
+                clash = in_flight_clash(flying, counts) if flying else None
+                if clash is None:
+                    passed.append(name)
                 else:
-                    unresolvable[name] = f"carpool: {evaluation.reason}"
-                continue
-            flying = snapshot.in_flight.get(name)
-            clash = in_flight_clash(flying, counts) if flying else None
-            if clash is not None:
-                waiting[name] = f"carpool: {clash}"
-            else:
-                passed.append(name)
+                    waiting[name] = f"carpool: {clash}"
+        nominated = {}
         for name, reason in self.nominations.clashes(demand.key, counts, time.monotonic()):
-            if name in waiting or name not in evaluations or evaluations[name].placement is None:
+            if name in waiting or name not in placed:
                 continue
-            passed.remove(name)
-            waiting[name] = f"carpool: {reason}"
+            nominated[name] = f"carpool: {reason}"
+        if nominated:
+            passed = [name for name in passed if name not in nominated]
+            waiting.update(nominated)
         # The handshake rule is enforced at bind (under the cache lock); here it steers pods
         # to other nodes. When every fitting node has a hand-over in flight, keep them: bind
         # waits briefly for it, where a rejection would park the pod in the scheduler's
         # unschedulable queue for far longer.
+        failed: dict[str, str] = {}
         if passed:
             failed.update(waiting)
         else:
             passed = [name for name in evaluations if name in waiting]
+        keep = self.settings.filter_best
+        if keep and passed:
+            # Only the best few go on (the others fit, and are simply not passed: the
+            # scheduler reads reasons only when no node is left, so none are sent). The
+            # first is the one prioritize would favour, so it is nominated here, where with
+            # one node left the scheduler will not call prioritize at all.
+            passed = best_nodes(passed, placed, demand.key, keep)
+            self.nominations.nominate(demand.key, passed[0], counts, time.monotonic())
+            return encode_filter_result(args, passed, {}, {})
+        unresolvable = {name: f"carpool: {reason}" for name, reason in snapshot.missing.items()}
+        for name, evaluation in evaluations.items():
+            if evaluation.placement is None:
+                (failed if evaluation.resolvable else unresolvable)[name] = (
+                    f"carpool: {evaluation.reason}")
         if not passed and log.isEnabledFor(logging.INFO):
             why = Counter(r.split(";")[0].split("(")[0] for r in (*failed.values(),
                                                                   *unresolvable.values()))
@@ -263,13 +317,12 @@ class Extender:
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
         raw = {name: e.placement.score for name, e in evaluations.items() if e.placement}
         scores = scale_scores(raw, args.node_names)
-        best = [n for n in args.node_names if n in raw and scores[n] == MAX_SCORE]
+        best = [n for n, score in scores.items() if score == MAX_SCORE]
         if best:
             # One clear favourite, so the scheduler's pick is predictable and can be
             # nominated: filter then steers the next same-count pods elsewhere until this
-            # pod's GPUs are reserved. Ties break on a hash of pod and node: deterministic,
-            # yet pods scheduled back to back do not all favour the same node.
-            top = max(best, key=lambda n: (raw[n], zlib.crc32(f"{demand.key}@{n}".encode())))
+            # pod's GPUs are reserved. Ties break as in `best_nodes`.
+            top = best_nodes(best, raw, demand.key, 1)[0]
             for name in best:
                 if name != top:
                     scores[name] = MAX_SCORE - 1
