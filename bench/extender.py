@@ -37,8 +37,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from carpool import devcluster
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
 from carpool.core.resources import Gpu, NodeInventory
+from carpool.extender.service import SHIPPED_FILTER_BEST
 
 TRACES = Path(os.environ.get("CARPOOL_TRACES",
                              Path(__file__).resolve().parents[2] / "shared" / "traces" / "openb"))
@@ -82,12 +84,12 @@ def openb_pod_shapes() -> list[dict[str, Any]]:
 # --- the server (child process) -------------------------------------------------------------
 
 
-def serve(port: int, api_delay_s: float) -> None:
+def serve(port: int, api_delay_s: float, filter_best: int) -> None:
     from aiohttp import web
 
     from carpool.extender.cache import ClusterCache
-    from carpool.extender.fake import FakeCluster
-    from carpool.extender.server import make_app
+    from carpool.extender.fake import LoopFakeCluster
+    from carpool.extender.server import make_app, tune_interpreter
     from carpool.extender.service import Extender, Settings
 
     cache = ClusterCache()
@@ -103,17 +105,22 @@ def serve(port: int, api_delay_s: float) -> None:
 
     gc_pauses: list[float] = []
     gc_started = [0.0]
+    gc_ms = [0.0]  # all collections, every generation, so far
+    gc_by_generation: list[list[float]] = [[], [], []]
 
     def gc_timer(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+            return
+        took = (time.perf_counter() - gc_started[0]) * 1000
+        gc_ms[0] += took
+        gc_by_generation[info["generation"]].append(took)
         if info["generation"] == 2:
-            if phase == "start":
-                gc_started[0] = time.perf_counter()
-            else:
-                gc_pauses.append((time.perf_counter() - gc_started[0]) * 1000)
+            gc_pauses.append(took)
 
     gc.callbacks.append(gc_timer)
-    cluster = FakeCluster(delay_s=api_delay_s, on_change=watch)
-    extender = Extender(cache, cluster, Settings())
+    cluster = LoopFakeCluster(delay_s=api_delay_s, on_change=watch)
+    extender = Extender(cache, cluster, Settings(filter_best=filter_best))
     server_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
     cpu_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
     warm_cpu_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
@@ -136,6 +143,20 @@ def serve(port: int, api_delay_s: float) -> None:
     extender.filter = timed("filter", extender.filter)  # type: ignore[method-assign]
     extender.prioritize = timed("prioritize", extender.prioritize)  # type: ignore[method-assign]
     app = make_app(extender)
+    tune_interpreter()  # as `python -m carpool.extender` does
+
+    @web.middleware
+    async def stamp(request: web.Request, handler: Any) -> web.StreamResponse:
+        # when the handler started and ended, the collector's time and the nodes evaluated
+        # meanwhile: the client splits its wall time with these (one clock: CLOCK_MONOTONIC)
+        started, gc_before, misses = time.perf_counter(), gc_ms[0], extender.ranker.misses
+        response: web.StreamResponse = await handler(request)
+        response.headers["X-Bench"] = (f"{started!r} {time.perf_counter()!r} "
+                                       f"{gc_ms[0] - gc_before:.3f} "
+                                       f"{extender.ranker.misses - misses}")
+        return response
+
+    app.middlewares.append(stamp)
 
     async def add_pods(request: web.Request) -> web.Response:
         for pod in await request.json():
@@ -155,6 +176,10 @@ def serve(port: int, api_delay_s: float) -> None:
             "warm_cpu_ms": {verb: {"n": len(v), "p50": round(percentile(v, 0.5), 2),
                                    "p99": round(percentile(v, 0.99), 2)}
                             for verb, v in warm_cpu_ms.items() if v},
+            "gc_ms_by_generation": [
+                {"n": len(p), "p50": round(percentile(p, 0.5), 2) if p else 0,
+                 "max": round(max(p, default=0.0), 1), "total": round(sum(p))}
+                for p in gc_by_generation],
             "gc_full_collections": len(gc_pauses),
             "gc_full_ms_max": round(max(gc_pauses, default=0.0), 1),
             "memo_warmed": extender.ranker.warmed,
@@ -190,6 +215,45 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+class Split:
+    """Where one request's client-observed time went: to the handler's start (HTTP, the
+    server's event loop busy elsewhere, waiting for a CPU), in the handler (its share of
+    collections apart), and back (the answer's write and the client's read)."""
+
+    __slots__ = ("back", "cold", "gc", "handler", "to_handler")
+
+    def __init__(self, sent: float, received: float, header: str) -> None:
+        started, ended, gc_ms, misses = header.split()
+        self.to_handler = float(started) - sent
+        self.handler = float(ended) - float(started)
+        self.back = received - float(ended)
+        self.gc = float(gc_ms) / 1000
+        self.cold = int(misses) >= 50
+
+
+def split_report(splits: dict[str, list[tuple[Split, ...]]]) -> None:
+    """p50/p99 of each part per verb, and what the slowest 1 % of cycles were made of."""
+    print(f"{'split (ms)':<18} {'part':<11} {'p50':>7} {'p99':>7}")
+    for verb, cycles in splits.items():
+        for part in ("to_handler", "handler", "gc", "back"):
+            ms = [1000 * sum(getattr(s, part) for s in cycle) for cycle in cycles]
+            if ms:
+                print(f"{verb:<18} {part:<11} {percentile(ms, 0.5):>7.2f} "
+                      f"{percentile(ms, 0.99):>7.2f}")
+    cycles = splits.get("filter+prioritize") or []
+    if not cycles:
+        return
+    total = [sum(s.to_handler + s.handler + s.back for s in c) for c in cycles]
+    worst = [c for _, c in sorted(zip(total, cycles, strict=True), key=lambda x: -x[0])][
+        : max(1, len(cycles) // 100)]
+    mean = {part: 1000 * statistics.fmean(sum(getattr(s, part) for s in c) for c in worst)
+            for part in ("to_handler", "handler", "gc", "back")}
+    cold = sum(1 for c in worst if any(s.cold for s in c))
+    print(f"slowest 1 % of filter+prioritize cycles ({len(worst)}): mean to handler "
+          f"{mean['to_handler']:.1f}, in handler {mean['handler']:.1f} (of which collections "
+          f"{mean['gc']:.1f}), back {mean['back']:.1f} ms; {cold} were a new shape's first pass")
+
+
 async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
                concurrency: int) -> dict[str, list[float]]:
     base = f"http://127.0.0.1:{port}"
@@ -204,14 +268,23 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
         async with session.post(f"{base}/bench/pods", json=pods) as resp:
             assert resp.status == 200
 
+        splits: dict[str, list[tuple[Split, ...]]] = {"filter": [], "prioritize": [],
+                                                      "filter+prioritize": []}
+        last_split: list[Split] = []
+
         async def post(verb: str, body: Any) -> tuple[Any, float]:
             # orjson on this side too: kube-scheduler (Go) encodes and decodes in well under
             # a millisecond, and this client should not add more than it would.
             started = time.perf_counter()
             data = orjson.dumps(body)
+            sent = time.perf_counter()
             async with session.post(f"{base}/{verb}", data=data) as resp:
                 result = orjson.loads(await resp.read())
-            return result, time.perf_counter() - started
+                header = resp.headers.get("X-Bench", "")
+            received = time.perf_counter()
+            if header and verb != "bind":
+                last_split[:] = [Split(sent, received, header)]
+            return result, received - started
 
         errors: Counter[str] = Counter()
         binds: set[asyncio.Task[None]] = set()
@@ -234,13 +307,23 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
                 filtered, t_filter = await post("filter", {"Pod": pod, "NodeNames": node_names})
                 feasible = filtered["NodeNames"]
                 timings["filter"].append(t_filter)
+                filter_split = tuple(last_split)
+                splits["filter"].append(filter_split)
                 if not feasible:
                     outcomes["unschedulable"] += 1
                     continue
-                scores, t_prio = await post("prioritize", {"Pod": pod, "NodeNames": feasible})
-                timings["prioritize"].append(t_prio)
-                timings["filter+prioritize"].append(t_filter + t_prio)
-                best = max(scores, key=lambda s: (s["Score"], s["Host"]))["Host"]
+                if len(feasible) == 1:  # kube-scheduler neither scores nor prioritizes then
+                    timings["filter+prioritize"].append(t_filter)
+                    splits["filter+prioritize"].append(filter_split)
+                    best = feasible[0]
+                else:
+                    scores, t_prio = await post("prioritize",
+                                                {"Pod": pod, "NodeNames": feasible})
+                    timings["prioritize"].append(t_prio)
+                    timings["filter+prioritize"].append(t_filter + t_prio)
+                    splits["prioritize"].append(tuple(last_split))
+                    splits["filter+prioritize"].append(filter_split + tuple(last_split))
+                    best = max(scores, key=lambda s: (s["Score"], s["Host"]))["Host"]
                 task = asyncio.get_running_loop().create_task(bind(pod, best))
                 binds.add(task)
                 task.add_done_callback(binds.discard)
@@ -262,6 +345,7 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
     print(f"  of which warm requests (demand shape seen before; <50 nodes re-evaluated): "
           f"{stats.pop('warm_cpu_ms')}")
     print(f"server: {stats}")
+    split_report(splits)
     return timings
 
 
@@ -285,15 +369,18 @@ def _wait(probe: Any, timeout: float, what: str) -> None:
 
 
 def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
-               extender_port: int | None) -> subprocess.Popen[bytes]:
+               extender_port: int | None, percentage: int | None) -> subprocess.Popen[bytes]:
     import yaml
 
+    profile: dict[str, Any] = {"schedulerName": name}
+    if percentage:
+        profile["percentageOfNodesToScore"] = percentage
     config: dict[str, Any] = {
         "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
         # the defaults (50 qps) would cap binds at 50/s in both runs alike; lift them
         "clientConnection": {"kubeconfig": str(kubeconfig), "qps": 5000, "burst": 5000},
         "leaderElection": {"leaderElect": False},
-        "profiles": [{"schedulerName": name}],
+        "profiles": [profile],
     }
     if extender_port is not None:
         config["extenders"] = [{
@@ -364,8 +451,6 @@ def _apiserver_binding_latency(api: Any) -> tuple[float, float]:
 def bench_cluster(args: argparse.Namespace) -> int:
 
 
-    from carpool import devcluster
-
     # a registered user of the shared cluster: nobody deletes it under us
     with devcluster.shared_session(progress=devcluster.Progress(sys.stderr)) as cluster:
         return _bench_cluster(args, cluster)
@@ -378,7 +463,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
 
     from kubernetes import client
 
-    from carpool import crds, devcluster, simnodes
+    from carpool import crds, simnodes
 
     bin_dir = cluster.bin_dir
     paths = cluster
@@ -386,8 +471,9 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
     crds.apply_crds(api)
     core = client.CoreV1Api(api)
     run = f"{random.randrange(16**6):06x}"
-    taint = {"key": "carpool.dev/bench", "value": run, "effect": "NoSchedule"}
-    nodes = [simnodes.SimNode(name=f"bench-{run}-{i:04d}",
+    node_run = args.keep_nodes or run  # kept nodes are named, and found again, by this
+    taint = {"key": "carpool.dev/bench", "value": node_run, "effect": "NoSchedule"}
+    nodes = [simnodes.SimNode(name=f"bench-{node_run}-{i:04d}",
                               gpus=(simnodes.SimGpuGroup(model="A100", count=8),))
              for i in range(args.nodes)]
     workdir = Path(tempfile.mkdtemp(prefix="carpool-bench-"))
@@ -396,18 +482,24 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
     results: dict[str, float] = {}
     try:
         started = time.monotonic()
-        simnodes.apply_nodes(api, nodes, datetime.now(UTC), workers=16)
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda n: core.patch_node(n.name, {"spec": {"taints": [taint]}}),
-                          nodes))
-        print(f"{args.nodes} KWOK nodes (8 GPUs each) created in "
-              f"{time.monotonic() - started:.0f}s")
+        existing = {n.metadata.name for n in core.list_node(
+            label_selector="type=kwok").items} if args.keep_nodes else set()
+        if not {n.name for n in nodes} <= existing:
+            simnodes.apply_nodes(api, nodes, datetime.now(UTC), workers=16)
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda n: core.patch_node(n.name, {"spec": {"taints": [taint]}}),
+                              nodes))
+            print(f"{args.nodes} KWOK nodes (8 GPUs each) created in "
+                  f"{time.monotonic() - started:.0f}s")
+        else:
+            print(f"{args.nodes} KWOK nodes (8 GPUs each) kept from an earlier run")
         core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
         port = _free_port()
         log = (workdir / "extender.log").open("wb")
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "carpool.extender", "--port", str(port), "--host",
-             "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "INFO"],
+             "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "INFO",
+             *args.extender_arg],
             env=dict(os.environ, PYTHONSAFEPATH="1"), stdout=log, stderr=subprocess.STDOUT))
 
         def extender_ready() -> bool:
@@ -423,7 +515,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             return False
 
         _wait(extender_ready, 120, "the extender to see every node")
-        toleration = {"key": taint["key"], "operator": "Equal", "value": run,
+        toleration = {"key": taint["key"], "operator": "Equal", "value": node_run,
                       "effect": "NoSchedule"}
         for label, with_extender in (("without extender", False), ("with extender", True)):
             scheduler_name = f"bench-{'carpool' if with_extender else 'plain'}-{run}"
@@ -443,7 +535,8 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             cpu_before = _cpu_seconds(processes[0].pid)
             api_before = _apiserver_binding_latency(api)
             processes.append(_scheduler(bin_dir, paths.kubeconfig, workdir, scheduler_name,
-                                        port if with_extender else None))
+                                        port if with_extender else None,
+                                        args.percentage if with_extender else None))
             times = _bind_times(core, namespace, f"bench={scheduler_name}", args.pods, 600)
             api_after = _apiserver_binding_latency(api)
             binds = api_after[1] - api_before[1]
@@ -468,7 +561,8 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             if count:
                 print(f"  extender {verb}: {count:.0f} calls, mean {1000 * total / count:.1f} ms")
         print("  " + "; ".join(line for line in metrics.splitlines()
-                               if line.startswith("carpool_extender_requests_total")))
+                               if line.startswith(("carpool_extender_requests_total",
+                                                   "carpool_extender_watch_events{"))))
         if results.get("without extender"):
             ratio = results["with extender"] / results["without extender"]
             print(f"ratio with/without: {ratio:.2f}")
@@ -477,12 +571,15 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             process.terminate()
         for process in processes:
             process.wait(10)
+        def delete_nodes() -> None:
+            if not args.keep_nodes:
+                simnodes.delete_nodes(api, [n.name for n in nodes], workers=16)
+
         for what, cleanup in (
                 ("pods", lambda: core.delete_collection_namespaced_pod(
                     namespace, grace_period_seconds=0, _request_timeout=120)),
                 ("namespace", lambda: core.delete_namespace(namespace)),
-                ("nodes", lambda: simnodes.delete_nodes(api, [n.name for n in nodes],
-                                                        workers=16))):
+                ("nodes", delete_nodes)):
             try:
                 cleanup()
             except Exception as exc:  # keep cleaning; say what was left behind
@@ -496,17 +593,31 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=1,
                         help="scheduling loops at once (kube-scheduler runs one per profile)")
     parser.add_argument("--api-delay-ms", type=float, default=2.0)
+    parser.add_argument("--filter-best", type=int, default=SHIPPED_FILTER_BEST,
+                        help="the extender's --filter-best (0: filter passes every node that "
+                             "fits, and the loop calls prioritize); default %(default)s, as "
+                             "shipped")
     parser.add_argument("--port", type=int, default=18181)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", action="store_true",
                         help="end to end on the local cluster: pods/s with vs without extender")
     parser.add_argument("--nodes", type=int, default=1000, help="KWOK nodes for --cluster")
+    parser.add_argument("--keep-nodes", default="", metavar="ID",
+                        help="(--cluster) name the nodes by ID, reuse them if they exist and "
+                             "leave them for the next run (saves minutes when comparing)")
+    parser.add_argument("--percentage", type=int, default=0,
+                        help="percentageOfNodesToScore of the run with the extender "
+                             "(--cluster; default 0: the scheduler's adaptive default, as "
+                             "Carpool's profile ships and the run without extenders keeps)")
+    parser.add_argument("--extender-arg", action="append", default=[],
+                        help="an argument for the extender (--cluster), e.g. "
+                             "--extender-arg=--filter-best=0; repeatable")
     args = parser.parse_args()
     if args.cluster:
         return bench_cluster(args)
     if args.serve:
-        serve(args.port, args.api_delay_ms / 1000)
+        serve(args.port, args.api_delay_ms / 1000, args.filter_best)
         return 0
     inventories = openb_inventories()
     node_names = [inv.name for inv in inventories]
@@ -515,7 +626,8 @@ def main() -> int:
     pods = [pod_manifest(f"pod-{i:05d}", rng.choice(shapes)) for i in range(args.pods)]
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--port", str(args.port), "--api-delay-ms",
-         str(args.api_delay_ms)], env=dict(os.environ, PYTHONSAFEPATH="1"))
+         str(args.api_delay_ms), "--filter-best", str(args.filter_best)],
+        env=dict(os.environ, PYTHONSAFEPATH="1"))
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -529,7 +641,8 @@ def main() -> int:
                 time.sleep(0.2)
         print(f"extender cache: {len(inventories)} nodes, "
               f"{sum(len(i.gpus) for i in inventories)} GPUs; concurrency {args.concurrency}; "
-              f"fake API server delay {args.api_delay_ms} ms per call")
+              f"fake API server delay {args.api_delay_ms} ms per call; filter passes "
+              f"{args.filter_best or 'every fitting node'}")
         timings = asyncio.run(load(args.port, pods, node_names, args.concurrency))
     finally:
         server.terminate()
