@@ -150,6 +150,15 @@ def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None
     return {"gpuModel": ",".join(models), "driverVersion": driver, "cudaVersion": cuda}
 
 
+@dataclass
+class _Queued:
+    """A background status write: its patch, its task in the pool, set once it has landed."""
+
+    patch: Obj
+    landed: threading.Event = field(default_factory=threading.Event)
+    task: cf.Future[None] | None = None
+
+
 class CacheBehind(RuntimeError):
     """The watch caches have not caught up with our own writes: no pass on a stale view."""
 
@@ -167,7 +176,7 @@ class Reconciler:
                                               thread_name_prefix="_guard_pool")
         self._status_pool = ThreadPoolExecutor(max_workers=STATUS_WORKERS,
                                                thread_name_prefix="_status_pool")
-        self._flushing: dict[str, threading.Event] = {}  # job key -> its write has landed
+        self._flushing: dict[str, _Queued] = {}  # job key -> its background write
         self._flushing_lock = threading.Lock()
         self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
         self._guarding_lock = threading.Lock()
@@ -631,8 +640,18 @@ class Reconciler:
         patch = state.patches.pop(key, None)
         if not patch:
             return
-        with self._flushing_lock:
-            landing = None if background else self._flushing.get(key)
+        landing = None
+        if not background:
+            with self._flushing_lock:
+                queued = self._flushing.get(key)
+                if queued is not None and queued.task is not None and queued.task.cancel():
+                    # not started yet: this write carries it (an admission or a preemption
+                    # must not wait behind a backlog of wait statuses in the background lane)
+                    del self._flushing[key]
+                    queued.landed.set()
+                    patch = {**queued.patch, **patch}
+                elif queued is not None:
+                    landing = queued.landed
         if landing is not None:  # a background write of this job first, so they land in order
             landing.wait(REQUEST_TIMEOUT[1])
         obj = state.objects.get(key)
@@ -659,31 +678,30 @@ class Reconciler:
         a job's writes land in order; a job whose write is still in flight is left to a later
         pass (which derives its patch again from the pods). A queued write holds only its
         patch and compares it with the newest status the watch shows when it goes out (a
-        backlog of thousands must not keep as many old copies of jobs alive)."""
+        backlog of thousands must not keep as many old copies of jobs alive). An admission or
+        preemption of a job whose write has not started yet takes that write over."""
         for key in list(state.patches):
-            landed = threading.Event()
-            with self._flushing_lock:
-                if key in self._flushing:
-                    state.patches.pop(key, None)
-                    continue
-                self._flushing[key] = landed
-            patch = state.patches.pop(key)
+            queued = _Queued(state.patches.pop(key))
 
-            def flush(key: str = key, patch: Obj = patch,
-                      landed: threading.Event = landed) -> None:
+            def flush(key: str = key, queued: _Queued = queued) -> None:
                 try:
                     latest = self.informers.get(GPUJOBS, key)
                     single = PassState(objects={key: latest} if latest else {},
-                                       patches={key: patch})
+                                       patches={key: queued.patch})
                     self._flush_one(single, key, background=True)
                 except Exception:
                     log.exception("writing the status of %s failed; next pass retries", key)
                 finally:
                     with self._flushing_lock:
-                        self._flushing.pop(key, None)
-                    landed.set()
+                        if self._flushing.get(key) is queued:
+                            del self._flushing[key]
+                    queued.landed.set()
 
-            self._status_pool.submit(flush)
+            with self._flushing_lock:
+                if key in self._flushing:
+                    continue
+                self._flushing[key] = queued
+                queued.task = self._status_pool.submit(flush)
 
     def _write_quota_status(self, result: CycleResult, objects: Mapping[str, Obj]) -> None:
         for project in result.projects:

@@ -303,3 +303,32 @@ def test_admissions_left_for_later_passes_push_estimates_back_by_their_time() ->
     assert state.patches["team/a"]["estimatedStart"] == "2027-01-15T08:00:40Z"
     assert "+40s to carry out the admissions decided before it" in \
         state.patches["team/a"]["message"]
+
+
+def test_an_admission_takes_over_its_jobs_queued_background_write() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a"), _job("b"), _job("c")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    release = threading.Event()
+    busy = ThreadPoolExecutor(max_workers=1)
+    busy.submit(release.wait)  # the background lane is stuck behind a slow write
+    reconciler._status_pool = busy
+    first = reconciler.run_pass(1_800_000_000.0)  # c waits: its write is queued, not sent
+    (waiting,) = [w.job_key for w in first.waits]
+    assert waiting not in {k for k, _ in kube.statuses}
+    more = _cluster(2)
+    more[GPUJOBS] = cluster[GPUJOBS]
+    reconciler.informers = _informers(kube, more, version=10_000)
+    passed = threading.Thread(target=reconciler.run_pass, args=(1_800_000_100.0,))
+    passed.start()
+    passed.join(10)
+    assert not passed.is_alive(), "the admission waited behind the background lane"
+    release.set()
+    reconciler.settle()
+    writes = [s for k, s in kube.statuses if k == waiting]
+    assert len(writes) == 1  # the queued wait status went out with the admission, not after
+    assert writes[0]["phase"] == "Admitted" and writes[0]["submitTime"]
