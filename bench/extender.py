@@ -3,12 +3,16 @@
 The 1,213 openb GPU nodes (6,212 GPUs) are loaded straight into the extender's cache (no
 cluster); a child process serves the real aiohttp app; this process plays kube-scheduler:
 for each pod (shapes drawn from the openb trace) it POSTs /filter with all node names,
-/prioritize with the nodes that passed, and /bind to the best one, with `--concurrency`
-scheduling loops at once. The API server behind bind is the in-memory fake, with
+/prioritize with the nodes that passed if more than one did (kube-scheduler skips it
+otherwise; with the shipped `--filter-best 1` one does), and /bind to the best one, with
+`--concurrency` scheduling loops at once. The API server behind bind is the in-memory fake, with
 `--api-delay-ms` added per call (a local API server answers in a few ms); a bound pod is
 reported Running to the cache at once, as KWOK would. Prints p50/p99 per verb.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py [--pods 2000] [--concurrency 1]
+
+With `--sampling` it replays the openb traces as bench/placement.py does, but lets Carpool choose
+only among the nodes kube-scheduler's `percentageOfNodesToScore` sample would send it.
 
 With `--cluster` it instead measures end to end on the running local cluster (`make cluster`):
 1,000 tainted KWOK GPU nodes, a private kube-scheduler run twice on the same nodes — once
@@ -587,6 +591,80 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
     return 0
 
 
+# --- what ranking only the scheduler's sample of nodes costs placement --------------------
+
+
+def sampled_replay(nodes: list[Any], sequence: list[Any], scorer: Any,
+                   percentage: int) -> tuple[float, float]:
+    """The placement replay (bench/placement.py's protocol and Carpool's scorer), except that
+    each pod's choice is Carpool's best among the feasible nodes kube-scheduler would have
+    sent: from the node after the last cycle's stop, nodes are taken in order until
+    `numFeasibleNodesToFind` fit (at least 100; 0 = the adaptive default, 50 − nodes/125 %,
+    at least 5 %). 100 reproduces bench/placement.py. (GPU allocation at 100 % arrival, at
+    the end.)"""
+    from carpool.core import simulation
+
+    cluster = simulation._Cluster(nodes)
+    n = len(nodes)
+    share = percentage or max(5, 50 - n // 125)
+    wanted = n if share >= 100 else max(100, n * share // 100)
+    capacity = simulation.capacity_milli(nodes)
+    plans_by_demand: dict[Any, dict[int, Any]] = {}
+    start = arrived = allocated = 0
+    at_full: float | None = None
+    for pod in sequence:
+        demand = pod.demand
+        arrived += demand.gpu_total_milli
+        plans = plans_by_demand.setdefault(demand, {})
+        found = processed = 0
+        best: tuple[int, Any] | None = None
+        for i in range(n):
+            node = (start + i) % n
+            processed += 1
+            profile_id = cluster.profile_id_of_node[node]
+            if profile_id not in plans:
+                plans[profile_id] = scorer.plan_uncached(cluster.profiles[profile_id], demand)
+            plan = plans[profile_id]
+            if plan is None:
+                continue
+            found += 1
+            if best is None or (plan.score, -node) > (best[1].score, -best[0]):
+                best = (node, plan)
+            if found >= wanted:
+                break
+        start = (start + processed) % n
+        if best is not None:
+            cluster.move(best[0], best[1].after)
+            allocated += demand.gpu_total_milli
+        if at_full is None and arrived >= capacity:
+            at_full = allocated / capacity
+    end = allocated / capacity
+    return (end if at_full is None else at_full), end
+
+
+def bench_sampling(args: argparse.Namespace) -> int:
+    from carpool.core import scoring, simulation
+
+    nodes = simulation.parse_nodes_csv(NODES_CSV.read_text())
+    print(f"{'trace':<12} {'percentage':>10} {'at 100 %':>9} {'at end':>8}  (medians of "
+          f"{args.seeds} seeds, Carpool's policy, {len(nodes)} nodes)")
+    for trace in args.traces.split(","):
+        pods = simulation.parse_pods_csv((TRACES / f"openb_pod_list_{trace}.csv").read_text())
+        workload = simulation.target_workload(pods)
+        for percentage in (int(p) for p in args.percentages.split(",")):
+            results = []
+            for seed in range(args.seeds):
+                sequence = simulation.arrivals(pods, seed, simulation.capacity_milli(nodes))
+                scorer = scoring.Scorer(scoring.PRESETS["carpool"], workload,
+                                        simulation.gpu_supply(nodes))
+                results.append(sampled_replay(nodes, sequence, scorer, percentage))
+            full = statistics.median(r[0] for r in results)
+            end = statistics.median(r[1] for r in results)
+            print(f"{trace:<12} {percentage or 'adaptive':>10} {100 * full:>9.2f} "
+                  f"{100 * end:>8.2f}", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=2000)
@@ -613,7 +691,16 @@ def main() -> int:
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="an argument for the extender (--cluster), e.g. "
                              "--extender-arg=--filter-best=0; repeatable")
+    parser.add_argument("--sampling", action="store_true",
+                        help="replay the openb traces with Carpool choosing among "
+                             "kube-scheduler's sample of feasible nodes only")
+    parser.add_argument("--seeds", type=int, default=5, help="(--sampling)")
+    parser.add_argument("--traces", default="default,gpuspec10", help="(--sampling)")
+    parser.add_argument("--percentages", default="100,0,10",
+                        help="(--sampling) percentageOfNodesToScore values; 0: adaptive")
     args = parser.parse_args()
+    if args.sampling:
+        return bench_sampling(args)
     if args.cluster:
         return bench_cluster(args)
     if args.serve:
