@@ -73,6 +73,11 @@ class ReconcilerConfig:
     # unless its estimate moved by more than `estimate_jump_s`.
     wait_refresh_s: float = 60.0
     estimate_jump_s: float = 60.0
+    # ... and those refreshes together stay under this many writes per second: every queued
+    # job's position moves whenever a job ahead starts, so a queue of N rewrote N statuses a
+    # minute (921 waiting jobs: up to 15 writes/s, next to ~30 GpuJob status writes/s in
+    # all in a 5,000-job burst); a longer queue is refreshed less often (N / this many s)
+    wait_refresh_per_s: float = 5.0
     # 0: act on every admission a pass decides (a pass is cheap now that it reads watch
     # caches; deferring admissions only left capacity idle until the next pass)
     max_admissions_per_pass: int = 0
@@ -181,6 +186,7 @@ class Reconciler:
         self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
         self._guarding_lock = threading.Lock()
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
+        self._refresh_s = config.wait_refresh_s  # see ReconcilerConfig.wait_refresh_per_s
         self._start_delay = 0.0  # recent median seconds from admission to a running pod
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
@@ -526,6 +532,8 @@ class Reconciler:
         waiting = {w.job_key for w in result.waits}
         for key in [k for k in self._wait_written if k not in waiting]:
             del self._wait_written[key]
+        self._refresh_s = max(self.config.wait_refresh_s,
+                              len(waiting) / max(1e-9, self.config.wait_refresh_per_s))
         for wait in result.waits:
             self._record_wait(state, wait)
 
@@ -597,7 +605,7 @@ class Reconciler:
                             self.config.estimate_jump_s)
                   or (status.get("estimatedStart") is None) != (estimate is None))
         if not urgent and clock - self._wait_written.get(wait.job_key, -math.inf) \
-                < self.config.wait_refresh_s:
+                < self._refresh_s:
             return  # only the position, message or a small estimate shift: later
         self._wait_written[wait.job_key] = clock
         state.patches.setdefault(wait.job_key, {}).update(

@@ -332,3 +332,26 @@ def test_an_admission_takes_over_its_jobs_queued_background_write() -> None:
     writes = [s for k, s in kube.statuses if k == waiting]
     assert len(writes) == 1  # the queued wait status went out with the admission, not after
     assert writes[0]["phase"] == "Admitted" and writes[0]["submitTime"]
+
+
+def test_a_long_queue_refreshes_positions_less_often() -> None:
+    import time
+
+    from carpool.operator.reconciler import PassState
+
+    from carpool.core.queueing import CycleResult, Wait, WaitReason
+
+    kube = FakeKube()
+    reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
+    shown = {"phase": "Queued", "reason": "Capacity", "queuePosition": 7,
+             "message": "no node has room now"}
+    for queue, written in ((10, True), (1000, False)):
+        waits = tuple(Wait(f"team/w{i}", WaitReason.CAPACITY, "no node has room now", i + 1, 0,
+                           None) for i in range(queue))
+        state = PassState(objects={w.job_key: _job(w.job_key.split("/")[1], status=shown)
+                                   for w in waits})
+        reconciler._wait_written = {w.job_key: time.monotonic() - 61 for w in waits}
+        reconciler._apply(state, CycleResult(0.0, (), (), waits, (), ()), 0.0)
+        # only positions moved (the shown one is 7), a minute ago: 10 waiting are rewritten,
+        # 1,000 (200 s at 5 refreshes/s) are not yet
+        assert ("team/w0" in state.patches) is written
