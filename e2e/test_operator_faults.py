@@ -192,10 +192,11 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
         world.submit(jobs)
         kill_times: list[float] = []
         deadline = time.monotonic() + 1500
-        # Random moments of the run, drawn as points of its progress (jobs finished), so all
-        # kills land before the end however fast this machine runs the jobs; each also waits
-        # until the restarted operator leads again, plus a random 0.5-4 s.
-        marks = sorted(rng.sample(range(int(total * 0.02), int(total * 0.85)), kills))
+        # Random moments of the run, drawn as points of its progress (jobs finished, 2-50 %),
+        # so all kills land before the end however fast this machine runs the jobs (pods go
+        # on finishing while a restarted operator starts up); each also waits until the
+        # restarted operator leads again, plus a random 0.5-4 s.
+        marks = sorted(rng.sample(range(int(total * 0.02), int(total * 0.5)), kills))
         next_kill = time.monotonic() + rng.uniform(2, 6)
         while time.monotonic() < deadline:
             done = sum(1 for j in world.jobs(projects)
@@ -217,7 +218,7 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
             time.sleep(0.5)
         sampling.set()
         sampler.join(timeout=10)
-        assert len(kill_times) == kills, f"only {len(kill_times)} kills before the run ended"
+        print(f"{len(kill_times)} kills; checking the invariants")
 
         objects = world.jobs(projects)
         statuses = {f"{j['metadata']['namespace']}/{j['metadata']['name']}": j.get("status") or {}
@@ -251,8 +252,11 @@ def test_kill_9_during_a_run_every_job_finishes_once_within_quota(world: World) 
                     if k.startswith(project + "/")]
             assert quota["status"]["usedGpuHours"] == pytest.approx(sum(mine), abs=1e-3)
             assert all(h > 0 for h in mine)
-        print(f"{total} jobs, {kills} kills, {len(samples)} samples, peak per project {worst}, "
-              f"{_leaderships(log)} leaderships")
+        print(f"{total} jobs, {len(kill_times)} kills, {len(samples)} samples, peak per project "
+              f"{worst}, {_leaderships(log)} leaderships; invariants hold")
+        # the run counts only if the kills all landed during it (checked last, so that a run
+        # that ended early still says whether the invariants held)
+        assert len(kill_times) == kills, f"only {len(kill_times)} kills before the run ended"
     finally:
         sampling.set()
         world.stop_all()
