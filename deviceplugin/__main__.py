@@ -36,8 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="carpool.dev/gpu devices advertised per GPU (MPS/timeslice)")
     p.add_argument("--plugin-dir", type=Path, default=Path(DEFAULT_PLUGIN_DIR))
     p.add_argument("--endpoint", default=ENDPOINT, help="socket file name in --plugin-dir")
-    p.add_argument("--state-dir", type=Path, default=Path("/var/lib/carpool/device-plugin"),
-                   help="host directory for what must outlive a restart (the hand-over journal)")
     p.add_argument("--mps-pipe-dir", type=Path, default=Path("/run/carpool/mps/pipe"))
     p.add_argument("--mps-log-dir", type=Path, default=Path("/run/carpool/mps/log"))
     p.add_argument("--mps-shm-dir", default="",
@@ -84,7 +82,6 @@ def make_backend(args: argparse.Namespace) -> Any:
 async def run(args: argparse.Namespace) -> None:
     from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step, run_every
     from carpool.deviceplugin.health import HealthTracker
-    from carpool.deviceplugin.journal import HandOverJournal
     from carpool.deviceplugin.kube import KubernetesCluster, load_config
     from carpool.deviceplugin.mps import MpsDaemon
     from carpool.deviceplugin.plugin import PluginServer, PluginState
@@ -100,9 +97,7 @@ async def run(args: argparse.Namespace) -> None:
     cluster = KubernetesCluster(load_config(args.kubeconfig), args.node_name)
     config = PluginConfig(args.node_name, args.sharing_mode, args.shares_per_gpu,
                           MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir))
-    journal = HandOverJournal(args.state_dir / f"handed-over-{args.node_name}.json")
-    state = PluginState(config, backend, cluster, HealthTracker(args.recover_after),
-                        journal=journal)
+    state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=state.metrics.registry)
     server = PluginServer(state, args.plugin_dir, args.endpoint)

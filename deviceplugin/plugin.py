@@ -29,7 +29,6 @@ from carpool.deviceplugin.handshake import (
     preferred_shares,
 )
 from carpool.deviceplugin.health import HealthTracker
-from carpool.deviceplugin.journal import HandOverJournal, still_relevant
 from carpool.deviceplugin.metrics import GpuMetrics
 from carpool.deviceplugin.pods import PodSource
 from carpool.deviceplugin.sharing import MpsSettings, container_setup
@@ -70,6 +69,9 @@ class PluginConfig:
     resource_name: str = RESOURCE_GPU
 
 
+MARK_WAIT_S = 2.0  # how long Allocate waits for the allocated mark before answering anyway
+
+
 class PluginState:
     """What the gRPC methods share: the GPU view, health, and who was handed what.
 
@@ -79,8 +81,7 @@ class PluginState:
 
     def __init__(self, config: PluginConfig, backend: GpuBackend, pods: PodSource,
                  health: HealthTracker | None = None, metrics: GpuMetrics | None = None,
-                 clock: Callable[[], float] = time.time,
-                 journal: HandOverJournal | None = None) -> None:
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.backend = backend
         self.pods = pods
@@ -88,8 +89,7 @@ class PluginState:
         self.metrics = metrics or GpuMetrics(config.node)
         self.clock = clock
         self.gpus: list[GpuFacts] = backend.inventory()
-        self.journal = journal or HandOverJournal(None)
-        self.handed_over: set[tuple[str, str]] = self.journal.load()  # (pod uid, container)
+        self.handed_over: set[tuple[str, str]] = set()  # (pod uid, container)
         self._retries: set[asyncio.Task[None]] = set()  # allocated marks being retried
         self._version = 0
         self._cond = asyncio.Condition()
@@ -117,8 +117,8 @@ class PluginState:
 
     def retry_mark(self, pod: PodView, value: str, delays: Sequence[float] = (1, 2, 4, 8, 16)
                    ) -> None:
-        """Keep trying to set `pod`'s allocated mark, so the extender learns of the hand-over
-        (until then it keeps same-count pods off this node) and it survives our restart."""
+        """Keep trying to set `pod`'s allocated mark: until it lands the extender keeps other
+        pods with the same GPU count off this node."""
         async def attempt() -> None:
             for delay in delays:
                 await asyncio.sleep(delay)
@@ -127,9 +127,8 @@ class PluginState:
                     log.info("annotated %s as allocated on a retry", pod.key)
                     return
                 except Exception as err:
-                    log.warning("allocated mark for %s still failing: %s", pod.key, err)
-            log.error("gave up marking %s as allocated; the hand-over journal still records it",
-                      pod.key)
+                    log.warning("allocated mark for %s still failing: %r", pod.key, err)
+            log.error("gave up marking %s as allocated", pod.key)
 
         task = asyncio.get_running_loop().create_task(attempt())
         self._retries.add(task)
@@ -280,17 +279,13 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         if {s.gpu_uuid for s in shares} != set(assigned):
             log.warning("kubelet chose %s for %s/%s but the extender assigned %s; the container "
                         "gets the assigned GPUs", ids, match.pod.key, match.container, assigned)
-        state.handed_over = still_relevant(state.handed_over, (p.uid for p in pods))
         state.handed_over.add((match.pod.uid, match.container))
-        try:  # before answering: a restart must not take this pod for an unserved one
-            await asyncio.to_thread(state.journal.save, set(state.handed_over))
-        except OSError as err:  # the allocated mark below still records it
-            log.error("could not write the hand-over journal: %s", err)
         value = allocated_annotation(match.pod, match.container, ids, assigned, datetime.now(UTC))
-        try:
-            await state.pods.mark_allocated(match.pod, value)
-        except Exception as err:  # the pod still starts; keep trying to mark it in the background
-            log.error("could not annotate %s as allocated (retrying): %s", match.pod.key, err)
+        try:  # bounded: a slow API server must not hold the kubelet's admission up
+            await asyncio.wait_for(state.pods.mark_allocated(match.pod, value), MARK_WAIT_S)
+        except Exception as err:  # the pod still starts; keep trying to mark it
+            log.error("could not annotate %s as allocated yet (retrying in the background): %r",
+                      match.pod.key, err)
             state.retry_mark(match.pod, value)
         state.metrics.allocations.labels(state.config.node, isolation.value, "OK").inc()
         log.info("allocated %s to %s/%s (%s)", assigned, match.pod.key, match.container,

@@ -129,7 +129,6 @@ class Carpool:
                     [sys.executable, "-m", "carpool.deviceplugin", "--node-name", node,
                      "--backend", "fake", "--fake-spec", str(spec),
                      "--plugin-dir", str(self.plugin_dirs[node]), "--sharing-mode", "mps",
-                     "--state-dir", str(self.plugin_dirs[node] / "state"),
                      "--no-manage-mps", "--metrics-port", "0", "--publish-interval", "10",
                      "--kubeconfig", str(self.cluster.kubeconfig)],
                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

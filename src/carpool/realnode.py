@@ -695,7 +695,6 @@ class RealNode:
             "--sharing-mode", self.settings.sharing_mode,
             "--shares-per-gpu", str(self.settings.shares_per_gpu),
             "--plugin-dir", str(p.plugin_dir),
-            "--state-dir", str(p.base / "plugin-state"),
             "--mps-pipe-dir", str(p.mps_dir / "pipe"),
             "--mps-log-dir", str(p.mps_dir / "log"),
             "--metrics-port", "0",

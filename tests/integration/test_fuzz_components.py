@@ -115,7 +115,6 @@ def world(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
             [sys.executable, "-m", "carpool.deviceplugin", "--node-name", node,
              "--backend", "fake", "--fake-spec", str(logs / "node.yaml"),
              "--plugin-dir", str(plugin_dir), "--shares-per-gpu", str(SHARES),
-             "--state-dir", str(logs / "plugin-state"),
              "--sharing-mode", "mps", "--no-manage-mps", "--metrics-port", "0",
              "--publish-interval", "5", "--kubeconfig", str(cluster.kubeconfig)],
             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"))

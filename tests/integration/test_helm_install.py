@@ -355,7 +355,6 @@ def test_device_plugin_publishes_its_gpunode_with_its_account(
     log = tmp_path / "device-plugin.log"
     process = spawn(["-m", "carpool.deviceplugin", "--node-name", node, "--backend", "fake",
                      "--fake-spec", str(spec), "--plugin-dir", str(plugin_dir),
-                     "--state-dir", str(tmp_path / "plugin-state"),
                      "--metrics-port", "0", "--publish-interval", "1",
                      "--kubeconfig", str(kubeconfig)], log)
 

@@ -23,7 +23,6 @@ from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.health import HealthTracker
-from carpool.deviceplugin.journal import HandOverJournal
 from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
 from carpool.deviceplugin.sharing import MpsSettings
@@ -106,15 +105,14 @@ Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
 
 @asynccontextmanager
 async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
-                  pods: list[PodView] | None = None, source: StaticPodSource | None = None,
-                  journal: HandOverJournal | None = None) -> AsyncIterator[Running]:
+                  pods: list[PodView] | None = None, source: StaticPodSource | None = None
+                  ) -> AsyncIterator[Running]:
     backend = FakeBackend.from_spec(spec)
     source = source or StaticPodSource(pods)
     state = PluginState(
         PluginConfig(NODE, sharing_mode=mode, shares_per_gpu=4,
                      mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm")),
         backend, source, health=HealthTracker(recover_after_s=0.0), clock=lambda: NOW,
-        journal=journal,
     )
     kubelet = FakeKubelet(plugin_dir)
     await kubelet.start()
@@ -340,47 +338,6 @@ def test_unhealthy_devices_and_bad_preferred_requests_are_refused(plugin_dir: Pa
                     container_requests=[api_pb2.ContainerPreferredAllocationRequest(
                         available_deviceIDs=[f"{gpu0}::0"], allocation_size=3)]))
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    run(scenario())
-
-
-class MarksLost(StaticPodSource):
-    """The API server refuses every `allocated` mark (down, or the plugin cut off from it)."""
-
-    async def mark_allocated(self, pod: PodView, value: str) -> None:
-        raise ConnectionError("API server unreachable")
-
-
-def test_a_restart_does_not_serve_a_served_pod_again_when_its_mark_was_lost(
-        plugin_dir: Path) -> None:
-    """The served pod is still Pending and unmarked after the restart; only the journal says it
-    was served. Without it, the next same-count pod would be steered to the first one's GPU and
-    handed its assignment."""
-    journal = HandOverJournal(plugin_dir / "state" / "handed-over.json")
-    source = MarksLost()
-
-    async def scenario() -> None:
-        async with running(plugin_dir, TWO_H200, source=source, journal=journal) as (
-                kubelet, _server, backend, _source):
-            gpu0, gpu1 = (g.uuid for g in backend.inventory())
-            source.add(pod("first", [{"uuid": gpu0, "index": 0, "memoryMiB": 1024, "cores": 10}],
-                           assigned_at="2027-01-15T08:00:00Z"))
-            envs = dict((await allocate(kubelet.stub(), f"{gpu0}::0")
-                         ).container_responses[0].envs)
-            assert envs["CUDA_VISIBLE_DEVICES"] == gpu0
-        assert ANN_ALLOCATED not in source.pods["lab/first"].annotations  # the mark was lost
-
-        async with running(plugin_dir, TWO_H200, source=source, journal=journal) as (
-                kubelet, _server, _backend, _source):
-            source.add(pod("second", [{"uuid": gpu1, "index": 1, "memoryMiB": 2048,
-                                       "cores": 20}], assigned_at="2027-01-15T08:00:05Z"))
-            stub = kubelet.stub()
-            preferred = await stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(
-                container_requests=[api_pb2.ContainerPreferredAllocationRequest(
-                    available_deviceIDs=[f"{gpu0}::1", f"{gpu1}::0"], allocation_size=1)]))
-            assert list(preferred.container_responses[0].deviceIDs) == [f"{gpu1}::0"]
-            envs = dict((await allocate(stub, f"{gpu1}::0")).container_responses[0].envs)
-            assert envs["CUDA_VISIBLE_DEVICES"] == gpu1
-            assert envs["CARPOOL_GPU_MEMORY_LIMIT_MIB"] == "2048"
     run(scenario())
 
 

@@ -20,7 +20,6 @@ from carpool.deviceplugin.handshake import (
     preferred_shares,
 )
 from carpool.deviceplugin.health import HealthTracker
-from carpool.deviceplugin.journal import HandOverJournal, still_relevant
 from carpool.deviceplugin.sharing import (
     ContainerSetup,
     MountSpec,
@@ -248,15 +247,3 @@ def test_cli_rejects_incomplete_arguments() -> None:
         parse_args(["--node-name", "n", "--shares-per-gpu", "0"])
     args = parse_args(["--node-name", "n", "--sharing-mode", "timeslice"])
     assert (args.sharing_mode, args.shares_per_gpu, args.backend) == ("timeslice", 8, "nvml")
-
-
-def test_the_hand_over_journal_survives_a_restart_and_forgets_departed_pods(
-        tmp_path: Path) -> None:
-    path = tmp_path / "state" / "handed-over.json"
-    HandOverJournal(path).save({("uid-a", "main"), ("uid-b", "main")})
-    assert HandOverJournal(path).load() == {("uid-a", "main"), ("uid-b", "main")}
-    assert still_relevant({("uid-a", "main"), ("uid-b", "main")}, ["uid-b"]) == {
-        ("uid-b", "main")}
-    path.write_text("{not json")
-    assert HandOverJournal(path).load() == set()  # unreadable: start empty, said in the log
-    assert HandOverJournal(None).load() == set()
