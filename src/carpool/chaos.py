@@ -330,6 +330,23 @@ class Run:
     end: float | None
 
 
+def latest_time(pod: Mapping[str, Any]) -> float:
+    """The latest timestamp a pod carries (creation, deletion, conditions, container states).
+
+    A watch delivers writes in order, and the write that set this time happened at or after it,
+    so once a watcher has seen it, it has seen every write from before it: its view is current
+    at least up to this time. (0.0 when the pod carries none.)"""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    stamps = [meta.get("creationTimestamp"), meta.get("deletionTimestamp"),
+              status.get("startTime")]
+    stamps += [c.get("lastTransitionTime") for c in status.get("conditions") or []]
+    for container in status.get("containerStatuses") or []:
+        for state in (container.get("state") or {}).values():
+            stamps += [(state or {}).get("startedAt"), (state or {}).get("finishedAt")]
+    return max((t for stamp in stamps if stamp and (t := parse_time(stamp))), default=0.0)
+
+
 def pod_run(pod: Mapping[str, Any], capacity: Mapping[str, GpuCapacity]) -> Run | None:
     """The run of a pod that has started, with its assignment's GPU equivalents; else None."""
     held = assigned(pod)
@@ -518,6 +535,7 @@ class Sampler:
     runs: dict[str, Run] = field(default_factory=dict)
     peak_budget_share: dict[str, float] = field(default_factory=dict)  # used / budget
     stale_since: float | None = None  # the watch is down since then: open runs end there
+    view_time: float = 0.0  # the view is current at least up to here (see `latest_time`)
     succeeded_pods: dict[str, set[str]] = field(default_factory=dict)  # job key -> pod names
     unhealthy_since: dict[str, datetime] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
@@ -549,6 +567,7 @@ class Sampler:
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
         self.pods[key] = pod
+        self.view_time = max(self.view_time, latest_time(pod))
         if run := pod_run(pod, self.capacity):
             self.runs[key] = run
         if (pod.get("status") or {}).get("phase") == "Succeeded":
@@ -597,7 +616,11 @@ class Sampler:
             unhealthy = dict(self.unhealthy_since)
             runs = list(self.runs.values())
             stale_since = self.stale_since
-        now = time.time()
+            view_time = self.view_time
+        # Budgets are judged at the instant the view is known to be current, not the wall
+        # clock: a watch running behind still shows finished runs as running, and counting
+        # them up to now made budgets look overspent (load run 12).
+        now = min(time.time(), view_time) if view_time else time.time()
         for project, budget in self.budgets.items():
             used = budget_used(runs, project, budget, now, stale_since)
             if budget.gpu_hours > 0:
