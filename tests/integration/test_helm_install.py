@@ -206,8 +206,8 @@ def test_installed_policies_confine_the_device_plugin_to_its_node(
     carries) writes GpuNode A's status, and is refused GpuNode B's, which stays unchanged."""
     policies = sorted(o["metadata"]["name"] for o in release.objects
                       if o["kind"].startswith("ValidatingAdmissionPolicy"))
-    assert policies == sorted(f"{release.name}-{p}" for p in ("gpunode-own-node",
-                                                               "pod-annotations") for _ in "ab")
+    assert policies == sorted(f"{release.name}-{p}" for p in (
+        "gpunode-own-node", "pod-annotations", "operator-finalizer-only") for _ in "ab")
     suffix = uuid.uuid4().hex[:6]
     nodes = simnodes.parse_nodes({"nodes": [
         {"name": f"helm-vap-{x}-{suffix}", "gpus": [{"model": "H200", "count": 1}]}
