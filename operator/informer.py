@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from carpool.core import names
 
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 240  # server-side timeout of one watch request; it is then resumed
+ARRIVALS_KEPT = 1024  # newest objects first seen by the watch, for `Informers.arrived_since`
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class Informer:
         self.version = 0  # the newest resourceVersion this store reflects
         self.synced = False
         self.relists = 0
+        self.arrived = 0  # objects first seen by a watch event (a list counts none)
+        self.arrivals: deque[Obj] = deque(maxlen=ARRIVALS_KEPT)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._relist = threading.Event()
@@ -189,7 +193,11 @@ class Informer:
         version = _version(obj)
         with self._cond:
             if kind in ("ADDED", "MODIFIED"):
-                self.items[object_key(obj)] = trimmed(obj, self.kind.name == PODS)
+                key = object_key(obj)
+                if kind == "ADDED" and key not in self.items:
+                    self.arrived += 1
+                    self.arrivals.append(obj)
+                self.items[key] = trimmed(obj, self.kind.name == PODS)
             elif kind == "DELETED":
                 self.items.pop(object_key(obj), None)
             self.version = max(self.version, version)
@@ -220,6 +228,20 @@ class Informers:
     def get(self, kind: str, key: str) -> Obj | None:
         """The newest object of `key` (`namespace/name`, or `name`) the watch has shown."""
         return self.by_kind[kind].items.get(key)
+
+    def arrived(self, kind: str) -> int:
+        """How many objects of `kind` the watch has shown for the first time so far."""
+        return self.by_kind[kind].arrived
+
+    def arrived_since(self, kind: str, count: int) -> list[Obj] | None:
+        """The objects of `kind` first shown after `arrived(kind)` returned `count`; None
+        if more arrived than the store remembers."""
+        informer = self.by_kind[kind]
+        with informer._cond:
+            new = informer.arrived - count
+            if new > len(informer.arrivals):
+                return None
+            return list(informer.arrivals)[len(informer.arrivals) - new:] if new > 0 else []
 
     def caught_up(self, timeout: float) -> bool:
         """Wait until every store has listed and seen this operator's latest write of its

@@ -53,7 +53,7 @@ from carpool.core.queueing import (
     Wait,
     admission_cycle,
 )
-from carpool.core.resources import GpuGrant, NodeInventory, Phase
+from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less
@@ -82,11 +82,15 @@ class ReconcilerConfig:
     # caches; deferring admissions only left capacity idle until the next pass)
     max_admissions_per_pass: int = 0
     # A pass starts no new admission after this many seconds of acting, or three times what
-    # reading and deciding took if that is longer (so they stay a quarter of a pass); the
-    # rest, lower in the queue, go to the next pass: a burst of thousands then runs as a
-    # series of short passes, so pods that started or finished meanwhile are seen within
-    # seconds. 0: no budget.
+    # reading and deciding took if that is longer (so they stay a quarter of a pass), once a
+    # job of the same or a higher class than the next admission has arrived since the pass
+    # read (the next pass may rank it first); the rest go to the next pass. 0: no budget.
     admission_budget_s: float = 10.0
+    # ... and, while no such job arrives, after this many seconds at the latest: a burst of
+    # thousands of admissions is carried out without stopping to decide again (each stop
+    # left the API server idle for the next pass's read and decide, a fifth of a burst),
+    # and what finished meanwhile is seen within this long.
+    admission_budget_max_s: float = 60.0
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
@@ -96,7 +100,8 @@ class ReconcilerConfig:
         ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
-            admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")))
+            admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
+            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")))
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
@@ -139,6 +144,7 @@ class PassState:
     pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
+    arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
     initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
 
@@ -369,7 +375,9 @@ class Reconciler:
         if not self.informers.caught_up(catch_up_s):
             raise CacheBehind("a watch cache is behind this operator's own writes")
         now = max(now, time.time())  # the wait above may have taken a while
+        arrived = self.informers.arrived(GPUJOBS)  # jobs after this are new to the pass
         state = self.read(now)
+        state.arrived = arrived
         quotas, quota_objects = self.quotas()
         retired = {name: r for name, obj in quota_objects.items()
                    if (r := retired_from_status(obj.get("status"))) is not None}
@@ -503,13 +511,16 @@ class Reconciler:
         admissions = sorted(result.admissions, key=lambda a: a.position)
         cap = self.config.max_admissions_per_pass
         budget = budget if self.config.admission_budget_s > 0 else 0.0
-        deadline = time.monotonic() + budget
+        acting = time.monotonic()
+        deadline = acting + budget
+        latest = acting + max(budget, self.config.admission_budget_max_s)
         slots = threading.BoundedSemaphore(max(1, self.config.write_workers))
         pending = []
-        acting = time.monotonic()
         for admission in admissions[:cap] if cap > 0 else admissions:
             slots.acquire()  # submit only as fast as the pool writes, so the budget holds
-            if budget > 0 and time.monotonic() > deadline:
+            at = time.monotonic()
+            if budget > 0 and at > deadline and (
+                    at > latest or self._outranked(state, jobs[admission.job_key])):
                 slots.release()
                 break
             state.admitted.append(admission.job_key)
@@ -536,6 +547,21 @@ class Reconciler:
                               len(waiting) / max(1e-9, self.config.wait_refresh_per_s))
         for wait in result.waits:
             self._record_wait(state, wait)
+
+    def _outranked(self, state: PassState, job: Job) -> bool:
+        """Has a job arrived since the pass read that the next pass might rank before `job`
+        (its class is the same or higher)?"""
+        arrivals = self.informers.arrived_since(GPUJOBS, state.arrived)
+        if arrivals is None:
+            return True
+        for obj in arrivals:
+            try:
+                if JobClass.parse(str((obj.get("spec") or {}).get("class", "batch"))) \
+                        <= job.job_class:
+                    return True
+            except ValueError:
+                continue  # refused as InvalidSpec by the next pass; it ranks nowhere
+        return False
 
     def _note_backlog(self, acted: int, deferred: int, seconds: float) -> None:
         """How long the admissions decided but left for later passes will take at the rate

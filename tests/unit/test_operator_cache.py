@@ -355,3 +355,69 @@ def test_a_long_queue_refreshes_positions_less_often() -> None:
         # only positions moved (the shown one is 7), a minute ago: 10 waiting are rewritten,
         # 1,000 (200 s at 5 refreshes/s) are not yet
         assert ("team/w0" in state.patches) is written
+
+
+class SlowKube(FakeKube):
+    """Pod creates take `delay` seconds; `on_pod` runs after each (a job arriving meanwhile)."""
+
+    def __init__(self, delay: float, on_pod: Any = None) -> None:
+        super().__init__()
+        self.delay, self.on_pod = delay, on_pod
+
+    def create_pod(self, pod: Obj) -> bool:
+        __import__("time").sleep(self.delay)
+        created = super().create_pod(pod)
+        if self.on_pod is not None:
+            self.on_pod(len(self.pods))
+        return created
+
+
+def _burst(arrival_class: str | None, max_s: float = 30.0) -> int:
+    """Pods one pass creates for 8 admissions of 0.05 s each with a 0.1 s budget, when a job
+    of `arrival_class` arrives after the first pod (None: nobody arrives)."""
+    informers: dict[str, Informers] = {}
+
+    def arrive(pods: int) -> None:
+        if arrival_class is not None and pods == 1:
+            late = _job("late", "900")
+            late["spec"]["class"] = arrival_class
+            assert informers["it"].by_kind[GPUJOBS]._apply({"type": "ADDED", "object": late})
+
+    kube = SlowKube(0.05, arrive)
+    cluster = _cluster(8)
+    cluster[GPUJOBS] = [_job(f"j{i}") for i in range(8)]
+    informers["it"] = _informers(kube, cluster, version=10)
+    reconciler = Reconciler(kube, ReconcilerConfig(  # type: ignore[arg-type]
+        write_workers=1, admission_budget_s=0.1, admission_budget_max_s=max_s),
+        informers["it"])
+    result = reconciler.run_pass(1_800_000_000.0)
+    reconciler.settle()
+    assert len(result.admissions) == 8
+    return len(kube.pods)
+
+
+def test_a_burst_is_carried_out_in_one_pass_while_no_job_that_may_rank_first_arrives() -> None:
+    assert _burst(None) == 8
+    assert _burst("batch") == 8  # a lower class ranks after every admission left
+
+
+def test_a_pass_stops_admitting_for_a_new_job_of_the_same_or_a_higher_class() -> None:
+    assert 2 <= _burst("short") < 8  # past the 0.1 s budget, the next pass ranks it first
+    assert 2 <= _burst("interactive") < 8
+
+
+def test_a_pass_stops_admitting_at_the_longest_budget_whoever_arrives() -> None:
+    assert 2 <= _burst(None, max_s=0.2) < 8
+
+
+def test_arrivals_are_counted_from_watch_events_only() -> None:
+    kube = FakeKube()
+    informers = _informers(kube, _cluster(1), version=10)
+    start = informers.arrived(GPUJOBS)
+    jobs = informers.by_kind[GPUJOBS]
+    assert jobs._apply({"type": "ADDED", "object": _job("a", "11")})
+    assert jobs._apply({"type": "MODIFIED", "object": _job("a", "12")})
+    assert jobs._apply({"type": "ADDED", "object": _job("a", "13")})  # seen before: no arrival
+    assert [o["metadata"]["name"] for o in informers.arrived_since(GPUJOBS, start) or []] == ["a"]
+    assert informers.arrived_since(GPUJOBS, start + 1) == []
+    assert informers.arrived_since(GPUJOBS, start - 5000) is None  # more than it remembers
