@@ -65,6 +65,7 @@ class Tracker:
         self.admitted: dict[str, float] = {}
         self.first_estimate: dict[str, float] = {}
         self.started: dict[str, float] = {}
+        self.finished: set[str] = set()
         self.waited: set[str] = set()
         self.reasons: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -112,6 +113,8 @@ class Tracker:
             start = _parse(status.get("startTime"))
             if start is not None:
                 self.started[key] = start
+            if phase in ("Succeeded", "Failed"):
+                self.finished.add(key)
 
 
 def _rss_kib(pid: int, field: str) -> int:
@@ -388,9 +391,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while time.monotonic() < deadline:
                 with tracker.lock:
                     admitted, startedn = len(tracker.admitted), len(tracker.started)
+                    finishedn = len(tracker.finished)
                 print(f"  t+{time.time() - t0:5.0f}s admitted {admitted}/{len(manifests)} "
-                      f"started {startedn}  rss {rss_samples[-1] // 1024 if rss_samples else 0}"
-                      " MiB", file=sys.stderr)
+                      f"started {startedn} finished {finishedn}  "
+                      f"rss {rss_samples[-1] // 1024 if rss_samples else 0} MiB", file=sys.stderr)
                 if admitted != last_count:
                     last_count, last_change = admitted, time.monotonic()
                 if paused and (admitted >= len(manifests)
@@ -398,7 +402,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _signal_scheduler(paused, signal.SIGCONT)  # the burst is over
                     paused.clear()
                     print("  kube-scheduler resumed", file=sys.stderr)
-                if startedn >= len(manifests):
+                if startedn >= len(manifests) and (
+                        not args.drain or finishedn >= len(manifests)):
                     break
                 time.sleep(5)
             peak_kib = _rss_kib(operator_pid, "VmHWM")
@@ -414,6 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 admitted_at = dict(tracker.admitted)
                 estimates = dict(tracker.first_estimate)
                 starts = dict(tracker.started)
+                finished = len(tracker.finished)
                 waited = set(tracker.waited)
                 reasons = dict(tracker.reasons)
             operator_log = log_dir / "operator.log"
@@ -459,7 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
         "eta_admit_minus_estimate_p50": statistics.median(to_admit) if to_admit else None,
         "eta_start_minus_admit_p50": statistics.median(to_start) if to_start else None,
-        "started": len(starts), "wait_reasons": reasons, "log": str(log_dir),
+        "started": len(starts), "finished": finished, "wait_reasons": reasons, "log": str(log_dir),
         "pass_failures": failures, "passes": len(pass_seconds),
         "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
         "window_s": window, "api_ceiling": ceiling,
@@ -501,7 +507,8 @@ def table(result: dict[str, Any]) -> str:
         ("creation (or operator start, if later) -> Admitted p50 / p99"
          if result.get("create_first") else "creation -> Admitted p50 / p99",
          f"{result['p50']:.1f} s / {result['p99']:.1f} s"),
-        ("operator peak RSS (VmHWM)", f"{result['peak_rss_mib']:.0f} MiB"),
+        ("operator peak RSS (VmHWM)", f"{result['peak_rss_mib']:.0f} MiB "
+         f"(read when {result.get('finished', 0)} jobs had finished)"),
         ("estimated vs actual start, median abs. error", eta),
         ("operator reconcile passes: count, p50 / max seconds",
          f"{result['passes']}, {result['pass_p50_s']:.2f} / {result['pass_max_s']:.2f}"),
@@ -550,6 +557,9 @@ def main() -> None:
     parser.add_argument("--extender-port", type=int, default=18160)
     parser.add_argument("--create-workers", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--drain", action="store_true",
+                        help="follow the run until every job has finished, not only started "
+                             "(the operator's peak RSS then includes every finished status)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--delete-cluster", action="store_true")
     parser.add_argument("--pause-scheduler", action="store_true",

@@ -54,19 +54,35 @@ KINDS = (
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
+# What a pass reads of a pod (`following.view_pod` and the job it belongs to): a store of
+# thousands of pods keeps only these, not their conditions, IPs, images and other labels.
+POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
+POD_ANNOTATIONS = (names.ANN_JOB, names.ANN_ASSIGNMENT)
+POD_STATUS = ("phase", "reason", "startTime")
+
+
 def trimmed(obj: Obj, pod: bool = False) -> Obj:
     """What the store keeps of an object: no managedFields or last-applied copy (often half
-    an object), and of a pod only what the operator reads (metadata, node, status)."""
+    an object), and of a pod only what the operator reads (see POD_METADATA and below)."""
     meta = obj.get("metadata")
     if isinstance(meta, dict):
         meta.pop("managedFields", None)
         annotations = meta.get("annotations")
         if isinstance(annotations, dict):
             annotations.pop(LAST_APPLIED, None)
-    if pod:
-        node = (obj.get("spec") or {}).get("nodeName")
-        obj["spec"] = {"nodeName": node} if node else {}
-    return obj
+    if not pod:
+        return obj
+    meta = meta if isinstance(meta, dict) else {}
+    annotations = meta.get("annotations") or {}
+    status = obj.get("status") or {}
+    node = (obj.get("spec") or {}).get("nodeName")
+    kept_meta = {k: meta[k] for k in POD_METADATA if k in meta}
+    kept_meta["annotations"] = {k: annotations[k] for k in POD_ANNOTATIONS if k in annotations}
+    kept_status = {k: status[k] for k in POD_STATUS if k in status}
+    if containers := status.get("containerStatuses"):
+        kept_status["containerStatuses"] = [{"state": c.get("state") or {}} for c in containers]
+    return {"metadata": kept_meta, "spec": {"nodeName": node} if node else {},
+            "status": kept_status}
 
 
 def object_key(obj: Obj) -> str:

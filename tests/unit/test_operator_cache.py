@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from carpool.operator.following import view_pod
 from carpool.operator.informer import Informer, Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
@@ -226,12 +227,21 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
                         "annotations": {names.ANN_JOB: "team/a",
                                         "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
            "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": "img"}]},
-           "status": {"phase": "Running"}}
+           "status": {"phase": "Running", "podIP": "10.0.0.1", "startTime": "2026-11-29T10:00:00Z",
+                      "conditions": [{"type": "Ready", "status": "True"}],
+                      "containerStatuses": [{"name": "main", "image": "img", "ready": True,
+                                             "state": {"running": {
+                                                 "startedAt": "2026-11-29T10:00:01Z"}}}]}}
+    before = view_pod(copy.deepcopy(pod))
     assert informer._apply({"type": "ADDED", "object": pod})
     (kept,) = informer.snapshot()
-    assert kept["spec"] == {"nodeName": "n1"} and kept["status"] == {"phase": "Running"}
+    assert kept["spec"] == {"nodeName": "n1"}
+    assert kept["status"] == {"phase": "Running", "startTime": "2026-11-29T10:00:00Z",
+                              "containerStatuses": [{"state": {"running": {
+                                  "startedAt": "2026-11-29T10:00:01Z"}}}]}
     assert "managedFields" not in kept["metadata"]
     assert kept["metadata"]["annotations"] == {names.ANN_JOB: "team/a"}
+    assert view_pod(kept) == before  # everything the operator reads of a pod is kept
 
 
 def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
