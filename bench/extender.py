@@ -539,8 +539,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             cpu_before = _cpu_seconds(processes[0].pid)
             api_before = _apiserver_binding_latency(api)
             processes.append(_scheduler(bin_dir, paths.kubeconfig, workdir, scheduler_name,
-                                        port if with_extender else None,
-                                        args.percentage if with_extender else None))
+                                        port if with_extender else None, args.percentage))
             times = _bind_times(core, namespace, f"bench={scheduler_name}", args.pods, 600)
             api_after = _apiserver_binding_latency(api)
             binds = api_after[1] - api_before[1]
@@ -684,10 +683,11 @@ def main() -> int:
     parser.add_argument("--keep-nodes", default="", metavar="ID",
                         help="(--cluster) name the nodes by ID, reuse them if they exist and "
                              "leave them for the next run (saves minutes when comparing)")
-    parser.add_argument("--percentage", type=int, default=0,
-                        help="percentageOfNodesToScore of the run with the extender "
-                             "(--cluster; default 0: the scheduler's adaptive default, as "
-                             "Carpool's profile ships and the run without extenders keeps)")
+    parser.add_argument("--percentage", type=int,
+                        default=devcluster.CARPOOL_PERCENTAGE_OF_NODES,
+                        help="percentageOfNodesToScore of both runs' profiles (--cluster; "
+                             "default %(default)s, as Carpool's profile ships; 0: the "
+                             "scheduler's adaptive default)")
     parser.add_argument("--extender-arg", action="append", default=[],
                         help="an argument for the extender (--cluster), e.g. "
                              "--extender-arg=--filter-best=0; repeatable")

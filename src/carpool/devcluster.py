@@ -59,6 +59,9 @@ from carpool.core import names
 DEFAULT_CLUSTER_NAME: Final = "carpool"
 DEFAULT_EXTENDER_PORT: Final = 18080
 EXTENDER_PORT_ENV: Final = "CARPOOL_EXTENDER_PORT"
+# The `percentageOfNodesToScore` of Carpool's scheduler profile, as the chart ships it
+# (helm/carpool/values.yaml says why; a render test keeps the two equal).
+CARPOOL_PERCENTAGE_OF_NODES: Final = 10
 
 # The annotation that puts a Node under the kwok controller (see the module docstring).
 KWOK_NODE_ANNOTATION: Final = ("kwok.x-k8s.io/node", "fake")
@@ -259,7 +262,8 @@ def scheduler_configuration(port: int) -> dict[str, Any]:
         "leaderElection": {"leaderElect": False},
         "profiles": [
             {"schedulerName": "default-scheduler"},
-            {"schedulerName": names.SCHEDULER_NAME},
+            {"schedulerName": names.SCHEDULER_NAME,
+             "percentageOfNodesToScore": CARPOOL_PERCENTAGE_OF_NODES},
         ],
         "extenders": [
             {

@@ -19,6 +19,7 @@ import yaml
 
 from carpool import crds
 from carpool.core import names
+from carpool.devcluster import CARPOOL_PERCENTAGE_OF_NODES
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "carpool"
@@ -175,7 +176,8 @@ def scheduler_config(objs: list[Obj]) -> Obj:
 def test_scheduler_calls_the_extender_for_carpool_resources(default: list[Obj]) -> None:
     config = scheduler_config(default)
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
-    assert config["profiles"] == [{"schedulerName": names.SCHEDULER_NAME}]
+    assert config["profiles"] == [{"schedulerName": names.SCHEDULER_NAME,
+                                   "percentageOfNodesToScore": CARPOOL_PERCENTAGE_OF_NODES}]
     assert config["leaderElection"]["resourceName"] == "carpool-scheduler"
     assert config["leaderElection"]["resourceNamespace"] == NAMESPACE
     (extender,) = config["extenders"]
@@ -199,6 +201,8 @@ def test_carpools_profile_can_rank_every_feasible_node(helm: Path) -> None:
     config = scheduler_config(objects(helm, "--set", "scheduler.percentageOfNodesToScore=100"))
     assert config["profiles"] == [{"schedulerName": names.SCHEDULER_NAME,
                                    "percentageOfNodesToScore": 100}]
+    adaptive = scheduler_config(objects(helm, "--set", "scheduler.percentageOfNodesToScore=0"))
+    assert adaptive["profiles"] == [{"schedulerName": names.SCHEDULER_NAME}]
 
 
 def test_scheduler_restarts_when_its_configuration_changes(helm: Path) -> None:
