@@ -209,11 +209,11 @@ class Informer:
         version = _version(obj)
         with self._cond:
             if kind in ("ADDED", "MODIFIED"):
-                key = object_key(obj)
+                key, kept = object_key(obj), trimmed(obj, self.kind.name == PODS)
                 if kind == "ADDED" and key not in self.items:
                     self.arrived += 1
-                    self.arrivals.append(obj)
-                self.items[key] = trimmed(obj, self.kind.name == PODS)
+                    self.arrivals.append(kept)
+                self.items[key] = kept
             elif kind == "DELETED":
                 self.items.pop(object_key(obj), None)
             self.version = max(self.version, version)

@@ -144,7 +144,8 @@ class PassState:
     pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
-    arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read
+    arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read, then as checked
+    best_arrival: JobClass | None = None  # the highest class among the arrivals checked
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
     initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
 
@@ -550,18 +551,19 @@ class Reconciler:
 
     def _outranked(self, state: PassState, job: Job) -> bool:
         """Has a job arrived since the pass read that the next pass might rank before `job`
-        (its class is the same or higher)?"""
+        (its class is the same or higher)? Each arrival is looked at once per pass."""
         arrivals = self.informers.arrived_since(GPUJOBS, state.arrived)
         if arrivals is None:
             return True
+        state.arrived += len(arrivals)
         for obj in arrivals:
             try:
-                if JobClass.parse(str((obj.get("spec") or {}).get("class", "batch"))) \
-                        <= job.job_class:
-                    return True
+                cls = JobClass.parse(str((obj.get("spec") or {}).get("class", "batch")))
             except ValueError:
                 continue  # refused as InvalidSpec by the next pass; it ranks nowhere
-        return False
+            if state.best_arrival is None or cls < state.best_arrival:
+                state.best_arrival = cls
+        return state.best_arrival is not None and state.best_arrival <= job.job_class
 
     def _note_backlog(self, acted: int, deferred: int, seconds: float) -> None:
         """How long the admissions decided but left for later passes will take at the rate
