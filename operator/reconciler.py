@@ -90,7 +90,7 @@ class ReconcilerConfig:
     # thousands of admissions is carried out without stopping to decide again (each stop
     # left the API server idle for the next pass's read and decide, a fifth of a burst),
     # and what finished meanwhile is seen within this long.
-    admission_budget_max_s: float = 30.0
+    admission_budget_max_s: float = 60.0
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
@@ -101,7 +101,7 @@ class ReconcilerConfig:
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
             admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
-            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "30")))
+            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")))
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
