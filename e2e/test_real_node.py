@@ -170,9 +170,12 @@ def test_plugin_reregisters_after_kubelet_restart_and_new_pods_start(
     pods.timings.stages.append(("kubelet restart → node Ready with all shares",
                                 time.monotonic() - start))
 
-    # The running container survived the restart, and the kubelet still knows its share.
+    # The running container survived the restart, and the kubelet still knows its share
+    # (it can report the node Ready before it has listed its running pods' devices again).
     assert pods.get(before)["status"]["phase"] == "Running"
-    assert pod_resources.devices()[("default", before, "main")][names.RESOURCE_GPU]
+    pods.wait_for("the restarted kubelet to list the running pod's share",
+                  lambda: (pod_resources.devices().get(("default", before, "main")) or {})
+                  .get(names.RESOURCE_GPU), timeout=60, interval=0.2)
 
     after = pods.create(pods.manifest("after-restart", 1, 16, 25))
     env = pods.wait_printed(after)
