@@ -398,7 +398,8 @@ class Reconciler:
             self._priority_class_ready = True
         writes_before = self.kube.rest.writes
         self._apply(state, result, now, budget=max(self.config.admission_budget_s,
-                                                   3 * (read_s + decide_s)))
+                                                   3 * (read_s + decide_s)),
+                    still_leader=still_leader)
         self._write_quota_status(result, quota_objects)
         self._flush_later(state)
         # off the admission path: a job's pod and status first, its finalizer after, on a
@@ -496,7 +497,7 @@ class Reconciler:
     # -- acting ----------------------------------------------------------------------------
 
     def _apply(self, state: PassState, result: CycleResult, now: float,
-               budget: float = 0.0) -> None:
+               budget: float = 0.0, still_leader: Callable[[], bool] = lambda: True) -> None:
         jobs = {j.key: j for j in state.jobs}
 
         def admit(admission: Admission) -> None:
@@ -520,8 +521,9 @@ class Reconciler:
         for admission in admissions[:cap] if cap > 0 else admissions:
             slots.acquire()  # submit only as fast as the pool writes, so the budget holds
             at = time.monotonic()
-            if budget > 0 and at > deadline and (
-                    at > latest or self._outranked(state, jobs[admission.job_key])):
+            spent = budget > 0 and at > deadline and (
+                at > latest or self._outranked(state, jobs[admission.job_key]))
+            if spent or not still_leader():  # a long pass must not outlive its lease
                 slots.release()
                 break
             state.admitted.append(admission.job_key)

@@ -431,3 +431,15 @@ def test_arrivals_are_counted_from_watch_events_only() -> None:
     assert [o["metadata"]["name"] for o in informers.arrived_since(GPUJOBS, start) or []] == ["a"]
     assert informers.arrived_since(GPUJOBS, start + 1) == []
     assert informers.arrived_since(GPUJOBS, start - 5000) is None  # more than it remembers
+
+
+def test_a_pass_stops_admitting_when_it_loses_its_lease() -> None:
+    leading = [True]
+    kube = SlowKube(0.05, lambda pods: leading.__setitem__(0, pods < 2))
+    cluster = _cluster(8)
+    cluster[GPUJOBS] = [_job(f"j{i}") for i in range(8)]
+    reconciler = Reconciler(kube, ReconcilerConfig(  # type: ignore[arg-type]
+        write_workers=1, admission_budget_s=30.0), _informers(kube, cluster, version=10))
+    reconciler.run_pass(1_800_000_000.0, still_leader=lambda: leading[0])
+    reconciler.settle()
+    assert len(kube.pods) == 2  # well inside its budget, yet no admission after the lease
