@@ -40,10 +40,11 @@ class Kind:
     path: str
     namespaced: bool
     selector: str = ""
+    arrivals: bool = False  # keep the newest first-seen objects (`Informers.arrived_since`)
 
 
 KINDS = (
-    Kind(GPUJOBS, f"{JOBS_PATH}/{GPUJOBS}", True),
+    Kind(GPUJOBS, f"{JOBS_PATH}/{GPUJOBS}", True, arrivals=True),
     Kind(PODS, "/api/v1/pods", True, f"{names.LABEL_MANAGED}=true"),
     Kind(QUOTAS, f"{JOBS_PATH}/{QUOTAS}", False),
     Kind(names.GPUNODE_PLURAL, f"{JOBS_PATH}/{names.GPUNODE_PLURAL}", False),
@@ -107,7 +108,8 @@ class Informer:
         self.version = 0  # the newest resourceVersion this store reflects
         self.synced = False
         self.relists = 0
-        self.arrived = 0  # objects first seen by a watch event (a list counts none)
+        self.arrived = 0  # objects first seen by a watch event (a list counts none; only
+        # for kinds that keep arrivals)
         self.arrivals: deque[Obj] = deque(maxlen=ARRIVALS_KEPT)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -210,7 +212,7 @@ class Informer:
         with self._cond:
             if kind in ("ADDED", "MODIFIED"):
                 key, kept = object_key(obj), trimmed(obj, self.kind.name == PODS)
-                if kind == "ADDED" and key not in self.items:
+                if self.kind.arrivals and kind == "ADDED" and key not in self.items:
                     self.arrived += 1
                     self.arrivals.append(kept)
                 self.items[key] = kept

@@ -431,6 +431,9 @@ def test_arrivals_are_counted_from_watch_events_only() -> None:
     assert [o["metadata"]["name"] for o in informers.arrived_since(GPUJOBS, start) or []] == ["a"]
     assert informers.arrived_since(GPUJOBS, start + 1) == []
     assert informers.arrived_since(GPUJOBS, start - 5000) is None  # more than it remembers
+    pod = {"metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "14"}}
+    assert informers.by_kind[PODS]._apply({"type": "ADDED", "object": pod})
+    assert informers.arrived(PODS) == 0  # only GpuJobs keep arrivals (a pass asks for those)
 
 
 def test_a_pass_stops_admitting_when_it_loses_its_lease() -> None:
