@@ -128,13 +128,14 @@ def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
     if request.isolation not in inv.sharing:
         return f"node does not offer {request.isolation.value} isolation"
     frees = node.free()
-    usable = [f for f in frees if gpu_rejection(f, request) is None]
-    if len(usable) >= request.count:
-        return None
     if not frees:
         return "node has no GPUs"
-    reasons = sorted({r for f in frees if (r := gpu_rejection(f, request)) is not None})
-    return (f"{len(usable)} of {request.count} GPUs fit; " + "; ".join(reasons[:3]))
+    reasons = [gpu_rejection(f, request) for f in frees]
+    usable = reasons.count(None)
+    if usable >= request.count:
+        return None
+    shown = sorted({r for r in reasons if r is not None})[:3]
+    return f"{usable} of {request.count} GPUs fit; " + "; ".join(shown)
 
 
 def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:

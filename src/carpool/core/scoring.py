@@ -591,9 +591,10 @@ class NodeScore:
     plan: Plan = field(repr=False)
 
 
-def _gpus_by_slot(node: NodeState, exclusive: bool) -> dict[GpuSlot, tuple[int, ...]]:
-    """Usable GPU indices per slot, coolest first, then lowest index; `exclusive` leaves out
-    GPUs that already carry a grant."""
+def _gpus_by_slot(node: NodeState, exclusive: bool
+                  ) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
+    """Usable GPUs per slot as (index, temperature term), coolest first, then lowest index;
+    `exclusive` leaves out GPUs that already carry a grant."""
     candidates: list[tuple[float, int, GpuSlot]] = []
     for free in node.free():
         if not usable(free.gpu) or free.exclusive_taken or (exclusive and free.grants):
@@ -601,41 +602,20 @@ def _gpus_by_slot(node: NodeState, exclusive: bool) -> dict[GpuSlot, tuple[int, 
         slot = gpu_slot(free.gpu, free.memory_mib, free.cores_pct, free.grants)
         candidates.append((free.gpu.temperature_c, free.gpu.index, slot))
     candidates.sort(key=lambda c: (c[0], c[1]))
-    by_slot: dict[GpuSlot, list[int]] = {}
+    terms = {g.index: temperature_term(g.temperature_c, g.slowdown_temp_c)
+             for g in node.inventory.gpus}
+    by_slot: dict[GpuSlot, list[tuple[int, float]]] = {}
     for _, index, slot in candidates:
-        by_slot.setdefault(slot, []).append(index)
-    return {slot: tuple(indices) for slot, indices in by_slot.items()}
+        by_slot.setdefault(slot, []).append((index, terms[index]))
+    return {slot: tuple(gpus) for slot, gpus in by_slot.items()}
 
 
-def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[int, ...]]:
+def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
     return _gpus_by_slot(node, exclusive=False)
 
 
-def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[int, ...]]:
+def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
     return _gpus_by_slot(node, exclusive=True)
-
-
-def _temperature_terms(node: NodeState) -> dict[int, float]:
-    return {g.index: temperature_term(g.temperature_c, g.slowdown_temp_c)
-            for g in node.inventory.gpus}
-
-
-def _gpus_for(node: NodeState, request: GpuRequest, plan: Plan) -> tuple[int, ...]:
-    """Concrete GPU indices for the plan's slots: among equal slots the coolest, then lowest."""
-    if request.isolation is Isolation.EXCLUSIVE:
-        by_slot = node.derived("scoring.gpus.exclusive", _exclusive_gpus)
-    else:
-        by_slot = node.derived("scoring.gpus.shared", _shared_gpus)
-    chosen: list[int] = []
-    taken: dict[GpuSlot, int] = {}
-    for slot in plan.slots:
-        indices = by_slot.get(slot, ())
-        k = taken.get(slot, 0)
-        if k >= len(indices):
-            raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
-        chosen.append(indices[k])
-        taken[slot] = k + 1
-    return tuple(chosen)
 
 
 _DEMANDS: dict[tuple[GpuRequest, int, int], Demand] = {}
@@ -674,34 +654,94 @@ def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = Non
 def score_gpus(node: NodeState, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
                memory_mib: int = 0, dataset: Dataset | None = None
                ) -> tuple[float, tuple[int, ...]] | None:
-    """`score_node`'s score and GPU indices without its result object: the extender runs
-    this on every candidate node for every new demand shape."""
-    plan = scorer.plan(profile_of(node), _demand(request, cpu_milli, memory_mib))
-    if plan is None:
-        return None
-    indices = _gpus_for(node, request, plan)
-    policy = scorer.policy
-    # combine() over (profile, temperature, locality), written out: the hot path
-    num = 0.0
-    den = 0.0
-    weight = policy.profile_weight
-    if weight > 0:
-        num += weight * plan.score
-        den += weight
-    weight = policy.temperature
-    if weight > 0:
-        temperature = 1.0
-        if indices:
-            terms = node.derived("scoring.temperature", _temperature_terms)
-            temperature = sum(terms[i] for i in indices) / len(indices)
-        num += weight * temperature
-        den += weight
-    weight = policy.locality
-    if weight > 0:
-        locality = 1.0
-        if dataset is not None:
-            locality = locality_term(dataset.name in node.inventory.datasets, dataset.size_gib,
-                                     zone_hops(node.inventory.zone, dataset.zones))
-        num += weight * locality
-        den += weight
-    return (num / den if den > 0 else 0.0), indices
+    """`score_node`'s score and GPU indices without its result object."""
+    return RequestScorer(request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
+                         dataset=dataset).score(node)
+
+
+_NOT_PLANNED = Plan(0.0, (), NodeProfile(0, 0, 0, ()), 0.0)  # a plans-memo miss
+
+
+class RequestScorer:
+    """`score_gpus` for one request (with the pod's CPU, memory and dataset) under one scorer.
+
+    The extender scores every candidate node for each new demand shape, so what does not
+    depend on the node (the scorer's demand, the weights, the dataset) is worked out here
+    once, and `score` does only the per-node part: the profile's plan (memoised per
+    profile: identical nodes share it), the plan's GPUs on this node, and the temperature
+    and locality terms.
+    """
+
+    __slots__ = ("_den", "_locality", "_plans", "_scorer", "_slots_key", "_slots_of",
+                 "_w_locality", "_w_profile", "_w_temperature", "dataset", "demand")
+
+    def __init__(self, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
+                 memory_mib: int = 0, dataset: Dataset | None = None) -> None:
+        self._scorer = scorer
+        self.demand = _demand(request, cpu_milli, memory_mib)
+        self.dataset = dataset
+        if request.isolation is Isolation.EXCLUSIVE:
+            self._slots_key, self._slots_of = "scoring.gpus.exclusive", _exclusive_gpus
+        else:
+            self._slots_key, self._slots_of = "scoring.gpus.shared", _shared_gpus
+        policy = scorer.policy
+        # combine() over (profile, temperature, locality), written out: a term of weight 0
+        # adds exactly 0.0, so the sum is the same float as combine's
+        self._w_profile = policy.profile_weight
+        self._w_temperature = policy.temperature
+        self._w_locality = policy.locality
+        self._den = self._w_profile + self._w_temperature + self._w_locality
+        self._locality = self._w_locality * 1.0  # the locality part without a dataset
+        self._plans: dict[NodeProfile, Plan | None] = {}
+
+    def score(self, node: NodeState) -> tuple[float, tuple[int, ...]] | None:
+        """The node's score in [0, 1] and the GPU indices, or None if the demand cannot fit.
+
+        Raises AssertionError if the plan's GPUs are not on the node (a scorer bug)."""
+        profile = node.derived("scoring.profile", _profile_of)
+        plans = self._plans
+        plan = plans.get(profile, _NOT_PLANNED)
+        if plan is _NOT_PLANNED:
+            if len(plans) > MAX_MEMO_ENTRIES:
+                plans.clear()
+            plan = plans[profile] = self._scorer.plan(profile, self.demand)
+        if plan is None:
+            return None
+        slots = plan.slots
+        by_slot = node.derived(self._slots_key, self._slots_of)
+        if len(slots) == 1:  # the common case, without the bookkeeping of repeated slots
+            gpus = by_slot.get(slots[0])
+            if not gpus:
+                raise AssertionError(f"plan slot {slots[0]} has no GPU on node {node.name}")
+            index, temperature = gpus[0]
+            indices: tuple[int, ...] = (index,)
+        else:
+            indices, temperature = _gpus_for(node, by_slot, slots)
+        num = self._w_profile * plan.score + self._w_temperature * temperature
+        if self.dataset is None:
+            num += self._locality
+        else:
+            dataset = self.dataset
+            num += self._w_locality * locality_term(
+                dataset.name in node.inventory.datasets, dataset.size_gib,
+                zone_hops(node.inventory.zone, dataset.zones))
+        return (num / self._den if self._den > 0 else 0.0), indices
+
+
+def _gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[tuple[int, float], ...]],
+              slots: Sequence[GpuSlot]) -> tuple[tuple[int, ...], float]:
+    """Concrete GPU indices for the plan's slots (among equal slots the coolest, then the
+    lowest index) and their mean temperature term (1 without GPUs)."""
+    chosen: list[int] = []
+    terms: list[float] = []
+    taken: dict[GpuSlot, int] = {}
+    for slot in slots:
+        gpus = by_slot.get(slot, ())
+        k = taken.get(slot, 0)
+        if k >= len(gpus):
+            raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
+        index, term = gpus[k]
+        chosen.append(index)
+        terms.append(term)
+        taken[slot] = k + 1
+    return tuple(chosen), (sum(terms) / len(terms) if terms else 1.0)

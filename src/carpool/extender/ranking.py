@@ -15,11 +15,18 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from carpool.core.placement import GpuFree, NodeState, gpu_rejection, grant_for, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
-from carpool.core.scoring import CARPOOL, Dataset, Scorer, ScoringPolicy, Strategy, score_gpus
+from carpool.core.scoring import (
+    CARPOOL,
+    Dataset,
+    RequestScorer,
+    Scorer,
+    ScoringPolicy,
+    Strategy,
+)
 from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.wire import PodDemand, Policy
 
@@ -44,14 +51,16 @@ class Placement:
     __slots__ = ("_done", "_indices", "_request", "_state", "node", "score")
 
     def __init__(self, node: str, per_container: tuple[tuple[GpuGrant, ...], ...],
-                 score: float, pending: tuple[NodeState, GpuRequest, tuple[int, ...]] | None
-                 = None) -> None:
+                 score: float, state: NodeState | None = None,
+                 request: GpuRequest | None = None, indices: tuple[int, ...] = ()) -> None:
+        """`state`, `request` and `indices`, when given: the last container's GPUs, as the
+        scorer's indices on that state, to be turned into grants when asked for."""
         self.node = node
         self.score = score  # in [0, 1]; mean over containers
         self._done = per_container
-        self._state: NodeState | None = pending[0] if pending else None
-        self._request: GpuRequest | None = pending[1] if pending else None
-        self._indices: tuple[int, ...] = pending[2] if pending else ()
+        self._state = state
+        self._request = request
+        self._indices = indices
 
     @property
     def per_container(self) -> tuple[tuple[GpuGrant, ...], ...]:
@@ -104,8 +113,7 @@ def _frees_by_index(state: NodeState) -> dict[int, GpuFree]:
     return {f.gpu.index: f for f in state.free()}
 
 
-def _scored_choice(state: NodeState, request: GpuRequest, scorer: Scorer,
-                   dataset: Dataset | None, cpu_milli: int = 0, memory_mib: int = 0
+def _scored_choice(state: NodeState, request: GpuRequest, scorer: RequestScorer
                    ) -> tuple[tuple[int, ...], float] | None:
     """The scorer's GPUs (indices) for one container, and the score.
 
@@ -114,8 +122,7 @@ def _scored_choice(state: NodeState, request: GpuRequest, scorer: Scorer,
     grants are built; MIG instances are not in the scorer's view and are checked here.
     """
     try:
-        scored = score_gpus(state, request, scorer, cpu_milli=cpu_milli,
-                            memory_mib=memory_mib, dataset=dataset)
+        scored = scorer.score(state)
     except AssertionError:  # the scorer's plan could not be mapped onto distinct GPUs
         return None
     if scored is None:
@@ -132,49 +139,102 @@ def _scored_choice(state: NodeState, request: GpuRequest, scorer: Scorer,
     return indices, score
 
 
-def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | str:
-    """GPUs for every container of `demand` on this node, or the reason it does not fit.
+class ShapePlacer:
+    """`place` for one demand shape under one scorer, with the scorers' per-request work done
+    once: a new shape is placed on every candidate node, so only the per-node part should be
+    paid a thousand times (`evaluate` has a short path for the usual one-container pod)."""
 
-    The pod's CPU and memory requests go with its first GPU container (the node gives them
-    once per pod), so the scorer's CPU-balance term sees them; kube-scheduler's own filter
-    enforces them, so a node short of CPU only loses its score here, not its fit.
-    """
-    dataset = (Dataset(demand.dataset, demand.dataset_size_gib) if demand.dataset else None)
-    chosen: list[tuple[GpuGrant, ...]] = []
-    total = 0.0
-    inventory = state.inventory
-    cpu_milli, memory_mib = demand.cpu_milli, demand.memory_mib
-    for container in demand.containers:
-        request = container.request
-        # The scorer's choice is checked GPU by GPU against the filter's rules, so when it
-        # succeeds (on a ready node offering the isolation) the node fits: the reasons are
-        # only worked out for nodes where it does not.
-        scored = None
-        if inventory.ready and request.isolation in inventory.sharing:
-            scored = _scored_choice(state, request, scorer, dataset, cpu_milli, memory_mib)
-        last = len(chosen) + 1 == len(demand.containers)
-        if scored is None:
+    __slots__ = ("_requests", "_scorers", "_single", "demand")
+
+    def __init__(self, demand: PodDemand, scorer: Scorer) -> None:
+        self.demand = demand
+        dataset = (Dataset(demand.dataset, demand.dataset_size_gib) if demand.dataset else None)
+        # The pod's CPU and memory requests go with its first GPU container (see `place`).
+        self._scorers = tuple(
+            RequestScorer(c.request, scorer, cpu_milli=demand.cpu_milli if i == 0 else 0,
+                          memory_mib=demand.memory_mib if i == 0 else 0, dataset=dataset)
+            for i, c in enumerate(demand.containers))
+        only = demand.containers[0].request if len(demand.containers) == 1 else None
+        # MIG instances are not in the scorer's view: those go the long way (`place`)
+        self._single = only if only is not None and only.isolation is not Isolation.MIG else None
+        self._requests = tuple(c.request for c in demand.containers)
+
+    def place(self, state: NodeState) -> Placement | str:
+        """GPUs for every container on this node, or the reason it does not fit.
+
+        The pod's CPU and memory requests go with its first GPU container (the node gives
+        them once per pod), so the scorer's CPU-balance term sees them; kube-scheduler's own
+        filter enforces them, so a node short of CPU only loses its score here, not its fit.
+        """
+        demand = self.demand
+        chosen: list[tuple[GpuGrant, ...]] = []
+        total = 0.0
+        inventory = state.inventory
+        cpu_milli, memory_mib = demand.cpu_milli, demand.memory_mib
+        for container, scorer in zip(demand.containers, self._scorers, strict=True):
+            request = container.request
+            # The scorer's choice is checked GPU by GPU against the filter's rules, so when
+            # it succeeds (on a ready node offering the isolation) the node fits: the reasons
+            # are only worked out for nodes where it does not.
+            scored = None
+            if inventory.ready and request.isolation in inventory.sharing:
+                scored = _scored_choice(state, request, scorer)
+            last = len(chosen) + 1 == len(demand.containers)
+            if scored is None:
+                reason = node_rejection(state, request)
+                if reason is not None:
+                    return reason
+                grants = _fallback_choice(state.free(), request)
+                if grants is None:  # node_rejection said it fits; kept for safety
+                    return "no GPUs fit"
+                score = 0.0
+            else:
+                indices, score = scored
+                if last:  # grants when asked for (see Placement)
+                    return Placement(state.name, tuple(chosen),
+                                     (total + score) / (len(chosen) + 1),
+                                     state, request, indices)
+                grants = _grants_at(state, request, indices)
+            chosen.append(grants)
+            total += score
+            if not last:  # the next container sees this one's GPUs
+                state = NodeState(inventory, state.grants + grants,
+                                  state.cpu_used_milli + cpu_milli,
+                                  state.memory_used_mib + memory_mib)
+            cpu_milli = memory_mib = 0
+        return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
+
+    def evaluate(self, state: NodeState) -> Evaluation:
+        """`place`'s answer as an Evaluation (with, for a misfit, whether an empty node
+        would do)."""
+        request = self._single
+        if request is None:
+            placement = self.place(state)
+        else:  # `place` for one container, written out: this runs on every node
+            placement = None
+            inventory = state.inventory
+            if inventory.ready and request.isolation in inventory.sharing:
+                scored = _scored_choice(state, request, self._scorers[0])
+                if scored is not None:
+                    indices, score = scored
+                    return Evaluation(state, Placement(state.name, (), score, state, request,
+                                                       indices))
             reason = node_rejection(state, request)
-            if reason is not None:
-                return reason
-            grants = _fallback_choice(state.free(), request)
-            if grants is None:  # node_rejection said it fits; kept for safety
-                return "no GPUs fit"
-            score = 0.0
-        else:
-            indices, score = scored
-            if last:  # grants when asked for (see Placement)
-                return Placement(state.name, tuple(chosen), (total + score) / (len(chosen) + 1),
-                                 (state, request, indices))
-            grants = _grants_at(state, request, indices)
-        chosen.append(grants)
-        total += score
-        if not last:  # the next container sees this one's GPUs
-            state = NodeState(inventory, state.grants + grants,
-                              state.cpu_used_milli + cpu_milli,
-                              state.memory_used_mib + memory_mib)
-        cpu_milli = memory_mib = 0
-    return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
+            if reason is None:
+                grants = _fallback_choice(state.free(), request)
+                placement = (Placement(state.name, (grants,), 0.0) if grants is not None
+                             else "no GPUs fit")
+            else:
+                placement = reason
+        if isinstance(placement, str):
+            return Evaluation(state, None, placement, self._requests)
+        return Evaluation(state, placement)
+
+
+def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | str:
+    """GPUs for every container of `demand` on this node, or the reason it does not fit
+    (see `ShapePlacer.place`)."""
+    return ShapePlacer(demand, scorer).place(state)
 
 
 def scale_scores(raw: Mapping[str, float], nodes: Sequence[str]) -> dict[str, int]:
@@ -245,12 +305,51 @@ def materially_different(old: TargetWorkload, new: TargetWorkload,
     return any(abs(old_p[d] - new_p[d]) > tolerance for d in old_p)
 
 
-class Evaluation(NamedTuple):
-    """One node judged for one pod (a tuple: the extender makes one per node and shape)."""
+class Evaluation:
+    """One node judged for one pod, on one state of the node: the placement, or why it does
+    not fit. The memo keeps one per node and demand shape (tens of thousands), so it is one
+    small object that also records the state it was made on."""
 
-    placement: Placement | None
-    reason: str = ""  # why it does not fit, when placement is None
-    resolvable: bool = True  # ... and whether it would fit the node with nothing on it
+    __slots__ = ("_requests", "placement", "reason", "state")
+
+    def __init__(self, state: NodeState, placement: Placement | None, reason: str = "",
+                 requests: tuple[GpuRequest, ...] = ()) -> None:
+        self.state = state
+        self.placement = placement
+        self.reason = reason  # why it does not fit, when placement is None
+        self._requests = requests  # the pod's, when it does not fit
+
+    @property
+    def resolvable(self) -> bool:
+        """Whether the pod would fit the node with nothing on it (worked out only when
+        filter reports reasons: most misfits are never asked)."""
+        return all(_fits_empty(self.state.inventory, r) for r in self._requests)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Evaluation) and (
+            (self.placement, self.reason, self._requests)
+            == (other.placement, other.reason, other._requests))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Evaluation({self.state.name!r}, {self.placement!r}, {self.reason!r})"
+
+
+_EMPTY_FITS: dict[tuple[int, GpuRequest], tuple[NodeInventory, bool]] = {}
+
+
+def _fits_empty(inventory: NodeInventory, request: GpuRequest) -> bool:
+    """Memoised per inventory object (the cache keeps it while the node is unchanged)."""
+    key = (id(inventory), request)
+    entry = _EMPTY_FITS.get(key)
+    if entry is not None and entry[0] is inventory:
+        return entry[1]
+    if len(_EMPTY_FITS) > MAX_MEMO_ENTRIES:
+        _EMPTY_FITS.clear()
+    fits = node_rejection(NodeState(inventory), request) is None
+    _EMPTY_FITS[key] = (inventory, fits)
+    return fits
 
 
 DemandShape = tuple[object, ...]
@@ -276,8 +375,15 @@ class _Generation:
         self.supply = dict(supply)
         self.scorers = {p: Scorer(replace(policy, strategy=Strategy(p)), workload, supply)
                         for p in Policy.ALL}
-        self.memo: OrderedDict[DemandShape, dict[str, tuple[NodeState, Evaluation]]] = (
+        self.memo: OrderedDict[DemandShape, dict[str, Evaluation]] = (
             OrderedDict())
+        self.placers: dict[DemandShape, ShapePlacer] = {}  # per shape in `memo`
+
+    def placer(self, shape: DemandShape, demand: PodDemand, policy: str) -> ShapePlacer:
+        placer = self.placers.get(shape)
+        if placer is None:
+            placer = self.placers[shape] = ShapePlacer(demand, self.scorers[policy])
+        return placer
 
 
 class Ranker:
@@ -366,14 +472,15 @@ class Ranker:
                 demand.memory_mib, demand.dataset, demand.dataset_size_gib, policy)
 
     def _memo_for(self, generation: _Generation, shape: DemandShape, demand: PodDemand,
-                  policy: str) -> dict[str, tuple[NodeState, Evaluation]]:
+                  policy: str) -> dict[str, Evaluation]:
         memo = generation.memo.get(shape)
         if memo is None:
             memo = generation.memo[shape] = {}
             self._demands[shape] = (demand, policy)
             total = sum(len(m) for m in generation.memo.values())
             while len(generation.memo) > 1 and total > self._max_entries:
-                _, dropped = generation.memo.popitem(last=False)  # least recently used
+                old, dropped = generation.memo.popitem(last=False)  # least recently used
+                generation.placers.pop(old, None)
                 total -= len(dropped)
             live = set(self._current.memo) | set(self._next.memo if self._next else ())
             for old in [s for s in self._demands if s not in live and s != shape]:
@@ -389,19 +496,19 @@ class Ranker:
                      policy: str) -> dict[str, Evaluation]:
         generation = self._current
         shape = self._shape(demand, policy)
-        scorer = generation.scorers[policy]
         memo = self._memo_for(generation, shape, demand, policy)
+        evaluate = generation.placer(shape, demand, policy).evaluate
         get = memo.get
         misses: list[str] = []
 
         def fresh(name: str, state: NodeState) -> Evaluation:
             misses.append(name)
-            evaluation = _evaluate(state, demand, scorer)
-            memo[name] = (state, evaluation)
+            evaluation = evaluate(state)
+            memo[name] = evaluation
             return evaluation
 
         # (one comprehension: this runs over every candidate node on every request)
-        out = {name: entry[1] if (entry := get(name)) is not None and entry[0] is state
+        out = {name: entry if (entry := get(name)) is not None and entry.state is state
                else fresh(name, state) for name, state in states.items()}
         self.hits += len(states) - len(misses)
         self.misses += len(misses)
@@ -440,8 +547,9 @@ class Ranker:
             if memo is None:
                 memo = self._memo_for(generation, shape, demand, policy)
             entry = memo.get(name)
-            if entry is None or entry[0] is not state:
-                memo[name] = (state, _evaluate(state, demand, generation.scorers[policy]))
+            if entry is None or entry.state is not state:
+                placer = generation.placer(shape, demand, policy)
+                memo[name] = placer.evaluate(state)
                 self.warmed += 1
                 done += 1
                 if done % 16 == 0 and clock() >= deadline:
@@ -450,30 +558,6 @@ class Ranker:
             self._current, self._next = self._next, None
             return True
         return False
-
-
-def _evaluate(state: NodeState, demand: PodDemand, scorer: Scorer) -> Evaluation:
-    placement = place(state, demand, scorer)
-    if isinstance(placement, str):
-        empty = all(_fits_empty(state.inventory, c.request) for c in demand.containers)
-        return Evaluation(None, placement, empty)
-    return Evaluation(placement)
-
-
-_EMPTY_FITS: dict[tuple[int, GpuRequest], tuple[NodeInventory, bool]] = {}
-
-
-def _fits_empty(inventory: NodeInventory, request: GpuRequest) -> bool:
-    """Memoised per inventory object (the cache keeps it while the node is unchanged)."""
-    key = (id(inventory), request)
-    entry = _EMPTY_FITS.get(key)
-    if entry is not None and entry[0] is inventory:
-        return entry[1]
-    if len(_EMPTY_FITS) > MAX_MEMO_ENTRIES:
-        _EMPTY_FITS.clear()
-    fits = node_rejection(NodeState(inventory), request) is None
-    _EMPTY_FITS[key] = (inventory, fits)
-    return fits
 
 
 def supply_differs(old: Mapping[str, int], new: Mapping[str, int],

@@ -34,7 +34,11 @@ from carpool.extender.wire import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY = 16 * 2**20  # a full ExtenderArgs with Nodes for ~2,000 nodes fits
-WARM_STEP_S = 0.002  # the warmer's longest stretch on the event loop between requests
+# The warmer's longest stretch on the event loop. A request meets several of them before its
+# handler starts (the loop takes a turn to read it, one to start the connection's task, one
+# to start the handler), so at 2 ms a filter waited ~10 ms while the warmer was busy; at
+# 0.5 ms, 4-5 ms (docs/benchmarks.md, session 5).
+WARM_STEP_S = 0.0005
 WARM_IDLE_S = 0.05  # how often it looks for changed nodes when it has nothing to do
 GC_FREEZE_EVERY_S = 10.0  # when idle, move surviving objects out of the collector's scans
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -45,6 +49,10 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5
 # big, still-live dicts; most of what a request allocates is freed by reference counting
 # when it ends, so collecting less often mostly skips work.
 YOUNG_THRESHOLD = 20_000
+# The warmer collects the young generation between requests once this many objects are
+# pending, well before the interpreter would: a new shape's first filter allocates a few
+# thousand objects, and a collection inside it lands on the slowest requests.
+YOUNG_COLLECT_AT = YOUNG_THRESHOLD // 2
 SWITCH_INTERVAL_S = 0.001  # the most the event loop waits for a watch thread's interpreter
 
 
@@ -208,6 +216,8 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
                 gc.collect(1)  # young cyclic garbage first, so it is not frozen with the rest
                 gc.freeze()
                 frozen_at = time.monotonic()
+            elif gc.get_count()[0] >= YOUNG_COLLECT_AT:
+                gc.collect(0)
             await asyncio.sleep(0 if more else WARM_IDLE_S)
 
     async def start_warming(app: web.Application) -> None:

@@ -1,0 +1,131 @@
+"""The extender's per-node hot path agrees with the general code it shortens.
+
+`RequestScorer.score` is `score_node` with the per-request work hoisted, and
+`ShapePlacer.evaluate` writes `ShapePlacer.place` out for one container: both run on every
+node for every new demand shape, so they are checked here against the general definitions
+on random nodes, requests and policies.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.core.placement import NodeState
+from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.scoring import (
+    BEST_FIT,
+    CARPOOL,
+    Dataset,
+    RequestScorer,
+    Scorer,
+    ScoringPolicy,
+    combine,
+    locality_term,
+    profile_of,
+    temperature_term,
+    zone_hops,
+)
+from carpool.core.workload import Demand, TargetWorkload
+from carpool.extender.ranking import Evaluation, ShapePlacer
+from carpool.extender.wire import ContainerDemand, PodDemand
+
+GIB = 1024
+MODELS = ("A100", "V100")
+WORKLOAD = TargetWorkload(((Demand(cpu_milli=4_000, gpu_count=1, gpu_milli=300), 0.6),
+                           (Demand(cpu_milli=12_000, gpu_count=2, gpu_milli=1000), 0.4)))
+MOSTLY = (True, True, True, False)
+POLICIES = (CARPOOL, BEST_FIT, ScoringPolicy(temperature=1.0, locality=1.0))
+
+
+@st.composite
+def nodes(draw: st.DrawFn) -> NodeState:
+    count = draw(st.integers(1, 8))
+    gpus = tuple(
+        Gpu(i, f"g{i}", draw(st.sampled_from(MODELS)), 40 * GIB,
+            temperature_c=draw(st.floats(20, 95)), healthy=draw(st.sampled_from(MOSTLY)),
+            cordoned=not draw(st.sampled_from(MOSTLY)))
+        for i in range(count))
+    inventory = NodeInventory(
+        "n", gpus, cpu_milli=draw(st.sampled_from([0, 32_000, 64_000])),
+        zone=draw(st.sampled_from(["", "eu-a", "eu-b", "us-a"])),
+        datasets=frozenset(draw(st.sets(st.sampled_from(["imagenet", "laion"])))),
+        sharing=frozenset(draw(st.sets(st.sampled_from(
+            [Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE]), min_size=1))),
+        ready=draw(st.sampled_from(MOSTLY)))
+    grants = []
+    for gpu in gpus:
+        for _ in range(draw(st.integers(0, 2))):
+            if draw(st.booleans()):
+                grants.append(GpuGrant(gpu.uuid, 40 * GIB, 100, exclusive=True))
+                break
+            grants.append(GpuGrant(gpu.uuid, draw(st.integers(1, 20)) * GIB,
+                                   draw(st.integers(0, 60))))
+    return NodeState(inventory, tuple(grants), cpu_used_milli=draw(st.integers(0, 40_000)))
+
+
+requests = st.builds(
+    GpuRequest,
+    count=st.integers(1, 4),
+    memory_mib=st.integers(0, 40).map(lambda g: g * GIB),
+    cores_pct=st.integers(0, 100),
+    isolation=st.sampled_from([Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE]),
+    models=st.sets(st.sampled_from(MODELS), max_size=1).map(frozenset))
+datasets = st.none() | st.builds(Dataset, st.sampled_from(["imagenet", "laion"]),
+                                 st.floats(0, 500), st.sets(st.sampled_from(["eu-a", "us-a"]))
+                                 .map(frozenset))
+
+
+def reference_score(node: NodeState, request: GpuRequest, scorer: Scorer, cpu_milli: int,
+                    dataset: Dataset | None) -> float | None:
+    """score_node's definition: combine(profile terms, chosen GPUs' temperature, locality)."""
+    plan = scorer.plan(profile_of(node), Demand.from_request(request, cpu_milli=cpu_milli))
+    if plan is None:
+        return None
+    scored = RequestScorer(request, scorer, cpu_milli=cpu_milli, dataset=dataset).score(node)
+    assert scored is not None
+    gpus = {g.index: g for g in node.inventory.gpus}
+    temperature = (sum(temperature_term(gpus[i].temperature_c, gpus[i].slowdown_temp_c)
+                       for i in scored[1]) / len(scored[1]))
+    locality = 1.0 if dataset is None else locality_term(
+        dataset.name in node.inventory.datasets, dataset.size_gib,
+        zone_hops(node.inventory.zone, dataset.zones))
+    policy = scorer.policy
+    return combine([(policy.profile_weight, plan.score), (policy.temperature, temperature),
+                    (policy.locality, locality)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes(), requests, st.sampled_from(POLICIES), st.integers(0, 32_000), datasets)
+def test_request_scorer_is_score_nodes_weighted_mean(node: NodeState, request: GpuRequest,
+                                                     policy: ScoringPolicy, cpu_milli: int,
+                                                     dataset: Dataset | None) -> None:
+    scorer = Scorer(policy, WORKLOAD, {"A100": 8, "V100": 8})
+    expected = reference_score(node, request, scorer, cpu_milli, dataset)
+    scored = RequestScorer(request, scorer, cpu_milli=cpu_milli, dataset=dataset).score(node)
+    if expected is None:
+        assert scored is None
+        return
+    assert scored is not None
+    assert abs(scored[0] - expected) < 1e-12
+    assert len(scored[1]) == len(set(scored[1])) == request.count
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes(), requests, st.sampled_from(POLICIES), st.integers(0, 32_000), datasets)
+def test_one_container_evaluation_is_the_general_placement(
+        node: NodeState, request: GpuRequest, policy: ScoringPolicy, cpu_milli: int,
+        dataset: Dataset | None) -> None:
+    demand = PodDemand("ns", "p", "u", (ContainerDemand("main", request),), cpu_milli=cpu_milli,
+                       dataset=dataset.name if dataset else "",
+                       dataset_size_gib=dataset.size_gib if dataset else 0.0)
+    placer = ShapePlacer(demand, Scorer(policy, WORKLOAD, {"A100": 8}))
+    general = placer.place(node)
+    evaluation = placer.evaluate(node)
+    assert evaluation.state is node
+    if isinstance(general, str):
+        assert evaluation == Evaluation(node, None, general, (request,))
+    else:
+        assert evaluation == Evaluation(node, general)
+        assert evaluation.placement is not None
+        assert evaluation.placement.grants == general.grants
