@@ -124,8 +124,9 @@ def test_one_container_evaluation_is_the_general_placement(
     evaluation = placer.evaluate(node)
     assert evaluation.state is node
     if isinstance(general, str):
-        assert evaluation == Evaluation(node, None, general, (request,))
+        assert evaluation == Evaluation(node, None, reason=general, requests=(request,))
     else:
-        assert evaluation == Evaluation(node, general)
+        assert evaluation == Evaluation(node, general.score, placement=general)
+        assert evaluation.score == general.score
         assert evaluation.placement is not None
         assert evaluation.placement.grants == general.grants

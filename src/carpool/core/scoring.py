@@ -591,9 +591,18 @@ class NodeScore:
     plan: Plan = field(repr=False)
 
 
+class SlotGpu(NamedTuple):
+    """A usable GPU behind a slot: its index (also as a 1-tuple, the usual answer, made once
+    per node state rather than per score) and its temperature term."""
+
+    gpu_index: int
+    alone: tuple[int]
+    temperature: float
+
+
 def _gpus_by_slot(node: NodeState, exclusive: bool
-                  ) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
-    """Usable GPUs per slot as (index, temperature term), coolest first, then lowest index;
+                  ) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
+    """Usable GPUs per slot, coolest first, then lowest index;
     `exclusive` leaves out GPUs that already carry a grant."""
     candidates: list[tuple[float, int, GpuSlot]] = []
     for free in node.free():
@@ -604,17 +613,17 @@ def _gpus_by_slot(node: NodeState, exclusive: bool
     candidates.sort(key=lambda c: (c[0], c[1]))
     terms = {g.index: temperature_term(g.temperature_c, g.slowdown_temp_c)
              for g in node.inventory.gpus}
-    by_slot: dict[GpuSlot, list[tuple[int, float]]] = {}
+    by_slot: dict[GpuSlot, list[SlotGpu]] = {}
     for _, index, slot in candidates:
-        by_slot.setdefault(slot, []).append((index, terms[index]))
+        by_slot.setdefault(slot, []).append(SlotGpu(index, (index,), terms[index]))
     return {slot: tuple(gpus) for slot, gpus in by_slot.items()}
 
 
-def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
+def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
     return _gpus_by_slot(node, exclusive=False)
 
 
-def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[tuple[int, float], ...]]:
+def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
     return _gpus_by_slot(node, exclusive=True)
 
 
@@ -709,12 +718,12 @@ class RequestScorer:
             return None
         slots = plan.slots
         by_slot = node.derived(self._slots_key, self._slots_of)
+        indices: tuple[int, ...]
         if len(slots) == 1:  # the common case, without the bookkeeping of repeated slots
             gpus = by_slot.get(slots[0])
             if not gpus:
                 raise AssertionError(f"plan slot {slots[0]} has no GPU on node {node.name}")
-            index, temperature = gpus[0]
-            indices: tuple[int, ...] = (index,)
+            _, indices, temperature = gpus[0]
         else:
             indices, temperature = _gpus_for(node, by_slot, slots)
         num = self._w_profile * plan.score + self._w_temperature * temperature
@@ -728,7 +737,7 @@ class RequestScorer:
         return (num / self._den if self._den > 0 else 0.0), indices
 
 
-def _gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[tuple[int, float], ...]],
+def _gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
               slots: Sequence[GpuSlot]) -> tuple[tuple[int, ...], float]:
     """Concrete GPU indices for the plan's slots (among equal slots the coolest, then the
     lowest index) and their mean temperature term (1 without GPUs)."""
@@ -740,8 +749,8 @@ def _gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[tuple[int, float]
         k = taken.get(slot, 0)
         if k >= len(gpus):
             raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
-        index, term = gpus[k]
-        chosen.append(index)
-        terms.append(term)
+        gpu = gpus[k]
+        chosen.append(gpu.gpu_index)
+        terms.append(gpu.temperature)
         taken[slot] = k + 1
     return tuple(chosen), (sum(terms) / len(terms) if terms else 1.0)

@@ -205,30 +205,27 @@ class ShapePlacer:
         return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
 
     def evaluate(self, state: NodeState) -> Evaluation:
-        """`place`'s answer as an Evaluation (with, for a misfit, whether an empty node
-        would do)."""
+        """`place`'s answer as an Evaluation."""
         request = self._single
+        placement: Placement | str
         if request is None:
             placement = self.place(state)
         else:  # `place` for one container, written out: this runs on every node
-            placement = None
             inventory = state.inventory
             if inventory.ready and request.isolation in inventory.sharing:
                 scored = _scored_choice(state, request, self._scorers[0])
                 if scored is not None:
-                    indices, score = scored
-                    return Evaluation(state, Placement(state.name, (), score, state, request,
-                                                       indices))
+                    return Evaluation(state, scored[1], request, scored[0])
             reason = node_rejection(state, request)
-            if reason is None:
+            if reason is not None:
+                placement = reason
+            else:  # the filter's rules let it fit where the scorer did not (CPU, say)
                 grants = _fallback_choice(state.free(), request)
                 placement = (Placement(state.name, (grants,), 0.0) if grants is not None
                              else "no GPUs fit")
-            else:
-                placement = reason
         if isinstance(placement, str):
-            return Evaluation(state, None, placement, self._requests)
-        return Evaluation(state, placement)
+            return Evaluation(state, None, reason=placement, requests=self._requests)
+        return Evaluation(state, placement.score, placement=placement)
 
 
 def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | str:
@@ -306,18 +303,36 @@ def materially_different(old: TargetWorkload, new: TargetWorkload,
 
 
 class Evaluation:
-    """One node judged for one pod, on one state of the node: the placement, or why it does
-    not fit. The memo keeps one per node and demand shape (tens of thousands), so it is one
-    small object that also records the state it was made on."""
+    """One node judged for one pod, on one state of the node (`state`): its score (None if
+    the pod does not fit) and GPUs, or why it does not fit.
 
-    __slots__ = ("_requests", "placement", "reason", "state")
+    The memo keeps one per node and demand shape, tens of thousands, so this is a single
+    object: the fewer objects, the cheaper each collection. Filter and prioritize read only
+    the score; the `Placement` is made when someone asks (bind, for the node it binds to).
+    """
 
-    def __init__(self, state: NodeState, placement: Placement | None, reason: str = "",
+    __slots__ = ("_indices", "_placement", "_request", "_requests", "reason", "score", "state")
+
+    def __init__(self, state: NodeState, score: float | None,
+                 request: GpuRequest | None = None, indices: tuple[int, ...] = (), *,
+                 placement: Placement | None = None, reason: str = "",
                  requests: tuple[GpuRequest, ...] = ()) -> None:
+        """A fit is `score` with either the one container's `request` and GPU `indices`, or
+        a whole `placement`; a misfit is score None, the `reason` and the pod's `requests`."""
         self.state = state
-        self.placement = placement
-        self.reason = reason  # why it does not fit, when placement is None
-        self._requests = requests  # the pod's, when it does not fit
+        self.score = score
+        self._request = request
+        self._indices = indices
+        self._placement = placement
+        self.reason = reason  # why it does not fit, when score is None
+        self._requests = requests
+
+    @property
+    def placement(self) -> Placement | None:
+        if self._placement is None and self._request is not None and self.score is not None:
+            self._placement = Placement(self.state.name, (), self.score, self.state,
+                                        self._request, self._indices)
+        return self._placement
 
     @property
     def resolvable(self) -> bool:

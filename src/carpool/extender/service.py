@@ -254,7 +254,7 @@ class Extender:
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
         counts = demand.gpu_counts
-        placed = {name: e.placement.score for name, e in evaluations.items() if e.placement}
+        placed = {name: e.score for name, e in evaluations.items() if e.score is not None}
         fits = list(placed)
         passed: list[str] = fits
         waiting: dict[str, str] = {}  # fit, but a same-count pod is in flight there
@@ -296,7 +296,7 @@ class Extender:
             return encode_filter_result(args, passed, {}, {})
         unresolvable = {name: f"carpool: {reason}" for name, reason in snapshot.missing.items()}
         for name, evaluation in evaluations.items():
-            if evaluation.placement is None:
+            if evaluation.score is None:
                 (failed if evaluation.resolvable else unresolvable)[name] = (
                     f"carpool: {evaluation.reason}")
         if not passed and log.isEnabledFor(logging.INFO):
@@ -315,7 +315,7 @@ class Extender:
         policy = self._policy(demand)
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
-        raw = {name: e.placement.score for name, e in evaluations.items() if e.placement}
+        raw = {name: e.score for name, e in evaluations.items() if e.score is not None}
         scores = scale_scores(raw, args.node_names)
         best = [n for n, score in scores.items() if score == MAX_SCORE]
         if best:
