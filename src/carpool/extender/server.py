@@ -49,10 +49,12 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5
 # big, still-live dicts; most of what a request allocates is freed by reference counting
 # when it ends, so collecting less often mostly skips work.
 YOUNG_THRESHOLD = 20_000
-# The warmer collects the young generation between requests once this many objects are
-# pending, well before the interpreter would: a new shape's first filter allocates a few
-# thousand objects, and a collection inside it lands on the slowest requests.
-YOUNG_COLLECT_AT = YOUNG_THRESHOLD // 2
+# The warm loop collects the young generation between requests once this many objects may
+# be in it, well before the interpreter would: a new shape's first filter allocates a few
+# thousand objects, and a collection inside it lands on the slowest requests. "May be":
+# the interpreter's count is allocations minus frees, and each evaluation the warmer
+# replaces frees an old one, so the warmer's evaluations are counted as well.
+YOUNG_COLLECT_AT = 5_000
 SWITCH_INTERVAL_S = 0.001  # the most the event loop waits for a watch thread's interpreter
 
 
@@ -200,6 +202,7 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
 
     async def warm_loop() -> None:
         frozen_at = -GC_FREEZE_EVERY_S
+        warmed_at = 0  # the warmer's evaluations at the last collection
         while True:
             try:
                 more = extender.warm(WARM_STEP_S)
@@ -216,8 +219,10 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
                 gc.collect(1)  # young cyclic garbage first, so it is not frozen with the rest
                 gc.freeze()
                 frozen_at = time.monotonic()
-            elif gc.get_count()[0] >= YOUNG_COLLECT_AT:
+                warmed_at = extender.ranker.warmed
+            elif gc.get_count()[0] + extender.ranker.warmed - warmed_at >= YOUNG_COLLECT_AT:
                 gc.collect(0)
+                warmed_at = extender.ranker.warmed
             await asyncio.sleep(0 if more else WARM_IDLE_S)
 
     async def start_warming(app: web.Application) -> None:
