@@ -11,6 +11,9 @@ reported Running to the cache at once, as KWOK would. Prints p50/p99 per verb.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py [--pods 2000] [--concurrency 1]
 
+With `--cold-passes` it times, in process, a demand shape's first filter (every node
+evaluated) after `--pods` pods were placed.
+
 With `--sampling` it replays the openb traces as bench/placement.py does, but lets Carpool choose
 only among the nodes kube-scheduler's `percentageOfNodesToScore` sample would send it.
 
@@ -664,6 +667,92 @@ def bench_sampling(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- a new shape's first pass, in process ---------------------------------------------------
+
+
+def bench_cold_passes(args: argparse.Namespace) -> int:
+    """What a demand shape's first filter costs at 1,213 nodes, after `--pods` pods of trace
+    shapes were placed through the extender (filter, then bind: nodes fill and their
+    profiles diverge). Each round starts new scorers with an empty memo, as a change of the
+    target workload does, and times one filter per distinct trace shape (all 1,213 nodes
+    named), in this process with the collector off, so only the placement code is timed."""
+    from carpool.extender.cache import ClusterCache
+    from carpool.extender.fake import LoopFakeCluster
+    from carpool.extender.ranking import Ranker
+    from carpool.extender.service import Extender, Settings
+    from carpool.extender.wire import decode_binding_args, decode_extender_args, decode_pod
+
+    cache = ClusterCache()
+    for inventory in openb_inventories():
+        cache.put_inventory(inventory)
+    for kind in ("nodes", "gpunodes", "pods"):
+        cache.mark_synced(kind)
+
+    def watch(event: str, pod: dict[str, Any]) -> None:
+        if pod["spec"].get("nodeName"):
+            pod["status"]["phase"] = "Running"
+        cache.apply_pod(event, pod, time.time())
+
+    cluster = LoopFakeCluster(on_change=watch)
+    extender = Extender(cache, cluster, Settings(filter_best=SHIPPED_FILTER_BEST))
+    names = cache.node_names()
+    rng = random.Random(args.seed)
+    shapes = openb_pod_shapes()
+
+    async def run_blocking(fn: Any, *fn_args: Any) -> Any:
+        return fn(*fn_args)
+
+    placed: list[dict[str, Any]] = []
+
+    async def fill() -> None:
+        for i in range(args.pods):
+            pod = pod_manifest(f"fill-{i:05d}", rng.choice(shapes))
+            placed.append(pod)
+            cluster.add_pod(pod)
+            chosen = extender.filter(decode_extender_args({"Pod": pod, "NodeNames": names}))
+            if chosen["NodeNames"]:
+                meta = pod["metadata"]
+                await extender.bind_async(decode_binding_args({
+                    "PodName": meta["name"], "PodNamespace": meta["namespace"],
+                    "PodUID": meta["uid"], "Node": chosen["NodeNames"][0]}), run_blocking)
+            while extender.warm(0.01):
+                pass
+
+    started = time.perf_counter()
+    asyncio.run(fill())
+    distinct = list({(s["count"], s["memory_gib"], s["cores"], s["models"]): s
+                     for s in shapes}.values())
+    print(f"{args.pods} pods placed in {time.perf_counter() - started:.1f} s "
+          f"({cache.counts()['holds']} holding GPUs); {len(distinct)} distinct shapes")
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    per_shape: list[list[float]] = [[] for _ in distinct]
+    for _ in range(args.rounds):
+        # a new ranker that has learnt the same workload: new scorers, an empty memo
+        ranker = Ranker(extender.settings.scoring, extender.settings.learn_workload)
+        for pod in placed:
+            ranker.observe(decode_pod(pod))
+        ranker.set_supply(cache.supply())
+        extender.ranker = ranker
+        for i, shape in enumerate(distinct):
+            body = decode_extender_args({"Pod": pod_manifest(f"cold-{i}", shape),
+                                         "NodeNames": names})
+            started = time.perf_counter()
+            extender.filter(body)
+            per_shape[i].append((time.perf_counter() - started) * 1000)
+    gc.enable()
+    best = sorted(min(times) for times in per_shape)
+    print(f"first filter of a shape, ms (best of {args.rounds} rounds per shape): "
+          f"min {best[0]:.1f}, median {statistics.median(best):.1f}, max {best[-1]:.1f}, "
+          f"{statistics.median(best) * 1000 / len(names):.1f} us per node at the median")
+    for shape, times in sorted(zip(distinct, per_shape, strict=True),
+                               key=lambda x: -min(x[1]))[:5]:
+        print(f"  slowest: {shape['count']} GPU(s), {shape['memory_gib']} GiB, "
+              f"{shape['cores']} % cores: {min(times):.1f} ms")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", type=int, default=2000)
@@ -698,7 +787,13 @@ def main() -> int:
     parser.add_argument("--traces", default="default,gpuspec10", help="(--sampling)")
     parser.add_argument("--percentages", default="100,0,10",
                         help="(--sampling) percentageOfNodesToScore values; 0: adaptive")
+    parser.add_argument("--cold-passes", action="store_true",
+                        help="time a new shape's first filter in process, after --pods pods "
+                             "were placed")
+    parser.add_argument("--rounds", type=int, default=3, help="(--cold-passes)")
     args = parser.parse_args()
+    if args.cold_passes:
+        return bench_cold_passes(args)
     if args.sampling:
         return bench_sampling(args)
     if args.cluster:
