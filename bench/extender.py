@@ -359,6 +359,16 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
 # --- end to end on the local cluster -----------------------------------------------------------
 
 
+def _stolen_ms() -> float:
+    """CPU time, all CPUs, that the hypervisor gave to others while this VM wanted it
+    (/proc/stat's steal column, in clock ticks); 0 where the kernel does not report it."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _free_port() -> int:
     import socket
 
@@ -825,7 +835,10 @@ def main() -> int:
               f"{sum(len(i.gpus) for i in inventories)} GPUs; concurrency {args.concurrency}; "
               f"fake API server delay {args.api_delay_ms} ms per call; filter passes "
               f"{args.filter_best or 'every fitting node'}")
+        stolen = _stolen_ms()
         timings = asyncio.run(load(args.port, pods, node_names, args.concurrency))
+        print(f"CPU time the VM's host took from this machine during the load (steal): "
+              f"{_stolen_ms() - stolen:.0f} ms")
     finally:
         server.terminate()
         server.wait(10)
