@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,16 +89,10 @@ def openb_pod_shapes() -> list[dict[str, Any]]:
     return shapes
 
 
-# --- the server (child process) -------------------------------------------------------------
-
-
-def serve(port: int, api_delay_s: float, filter_best: int) -> None:
-    from aiohttp import web
-
+def openb_cache() -> tuple[Any, Callable[[str, dict[str, Any]], None]]:
+    """The extender's cache holding the openb nodes (synced), and a pod watch for it that
+    reports bound pods Running at once, as KWOK does."""
     from carpool.extender.cache import ClusterCache
-    from carpool.extender.fake import LoopFakeCluster
-    from carpool.extender.server import make_app, tune_interpreter
-    from carpool.extender.service import Extender, Settings
 
     cache = ClusterCache()
     for inventory in openb_inventories():
@@ -107,8 +102,23 @@ def serve(port: int, api_delay_s: float, filter_best: int) -> None:
 
     def watch(event: str, pod: dict[str, Any]) -> None:
         if pod["spec"].get("nodeName"):
-            pod["status"]["phase"] = "Running"  # KWOK starts bound pods at once
+            pod["status"]["phase"] = "Running"
         cache.apply_pod(event, pod, time.time())
+
+    return cache, watch
+
+
+# --- the server (child process) -------------------------------------------------------------
+
+
+def serve(port: int, api_delay_s: float, filter_best: int) -> None:
+    from aiohttp import web
+
+    from carpool.extender.fake import LoopFakeCluster
+    from carpool.extender.server import make_app, tune_interpreter
+    from carpool.extender.service import Extender, Settings
+
+    cache, watch = openb_cache()
 
     gc_pauses: list[float] = []
     gc_started = [0.0]
@@ -686,22 +696,12 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
     profiles diverge). Each round starts new scorers with an empty memo, as a change of the
     target workload does, and times one filter per distinct trace shape (all 1,213 nodes
     named), in this process with the collector off, so only the placement code is timed."""
-    from carpool.extender.cache import ClusterCache
     from carpool.extender.fake import LoopFakeCluster
     from carpool.extender.ranking import Ranker
     from carpool.extender.service import Extender, Settings
     from carpool.extender.wire import decode_binding_args, decode_extender_args, decode_pod
 
-    cache = ClusterCache()
-    for inventory in openb_inventories():
-        cache.put_inventory(inventory)
-    for kind in ("nodes", "gpunodes", "pods"):
-        cache.mark_synced(kind)
-
-    def watch(event: str, pod: dict[str, Any]) -> None:
-        if pod["spec"].get("nodeName"):
-            pod["status"]["phase"] = "Running"
-        cache.apply_pod(event, pod, time.time())
+    cache, watch = openb_cache()
 
     cluster = LoopFakeCluster(on_change=watch)
     extender = Extender(cache, cluster, Settings(filter_best=SHIPPED_FILTER_BEST))

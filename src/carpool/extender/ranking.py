@@ -1,11 +1,12 @@
 """Where a pod's GPUs go on one node, and how good that node is: the extender's one seam to
 the placement core.
 
-Filter, prioritize and bind all go through `place`, so the GPUs bind records are the ones
-prioritize scored. Fit is `placement.node_rejection` (its reasons are what users read);
-the score and the GPU choice are `scoring.score_node` — the same code the placement
-benchmark replays — with fragmentation measured against the workload this extender has
-actually seen (`WorkloadTracker`).
+Filter, prioritize and bind all go through `ShapePlacer` (one per demand shape), so the GPUs
+bind records are the ones filter and prioritize scored. Fit is `placement.node_rejection`
+(its reasons are what users read); the score and the GPU choice are `scoring.score_node`'s,
+through its per-request form `scoring.RequestScorer` (the plans are `Scorer.plan`, the code
+the placement benchmark replays), with fragmentation measured against the workload this
+extender has actually seen (`WorkloadTracker`).
 """
 
 from __future__ import annotations
