@@ -9,6 +9,7 @@ up incrementally, so a replayed pass cannot count twice.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import statistics
 from collections.abc import Iterable, Mapping
@@ -21,6 +22,17 @@ from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.resources import GpuGrant, Phase
 
 Obj = dict[str, Any]
+
+# What the kubelet writes on a pod it refused before starting any container: its device
+# plugin could not allocate (UnexpectedAdmissionError), its topology manager could not align,
+# or it was out of a resource the scheduler thought it had (OutOf<resource>). The job's code
+# never ran, so the job goes back to the queue instead of failing, at most this many times.
+NODE_REJECTIONS = frozenset({"UnexpectedAdmissionError", "TopologyAffinityError"})
+MAX_NODE_REJECTIONS = 3
+
+
+def is_node_rejection(reason: str) -> bool:
+    return reason in NODE_REJECTIONS or reason.startswith("OutOf")
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,11 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
     gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
             for g in (current.assignment or {}).get("gpus") or []]
+    if current.terminal and preempting != attempts and current.phase == "Failed" \
+            and is_node_rejection(current.exit_reason):
+        requeued = _requeue_rejected(phase, history, current, fraction, attempts, now)
+        if requeued is not None:
+            return requeued
     if current.terminal and preempting != attempts:
         outcome = current.phase
         new_phase = Phase.SUCCEEDED if outcome == "Succeeded" else Phase.FAILED
@@ -169,6 +186,30 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
                        f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
     return Observation(new_phase, attempts, patch, tuple(events), current)
+
+
+def _requeue_rejected(phase: Phase, history: list[Obj], pod: PodView, fraction: float,
+                      attempts: int, now: float) -> Observation | None:
+    """The job back in the queue after its node refused the attempt's pod, or None once that
+    has happened more than MAX_NODE_REJECTIONS times (then it fails like any failed pod).
+
+    The refused pod stays (it says why in `kubectl describe`); later passes find the job
+    already queued for it and change nothing, until an admission makes the next attempt."""
+    if pod.started is None:  # the record needs a start; the attempt held GPUs for no time
+        pod = dataclasses.replace(pod, started=pod.finished or now)
+    history = _record(history, pod, fraction, now, pod.exit_reason)
+    rejections = sum(1 for r in history if is_node_rejection(str(r.get("outcome") or "")))
+    if rejections > MAX_NODE_REJECTIONS:
+        return None
+    if phase is Phase.QUEUED:
+        return Observation(Phase.QUEUED, attempts, {})
+    message = (f"attempt {attempts} was refused by node {pod.node or '?'} "
+               f"({pod.exit_reason}, {rejections} of at most {MAX_NODE_REJECTIONS}); requeued")
+    patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
+             "gpuHours": round(history_gpu_hours(history, now), 6),
+             "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
+             "reason": "NodeRejected", "message": message}
+    return Observation(Phase.QUEUED, attempts, patch, (("Warning", "Requeued", message),))
 
 
 def admission_to_start_s(statuses: Iterable[Mapping[str, Any]], recent: int = 50) -> float:

@@ -336,6 +336,43 @@ def test_max_duration_is_enforced(scenario: Scenario) -> None:
              timeout=20)
 
 
+def test_a_pod_the_node_refuses_sends_the_job_back_to_the_queue(scenario: Scenario) -> None:
+    """The kubelet refuses a pod when its device plugin cannot allocate
+    (UnexpectedAdmissionError): the job's code never ran, so a new attempt follows."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("refused")
+    project = scenario.project("refused", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "retried", project, node=node, estimatedDuration="10s",
+                    simulatedDuration="3s")
+
+    def bound_first_pod() -> bool:
+        try:
+            return bool(scenario.pod(ns, "retried-1")["spec"].get("nodeName"))
+        except client.ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+
+    wait_for("attempt 1's pod bound", bound_first_pod, timeout=30, interval=0.1)
+    # what a kubelet writes on a pod it refused before starting any container
+    scenario.core.patch_namespaced_pod_status("retried-1", ns, [
+        {"op": "replace", "path": "/status/phase", "value": "Failed"},
+        {"op": "add", "path": "/status/reason", "value": "UnexpectedAdmissionError"},
+        {"op": "add", "path": "/status/message",
+         "value": "Pod was rejected: Allocate failed due to the device plugin"},
+        {"op": "add", "path": "/status/containerStatuses", "value": []}])
+
+    done = scenario.wait_phase(ns, "retried", {"Succeeded", "Failed"}, timeout=60)
+    assert done["phase"] == "Succeeded" and done["attempts"] == 2, done
+    first, second = _history(done)
+    assert first["outcome"] == "UnexpectedAdmissionError", first
+    assert second["outcome"] == "Succeeded", second
+    assert scenario.pod(ns, "retried-1")["status"]["phase"] == "Failed"  # kept: it says why
+    wait_for("the Requeued event", lambda: any(
+        e["reason"] == "Requeued" and "refused by node" in e["message"]
+        for e in scenario.events(ns, "retried")), timeout=15)
+
+
 def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario) -> None:
     node = scenario.node(gpus=1)
     ns = scenario.namespace("del")

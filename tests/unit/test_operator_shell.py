@@ -171,6 +171,47 @@ def test_kubelet_deadline_reads_as_max_duration_exceeded() -> None:
     assert obs.phase is Phase.FAILED and obs.status["reason"] == "MaxDurationExceeded"
 
 
+def _refused(attempt: int, reason: str = "UnexpectedAdmissionError") -> dict[str, Any]:
+    """A pod the kubelet refused before starting it: Failed, no container statuses."""
+    pod = _pod(attempt, "Failed", started="2026-11-29T10:00:00Z")
+    pod["status"].update(containerStatuses=[], reason=reason,
+                         message="Pod was rejected: Allocate failed")
+    return pod
+
+
+def test_a_pod_the_node_refused_requeues_the_job_once_per_refusal() -> None:
+    job = _job({"phase": "Admitted", "attempts": 1})
+    obs = observe(job, [view_pod(_refused(1))], {UUID: 143771}, now=1_800_000_000)
+    assert obs.phase is Phase.QUEUED and obs.attempts == 1
+    assert obs.status["reason"] == "NodeRejected"
+    assert "refused by node n1 (UnexpectedAdmissionError, 1 of at most 3)" in \
+        obs.status["message"]
+    assert obs.status["node"] is None and obs.status["gpus"] is None
+    assert obs.status["history"][0]["outcome"] == "UnexpectedAdmissionError"
+    assert obs.status["gpuHours"] == 0  # it never ran
+    assert [e[1] for e in obs.events] == ["Requeued"]
+    # the next pass finds the job queued for that refusal: nothing to write, no new event
+    again = observe(_job({**obs.status, "phase": "Queued"}), [view_pod(_refused(1))],
+                    {UUID: 143771}, now=1_800_000_100)
+    assert again.phase is Phase.QUEUED and again.status == {} and again.events == ()
+
+
+def test_a_job_refused_more_than_three_times_fails() -> None:
+    history = [{"attempt": a, "node": "n1", "fraction": 0.5, "start": "2026-11-29T10:00:00Z",
+                "end": "2026-11-29T10:00:00Z", "outcome": "OutOfcarpool.dev/gpu"}
+               for a in (1, 2, 3)]
+    job = _job({"phase": "Admitted", "attempts": 4, "history": history})
+    obs = observe(job, [view_pod(_refused(a, "OutOfcarpool.dev/gpu")) for a in (1, 2, 3)]
+                  + [view_pod(_refused(4))], {UUID: 143771}, now=1_800_000_000)
+    assert obs.phase is Phase.FAILED and obs.status["reason"] == "UnexpectedAdmissionError"
+
+
+def test_a_pod_whose_container_failed_still_fails_the_job() -> None:
+    pod = _pod(1, "Failed", started="2026-11-29T10:00:00Z", finished="2026-11-29T10:05:00Z")
+    obs = observe(_job({"phase": "Running", "attempts": 1}), [view_pod(pod)], {}, now=0)
+    assert obs.phase is Phase.FAILED and obs.status["reason"] == "Error"
+
+
 def test_conditions_follow_the_phase_and_keep_transition_times() -> None:
     queued = job_conditions({"phase": "Queued", "reason": "Budget", "message": "spent"}, 100)
     assert queued is not None
