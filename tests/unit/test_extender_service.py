@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Mapping
@@ -237,6 +238,36 @@ def test_a_bind_that_may_have_been_written_keeps_its_gpus_until_the_retry() -> N
     w.cluster.fail_bind.clear()
     assert w.bind("p", "n") == ""  # the scheduler's retry replaces the pod's own hold
     assert w.cluster.bindings == [("default/p", "n")]
+
+
+def test_an_unconfirmed_bind_frees_its_gpus_once_the_pod_is_gone() -> None:
+    """The Binding's outcome is unknown (a 500) and the pod is deleted before it is bound.
+    The pod watch selects bound pods only, so it never says so: the extender reads the pod."""
+    w = World(Settings(bind_wait_s=0.0, ambiguous_recheck_s=0.01))
+    w.cluster.on_change = lambda event, pod: (  # as the field-selected watch: bound pods
+        w.cache.apply_pod(event, pod, w.clock.now) if pod["spec"].get("nodeName") else None)
+    w.add_node("n", [gpu("g0")])
+    w.add_pod("p", memory_gib=10)
+    w.cluster.fail_bind.add("default/p")
+    uid = w.cluster.pod("default", "p")["metadata"]["uid"]
+
+    async def inline(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    async def scenario() -> None:
+        result = await w.extender.bind_async(BindingArgs("p", "default", uid, "n"), inline)
+        assert "injected bind failure" in result["Error"]
+        await asyncio.sleep(0.05)
+        held = w.cache.hold_of("default/p")
+        assert held is not None and held.assumed  # the pod is still there: still held
+        w.cluster.delete_pod("default", "p")
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if w.cache.hold_of("default/p") is None:
+                return
+        raise AssertionError("the deleted pod's GPUs were never given back")
+
+    asyncio.run(scenario())
 
 
 def test_a_bind_written_despite_its_error_is_never_double_booked() -> None:

@@ -36,8 +36,8 @@ BIND_CONNECTIONS = 64  # concurrent Binding requests to the API server
 # sent at all, and a pod that finishes leaves the selection (a DELETED event). What this
 # gives up: the deletion of a pod that never got bound. That matters only for a pod whose
 # bind failed ambiguously (its GPUs stay assumed, see `Extender._bind_failed`) and that is
-# then deleted before it is bound again; its assumption then lapses after ASSUMED_TTL_S
-# instead of at once (GPUs held too long, never given twice).
+# then deleted before it is bound again: `Extender._follow_ambiguous` reads such a pod every
+# few seconds and gives its GPUs back once it is gone.
 PODS_THAT_HOLD = "spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
 
 

@@ -88,12 +88,17 @@ class Settings:
     # of two, and none of its own scoring. The command ships with 1 (`--filter-best`); see
     # docs/benchmarks.md for the effect on placement.
     filter_best: int = 0
+    # After a Binding whose outcome is unknown (a timeout, a lost connection, a 5xx), how
+    # often to read the pod until the watch settles its GPUs (see `_follow_ambiguous`).
+    ambiguous_recheck_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in Policy.ALL:
             raise ValueError(f"policy must be one of {', '.join(Policy.ALL)}")
         if self.filter_best < 0:
             raise ValueError("filter_best must be 0 (every node) or more")
+        if self.ambiguous_recheck_s <= 0:
+            raise ValueError("ambiguous_recheck_s must be positive")
 
 
 def rfc3339(epoch: float) -> str:
@@ -225,6 +230,7 @@ class Extender:
         self._pods_seen: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
         self._pods_lock = threading.Lock()
         self.nominations = Nominations()
+        self._followers: set[asyncio.Task[None]] = set()
 
     def warm(self, budget_s: float) -> bool:
         """One step of keeping the ranker's memo complete (see `Ranker.warm`), for at most
@@ -527,7 +533,42 @@ class Extender:
             if result == STALE:
                 pod = None
                 continue
+            if result and self._still_assumed(plan):  # the Binding may have been written
+                task = asyncio.get_running_loop().create_task(
+                    self._follow_ambiguous(plan, run_blocking))
+                self._followers.add(task)
+                task.add_done_callback(self._followers.discard)
             return {"Error": result}
+
+    def _still_assumed(self, plan: BindPlan) -> bool:
+        hold = self.cache.hold_of(plan.demand.key)
+        return hold is not None and hold.assumed and hold.uid == plan.uid
+
+    async def _follow_ambiguous(self, plan: BindPlan, run_blocking: RunBlocking) -> None:
+        """Give back the GPUs of a pod whose Binding may or may not have been written, once
+        the pod is gone.
+
+        They stay assumed until the watch shows the pod bound, a retry replaces them, or the
+        assumption expires (minutes). The watch sees only bound pods, so a pod deleted while
+        still unbound would hold them until then: only reading the pod can tell.
+        """
+        key, uid, args = plan.demand.key, plan.uid, plan.args
+        while True:
+            await asyncio.sleep(self.settings.ambiguous_recheck_s)
+            if not self._still_assumed(plan):
+                return  # the watch confirmed it, a retry replaced it, or it expired
+            try:
+                pod = await run_blocking(self.cluster.get_pod, args.pod_namespace,
+                                         args.pod_name)
+            except ClusterError as exc:
+                if exc.status != 404:
+                    continue  # the API server is in trouble: look again later
+                pod = None
+            if pod is None or str((pod.get("metadata") or {}).get("uid") or "") != uid:
+                log.info("%s is gone after an unconfirmed bind; its GPUs on %s are free again",
+                         args.key, args.node)
+                self.cache.forget(key, uid)
+                return
 
     def bind(self, args: BindingArgs) -> dict[str, str]:
         """`bind_async` for callers without an event loop (tests, tools)."""
