@@ -14,6 +14,7 @@ from carpool.core import names
 from carpool.core.annotations import load_annotation_json
 
 Obj = dict[str, Any]
+DISRUPTION_TARGET = "DisruptionTarget"  # the pod condition Kubernetes sets on disrupted pods
 
 
 def parse_time(text: str | None) -> float | None:
@@ -41,6 +42,9 @@ class PodView:
     finished: float | None
     deleting: bool
     exit_reason: str
+    # the pod carries a DisruptionTarget condition: the system stopped it (a kubelet's
+    # eviction or node shutdown, a taint, the eviction API), not the job's code
+    disrupted: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -90,4 +94,6 @@ def view_pod(pod: Obj) -> PodView:
         finished=finished,
         deleting=bool(meta.get("deletionTimestamp")),
         exit_reason=exit_reason or status.get("reason") or "",
+        disrupted=any(c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"
+                      for c in status.get("conditions") or []),
     )

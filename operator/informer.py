@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.operator.following import DISRUPTION_TARGET
 from carpool.operator.kube import GPUJOBS, JOBS_PATH, PODS, QUOTAS, Kube, Obj
 from kubernetes.client.rest import ApiException
 
@@ -56,7 +57,8 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 # What a pass reads of a pod (`following.view_pod` and the job it belongs to): a store of
-# thousands of pods keeps only these, not their conditions, IPs, images and other labels.
+# thousands of pods keeps only these, not their conditions (but DisruptionTarget), IPs,
+# images and other labels.
 POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
 POD_ANNOTATIONS = (names.ANN_JOB, names.ANN_ASSIGNMENT)
 POD_STATUS = ("phase", "reason", "startTime")
@@ -82,6 +84,9 @@ def trimmed(obj: Obj, pod: bool = False) -> Obj:
     kept_status = {k: status[k] for k in POD_STATUS if k in status}
     if containers := status.get("containerStatuses"):
         kept_status["containerStatuses"] = [{"state": c.get("state") or {}} for c in containers]
+    if disruption := [c for c in status.get("conditions") or []
+                      if c.get("type") == DISRUPTION_TARGET]:
+        kept_status["conditions"] = disruption
     return {"metadata": kept_meta, "spec": {"nodeName": node} if node else {},
             "status": kept_status}
 

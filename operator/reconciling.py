@@ -23,16 +23,28 @@ from carpool.core.resources import GpuGrant, Phase
 
 Obj = dict[str, Any]
 
-# What the kubelet writes on a pod it refused before starting any container: its device
-# plugin could not allocate (UnexpectedAdmissionError), its topology manager could not align,
-# or it was out of a resource the scheduler thought it had (OutOf<resource>). The job's code
-# never ran, so the job goes back to the queue instead of failing, at most this many times.
+# A pod can fail through no fault of the job's code. The kubelet may refuse it before
+# starting any container: its device plugin could not allocate (UnexpectedAdmissionError),
+# its topology manager could not align, or it was out of a resource the scheduler thought it
+# had (OutOf<resource>). Or Kubernetes may stop it and mark it with the DisruptionTarget
+# condition (a kubelet's eviction or node shutdown, a taint, the eviction API). Such a job
+# goes back to the queue instead of failing, at most MAX_REQUEUES_AFTER_FAILURE times.
 NODE_REJECTIONS = frozenset({"UnexpectedAdmissionError", "TopologyAffinityError"})
-MAX_NODE_REJECTIONS = 3
+DISRUPTED = "Disrupted"  # the outcome recorded for a disrupted attempt
+MAX_REQUEUES_AFTER_FAILURE = 3
 
 
 def is_node_rejection(reason: str) -> bool:
     return reason in NODE_REJECTIONS or reason.startswith("OutOf")
+
+
+def failed_not_by_the_job(pod: PodView) -> str:
+    """The outcome to record if `pod` failed through no fault of the job's code, else ""."""
+    if pod.phase != "Failed":
+        return ""
+    if is_node_rejection(pod.exit_reason):
+        return pod.exit_reason
+    return DISRUPTED if pod.disrupted else ""
 
 
 @dataclass(frozen=True)
@@ -141,9 +153,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
     gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
             for g in (current.assignment or {}).get("gpus") or []]
-    if current.terminal and preempting != attempts and current.phase == "Failed" \
-            and is_node_rejection(current.exit_reason):
-        requeued = _requeue_rejected(phase, history, current, fraction, attempts, now)
+    if preempting != attempts and (outcome := failed_not_by_the_job(current)):
+        requeued = _requeue_failed(phase, history, current, outcome, fraction, attempts, now)
         if requeued is not None:
             return requeued
     if current.terminal and preempting != attempts:
@@ -188,27 +199,33 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     return Observation(new_phase, attempts, patch, tuple(events), current)
 
 
-def _requeue_rejected(phase: Phase, history: list[Obj], pod: PodView, fraction: float,
-                      attempts: int, now: float) -> Observation | None:
-    """The job back in the queue after its node refused the attempt's pod, or None once that
-    has happened more than MAX_NODE_REJECTIONS times (then it fails like any failed pod).
+def _requeue_failed(phase: Phase, history: list[Obj], pod: PodView, outcome: str,
+                    fraction: float, attempts: int, now: float) -> Observation | None:
+    """The job back in the queue after its pod failed through no fault of its code (see
+    NODE_REJECTIONS), or None once that has happened more than MAX_REQUEUES_AFTER_FAILURE
+    times (then it fails like any failed pod).
 
-    The refused pod stays (it says why in `kubectl describe`); later passes find the job
+    The failed pod stays (it says why in `kubectl describe`); later passes find the job
     already queued for it and change nothing, until an admission makes the next attempt."""
     if pod.started is None:  # the record needs a start; the attempt held GPUs for no time
         pod = dataclasses.replace(pod, started=pod.finished or now)
-    history = _record(history, pod, fraction, now, pod.exit_reason)
-    rejections = sum(1 for r in history if is_node_rejection(str(r.get("outcome") or "")))
-    if rejections > MAX_NODE_REJECTIONS:
+    history = _record(history, pod, fraction, now, outcome)
+    failures = sum(1 for r in history if (o := str(r.get("outcome") or "")) == DISRUPTED
+                   or is_node_rejection(o))
+    if failures > MAX_REQUEUES_AFTER_FAILURE:
         return None
     if phase is Phase.QUEUED:
         return Observation(Phase.QUEUED, attempts, {})
-    message = (f"attempt {attempts} was refused by node {pod.node or '?'} "
-               f"({pod.exit_reason}, {rejections} of at most {MAX_NODE_REJECTIONS}); requeued")
+    node = pod.node or "?"
+    what = (f"was stopped on node {node} ({pod.exit_reason or 'disrupted'}"
+            if outcome == DISRUPTED else f"was refused by node {node} ({outcome}")
+    message = (f"attempt {attempts} {what}, {failures} of at most "
+               f"{MAX_REQUEUES_AFTER_FAILURE}); requeued")
     patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
              "gpuHours": round(history_gpu_hours(history, now), 6),
              "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
-             "reason": "NodeRejected", "message": message}
+             "reason": DISRUPTED if outcome == DISRUPTED else "NodeRejected",
+             "message": message}
     return Observation(Phase.QUEUED, attempts, patch, (("Warning", "Requeued", message),))
 
 

@@ -336,16 +336,19 @@ def test_max_duration_is_enforced(scenario: Scenario) -> None:
              timeout=20)
 
 
-def test_a_pod_the_node_refuses_sends_the_job_back_to_the_queue(scenario: Scenario) -> None:
+@pytest.mark.parametrize("how", ["refused", "evicted"])
+def test_a_pod_that_fails_through_no_fault_of_the_job_sends_it_back_to_the_queue(
+        scenario: Scenario, how: str) -> None:
     """The kubelet refuses a pod when its device plugin cannot allocate
-    (UnexpectedAdmissionError): the job's code never ran, so a new attempt follows."""
+    (UnexpectedAdmissionError), or evicts a running one and marks it DisruptionTarget: the
+    job's code is not at fault, so a new attempt follows."""
     node = scenario.node(gpus=1)
-    ns = scenario.namespace("refused")
-    project = scenario.project("refused", [ns], concurrent={"gpus": 1})
-    # Runs for an hour once started: KWOK's stages then leave the refused pod alone (they
+    ns = scenario.namespace(how)
+    project = scenario.project(how, [ns], concurrent={"gpus": 1})
+    # Runs for an hour once started: KWOK's stages then leave the failed pod alone (they
     # only complete Running pods, after that long), as a real kubelet would.
-    scenario.submit(ns, "retried", project, node=node, estimatedDuration="1h",
-                    maxDuration="2h", simulatedDuration="1h")
+    scenario.submit(ns, how, project, node=node, estimatedDuration="1h", maxDuration="2h",
+                    simulatedDuration="1h")
 
     def pod_running(name: str) -> bool:
         try:
@@ -355,25 +358,32 @@ def test_a_pod_the_node_refuses_sends_the_job_back_to_the_queue(scenario: Scenar
                 return False
             raise
 
-    wait_for("attempt 1's pod running", lambda: pod_running("retried-1"), timeout=30)
-    # what a kubelet writes on a pod it refused before starting any container
-    scenario.core.patch_namespaced_pod_status("retried-1", ns, [
+    wait_for("attempt 1's pod running", lambda: pod_running(f"{how}-1"), timeout=30)
+    # what a kubelet writes on a pod it refused before starting any container, or evicted
+    ops: list[Obj]
+    if how == "refused":
+        reason, outcome = "UnexpectedAdmissionError", "UnexpectedAdmissionError"
+        ops = [{"op": "add", "path": "/status/containerStatuses", "value": []}]
+    else:
+        reason, outcome = "Evicted", "Disrupted"
+        conditions = scenario.pod(ns, f"{how}-1")["status"].get("conditions") or []
+        ops = [{"op": "add", "path": "/status/conditions", "value": [*conditions, {
+            "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+            "lastTransitionTime": _rfc3339(time.time())}]}]
+    scenario.core.patch_namespaced_pod_status(f"{how}-1", ns, [
         {"op": "replace", "path": "/status/phase", "value": "Failed"},
-        {"op": "add", "path": "/status/reason", "value": "UnexpectedAdmissionError"},
-        {"op": "add", "path": "/status/message",
-         "value": "Pod was rejected: Allocate failed due to the device plugin"},
-        {"op": "add", "path": "/status/containerStatuses", "value": []}])
+        {"op": "add", "path": "/status/reason", "value": reason},
+        {"op": "add", "path": "/status/message", "value": f"Pod was {how} (test)"}, *ops])
 
-    wait_for("attempt 2's pod running", lambda: pod_running("retried-2"), timeout=30)
-    status = scenario.wait_phase(ns, "retried", {"Running"}, timeout=15)
+    wait_for("attempt 2's pod running", lambda: pod_running(f"{how}-2"), timeout=30)
+    status = scenario.wait_phase(ns, how, {"Running"}, timeout=15)
     assert status["attempts"] == 2, status
     (first, second) = _history(status)
-    assert first["outcome"] == "UnexpectedAdmissionError" and first["start"] == first["end"]
+    assert first["outcome"] == outcome, first
     assert "outcome" not in second, second
-    assert scenario.pod(ns, "retried-1")["status"]["phase"] == "Failed"  # kept: it says why
+    assert scenario.pod(ns, f"{how}-1")["status"]["phase"] == "Failed"  # kept: it says why
     wait_for("the Requeued event", lambda: any(
-        e["reason"] == "Requeued" and "refused by node" in e["message"]
-        for e in scenario.events(ns, "retried")), timeout=15)
+        e["reason"] == "Requeued" for e in scenario.events(ns, how)), timeout=15)
 
 
 def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario) -> None:

@@ -242,6 +242,17 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     assert "managedFields" not in kept["metadata"]
     assert kept["metadata"]["annotations"] == {names.ANN_JOB: "team/a"}
     assert view_pod(kept) == before  # everything the operator reads of a pod is kept
+    disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
+    pod = copy.deepcopy(pod)
+    pod["metadata"]["resourceVersion"] = "4"
+    pod["status"].update(phase="Failed", conditions=[{"type": "Ready", "status": "False"},
+                                                     disrupted])
+    before = view_pod(copy.deepcopy(pod))
+    assert before.disrupted
+    assert informer._apply({"type": "MODIFIED", "object": pod})
+    (kept,) = informer.snapshot()
+    assert kept["status"]["conditions"] == [disrupted]  # the one condition a pass reads
+    assert view_pod(kept) == before
 
 
 def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:

@@ -206,6 +206,22 @@ def test_a_job_refused_more_than_three_times_fails() -> None:
     assert obs.phase is Phase.FAILED and obs.status["reason"] == "UnexpectedAdmissionError"
 
 
+def test_a_pod_the_cluster_disrupted_requeues_the_job_and_counts_its_run() -> None:
+    """A kubelet's eviction (or node shutdown, a taint, the eviction API) marks the pod with
+    the DisruptionTarget condition: not the job's fault, so it goes back to the queue."""
+    pod = _pod(1, "Failed", started="2026-11-29T10:00:00Z", finished="2026-11-29T11:00:00Z")
+    pod["status"].update(reason="Evicted", conditions=[
+        {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}])
+    obs = observe(_job({"phase": "Running", "attempts": 1}), [view_pod(pod)],
+                  {UUID: 143771}, now=1_800_000_000)
+    assert obs.phase is Phase.QUEUED and obs.status["reason"] == "Disrupted"
+    assert obs.status["message"] == \
+        "attempt 1 was stopped on node n1 (Error, 1 of at most 3); requeued"
+    (record,) = obs.status["history"]
+    assert record["outcome"] == "Disrupted"
+    assert obs.status["gpuHours"] == pytest.approx(0.5)  # it ran an hour on half a GPU
+
+
 def test_a_pod_whose_container_failed_still_fails_the_job() -> None:
     pod = _pod(1, "Failed", started="2026-11-29T10:00:00Z", finished="2026-11-29T10:05:00Z")
     obs = observe(_job({"phase": "Running", "attempts": 1}), [view_pod(pod)], {}, now=0)
