@@ -42,9 +42,9 @@ class PodView:
     finished: float | None
     deleting: bool
     exit_reason: str
-    # the pod carries a DisruptionTarget condition: the system stopped it (a kubelet's
-    # eviction or node shutdown, a taint, the eviction API), not the job's code
-    disrupted: bool = False
+    # why Kubernetes stopped the pod, from its DisruptionTarget condition (a kubelet's
+    # eviction or node shutdown, a taint, the eviction API), not the job's code; "" if not
+    disruption: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -94,6 +94,8 @@ def view_pod(pod: Obj) -> PodView:
         finished=finished,
         deleting=bool(meta.get("deletionTimestamp")),
         exit_reason=exit_reason or status.get("reason") or "",
-        disrupted=any(c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"
-                      for c in status.get("conditions") or []),
+        disruption=next((str(c.get("reason") or DISRUPTION_TARGET)
+                         for c in status.get("conditions") or []
+                         if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"),
+                        ""),
     )

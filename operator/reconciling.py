@@ -44,7 +44,7 @@ def failed_not_by_the_job(pod: PodView) -> str:
         return ""
     if is_node_rejection(pod.exit_reason):
         return pod.exit_reason
-    return DISRUPTED if pod.disrupted else ""
+    return DISRUPTED if pod.disruption else ""
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,9 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
     gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
             for g in (current.assignment or {}).get("gpus") or []]
-    if preempting != attempts and (outcome := failed_not_by_the_job(current)):
-        requeued = _requeue_failed(phase, history, current, outcome, fraction, attempts, now)
+    if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):
+        requeued = _requeue_failed(phase, history, current, not_its_fault, fraction,
+                                   attempts, now)
         if requeued is not None:
             return requeued
     if current.terminal and preempting != attempts:
@@ -217,7 +218,7 @@ def _requeue_failed(phase: Phase, history: list[Obj], pod: PodView, outcome: str
     if phase is Phase.QUEUED:
         return Observation(Phase.QUEUED, attempts, {})
     node = pod.node or "?"
-    what = (f"was stopped on node {node} ({pod.exit_reason or 'disrupted'}"
+    what = (f"was stopped on node {node} ({pod.disruption}"
             if outcome == DISRUPTED else f"was refused by node {node} ({outcome}")
     message = (f"attempt {attempts} {what}, {failures} of at most "
                f"{MAX_REQUEUES_AFTER_FAILURE}); requeued")

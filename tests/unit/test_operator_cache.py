@@ -248,7 +248,7 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     pod["status"].update(phase="Failed", conditions=[{"type": "Ready", "status": "False"},
                                                      disrupted])
     before = view_pod(copy.deepcopy(pod))
-    assert before.disrupted
+    assert before.disruption == "TerminationByKubelet"
     assert informer._apply({"type": "MODIFIED", "object": pod})
     (kept,) = informer.snapshot()
     assert kept["status"]["conditions"] == [disrupted]  # the one condition a pass reads

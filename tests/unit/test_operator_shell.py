@@ -216,7 +216,7 @@ def test_a_pod_the_cluster_disrupted_requeues_the_job_and_counts_its_run() -> No
                   {UUID: 143771}, now=1_800_000_000)
     assert obs.phase is Phase.QUEUED and obs.status["reason"] == "Disrupted"
     assert obs.status["message"] == \
-        "attempt 1 was stopped on node n1 (Error, 1 of at most 3); requeued"
+        "attempt 1 was stopped on node n1 (TerminationByKubelet, 1 of at most 3); requeued"
     (record,) = obs.status["history"]
     assert record["outcome"] == "Disrupted"
     assert obs.status["gpuHours"] == pytest.approx(0.5)  # it ran an hour on half a GPU
