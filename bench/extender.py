@@ -366,9 +366,6 @@ async def load(port: int, pods: list[dict[str, Any]], node_names: list[str],
     return timings
 
 
-# --- end to end on the local cluster -----------------------------------------------------------
-
-
 def _stolen_ms() -> float:
     """CPU time, all CPUs, that the hypervisor gave to others while this VM wanted it
     (/proc/stat's steal column, in clock ticks); 0 where the kernel does not report it."""
@@ -377,6 +374,9 @@ def _stolen_ms() -> float:
         return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+# --- end to end on the local cluster -----------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -702,7 +702,6 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
     from carpool.extender.wire import decode_binding_args, decode_extender_args, decode_pod
 
     cache, watch = openb_cache()
-
     cluster = LoopFakeCluster(on_change=watch)
     extender = Extender(cache, cluster, Settings(filter_best=SHIPPED_FILTER_BEST))
     names = cache.node_names()
