@@ -296,23 +296,53 @@ def test_a_job_restricted_to_a_model_lands_only_there(
     assert t4 not in {node_of(core, namespace, n) for n in pods}
 
 
+def extenders_pick(extender: ExtenderProcess, namespace: str, pod: dict[str, Any],
+                   node_names: Sequence[str]) -> str | None:
+    """The node the extender's filter passes first for `pod` (not created yet) among
+    `node_names`, asked as the scheduler will ask. Under the pod's own name, so the
+    nomination it leaves is its own and steers nothing else."""
+    probe = {**pod, "metadata": {**pod["metadata"], "namespace": namespace}}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{extender.port}/filter", method="POST",
+        data=json.dumps({"Pod": probe, "NodeNames": list(node_names)}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        passed = json.loads(response.read()).get("NodeNames") or []
+    return str(passed[0]) if passed else None
+
+
+def wait_seen(extender: ExtenderProcess, namespace: str, pod: dict[str, Any],
+              node_names: Sequence[str], best: str) -> None:
+    """Wait until the extender's cache has the new nodes as the API server has them (each
+    is four writes, which its watches deliver a moment later; before that, a node it does
+    not know yet cannot win), shown by its filter picking `best`."""
+    eventually(lambda: extenders_pick(extender, namespace, pod, node_names) == best or None,
+               30, f"the extender to see {', '.join(node_names)} and pick {best}")
+
+
 def test_of_two_equal_nodes_the_cooler_wins(
-        core: Any, namespace: str, scheduler: Any, nodes: Nodes, pods: list[str]) -> None:
-    _warm, cool = nodes.add(nodes.node("warm", temperature=75.0),
+        core: Any, namespace: str, extender: ExtenderProcess, scheduler: Any, nodes: Nodes,
+        pods: list[str]) -> None:
+    warm, cool = nodes.add(nodes.node("warm", temperature=75.0),
                            nodes.node("cool", temperature=35.0))
     name = f"cool-{RUN}"
     pods.append(name)
-    core.create_namespaced_pod(namespace, gpu_pod(name, memory_gib=10))
+    pod = gpu_pod(name, memory_gib=10)
+    wait_seen(extender, namespace, pod, [warm, cool], cool)
+    core.create_namespaced_pod(namespace, pod)
     assert wait_bound(core, namespace, name) == cool
 
 
 def test_the_node_with_the_dataset_cached_wins(
-        core: Any, namespace: str, scheduler: Any, nodes: Nodes, pods: list[str]) -> None:
-    _far, near = nodes.add(nodes.node("far"), nodes.node("near", datasets=["imagenet"]))
+        core: Any, namespace: str, extender: ExtenderProcess, scheduler: Any, nodes: Nodes,
+        pods: list[str]) -> None:
+    far, near = nodes.add(nodes.node("far"), nodes.node("near", datasets=["imagenet"]))
     name = f"data-{RUN}"
     pods.append(name)
-    core.create_namespaced_pod(namespace, gpu_pod(name, memory_gib=10, annotations={
-        names.ANN_DATASET: "imagenet", names.ANN_DATASET_SIZE: "150"}))
+    pod = gpu_pod(name, memory_gib=10, annotations={
+        names.ANN_DATASET: "imagenet", names.ANN_DATASET_SIZE: "150"})
+    wait_seen(extender, namespace, pod, [far, near], near)
+    core.create_namespaced_pod(namespace, pod)
     assert wait_bound(core, namespace, name) == near
 
 
