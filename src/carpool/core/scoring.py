@@ -681,7 +681,7 @@ class RequestScorer:
     and locality terms.
     """
 
-    __slots__ = ("_den", "_locality", "_plans", "_scorer", "_slots_key", "_slots_of",
+    __slots__ = ("_den", "_plans", "_scorer", "_slots_key", "_slots_of",
                  "_w_locality", "_w_profile", "_w_temperature", "dataset", "demand")
 
     def __init__(self, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
@@ -700,7 +700,6 @@ class RequestScorer:
         self._w_temperature = policy.temperature
         self._w_locality = policy.locality
         self._den = self._w_profile + self._w_temperature + self._w_locality
-        self._locality = self._w_locality * 1.0  # the locality part without a dataset
         self._plans: dict[NodeProfile, Plan | None] = {}
 
     def score(self, node: NodeState) -> tuple[float, tuple[int, ...]] | None:
@@ -728,7 +727,7 @@ class RequestScorer:
             indices, temperature = _gpus_for(node, by_slot, slots)
         num = self._w_profile * plan.score + self._w_temperature * temperature
         if self.dataset is None:
-            num += self._locality
+            num += self._w_locality  # the locality term is 1 without a dataset
         else:
             dataset = self.dataset
             num += self._w_locality * locality_term(
