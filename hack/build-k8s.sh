@@ -17,14 +17,26 @@ export GOFLAGS=-mod=mod CGO_ENABLED=0
 stage() { STAGE_START=$(date +%s); echo "==> [build] $*"; }
 done_stage() { echo "    done in $(( $(date +%s) - STAGE_START ))s"; }
 
-missing=()
-for b in "${WANT[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done
+find_missing() { missing=(); for b in "${WANT[@]}"; do [ -x "$BIN/$b" ] || missing+=("$b"); done; }
+find_missing
 if [ ${#missing[@]} -eq 0 ]; then
   echo "==> [build] all binaries cached in $BIN"
   echo "$BIN"; exit 0
 fi
-echo "==> [build] missing: ${missing[*]} (cache $BIN)"
+# One build at a time per cache: a second caller (a parallel test run, another checkout) waits
+# for the first and then finds the binaries built.
 mkdir -p "$BIN" "$CACHE/src"
+exec 9>"$CACHE/build.lock"
+if ! flock -n 9; then
+  echo "==> [build] another build of this cache is running; waiting for it"
+  flock 9
+  find_missing
+  if [ ${#missing[@]} -eq 0 ]; then
+    echo "==> [build] all binaries cached in $BIN"
+    echo "$BIN"; exit 0
+  fi
+fi
+echo "==> [build] missing: ${missing[*]} (cache $BIN)"
 TOTAL_START=$(date +%s)
 
 minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
