@@ -9,7 +9,7 @@ export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images gpu-check clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -74,9 +74,25 @@ helm-lint: binaries ## Lint the Helm chart (and check its CRD copies match crds/
 chart-crds: ## Copy crds/ into the Helm chart (after editing a CRD)
 	@bash hack/sync-chart-crds.sh
 
-images: ## Build the container images (docker or podman): carpool and carpool-mps
-	@$${CONTAINER_TOOL:-docker} build -f docker/Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool:$${IMAGE_TAG:-0.1.0} .
-	@$${CONTAINER_TOOL:-docker} build -f docker/mps.Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool-mps:$${IMAGE_TAG:-0.1.0} docker
+images: dev ## Build the images carpool and carpool-mps (docker/podman if one runs, else OCI layouts in build/images)
+	@tool=$${CONTAINER_TOOL:-$$(for t in docker podman; do command -v $$t >/dev/null && $$t info >/dev/null 2>&1 && echo $$t && break; done)}; \
+	if [ -n "$$tool" ]; then \
+	  echo "==> [images] $$tool build"; \
+	  $$tool build -f docker/Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool:$$($(PY) hack/images/build.py --print-version) . && \
+	  $$tool build -f docker/mps.Dockerfile -t $${IMAGE_REPO:-ghcr.io/carpool-dev}/carpool-mps:$$($(PY) hack/images/build.py --print-version) docker; \
+	else \
+	  echo "==> [images] no container engine: building OCI layouts from Debian packages and wheels"; \
+	  $(PY) hack/images/build.py --out build/images $(IMAGES_ARGS); \
+	fi
+
+images-check: dev ## Build the images twice without an engine and compare every digest
+	@$(PY) hack/images/build.py --out build/images --check-reproducible
+
+registry-tools: ## Build (once, cached in ~/.cache/carpool) the CNCF distribution registry and crane
+	@bash hack/build-registry.sh
+
+push: registry-tools ## Push build/images to REGISTRY (default: the local registry, started if needed)
+	@bash hack/images/push.sh
 
 gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing benchmark
 	@python3 bench/gpu_sharing.py $(GPU_CHECK_ARGS)
