@@ -18,8 +18,11 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from carpool.cli.simulate import NODE_LIST, POLICIES, Outcome, Run, replay_all, traces_dir
+from carpool.cli import simulate
+from carpool.cli.simulate import NODE_LIST, Outcome, Run, replay_all, traces_dir
 from carpool.core import simulation
+
+ALL_POLICIES, PEER_POLICIES = simulate.ALL_POLICIES, simulate.PEER_POLICIES
 
 TRACES = ("default", "gpushare40", "multigpu20", "gpuspec10")
 # Published medians (%), FGD paper; "full" = at 100 % arrival, "end" = at 130 %.
@@ -52,7 +55,10 @@ def build_table(outcomes: list[Outcome], seeds: int) -> list[str]:
              "| dropped | CPU s/run |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for trace in TRACES:
-        for policy in POLICIES:
+        carpool = [o.result for o in outcomes
+                   if o.run.policy == "carpool" and Path(o.run.pods_csv).stem.endswith(trace)]
+        ours = simulation.summarize("carpool", carpool) if carpool else None
+        for policy in ALL_POLICIES:
             mine = [o for o in outcomes
                     if o.run.policy == policy and Path(o.run.pods_csv).stem.endswith(trace)]
             if not mine:
@@ -61,15 +67,20 @@ def build_table(outcomes: list[Outcome], seeds: int) -> list[str]:
             full, full_paper = cell(100 * summary.median_at_full,
                                     published(trace, "full", policy))
             end, end_paper = cell(100 * summary.median_at_end, published(trace, "end", policy))
+            if policy in PEER_POLICIES and ours is not None:  # Carpool / the peer instead
+                full_paper = f"Carpool {ours.median_at_full / summary.median_at_full:.3f}×"
+                end_paper = f"Carpool {ours.median_at_end / summary.median_at_end:.3f}×"
             placed = sorted(o.result.placed for o in mine)[len(mine) // 2]
             dropped = sorted(o.result.dropped for o in mine)[len(mine) // 2]
             cpu = sum(o.cpu_seconds for o in mine) / len(mine)
-            name = f"**{policy}**" if policy == "carpool" else policy
+            name = (f"**{policy}**" if policy == "carpool"
+                    else f"*{policy}*" if policy in PEER_POLICIES else policy)
             lines.append(f"| {trace} | {name} | {full} | {full_paper} | {end} | {end_paper} "
                          f"| {placed} | {dropped} | {cpu:.2f} |")
     lines.append("")
     lines.append(f"Medians over {seeds} seeds (0..{seeds - 1}); allocation = allocated GPU milli "
-                 "/ 6,212,000. Ratios: ours / paper's; Carpool's against FGD's.")
+                 "/ 6,212,000. Ratios: ours / paper's; Carpool's against FGD's; for the peers' "
+                 "policies (in italics) Carpool's median / the peer's.")
     lines.extend(["", *verdicts(outcomes)])
     return lines
 
@@ -110,15 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--traces", default=",".join(TRACES))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(ALL_POLICIES),
+                        help="comma-separated; 'peers' stands for all the peers' policies")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
     root = traces_dir()
     nodes_csv = root / NODE_LIST
     traces = [t for t in args.traces.split(",") if t]
-    policies = [p for p in args.policies.split(",") if p]
-    if unknown := [p for p in policies if p not in POLICIES]:
-        parser.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    policies = [q for p in args.policies.split(",") if p
+                for q in (PEER_POLICIES if p == "peers" else (p,))]
+    if unknown := [p for p in policies if p not in ALL_POLICIES]:
+        parser.error(f"unknown policies {unknown}; choose from {ALL_POLICIES}")
     missing = [p for p in [nodes_csv] + [root / f"openb_pod_list_{t}.csv" for t in traces]
                if not p.is_file()]
     if missing:
@@ -131,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - started
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ")
     command = (f"PYTHONSAFEPATH=1 .venv/bin/python bench/placement.py --seeds {args.seeds} "
-               f"--jobs {args.jobs}")
+               f"--jobs {args.jobs}"
+               + (f" --traces {args.traces}" if traces != list(TRACES) else "")
+               + (f" --policies {args.policies}" if policies != list(ALL_POLICIES) else ""))
     cpu = sum(o.cpu_seconds for o in outcomes)
     header = [f"`{command}`, {stamp}: {len(runs)} replays ({len(traces)} traces × "
               f"{len(policies)} policies × {args.seeds} seeds), {cpu:.0f} CPU-seconds in all, "
@@ -165,6 +180,20 @@ NOTES = [
     "plentiful relative to idle GPU; plus a small model-scarcity term: pods that may use any "
     "model stay off the models that `gpu_spec`-constrained pods need, in proportion to that "
     "demand per GPU of the model).",
+    "",
+    "The GPU-sharing schedulers' policies (`carpool.core.peers`, each written from the peer's "
+    "code, cited there by file and function): *hami-NODE-GPU* is HAMi's extender with its "
+    "node policy (binpack: the node whose GPUs are most used before the pod, by pods per slot "
+    "+ cores + memory; spread: the least) and its GPU policy (binpack: the busiest GPU that "
+    "fits; spread: the idlest), at most 10 pods per GPU (deviceSplitCount); HAMi's defaults are "
+    "binpack-spread. *gpushare* is Aliyun's extender: kube-scheduler's default scores "
+    "(LeastAllocated + BalancedAllocation on CPU and memory) pick the node, then the GPU with "
+    "the least free GPU memory that fits. *volcano* is Volcano's GPU-share predicate (the "
+    "lowest-indexed GPU with enough free GPU memory) with its default node order (nodeorder's "
+    "least-requested + balanced-resource, plus binpack on CPU and memory). A sharing pod's GPU "
+    "memory follows its compute share (the trace has no GPU memory); pods without GPUs go "
+    "through kube-scheduler's default scores for HAMi and gpushare. Ties go to the "
+    "lowest-numbered node and GPU, as for our policies.",
     "",
     "What we learned on the way (3-seed probes on `default` unless said, most of them made "
     "before a fix to how plans charged CPU for multi-GPU pods, so read them as directions, "

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from carpool.core import scoring, simulation
+from carpool.core import peers, scoring, simulation
 from carpool.core.workload import TargetWorkload
 
 POLICIES = ("random", "best-fit", "dot-product", "fgd", "carpool")
+PEER_POLICIES = tuple(peers.POLICIES)  # the GPU-sharing schedulers' (carpool.core.peers)
+ALL_POLICIES = POLICIES + PEER_POLICIES
 DEFAULT_TRACES = Path("/work/shared/traces/openb")
 NODE_LIST = "openb_node_list_gpu_node.csv"
 
@@ -71,9 +73,14 @@ def replay_one(run: Run) -> Outcome:
     nodes, pods, workload = _load(run)
     started = time.process_time()
     sequence = simulation.arrivals(pods, run.seed, simulation.capacity_milli(nodes))
-    scorer = (None if run.policy == simulation.RANDOM_POLICY
-              else scoring.Scorer(scoring.PRESETS[run.policy], workload,
-                                  simulation.gpu_supply(nodes)))
+    scorer: simulation.Planner | None
+    if run.policy == simulation.RANDOM_POLICY:
+        scorer = None
+    elif run.policy in peers.POLICIES:
+        scorer = peers.PeerPlanner(run.policy)
+    else:
+        scorer = scoring.Scorer(scoring.PRESETS[run.policy], workload,
+                                simulation.gpu_supply(nodes))
     result = simulation.replay(nodes, sequence, scorer, seed=run.seed)
     return Outcome(run, result, time.process_time() - started)
 
@@ -88,10 +95,11 @@ def replay_all(runs: Sequence[Run], jobs: int) -> list[Outcome]:
 
 def parse_policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
+    unknown = [p for p in names if p not in ALL_POLICIES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or text!r}; choose from {', '.join(POLICIES)}")
+            f"unknown policy {', '.join(unknown) or text!r}; "
+            f"choose from {', '.join(ALL_POLICIES)}")
     return names
 
 
@@ -120,7 +128,8 @@ def register(commands: Any) -> None:
                            help="pod CSV (default: $CARPOOL_TRACES/openb_pod_list_default.csv)")
     placement.add_argument("--seeds", type=_positive, default=10, help="seeds 0..N-1 (10)")
     placement.add_argument("--policy", type=parse_policies, default=list(POLICIES),
-                           help=f"comma-separated, from {', '.join(POLICIES)} (all)")
+                           help=f"comma-separated, from {', '.join(ALL_POLICIES)} "
+                                "(default: Carpool's and the published baselines)")
     placement.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1),
                            help="worker processes (2)")
     placement.set_defaults(run=run_placement)

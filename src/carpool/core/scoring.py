@@ -46,6 +46,7 @@ class NodeProfile(NamedTuple):
     memory_free_mib: int
     cpu_total_milli: int  # 0: not constrained
     gpus: tuple[GpuSlot, ...]  # usable GPUs, sorted
+    memory_total_mib: int = 0  # 0: not known (only the peers' policies read it)
 
     @property
     def idle_milli(self) -> int:
@@ -208,7 +209,8 @@ def take(profile: NodeProfile, demand: Demand, slots: Sequence[GpuSlot]) -> Node
                                  slot.memory_free_mib - demand.gpu_memory_mib))
     return NodeProfile(profile.cpu_free_milli - demand.cpu_milli,
                        profile.memory_free_mib - demand.memory_mib,
-                       profile.cpu_total_milli, tuple(sorted(remaining)))
+                       profile.cpu_total_milli, tuple(sorted(remaining)),
+                       profile.memory_total_mib)
 
 
 # --- score terms (each pure, in [0, 1], 1 = best) --------------------------------------------

@@ -8,7 +8,8 @@ GPU with idle >= gpu_milli, a whole-GPU pod `num_gpu` fully idle GPUs. The metri
 GPU milli / total GPU milli, read when the arrived request reaches 100 % of capacity and at the
 end.
 
-Every placement decision goes through `scoring.Scorer.plan`, the extender's own code. Nodes
+Every placement decision goes through `scoring.Scorer.plan`, the extender's own code (or, for
+the GPU-sharing schedulers' policies, `peers.PeerPlanner`). Nodes
 with equal profiles are grouped, so each pod is scored once per distinct node state, not once
 per node. Pure: CSV text in, numbers out (the caller reads files and measures time).
 """
@@ -23,11 +24,13 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from carpool.core.peers import PeerPlanner
 from carpool.core.scoring import GpuSlot, NodeProfile, Plan, Scorer, fits, slot_fits, take
 from carpool.core.workload import MILLI_PER_GPU, Demand, TargetWorkload
 
 INFLATION = 1.3  # requests arrive until 130 % of GPU capacity
 RANDOM_POLICY = "random"
+Planner = Scorer | PeerPlanner  # Carpool's and the published baselines' scorer, or a peer's
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class TraceNode:
 
     def profile(self) -> NodeProfile:
         slots = tuple(GpuSlot(self.model, MILLI_PER_GPU, 0) for _ in range(self.gpus))
-        return NodeProfile(self.cpu_milli, self.memory_mib, self.cpu_milli, slots)
+        return NodeProfile(self.cpu_milli, self.memory_mib, self.cpu_milli, slots, self.memory_mib)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,7 @@ class _Cluster:
     only has to look at groups that appeared since its last visit.
     """
 
-    def __init__(self, nodes: Sequence[TraceNode]) -> None:
+    def __init__(self, nodes: Sequence[TraceNode], planner: Planner | None) -> None:
         self.ids: dict[NodeProfile, int] = {}
         self.profiles: list[NodeProfile] = []
         self.room: list[tuple[int, int, int]] = []  # per profile id: idle milli, CPU, memory
@@ -163,7 +166,9 @@ class _Cluster:
         self.log: list[int] = []
         self.profile_id_of_node: list[int] = []
         for index, node in enumerate(nodes):
-            pid = self._intern(node.profile())
+            pid = self._intern(
+                planner.initial_profile(node.cpu_milli, node.memory_mib, node.gpus, node.model)
+                if isinstance(planner, PeerPlanner) else node.profile())
             self.profile_id_of_node.append(pid)
             if not self.members[pid]:
                 self.log.append(pid)
@@ -203,7 +208,8 @@ class _DemandView:
         self.plans: dict[int, Plan | None] = {}
 
 
-def _best_plan(cluster: _Cluster, scorer: Scorer, view: _DemandView) -> tuple[int, Plan] | None:
+def _best_plan(cluster: _Cluster, scorer: Planner, view: _DemandView
+               ) -> tuple[int, Plan] | None:
     """The highest-scoring node; ties go to the lowest-numbered node.
 
     Stale heap entries (group emptied, or its lowest node changed) are dropped or refreshed
@@ -280,10 +286,10 @@ def _random_plan(cluster: _Cluster, view: _DemandView,
     return node, Plan(0.0, tuple(slots), take(profile, demand, slots), 0.0)
 
 
-def replay(nodes: Sequence[TraceNode], sequence: Sequence[TracePod], scorer: Scorer | None,
+def replay(nodes: Sequence[TraceNode], sequence: Sequence[TracePod], scorer: Planner | None,
            seed: int = 0) -> ReplayResult:
     """Place `sequence` in order; `scorer` None places at random (seeded by `seed`)."""
-    cluster = _Cluster(nodes)
+    cluster = _Cluster(nodes, scorer)
     capacity = capacity_milli(nodes)
     rng = random.Random(seed)
     views: dict[Demand, _DemandView] = {}
