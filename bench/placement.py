@@ -121,15 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--traces", default=",".join(TRACES))
-    parser.add_argument("--policies", default=",".join(ALL_POLICIES),
-                        help="comma-separated; 'peers' stands for all the peers' policies")
+    parser.add_argument("--policies", default=",".join(simulate.POLICIES),
+                        help="comma-separated (default: Carpool's and the published "
+                             "baselines); 'peers' stands for the GPU-sharing schedulers' "
+                             "policies, 'all' for every policy")
     parser.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = parser.parse_args(argv)
     root = traces_dir()
     nodes_csv = root / NODE_LIST
     traces = [t for t in args.traces.split(",") if t]
-    policies = [q for p in args.policies.split(",") if p
-                for q in (PEER_POLICIES if p == "peers" else (p,))]
+    groups = {"peers": PEER_POLICIES, "all": ALL_POLICIES}
+    policies = [q for p in args.policies.split(",") if p for q in groups.get(p, (p,))]
     if unknown := [p for p in policies if p not in ALL_POLICIES]:
         parser.error(f"unknown policies {unknown}; choose from {ALL_POLICIES}")
     missing = [p for p in [nodes_csv] + [root / f"openb_pod_list_{t}.csv" for t in traces]
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     command = (f"PYTHONSAFEPATH=1 .venv/bin/python bench/placement.py --seeds {args.seeds} "
                f"--jobs {args.jobs}"
                + (f" --traces {args.traces}" if traces != list(TRACES) else "")
-               + (f" --policies {args.policies}" if policies != list(ALL_POLICIES) else ""))
+               + (f" --policies {args.policies}" if policies != list(simulate.POLICIES)
+                  else ""))
     cpu = sum(o.cpu_seconds for o in outcomes)
     header = [f"`{command}`, {stamp}: {len(runs)} replays ({len(traces)} traces × "
               f"{len(policies)} policies × {args.seeds} seeds), {cpu:.0f} CPU-seconds in all, "
