@@ -3,8 +3,6 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# The repo root holds a folder named operator/: never let Python put the cwd on sys.path.
-export PYTHONSAFEPATH := 1
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
@@ -14,11 +12,11 @@ export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py testbed/pyproject.toml
 	@echo "==> [dev] creating $(VENV) and installing carpool (editable, strict)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
-	@$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=strict
+	@$(PY) -m pip install -q -e '.[dev]' -e ./testbed --config-settings editable_mode=strict
 	@touch $@
 
 dev: $(VENV)/.installed ## Create the virtualenv with Carpool and its dev tools
@@ -49,20 +47,20 @@ e2e: dev binaries ## Long end-to-end runs (real kubelet node, load and faults)
 	@$(VENV)/bin/pytest e2e
 
 cluster: dev binaries ## Start the local cluster (real control plane, KWOK nodes, Carpool scheduler)
-	@$(PY) -m carpool.devcluster up
+	@$(PY) -m carpool_testbed.devcluster up
 
 cluster-down: dev ## Stop the local cluster (and the demo's operator and extender)
-	@$(PY) -m carpool.stack down
-	@$(PY) -m carpool.devcluster down
+	@$(PY) -m carpool_testbed.stack down
+	@$(PY) -m carpool_testbed.devcluster down
 
 node: dev binaries ## Join a real node (containerd, runc, kubelet, device plugin) to the running cluster; root
-	@$(PY) -m carpool.realnode up
+	@$(PY) -m carpool_testbed.realnode up
 
 node-down: dev ## Stop the real node and delete its Node
-	@$(PY) -m carpool.realnode down
+	@$(PY) -m carpool_testbed.realnode down
 
 demo: dev binaries ## Bring up Carpool on the local cluster with simulated GPU nodes and show it working
-	@$(PY) -m carpool.demo
+	@$(PY) -m carpool_testbed.demo
 
 bench: dev ## Run the benchmarks under bench/
 	@$(PY) bench/placement.py
@@ -98,4 +96,4 @@ gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing bench
 	@python3 bench/gpu_sharing.py $(GPU_CHECK_ARGS)
 
 clean: ## Remove the virtualenv and caches in the repo
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build *.egg-info testbed/build testbed/*.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -17,7 +17,7 @@ threads) and follows them with a watch until all have started. It reports:
 - the median absolute error of the first estimated start a queued job showed vs. its actual
   start (status.startTime, from the pod), over jobs that waited.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/admission.py [--jobs 5000] [--nodes 200]
+    .venv/bin/python bench/admission.py [--jobs 5000] [--nodes 200]
         [--create-first] [--write-doc docs/benchmarks.md]
 
 The cluster is kept for reuse unless `--delete-cluster`.
@@ -44,8 +44,8 @@ from typing import Any
 
 from kubernetes import client, watch
 
-from carpool import crds, devcluster, simnodes, stack
 from carpool.core import names
+from carpool_testbed import crds, devcluster, simnodes, stack
 
 SECTION = "## Operator admission (bench/admission.py)"
 PASS_LINE = re.compile(r"read ([0-9.]+)s decide ([0-9.]+)s act ([0-9.]+)s")
@@ -580,7 +580,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
     print(table(result))
     if args.write_doc:
-        command = "PYTHONSAFEPATH=1 .venv/bin/python bench/admission.py " + " ".join(sys.argv[1:])
+        command = ".venv/bin/python bench/admission.py " + " ".join(sys.argv[1:])
         write_doc(args.write_doc, result, command, args.notes)
 
 

@@ -9,7 +9,7 @@ otherwise; with the shipped `--filter-best 1` one does), and /bind to the best o
 `--api-delay-ms` added per call (a local API server answers in a few ms); a bound pod is
 reported Running to the cache at once, as KWOK would. Prints p50/p99 per verb.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py [--pods 2000] [--concurrency 1]
+    .venv/bin/python bench/extender.py [--pods 2000] [--concurrency 1]
 
 With `--cold-passes` it times, in process, a demand shape's first filter (every node
 evaluated) after `--pods` pods were placed.
@@ -22,7 +22,7 @@ With `--cluster` it instead measures end to end on the running local cluster (`m
 without extenders (pods ask for CPU only) and once calling a fresh Carpool extender (pods ask
 for Carpool GPUs) — and pods/s from the first bind to the last, read from a watch.
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/extender.py --cluster [--nodes 1000] [--pods 1000]
+    .venv/bin/python bench/extender.py --cluster [--nodes 1000] [--pods 1000]
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from carpool import devcluster
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
 from carpool.core.resources import Gpu, NodeInventory
 from carpool.extender.service import SHIPPED_FILTER_BEST
+from carpool_testbed import devcluster
 
 TRACES = Path(os.environ.get("CARPOOL_TRACES",
                              Path(__file__).resolve().parents[2] / "shared" / "traces" / "openb"))
@@ -490,7 +490,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
 
     from kubernetes import client
 
-    from carpool import crds, simnodes
+    from carpool_testbed import crds, simnodes
 
     bin_dir = cluster.bin_dir
     paths = cluster
@@ -527,7 +527,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             [sys.executable, "-m", "carpool.extender", "--port", str(port), "--host",
              "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "INFO",
              *args.extender_arg],
-            env=dict(os.environ, PYTHONSAFEPATH="1"), stdout=log, stderr=subprocess.STDOUT))
+            stdout=log, stderr=subprocess.STDOUT))
 
         def extender_ready() -> bool:
             import urllib.request
@@ -817,8 +817,7 @@ def main() -> int:
     pods = [pod_manifest(f"pod-{i:05d}", rng.choice(shapes)) for i in range(args.pods)]
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--port", str(args.port), "--api-delay-ms",
-         str(args.api_delay_ms), "--filter-best", str(args.filter_best)],
-        env=dict(os.environ, PYTHONSAFEPATH="1"))
+         str(args.api_delay_ms), "--filter-best", str(args.filter_best)])
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -11,7 +11,7 @@ First it measures how much CPU four busy processes get against one (`--cpu-only`
 eager inference is launch-bound, so that bounds the ratios in (c). `--cuda-graph` makes each
 request one graph replay instead, which shows what the GPU itself can give.
 
-Needs the `carpool` package importable (without the repo root on sys.path) plus torch and
+Needs the `carpool` package importable plus torch and
 torchvision. `--dry-run` exercises the plugin side with the fake backend, without a GPU.
 """
 
@@ -260,9 +260,8 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
              isolation: str) -> Any:
-    from carpool.deviceplugin.handshake import PodView
-
     from carpool.core.names import ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+    from carpool.deviceplugin.handshake import PodView
 
     assignment = {"node": "bench-node", "gpus": [
         {"uuid": gpu_uuid, "index": index, "memoryMiB": memory_mib, "cores": cores}]}
@@ -280,6 +279,7 @@ async def plugin_allocations(backend: Any, pipe_dir: Path,
     (pod name, isolation, memory MiB, cores %): GetPreferredAllocation, then Allocate.
     Pods arrive one at a time, as the handshake requires. Returns each answer as a dict."""
     import grpc
+
     from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
     from carpool.deviceplugin.plugin import PluginConfig, PluginServer, PluginState
     from carpool.deviceplugin.pods import StaticPodSource

@@ -5,7 +5,7 @@ extender's code) and prints median GPU allocation at 100 % arrival and at the en
 FGD paper's published medians (Weng et al., USENIX ATC'23), with ratios and run time.
 `--write` puts the table into docs/benchmarks.md (its "Placement quality" section).
 
-    PYTHONSAFEPATH=1 .venv/bin/python bench/placement.py [--seeds 10] [--jobs 2] [--write]
+    .venv/bin/python bench/placement.py [--seeds 10] [--jobs 2] [--write]
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from carpool.cli import simulate
-from carpool.cli.simulate import NODE_LIST, Outcome, Run, replay_all, traces_dir
 from carpool.core import simulation
+from carpool_testbed import simulate
+from carpool_testbed.simulate import NODE_LIST, Outcome, Run, replay_all, traces_dir
 
 ALL_POLICIES, PEER_POLICIES = simulate.ALL_POLICIES, simulate.PEER_POLICIES
 
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = replay_all(runs, args.jobs)
     wall = time.perf_counter() - started
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ")
-    command = (f"PYTHONSAFEPATH=1 .venv/bin/python bench/placement.py --seeds {args.seeds} "
+    command = (f".venv/bin/python bench/placement.py --seeds {args.seeds} "
                f"--jobs {args.jobs}"
                + (f" --traces {args.traces}" if traces != list(TRACES) else "")
                + (f" --policies {args.policies}" if policies != list(simulate.POLICIES)

@@ -80,6 +80,8 @@ def make_backend(args: argparse.Namespace) -> Any:
 
 
 async def run(args: argparse.Namespace) -> None:
+    from prometheus_client import start_http_server
+
     from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step, run_every
     from carpool.deviceplugin.health import HealthTracker
     from carpool.deviceplugin.kube import KubernetesCluster, load_config
@@ -87,7 +89,6 @@ async def run(args: argparse.Namespace) -> None:
     from carpool.deviceplugin.plugin import PluginServer, PluginState
     from carpool.deviceplugin.sharing import MpsSettings
     from carpool.deviceplugin.telemetry import PublishThresholds
-    from prometheus_client import start_http_server
 
     backend = make_backend(args)
     mps = MpsDaemon(args.mps_pipe_dir, args.mps_log_dir)

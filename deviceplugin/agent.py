@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from carpool.core.resources import Isolation
 from carpool.deviceplugin.handshake import PodView, parse_assignment
 from carpool.deviceplugin.plugin import PluginState
 from carpool.deviceplugin.telemetry import (
@@ -35,8 +36,6 @@ from carpool.deviceplugin.watchdog import (
     usage_by_pod,
     watchdog_step,
 )
-
-from carpool.core.resources import Isolation
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from carpool.deviceplugin.backends.base import GpuFacts
-
 from carpool.core.shares import ShareId, shares_of
+from carpool.deviceplugin.backends.base import GpuFacts
 
 SHARING_MODES = ("mps", "timeslice", "mig", "exclusive")
 

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from carpool.deviceplugin.handshake import PodView
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from carpool.core.names import ANN_ALLOCATED, GPUNODE_PLURAL, GROUP, RESOURCE_GPU, VERSION
+from carpool.deviceplugin.handshake import PodView
 
 COMPONENT = "carpool-device-plugin"
 

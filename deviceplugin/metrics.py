@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from carpool.deviceplugin.backends.base import GpuFacts
 from carpool.deviceplugin.telemetry import PodPeak
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class GpuMetrics:

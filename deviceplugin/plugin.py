@@ -16,6 +16,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
+
+from carpool.core.assignment import AssignedGpu
+from carpool.core.names import RESOURCE_GPU
+from carpool.core.resources import Isolation
+from carpool.core.shares import ShareId
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.base import GpuBackend, GpuFacts
 from carpool.deviceplugin.devices import advertised_shares
@@ -32,11 +37,6 @@ from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.metrics import GpuMetrics
 from carpool.deviceplugin.pods import PodSource
 from carpool.deviceplugin.sharing import MpsSettings, container_setup
-
-from carpool.core.assignment import AssignedGpu
-from carpool.core.names import RESOURCE_GPU
-from carpool.core.resources import Isolation
-from carpool.core.shares import ShareId
 
 log = logging.getLogger(__name__)
 

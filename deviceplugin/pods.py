@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Protocol
 
-from carpool.deviceplugin.handshake import PodView
-
 from carpool.core.names import ANN_ALLOCATED
+from carpool.deviceplugin.handshake import PodView
 
 
 class PodSource(Protocol):

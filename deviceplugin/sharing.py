@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from carpool.deviceplugin.handshake import HandshakeError
-
 from carpool.core.assignment import AssignedGpu
 from carpool.core.resources import Isolation
+from carpool.deviceplugin.handshake import HandshakeError
 
 CONTAINER_MPS_PIPE_DIR = "/run/carpool/mps"
 CONTAINER_SHM_DIR = "/dev/shm"

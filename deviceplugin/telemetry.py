@@ -20,9 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from carpool.deviceplugin.backends.base import GpuFacts
-
 from carpool.core.gpunode import HEALTHY, UNHEALTHY
+from carpool.deviceplugin.backends.base import GpuFacts
 
 
 @dataclass(frozen=True)

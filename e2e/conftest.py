@@ -3,8 +3,8 @@
 Session: the cluster `carpool-e2e` (real control plane; its kube-scheduler calls the extender on
 port 18090, so it never collides with `make cluster` or the integration tests' cluster), CRDs,
 the extender and the operator, then the real node (containerd, runc, kubelet v1.35.4 and the
-Carpool device plugin; see carpool.realnode). Each test gets `pods`, which creates GPU pods for
-the real node and deletes them afterwards, and `pod_resources`, a client of the kubelet's
+Carpool device plugin; see carpool_testbed.realnode). Each test gets `pods`, which creates GPU
+pods for the real node and deletes them afterwards, and `pod_resources`, a client of the kubelet's
 pod-resources gRPC API compiled from e2e/podresources_v1.proto at the start of the session.
 
 CARPOOL_KEEP_CLUSTER=1 keeps the cluster afterwards (the node is always stopped).
@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from carpool import devcluster, realnode, stack
 from carpool.core import names
+from carpool_testbed import devcluster, realnode, stack
 
 E2E_CLUSTER = "carpool-e2e"
 E2E_EXTENDER_PORT = "18090"

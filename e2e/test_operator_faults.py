@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from carpool import crds, devcluster, simnodes, stack
 from carpool.core import names
+from carpool_testbed import crds, devcluster, simnodes, stack
 
 # overridable, so that two sessions on one machine can each run it on clusters of their own
 FAULT_CLUSTER = os.environ.get("CARPOOL_FAULT_CLUSTER", "carpool-e2e-faults")

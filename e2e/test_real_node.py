@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import realnode, stack
 from carpool.core import names
 from carpool.core.shares import ShareId
+from carpool_testbed import realnode, stack
 
 
 def _annotation(pod: dict[str, Any], key: str) -> dict[str, Any]:

@@ -13,9 +13,10 @@ GPUs is less than its demand, so its jobs queue and the quota invariant bites; 1
 with a GPU-hour budget per 5 minutes below its demand while jobs arrive) and finish after 3-12
 simulated seconds, so jobs finish while new ones arrive. KWOK runs the pods of all nodes but
 `$CARPOOL_LOAD_PLUGIN_NODES` (default 4): there the real device plugin (fake GPU backend) hands
-out the GPUs, driven by a stand-in kubelet (carpool.chaos.StandInKubelet), and 1 job in 10 is
-pinned to them. Checked every second from a watch-fed copy of the pods (carpool.chaos): no GPU
-holds more memory or cores than it has, no exclusive grant shares a GPU, no project holds more
+out the GPUs, driven by a stand-in kubelet (carpool_testbed.chaos.StandInKubelet), and 1 job in
+10 is pinned to them. Checked every second from a watch-fed copy of the pods
+(carpool_testbed.chaos): no GPU holds more memory or cores than it has, no exclusive grant
+shares a GPU, no project holds more
 GPUs than its concurrent quota, no project used more GPU-hours in the current period than its
 budget, no pod is assigned to a GPU after it turned Unhealthy, and in the device plugin's own
 Allocate answers no GPU is over-committed and no pod got other GPUs than assigned. At the end:
@@ -46,8 +47,8 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import chaos, crds, devcluster, simnodes, stack
 from carpool.core import names
+from carpool_testbed import chaos, crds, devcluster, simnodes, stack
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = int(os.environ.get("CARPOOL_LOAD_JOBS", "1000"))
@@ -131,8 +132,7 @@ class Carpool:
                      "--plugin-dir", str(self.plugin_dirs[node]), "--sharing-mode", "mps",
                      "--no-manage-mps", "--metrics-port", "0", "--publish-interval", "10",
                      "--kubeconfig", str(self.cluster.kubeconfig)],
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=dict(os.environ, PYTHONSAFEPATH="1"))
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         elif component == "extender":
             self.processes[component] = devcluster.start_extender(
                 self.extender_kubeconfig, self.cluster.extender_port,

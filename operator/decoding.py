@@ -11,12 +11,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from carpool.operator.following import format_time, parse_time
-
 from carpool.core.durations import parse_duration
 from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.operator.following import format_time, parse_time
 
 _MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
 

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import kopf
+
 from carpool.operator.runtime import OperatorRuntime
 
 log = logging.getLogger(__name__)

@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.operator.following import DISRUPTION_TARGET
-from carpool.operator.kube import GPUJOBS, JOBS_PATH, PODS, QUOTAS, Kube, Obj
 from kubernetes.client.rest import ApiException
 
 from carpool.core import names
+from carpool.operator.following import DISRUPTION_TARGET
+from carpool.operator.kube import GPUJOBS, JOBS_PATH, PODS, QUOTAS, Kube, Obj
 
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 240  # server-side timeout of one watch request; it is then resumed

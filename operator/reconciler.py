@@ -19,6 +19,23 @@ from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from kubernetes.client.rest import ApiException
+
+from carpool.core import names
+from carpool.core.accounting import retire_job
+from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
+from carpool.core.placement import NodeState
+from carpool.core.queueing import (
+    Admission,
+    AdmissionConfig,
+    CycleResult,
+    Expiry,
+    Preemption,
+    Wait,
+    admission_cycle,
+)
+from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
 from carpool.operator import metrics
 from carpool.operator.decoding import (
     job_from_object,
@@ -37,23 +54,6 @@ from carpool.operator.reconciling import (
     job_conditions,
     observe,
 )
-from kubernetes.client.rest import ApiException
-
-from carpool.core import names
-from carpool.core.accounting import retire_job
-from carpool.core.gpunode import inventory_from_gpunode
-from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
-from carpool.core.placement import NodeState
-from carpool.core.queueing import (
-    Admission,
-    AdmissionConfig,
-    CycleResult,
-    Expiry,
-    Preemption,
-    Wait,
-    admission_cycle,
-)
-from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less

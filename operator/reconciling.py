@@ -16,10 +16,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from carpool.operator.following import PodView, format_time, parse_time
-
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.resources import GpuGrant, Phase
+from carpool.operator.following import PodView, format_time, parse_time
 
 Obj = dict[str, Any]
 

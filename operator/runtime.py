@@ -15,11 +15,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kubernetes import client, config
+
 from carpool.operator.informer import Informers
 from carpool.operator.kube import Kube
 from carpool.operator.leadership import LeaderElector, LeaseConfig
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
-from kubernetes import client, config
 
 log = logging.getLogger(__name__)
 

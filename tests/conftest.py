@@ -1,5 +1,5 @@
 """Shared fixtures. `cluster`: the local cluster (real etcd, API server, controller manager and
-kube-scheduler; KWOK nodes), started or reused once per session; see carpool.devcluster.
+kube-scheduler; KWOK nodes), started or reused once per session; see carpool_testbed.devcluster.
 
 Set CARPOOL_KEEP_CLUSTER=1 to keep a cluster this session created; one that was already running
 (`make cluster`) is always kept. Missing binaries are built (hack/build-k8s.sh), never skipped.
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from carpool import devcluster
+from carpool_testbed import devcluster
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
 from carpool.deviceplugin.backends.base import (
     GpuFacts,
     HealthEvent,
@@ -22,8 +24,6 @@ from carpool.deviceplugin.backends.base import (
     MigFacts,
     ProcessMemory,
 )
-
-from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
 
 _UUID_NAMESPACE = uuid.UUID("6f1c2a53-7d0e-4b8a-9a51-0c3e2f7b9d10")
 

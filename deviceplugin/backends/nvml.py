@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pynvml
+
 from carpool.deviceplugin.backends.base import (
     GpuFacts,
     HealthEvent,

@@ -251,11 +251,11 @@ def smoke_test(root: Path) -> None:
     """The image's Python imports every component from the image's files, as user 65532."""
     check = ("import sys, operator, ssl, grpc, orjson, kopf, kubernetes, aiohttp, yaml, pynvml;"
              "import carpool.operator.handlers, carpool.extender, carpool.deviceplugin;"
-             "import carpool.cli.main;"
+             "import carpool.cli.kubectl_plugin;"
              "assert hasattr(operator, 'itemgetter'); print(sys.version.split()[0])")
     done = run([CHROOT, "--userspec", f"{USER_ID}:{USER_ID}", str(root),
                 f"/usr/bin/{PYTHON}", "-c", check],
-               env={"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONSAFEPATH": "1",
+               env={"PATH": "/usr/local/bin:/usr/bin:/bin",
                     "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/home/carpool"})
     log(f"smoke test: Python {done.stdout.strip()} imports every component as {USER_ID}")
 
@@ -423,7 +423,7 @@ def build(out: Path, scheduler_binary: Path | None) -> dict[str, tuple[str, int]
             target.chmod(0o755)
         mps = Layer.of(layer_tar(mps_root), "the MPS control daemon's wrapper scripts")
 
-    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONSAFEPATH=1", "PYTHONUNBUFFERED=1",
+    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "PYTHONUNBUFFERED=1",
            "PYTHONDONTWRITEBYTECODE=1", "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt"]
     images = [
         Image("carpool", (base, app), {

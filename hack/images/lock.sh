@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
-export PYTHONSAFEPATH=1
 report=$(mktemp); target=$(mktemp -d); trap 'rm -rf "$report" "$target"' EXIT
 mapfile -t deps < <($PY -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
 $PY -m pip install -q --dry-run --ignore-installed --only-binary=:all: --python-version 3.11 \

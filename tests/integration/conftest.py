@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool import devcluster, stack
+from carpool_testbed import devcluster, stack
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import yaml
 from kubernetes import client  # type: ignore[import-untyped]
 from kubernetes.client.rest import ApiException  # type: ignore[import-untyped]
 
-from carpool import devcluster
 from carpool.core import names
+from carpool_testbed import devcluster
 
 pytestmark = pytest.mark.cluster
 

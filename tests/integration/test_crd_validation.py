@@ -18,8 +18,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import crds
 from carpool.core.names import GPUJOB_PLURAL, GPUNODE_PLURAL, GROUP, PROJECTQUOTA_PLURAL, VERSION
+from carpool_testbed import crds
 
 pytestmark = pytest.mark.cluster
 

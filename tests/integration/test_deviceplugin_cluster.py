@@ -21,15 +21,9 @@ from typing import Any
 
 import grpc
 import pytest
-from carpool.deviceplugin.agent import Telemetry
-from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
-from carpool.deviceplugin.backends.fake import FakeBackend
-from carpool.deviceplugin.kube import KubernetesCluster
-from carpool.deviceplugin.plugin import PluginConfig, PluginServer, PluginState
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import crds
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.names import (
     ANN_ALLOCATED,
@@ -41,6 +35,12 @@ from carpool.core.names import (
     RESOURCE_GPU,
     VERSION,
 )
+from carpool.deviceplugin.agent import Telemetry
+from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+from carpool.deviceplugin.backends.fake import FakeBackend
+from carpool.deviceplugin.kube import KubernetesCluster
+from carpool.deviceplugin.plugin import PluginConfig, PluginServer, PluginState
+from carpool_testbed import crds
 
 pytestmark = pytest.mark.cluster
 

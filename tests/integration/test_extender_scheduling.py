@@ -8,7 +8,6 @@ tainted KWOK nodes, so they neither disturb nor depend on what else uses the clu
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -27,9 +26,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import crds, devcluster, simnodes
 from carpool.core import names
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB
+from carpool_testbed import crds, devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
 
@@ -68,7 +67,7 @@ class ExtenderProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "carpool.extender", "--port", str(self.port),
                  "--host", "127.0.0.1", "--kubeconfig", str(self.kubeconfig)],
-                env=dict(os.environ, PYTHONSAFEPATH="1"), stdout=out, stderr=subprocess.STDOUT)
+                stdout=out, stderr=subprocess.STDOUT)
         eventually(self.healthy, 60, "the extender to sync its cache")
 
     def healthy(self) -> bool:

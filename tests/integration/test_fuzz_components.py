@@ -31,15 +31,15 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
-from carpool.deviceplugin.backends.fake import FakeBackend
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import crds, devcluster
 from carpool.core import names
+from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
+from carpool.deviceplugin.backends.fake import FakeBackend
+from carpool_testbed import crds, devcluster
 
 pytestmark = pytest.mark.cluster
 
@@ -117,7 +117,7 @@ def world(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
              "--plugin-dir", str(plugin_dir), "--shares-per-gpu", str(SHARES),
              "--sharing-mode", "mps", "--no-manage-mps", "--metrics-port", "0",
              "--publish-interval", "5", "--kubeconfig", str(cluster.kubeconfig)],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONSAFEPATH="1"))
+            stdout=out, stderr=subprocess.STDOUT)
     socket_path = plugin_dir / "carpool-gpu.sock"
     try:
         wait_for("the plugin socket", socket_path.exists)

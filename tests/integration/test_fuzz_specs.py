@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import devcluster
 from carpool.core import names
+from carpool_testbed import devcluster
 
 pytestmark = pytest.mark.cluster
 

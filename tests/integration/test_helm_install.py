@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import crds, devcluster, simnodes
 from carpool.core import names
+from carpool_testbed import crds, devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
 
@@ -300,7 +300,7 @@ def spawn(args: list[str], log: Path, env: dict[str, str] | None = None
           ) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONSAFEPATH="1", **(env or {})))
+                                env=dict(os.environ, **(env or {})))
 
 
 def wait_for(check: Any, timeout: float, what: str, log: Path) -> Any:

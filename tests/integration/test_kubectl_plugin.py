@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from carpool import crds, devcluster
 from carpool.cli import kubectl_plugin
 from carpool.core import names
 from carpool.reporting import format_time
+from carpool_testbed import crds, devcluster
 
 pytestmark = pytest.mark.cluster
 Obj = dict[str, Any]

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from carpool import devcluster, simnodes
 from carpool.core import names
 from carpool.core.gpuhours import gpu_hours
+from carpool_testbed import devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
 Obj = dict[str, Any]

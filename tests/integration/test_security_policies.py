@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from carpool import crds, devcluster, simnodes
 from carpool.core import names
+from carpool_testbed import crds, devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
 

@@ -20,10 +20,10 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from carpool import crds, simnodes
-from carpool.cli import main as cli
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.names import GPUNODE_PLURAL, GROUP, LABEL_ZONE, RESOURCE_GPU, VERSION
+from carpool_testbed import __main__ as cli
+from carpool_testbed import crds, simnodes
 
 pytestmark = pytest.mark.cluster
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import devcluster, simnodes
 from carpool.core import names
+from carpool_testbed import devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
 

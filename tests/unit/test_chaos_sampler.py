@@ -8,8 +8,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from carpool import chaos
 from carpool.core import names
+from carpool_testbed import chaos
 
 
 def stamp(t: float) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from carpool import crds
 from carpool.core.names import GPUJOB_PLURAL
+from carpool_testbed import crds
 
 
 def _rules(node: Any, path: str = "spec") -> list[tuple[str, dict[str, Any]]]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from carpool import devcluster
 from carpool.core import names
+from carpool_testbed import devcluster
 
 
 @pytest.fixture

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
+
+from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step
 from carpool.deviceplugin.backends.base import ProcessMemory
 from carpool.deviceplugin.backends.fake import FakeBackend
@@ -17,9 +20,6 @@ from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.mps import MpsDaemon
 from carpool.deviceplugin.plugin import PluginConfig, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
-from prometheus_client import generate_latest
-
-from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
 
 NODE = "n1"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from carpool.deviceplugin.backends.base import HealthEventKind, ProcessMemory
 from carpool.deviceplugin.backends.fake import FakeBackend, fake_gpu_uuid
 

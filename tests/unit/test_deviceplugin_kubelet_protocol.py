@@ -18,6 +18,8 @@ from typing import Any
 
 import grpc
 import pytest
+
+from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.deviceplugin.agent import health_step
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
@@ -26,8 +28,6 @@ from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
 from carpool.deviceplugin.sharing import MpsSettings
-
-from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 
 NODE = "gpu-node-1"
 NOW = 1_800_000_000.0

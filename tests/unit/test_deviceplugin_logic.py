@@ -7,6 +7,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+
+from carpool.core.assignment import AssignedGpu
+from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT
+from carpool.core.resources import Isolation
+from carpool.core.shares import ShareId
 from carpool.deviceplugin.backends.base import HealthEvent, HealthEventKind, ProcessMemory
 from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.devices import advertised_shares
@@ -35,11 +40,6 @@ from carpool.deviceplugin.watchdog import (
     usage_by_pod,
     watchdog_step,
 )
-
-from carpool.core.assignment import AssignedGpu
-from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT
-from carpool.core.resources import Isolation
-from carpool.core.shares import ShareId
 
 NODE = "n1"
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z

@@ -7,6 +7,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
+from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.resources import Isolation
 from carpool.deviceplugin.backends.fake import FakeBackend, fake_gpu_uuid
 from carpool.deviceplugin.telemetry import (
     PodPeak,
@@ -14,9 +17,6 @@ from carpool.deviceplugin.telemetry import (
     should_publish,
     status_from_backend,
 )
-
-from carpool.core.gpunode import inventory_from_gpunode
-from carpool.core.resources import Isolation
 
 NOW = datetime(2026, 11, 29, 19, 30, tzinfo=UTC)
 

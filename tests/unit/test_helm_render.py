@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import crds
 from carpool.core import names
-from carpool.devcluster import CARPOOL_PERCENTAGE_OF_NODES
+from carpool_testbed import crds
+from carpool_testbed.devcluster import CARPOOL_PERCENTAGE_OF_NODES
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "carpool"
@@ -231,7 +231,6 @@ def test_operator_deployment(default: list[Obj]) -> None:
     assert env["CARPOOL_NAMESPACE"]["valueFrom"] == {"fieldRef":
                                                      {"fieldPath": "metadata.namespace"}}
     assert env["CARPOOL_METRICS_PORT"]["value"] == "9090"
-    assert env["PYTHONSAFEPATH"]["value"] == "1"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -327,9 +326,10 @@ def test_chart_crds_are_the_repository_crds(helm: Path) -> None:
 
 def metric_names() -> set[str]:
     """Every series name the operator and device plugin can expose."""
+    from prometheus_client import REGISTRY
+
     from carpool.deviceplugin.metrics import GpuMetrics
     from carpool.operator import metrics as operator_metrics
-    from prometheus_client import REGISTRY
 
     assert operator_metrics.QUEUE_LENGTH is not None  # imported: registered in REGISTRY
     families = [*REGISTRY.collect(), *GpuMetrics("n").registry.collect()]
@@ -368,7 +368,7 @@ def test_images_carry_what_the_chart_runs(default: list[Obj]) -> None:
 
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().splitlines()
-    for folder in ("src", "operator", "deviceplugin", "crds"):
+    for folder in ("src", "operator", "extender", "deviceplugin"):
         assert f"COPY {folder}/ {folder}/" in dockerfile
         assert f"!{folder}/**" in ignore
     modules = set()

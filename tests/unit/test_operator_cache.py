@@ -6,12 +6,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from carpool.core import names
 from carpool.operator.following import view_pod
 from carpool.operator.informer import Informer, Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
-
-from carpool.core import names
 
 MODEL = "H100"
 
@@ -256,9 +255,8 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
 
 
 def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
-    from carpool.operator.reconciler import PassState
-
     from carpool.core.queueing import Wait, WaitReason
+    from carpool.operator.reconciler import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
@@ -308,9 +306,8 @@ def test_a_job_has_at_most_one_status_write_in_flight() -> None:
 
 
 def test_admissions_left_for_later_passes_push_estimates_back_by_their_time() -> None:
-    from carpool.operator.reconciler import PassState
-
     from carpool.core.queueing import Wait, WaitReason
+    from carpool.operator.reconciler import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
@@ -358,9 +355,8 @@ def test_an_admission_takes_over_its_jobs_queued_background_write() -> None:
 def test_a_long_queue_refreshes_positions_less_often() -> None:
     import time
 
-    from carpool.operator.reconciler import PassState
-
     from carpool.core.queueing import CycleResult, Wait, WaitReason
+    from carpool.operator.reconciler import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))

@@ -6,6 +6,9 @@ import json
 from typing import Any
 
 import pytest
+
+from carpool.core import names
+from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
@@ -18,9 +21,6 @@ from carpool.operator.reconciling import (
     job_conditions,
     observe,
 )
-
-from carpool.core import names
-from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 
 UUID = "GPU-aaaa"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool import realnode
+from carpool_testbed import realnode
 
 
 def _tar(files: dict[str, bytes]) -> bytes:

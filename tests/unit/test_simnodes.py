@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import yaml
-from carpool.deviceplugin.backends.fake import fake_gpu_uuid
 
-from carpool import crds, simnodes
-from carpool.cli import main as cli
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.names import GPUNODE_PLURAL, LABEL_SHARING, LABEL_ZONE, RESOURCE_GPU
 from carpool.core.resources import Isolation
+from carpool.deviceplugin.backends.fake import fake_gpu_uuid
+from carpool_testbed import __main__ as cli
+from carpool_testbed import crds, simnodes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nodes.yaml"
 NOW = datetime(2026, 11, 29, 19, 0, tzinfo=UTC)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from carpool.cli import simulate as simulate_cli
-from carpool.cli.main import main as carpool_main
 from carpool.core import scoring, simulation
 from carpool.core.scoring import Plan, Scorer
 from carpool.core.simulation import TraceNode, TracePod
 from carpool.core.workload import Demand, TargetWorkload
+from carpool_testbed import simulate as simulate_cli
+from carpool_testbed.__main__ import main as carpool_main
 
 NODES_CSV = """sn,cpu_milli,memory_mib,gpu,model
 n0,32000,131072,2,T4

@@ -1,1 +1,1 @@
-"""Command-line tools: `carpool` and the kubectl plugin `kubectl-carpool`."""
+"""The command-line tool: the kubectl plugin `kubectl-carpool`."""

@@ -1,4 +1,4 @@
-"""`carpool simulate placement`: replay a GPU trace through the extender's scoring (FGD protocol).
+"""`carpool-testbed simulate placement`: replay a GPU trace through the extender's scoring (FGD).
 
 Reads the node and pod CSVs, runs every (policy, seed) replay — in worker processes when
 `--jobs` > 1 — and prints the median GPU allocation at 100 % arrival and at the end. The
@@ -114,7 +114,7 @@ def _positive(text: str) -> int:
 
 
 def register(commands: Any) -> None:
-    """Add `simulate placement` to the `carpool` parser's sub-commands."""
+    """Add `simulate placement` to the `carpool-testbed` parser's sub-commands."""
     simulate = commands.add_parser("simulate", help="offline replays of placement",
                                    description=__doc__)
     kinds = simulate.add_subparsers(dest="kind", required=True)
@@ -141,7 +141,7 @@ def run_placement(args: argparse.Namespace) -> int:
     pods_csv: Path = args.pods or root / "openb_pod_list_default.csv"
     for path in (nodes_csv, pods_csv):
         if not path.is_file():
-            print(f"carpool simulate placement: no such file: {path}", file=sys.stderr)
+            print(f"carpool-testbed simulate placement: no such file: {path}", file=sys.stderr)
             return 2
     runs = [Run(str(nodes_csv), str(pods_csv), policy, seed)
             for policy in args.policy for seed in range(args.seeds)]
@@ -149,7 +149,7 @@ def run_placement(args: argparse.Namespace) -> int:
     try:
         outcomes = replay_all(runs, args.jobs)
     except ValueError as error:
-        print(f"carpool simulate placement: {error}", file=sys.stderr)
+        print(f"carpool-testbed simulate placement: {error}", file=sys.stderr)
         return 2
     print(f"{pods_csv.name} on {nodes_csv.name}, {args.seeds} seeds, "
           f"{time.perf_counter() - started:.1f} s")

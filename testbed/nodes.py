@@ -1,4 +1,4 @@
-"""`carpool nodes create|delete|heartbeat`: simulated GPU nodes (KWOK) and their GpuNodes."""
+"""`carpool-testbed nodes create|delete|heartbeat`: simulated GPU nodes (KWOK), their GpuNodes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from carpool import crds, simnodes
 from carpool.core.names import RESOURCE_GPU
+from carpool_testbed import crds, simnodes
 
 DEFAULT_OPENB = "openb_node_list_gpu_node.csv"
 
@@ -39,7 +39,7 @@ def _add_kubeconfig(parser: argparse.ArgumentParser) -> None:
 
 
 def register(commands: Any) -> None:
-    """Add the `nodes` command to the `carpool` parser's sub-commands."""
+    """Add the `nodes` command to the `carpool-testbed` parser's sub-commands."""
     nodes = commands.add_parser("nodes", help="simulated GPU nodes (KWOK) with GpuNode status",
                                 description=__doc__)
     actions = nodes.add_subparsers(dest="action", required=True)
@@ -141,10 +141,10 @@ def guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
         try:
             return command(args)
         except (ValueError, OSError) as err:
-            print(f"carpool nodes: {err}", file=sys.stderr)
+            print(f"carpool-testbed nodes: {err}", file=sys.stderr)
             return 2
         except ApiException as err:
-            print(f"carpool nodes: the API server refused: {err.status} {err.reason}: "
+            print(f"carpool-testbed nodes: the API server refused: {err.status} {err.reason}: "
                   f"{err.body}", file=sys.stderr)
             return 1
 
@@ -152,8 +152,8 @@ def guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m carpool.cli.nodes ...`: the same as `carpool nodes ...`."""
-    parser = argparse.ArgumentParser(prog="carpool")
+    """`python -m carpool_testbed.nodes ...`: the same as `carpool-testbed nodes ...`."""
+    parser = argparse.ArgumentParser(prog="carpool-testbed")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.run(args))

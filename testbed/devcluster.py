@@ -1,6 +1,7 @@
 """The local development cluster: a real control plane on loopback with simulated (KWOK) nodes.
 
-`python -m carpool.devcluster up|down|status|kubeconfig` (`make cluster`, `make cluster-down`).
+`python -m carpool_testbed.devcluster up|down|status|kubeconfig` (`make cluster`,
+`make cluster-down`).
 
 It runs kwokctl v0.7.0's *binary* runtime with the binaries `hack/build-k8s.sh` built from the
 Go module proxy: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (with a
@@ -932,12 +933,12 @@ def start_extender(
 ) -> subprocess.Popen[bytes]:
     """Spawns `python -m carpool.extender --port N --kubeconfig K` and waits until it listens.
 
-    PYTHONSAFEPATH keeps the repo root (with its `operator/` folder) off sys.path. Output goes to
-    `log_path` (or is inherited). Raises with the log's tail if it exits or never listens.
+    Output goes to `log_path` (or is inherited). Raises with the log's tail if it exits or
+    never listens.
     """
     if port_open(port):
         raise ClusterError(f"port {port} is taken; stop its process or set {EXTENDER_PORT_ENV}")
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+    env = dict(os.environ)
     command = [sys.executable, "-m", "carpool.extender", "--port", str(port)]
     command += ["--kubeconfig", str(kubeconfig), *extra_args]
     log = None
@@ -1049,7 +1050,7 @@ def _scheduler_extender_port(paths: ClusterPaths) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m carpool.devcluster",
+        prog="python -m carpool_testbed.devcluster",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

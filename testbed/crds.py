@@ -1,15 +1,13 @@
 """The Carpool CRDs: loading them from `crds/` and applying them to a cluster.
 
-`crds/` at the repository root is the single source of truth (DESIGN.md §2). From a source
-checkout (editable install) it is read in place, so an edited CRD takes effect without a
-reinstall; a built wheel carries the same files as the package data `carpool.crd_manifests`.
+`crds/` at the repository root is the single source of truth; the test bed always runs from a
+checkout and reads it in place, so an edited CRD takes effect without a reinstall.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
@@ -26,11 +24,8 @@ APPLY_PATCH = "application/apply-patch+yaml"
 
 
 def crd_directory() -> Traversable:
-    """Where the CRD YAMLs are: the checkout's `crds/` if there is one, else the package data."""
-    checkout = Path(__file__).resolve().parents[2] / "crds"
-    if all((checkout / name).is_file() for name in CRD_FILES):
-        return checkout
-    return resources.files("carpool.crd_manifests")
+    """The checkout's `crds/` (the editable install links this file back into the checkout)."""
+    return Path(__file__).resolve().parents[1] / "crds"
 
 
 def load_crds(directory: Traversable | None = None) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """One real node in the local cluster: containerd, runc, a CNI bridge, the kubelet and the
 Carpool device plugin, all on this machine.
 
-`python -m carpool.realnode up|down|status` (after `make cluster`); the e2e suite uses
+`python -m carpool_testbed.realnode up|down|status` (after `make cluster`); the e2e suite uses
 `running_node()`. KWOK nodes have no kubelet; this node proves that a real kubelet accepts the
 device plugin over its real socket and starts containers with what Allocate returned.
 
@@ -41,8 +41,8 @@ from typing import Any, Final
 
 import yaml
 
-from carpool import crds, devcluster
 from carpool.core import names
+from carpool_testbed import crds, devcluster
 
 DEFAULT_NODE_NAME: Final = "carpool-real-0"
 # Pods for the real node tolerate this; everything else (other tests' pods) stays off it.
@@ -708,8 +708,7 @@ class RealNode:
         p.fake_gpus.write_text(yaml.safe_dump(fake_gpu_spec(self.name), sort_keys=False))
         (p.mps_dir / "pipe").mkdir(parents=True, exist_ok=True)
         if _pid_alive(p, "deviceplugin", "carpool.deviceplugin") is None:
-            _spawn(p, "deviceplugin", self.plugin_command(),
-                   env=dict(os.environ, PYTHONSAFEPATH="1"))
+            _spawn(p, "deviceplugin", self.plugin_command())
 
     def stop_plugin(self) -> bool:
         return _stop(self.paths, "deviceplugin", "carpool.deviceplugin")
@@ -895,7 +894,7 @@ def exclusive(paths: NodePaths, wait_s: float = 0) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m carpool.realnode", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m carpool_testbed.realnode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default=DEFAULT_NODE_NAME, help="the Node's name")
     parser.add_argument("--snapshotter", default="overlayfs", choices=("overlayfs", "native"))

@@ -26,9 +26,9 @@ from typing import Any
 
 import yaml
 
-from carpool import devcluster
 from carpool.core import names
 from carpool.core.durations import epoch_of as parse_time
+from carpool_testbed import devcluster
 
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",

@@ -110,7 +110,7 @@ class SimNode:
     labels: tuple[tuple[str, str], ...] = field(default=())
     taints: tuple[Taint, ...] = ()  # none by default: KWOK manages nodes by annotation
     # False: KWOK leaves the node and its pods alone, for a stand-in kubelet that drives the
-    # real device plugin (carpool.chaos.StandInKubelet) to run them instead.
+    # real device plugin (carpool_testbed.chaos.StandInKubelet) to run them instead.
     kwok: bool = True
 
     @property

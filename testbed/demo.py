@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from carpool import devcluster, simnodes, stack
 from carpool.core import names
+from carpool_testbed import devcluster, simnodes, stack
 
 NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
     {"name": "h200-a", "zone": "zone-a", "sharing": "mps", "datasets": ["imagenet"],
@@ -129,7 +128,7 @@ def _report(cluster: devcluster.Cluster) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "carpool.cli.kubectl_plugin", "report", "--since", "1d",
          "--kubeconfig", str(cluster.kubeconfig)],
-        capture_output=True, text=True, check=False, env=dict(os.environ, PYTHONSAFEPATH="1"))
+        capture_output=True, text=True, check=False)
     return result.stdout + result.stderr
 
 
@@ -225,7 +224,7 @@ Stop:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m carpool.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m carpool_testbed.demo", description=__doc__)
     parser.add_argument("--log-dir", type=Path,
                         default=devcluster.cache_dir() / "demo-logs")
     args = parser.parse_args(argv)

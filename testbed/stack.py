@@ -1,8 +1,7 @@
 """Carpool's own processes on the local cluster: the operator and the extender.
 
 Used by the demo and the integration tests; on a real cluster the Helm chart runs them. The
-operator starts as users would start it, `kopf run -m carpool.operator.handlers`, with
-PYTHONSAFEPATH so the repo root (and its `operator/` folder) never lands on sys.path.
+operator starts as users would start it, `kopf run -m carpool.operator.handlers`.
 """
 
 from __future__ import annotations
@@ -15,13 +14,13 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from carpool import crds, devcluster
+from carpool_testbed import crds, devcluster
 
 
 def start_operator(kubeconfig: Path, log_path: Path, env: Mapping[str, str] | None = None,
                    identity: str = "") -> subprocess.Popen[bytes]:
     """Spawn the operator (kopf, all namespaces, no kopf peering: we elect with a Lease)."""
-    environment = dict(os.environ, PYTHONSAFEPATH="1", KUBECONFIG=str(kubeconfig),
+    environment = dict(os.environ, KUBECONFIG=str(kubeconfig),
                        CARPOOL_KUBECONFIG=str(kubeconfig), **(env or {}))
     if identity:
         environment["CARPOOL_IDENTITY"] = identity
@@ -106,4 +105,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["down"]:
         stop_detached()
     else:
-        sys.exit("usage: python -m carpool.stack down")
+        sys.exit("usage: python -m carpool_testbed.stack down")

@@ -1,16 +1,16 @@
-"""`carpool`: the command-line entry point."""
+"""`carpool-testbed` (or `python -m carpool_testbed`): simulated GPU nodes and the trace replay."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from carpool.cli import nodes
-from carpool.cli import simulate as simulate_cli
+from carpool_testbed import nodes
+from carpool_testbed import simulate as simulate_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="carpool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="carpool-testbed", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     nodes.register(commands)
     simulate_cli.register(commands)

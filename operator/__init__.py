@@ -1,1 +1,0 @@
-"""The Carpool operator: kopf handlers over the pure core (carpool.core)."""
