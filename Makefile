@@ -4,7 +4,6 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
-export CARPOOL_TRACES ?= $(abspath ../shared/traces/openb)
 
 .DEFAULT_GOAL := help
 .PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check clean

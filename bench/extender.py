@@ -48,12 +48,10 @@ import orjson
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, GPU_MODEL_SLOWDOWN_C
 from carpool.core.resources import Gpu, NodeInventory
 from carpool.extender.service import SHIPPED_FILTER_BEST
-from carpool_testbed import devcluster
+from carpool_testbed import devcluster, traces
 
-TRACES = Path(os.environ.get("CARPOOL_TRACES",
-                             Path(__file__).resolve().parents[2] / "shared" / "traces" / "openb"))
-NODES_CSV = TRACES / "openb_node_list_gpu_node.csv"
-PODS_CSV = TRACES / "openb_pod_list_default.csv"
+NODES_CSV = traces.node_list()
+PODS_CSV = traces.pod_list("default")
 
 
 def openb_inventories(seed: int = 0) -> list[NodeInventory]:
@@ -671,7 +669,7 @@ def bench_sampling(args: argparse.Namespace) -> int:
     print(f"{'trace':<12} {'percentage':>10} {'at 100 %':>9} {'at end':>8}  (medians of "
           f"{args.seeds} seeds, Carpool's policy, {len(nodes)} nodes)")
     for trace in args.traces.split(","):
-        pods = simulation.parse_pods_csv((TRACES / f"openb_pod_list_{trace}.csv").read_text())
+        pods = simulation.parse_pods_csv(traces.pod_list(trace).read_text())
         workload = simulation.target_workload(pods)
         for percentage in (int(p) for p in args.percentages.split(",")):
             results = []

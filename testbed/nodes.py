@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -12,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from carpool.core.names import RESOURCE_GPU
-from carpool_testbed import crds, simnodes
-
-DEFAULT_OPENB = "openb_node_list_gpu_node.csv"
+from carpool_testbed import crds, simnodes, traces
 
 
 def _add_sources(parser: argparse.ArgumentParser) -> None:
@@ -22,10 +19,9 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--from", dest="from_file", type=Path, metavar="FILE.yaml",
                         help="nodes described in YAML (see examples/nodes.yaml)")
     source.add_argument("--from-openb", type=Path, metavar="CSV", nargs="?",
-                        const=Path(os.environ.get("CARPOOL_TRACES", "../shared/traces/openb"))
-                        / DEFAULT_OPENB,
-                        help="the openb trace's node list (default: $CARPOOL_TRACES/"
-                             f"{DEFAULT_OPENB})")
+                        const=traces.node_list(),
+                        help="the openb trace's node list (default: the repo's traces/openb/"
+                             f"{traces.NODE_LIST}, or $CARPOOL_TRACES)")
     parser.add_argument("--limit", type=int, metavar="N",
                         help="with --from-openb: only the first N GPU nodes")
     parser.add_argument("--shares-per-gpu", type=int, metavar="N",
@@ -58,8 +54,7 @@ def register(commands: Any) -> None:
     group.add_argument("--all", action="store_true", help="every simulated node")
     group.add_argument("--from", dest="from_file", type=Path, metavar="FILE.yaml")
     group.add_argument("--from-openb", type=Path, metavar="CSV", nargs="?",
-                       const=Path(os.environ.get("CARPOOL_TRACES", "../shared/traces/openb"))
-                       / DEFAULT_OPENB)
+                       const=traces.node_list())
     delete.add_argument("--limit", type=int, metavar="N")
     _add_kubeconfig(delete)
     delete.set_defaults(run=guarded(run_delete), shares_per_gpu=None)

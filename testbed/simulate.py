@@ -20,20 +20,11 @@ from typing import Any
 
 from carpool.core import peers, scoring, simulation
 from carpool.core.workload import TargetWorkload
+from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 POLICIES = ("random", "best-fit", "dot-product", "fgd", "carpool")
 PEER_POLICIES = tuple(peers.POLICIES)  # the GPU-sharing schedulers' (carpool.core.peers)
 ALL_POLICIES = POLICIES + PEER_POLICIES
-DEFAULT_TRACES = Path("/work/shared/traces/openb")
-NODE_LIST = "openb_node_list_gpu_node.csv"
-
-
-def traces_dir() -> Path:
-    """$CARPOOL_TRACES, else the shared openb folder, else ../shared/traces/openb."""
-    env = os.environ.get("CARPOOL_TRACES")
-    if env:
-        return Path(env)
-    return DEFAULT_TRACES if DEFAULT_TRACES.is_dir() else Path("../shared/traces/openb")
 
 
 @dataclass(frozen=True)
@@ -123,9 +114,9 @@ def register(commands: Any) -> None:
         description="Median GPU allocation over seeds at 100 % arrival and at the end "
                     "(130 % of capacity requested).")
     placement.add_argument("--nodes", type=Path,
-                           help=f"node CSV (default: $CARPOOL_TRACES/{NODE_LIST})")
+                           help=f"node CSV (default: the openb folder's {NODE_LIST})")
     placement.add_argument("--pods", type=Path,
-                           help="pod CSV (default: $CARPOOL_TRACES/openb_pod_list_default.csv)")
+                           help=f"pod CSV (default: the openb folder's {DEFAULT_PODS})")
     placement.add_argument("--seeds", type=_positive, default=10, help="seeds 0..N-1 (10)")
     placement.add_argument("--policy", type=parse_policies, default=list(POLICIES),
                            help=f"comma-separated, from {', '.join(ALL_POLICIES)} "
@@ -138,7 +129,7 @@ def register(commands: Any) -> None:
 def run_placement(args: argparse.Namespace) -> int:
     root = traces_dir()
     nodes_csv: Path = args.nodes or root / NODE_LIST
-    pods_csv: Path = args.pods or root / "openb_pod_list_default.csv"
+    pods_csv: Path = args.pods or root / DEFAULT_PODS
     for path in (nodes_csv, pods_csv):
         if not path.is_file():
             print(f"carpool-testbed simulate placement: no such file: {path}", file=sys.stderr)

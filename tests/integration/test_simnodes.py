@@ -7,7 +7,6 @@ on the shared cluster, and is deleted at the end.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -23,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.names import GPUNODE_PLURAL, GROUP, LABEL_ZONE, RESOURCE_GPU, VERSION
 from carpool_testbed import __main__ as cli
-from carpool_testbed import crds, simnodes
+from carpool_testbed import crds, simnodes, traces
 
 pytestmark = pytest.mark.cluster
 
@@ -33,9 +32,8 @@ NOW = datetime(2026, 11, 29, 19, 0, tzinfo=UTC)
 
 
 def openb_node_list() -> Path:
-    traces = Path(os.environ.get("CARPOOL_TRACES", REPO.parent / "shared" / "traces" / "openb"))
-    path = traces / "openb_node_list_gpu_node.csv"
-    assert path.is_file(), f"openb node list not found at {path} (set CARPOOL_TRACES)"
+    path = traces.node_list()
+    assert path.is_file(), f"openb node list not found at {path}"
     return path
 
 

@@ -13,6 +13,7 @@ from carpool.core.scoring import Plan, Scorer
 from carpool.core.simulation import TraceNode, TracePod
 from carpool.core.workload import Demand, TargetWorkload
 from carpool_testbed import simulate as simulate_cli
+from carpool_testbed import traces
 from carpool_testbed.__main__ import main as carpool_main
 
 NODES_CSV = """sn,cpu_milli,memory_mib,gpu,model
@@ -137,11 +138,9 @@ def test_summarize_takes_medians() -> None:
         simulation.summarize("x", [])
 
 
-TRACES = simulate_cli.traces_dir()
+TRACES = traces.traces_dir()
 
 
-@pytest.mark.skipif(not (TRACES / simulate_cli.NODE_LIST).is_file(),
-                    reason="openb trace not available")
 def test_smoke_replay_on_a_slice_of_openb(tmp_path: Path) -> None:
     """Every policy runs on 120 nodes and 400 pods of the real trace, via the CLI."""
     node_lines = (TRACES / simulate_cli.NODE_LIST).read_text().splitlines()[:121]
