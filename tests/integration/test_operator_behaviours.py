@@ -420,8 +420,8 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
 def test_mps_borrowers_holding_every_gpu_are_preempted_for_an_in_quota_job(
         scenario: Scenario) -> None:
     """The live demo's case: shared (MPS) borrowed jobs on every GPU, an in-quota MPS job
-    waiting. It used to wait with BehindHigherRanked ("GPUs are free but reserved for 0
-    higher-ranked ...") because held GPUs looked free at epoch times; it must preempt."""
+    waiting. It must preempt, not wait with BehindHigherRanked ("GPUs are free but reserved
+    for 0 higher-ranked ...") as it would if held GPUs looked free at epoch times."""
     node = scenario.node(gpus=1)
     ns_own, ns_bor = scenario.namespace("own"), scenario.namespace("bor")
     owner = scenario.project("own", [ns_own], concurrent={"gpus": 1})
