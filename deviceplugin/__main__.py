@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from carpool.deviceplugin.devices import SHARING_MODES
+from carpool.core.gpunode import SHARING_MODES
 from carpool.deviceplugin.plugin import DEFAULT_PLUGIN_DIR, ENDPOINT, PluginConfig
 
 log = logging.getLogger("carpool.deviceplugin")
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fake-spec", type=Path, help="fake backend: a YAML node spec")
     p.add_argument("--openb-node-list", type=Path,
                    help="fake backend: take this node's row from an openb node list CSV")
-    p.add_argument("--sharing-mode", choices=SHARING_MODES, default="mps")
+    p.add_argument("--sharing-mode", choices=tuple(SHARING_MODES), default="mps")
     p.add_argument("--shares-per-gpu", type=int, default=8,
                    help="carpool.dev/gpu devices advertised per GPU (MPS/timeslice)")
     p.add_argument("--plugin-dir", type=Path, default=Path(DEFAULT_PLUGIN_DIR))

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from carpool.core.gpunode import SHARING_MODES
 from carpool.core.shares import ShareId, shares_of
 from carpool.deviceplugin.backends.base import GpuFacts
-
-SHARING_MODES = ("mps", "timeslice", "mig", "exclusive")
 
 
 @dataclass(frozen=True)

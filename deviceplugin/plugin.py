@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from carpool.core.assignment import AssignedGpu
+from carpool.core.gpunode import SHARING_MODES
 from carpool.core.names import RESOURCE_GPU
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -50,15 +51,6 @@ _CODES = {
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
 }
-
-# Which pod isolations a node in each sharing mode can honour.
-_ALLOWED = {
-    "mps": {Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE},
-    "timeslice": {Isolation.TIMESLICE, Isolation.EXCLUSIVE},
-    "mig": {Isolation.MIG, Isolation.EXCLUSIVE},
-    "exclusive": {Isolation.EXCLUSIVE},
-}
-
 
 @dataclass
 class PluginConfig:
@@ -301,7 +293,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         wanted = match.isolation
         if wanted is None:
             wanted = Isolation.MIG if any(g.mig_instance for g in match.gpus) else Isolation(mode)
-        if wanted not in _ALLOWED[mode] and not (
+        if wanted not in SHARING_MODES[mode] and not (
             wanted is Isolation.MIG and all(g.mig_instance for g in match.gpus)
         ):
             raise HandshakeError(
