@@ -45,16 +45,11 @@ from typing import Any
 from kubernetes import client, watch
 
 from carpool.core import names
+from carpool.core.timestamps import epoch_seconds
 from carpool_testbed import crds, devcluster, simnodes, stack
 
 SECTION = "## Operator admission (bench/admission.py)"
 PASS_LINE = re.compile(r"read ([0-9.]+)s decide ([0-9.]+)s act ([0-9.]+)s")
-
-
-def _parse(text: str | None) -> float | None:
-    if not text:
-        return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 class Tracker:
@@ -104,13 +99,13 @@ class Tracker:
                     self.reasons[status["reason"]] = self.reasons.get(status["reason"], 0) + 1
                 self.waited.add(key)
             if phase == "Queued" and key not in self.first_estimate:
-                estimate = _parse(status.get("estimatedStart"))
+                estimate = epoch_seconds(status.get("estimatedStart"))
                 if estimate is not None:
                     self.first_estimate[key] = estimate
             if phase in ("Admitted", "Running", "Succeeded", "Failed") \
                     and key not in self.admitted:
                 self.admitted[key] = now
-            start = _parse(status.get("startTime"))
+            start = epoch_seconds(status.get("startTime"))
             if start is not None:
                 self.started[key] = start
             if phase in ("Succeeded", "Failed"):

@@ -260,14 +260,15 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
              isolation: str) -> Any:
+    from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
     from carpool.core.names import ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+    from carpool.core.timestamps import format_timestamp
     from carpool.deviceplugin.handshake import PodView
 
-    assignment = {"node": "bench-node", "gpus": [
-        {"uuid": gpu_uuid, "index": index, "memoryMiB": memory_mib, "cores": cores}]}
+    assignment = Assignment("bench-node", (AssignedGpu(gpu_uuid, index, memory_mib, cores),))
     return PodView("bench", name, f"uid-{name}", "Pending", False, {
-        ANN_ASSIGNMENT: json.dumps(assignment),
-        ANN_ASSIGNED_AT: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        ANN_ASSIGNMENT: encode_assignment(assignment),
+        ANN_ASSIGNED_AT: format_timestamp(time.time()),
         ANN_ISOLATION: isolation,
     }, (("main", 1),))
 

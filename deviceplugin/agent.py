@@ -18,8 +18,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
-from carpool.deviceplugin.handshake import PodView, parse_assignment
+from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.plugin import PluginState
 from carpool.deviceplugin.telemetry import (
     PodPeak,
@@ -117,19 +119,19 @@ def timeslice_grants(pods: list[PodView], node: str, node_mode: str) -> list[Mem
     for pod in pods:
         if pod.phase not in ("Running", "Pending") or pod.deleting:
             continue
-        text = pod.annotations.get("carpool.dev/assignment")
+        text = pod.annotations.get(ANN_ASSIGNMENT)
         if not text:
             continue
-        isolation = pod.annotations.get("carpool.dev/isolation") or node_mode
+        isolation = pod.annotations.get(ANN_ISOLATION) or node_mode
         if isolation != Isolation.TIMESLICE.value:
             continue
         try:
-            assigned_node, gpus = parse_assignment(text)
-        except ValueError:
+            assignment = parse_assignment(text)
+        except AssignmentError:
             continue
-        if assigned_node != node:
+        if assignment.node != node:
             continue
-        for g in gpus:
+        for g in assignment.gpus:
             grants.append(MemoryGrant(pod.uid, pod.namespace, pod.name, g.uuid, g.memory_mib))
     return grants
 

@@ -14,13 +14,19 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 from carpool.core.annotations import load_annotation_json
-from carpool.core.assignment import HAND_OVER_STALE_S, AssignedGpu
+from carpool.core.assignment import (
+    HAND_OVER_STALE_S,
+    AssignedGpu,
+    AssignmentError,
+    parse_assignment,
+)
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
+from carpool.core.timestamps import epoch_of, format_timestamp
 
 IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the extender's rule uses the same value
 
@@ -60,37 +66,6 @@ class Match:
     isolation: Isolation | None  # None: the pod did not say; use the node's mode
 
 
-def _int_field(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def parse_assignment(text: str) -> tuple[str, tuple[AssignedGpu, ...]]:
-    """The node and GPUs of a `carpool.dev/assignment` annotation; ValueError when malformed."""
-    data = load_annotation_json(text, ANN_ASSIGNMENT)
-    if not isinstance(data, dict) or not isinstance(data.get("node"), str):
-        raise ValueError(f"{ANN_ASSIGNMENT} must be an object with a node name")
-    raw_gpus = data.get("gpus")
-    if not isinstance(raw_gpus, list) or not raw_gpus:
-        raise ValueError(f"{ANN_ASSIGNMENT}: gpus must be a non-empty list")
-    gpus = []
-    for n, raw in enumerate(raw_gpus):
-        where = f"{ANN_ASSIGNMENT} gpus[{n}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("uuid"), str) or not raw["uuid"]:
-            raise ValueError(f"{where}: needs a GPU uuid")
-        gpus.append(AssignedGpu(
-            uuid=raw["uuid"],
-            index=_int_field(raw, "index", where),
-            memory_mib=_int_field(raw, "memoryMiB", where),
-            cores_pct=_int_field(raw, "cores", where, 0),
-            mig_instance=str(raw.get("migInstance") or ""),
-            container=str(raw.get("container") or ""),
-        ))
-    return data["node"], tuple(gpus)
-
-
 def allocated_containers(pod: PodView) -> set[str]:
     """Containers the plugin already handed devices to (from `carpool.dev/allocated`)."""
     text = pod.annotations.get(ANN_ALLOCATED)
@@ -120,16 +95,13 @@ def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str]
             pass
     containers[container] = {"deviceIDs": list(device_ids), "gpus": list(gpus)}
     return json.dumps({"containers": containers,
-                       "at": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+                       "at": format_timestamp(now.timestamp())},
                       separators=(",", ":"), sort_keys=True)
 
 
 def _assigned_at(pod: PodView) -> float:
-    text = pod.annotations.get(ANN_ASSIGNED_AT, "")
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0  # unknown bind time: oldest first, and counted as stale
+    at = epoch_of(pod.annotations.get(ANN_ASSIGNED_AT))
+    return 0.0 if at is None else at  # unknown bind time: oldest first, and counted as stale
 
 
 def _container_gpus(gpus: tuple[AssignedGpu, ...], container: str,
@@ -171,11 +143,12 @@ def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
         if not text:
             continue
         try:
-            assigned_node, gpus = parse_assignment(text)
-        except ValueError:
+            assignment = parse_assignment(text)
+        except AssignmentError:
             continue
-        if assigned_node != node:
+        if assignment.node != node:
             continue
+        gpus = assignment.gpus
         done = allocated_containers(pod)
         for container, _count in pod.gpu_containers:
             if container not in done:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from carpool.core.gpunode import HEALTHY, UNHEALTHY
+from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.backends.base import GpuFacts
 
 
@@ -32,10 +33,6 @@ class PodPeak:
     name: str
     gpu_uuid: str
     peak_memory_mib: int
-
-
-def rfc3339(now: datetime) -> str:
-    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def gpu_status(gpu: GpuFacts, healthy: bool, reason: str = "") -> dict[str, Any]:
@@ -90,7 +87,7 @@ def gpunode_status(
              "peakMemoryMiB": p.peak_memory_mib}
             for p in sorted(pod_peaks, key=lambda p: (p.namespace, p.name, p.gpu_uuid))
         ],
-        "heartbeat": rfc3339(now),
+        "heartbeat": format_timestamp(now.timestamp()),
     }
     if shares_per_gpu is not None:
         status["sharesPerGpu"] = shares_per_gpu

@@ -17,12 +17,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from carpool.core import names
-from carpool.core.assignment import HAND_OVER_STALE_S
-from carpool.core.durations import epoch_of
+from carpool.core.assignment import (
+    HAND_OVER_STALE_S,
+    Assignment,
+    AssignmentError,
+    parse_assignment,
+)
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
+from carpool.core.timestamps import epoch_of
 from carpool.extender.inventory import InventoryError, inventory_from_objects
-from carpool.extender.wire import Assignment, WireError, decode_assignment, pod_requests
+from carpool.extender.wire import pod_requests
 
 IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the handshake rule's last-resort timeout
 ASSUMED_TTL_S = 300.0  # an assumption the watch never confirmed is dropped after this
@@ -196,8 +201,8 @@ class ClusterCache:
         if not text or status.get("phase") in TERMINAL_PHASES:
             return None
         try:
-            assignment = decode_assignment(str(text))
-        except WireError:
+            assignment = parse_assignment(str(text))
+        except AssignmentError:
             return None  # not ours to fix; the pod holds nothing we can account
         node_name = (pod.get("spec") or {}).get("nodeName")
         if node_name and node_name != assignment.node:

@@ -17,26 +17,29 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from carpool.core import names
-from carpool.core.assignment import AssignedGpu
+from carpool.core.assignment import (
+    AssignedGpu,
+    Assignment,
+    AssignmentError,
+    encode_assignment,
+    parse_assignment,
+)
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
+from carpool.core.timestamps import format_timestamp_micro
 from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
-    Assignment,
     BindingArgs,
     ExtenderArgs,
     PodDemand,
     Policy,
     WireError,
-    decode_assignment,
     decode_pod,
-    encode_assignment,
     encode_filter_result,
     encode_priorities,
 )
@@ -99,10 +102,6 @@ class Settings:
             raise ValueError("filter_best must be 0 (every node) or more")
         if self.ambiguous_recheck_s <= 0:
             raise ValueError("ambiguous_recheck_s must be positive")
-
-
-def rfc3339(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> Assignment:
@@ -468,7 +467,7 @@ class Extender:
         if not plan.demand.containers:
             return {}
         return {names.ANN_ASSIGNMENT: encode_assignment(assignment),
-                names.ANN_ASSIGNED_AT: rfc3339(self.clock())}
+                names.ANN_ASSIGNED_AT: format_timestamp_micro(self.clock())}
 
     def _bind_failed(self, plan: BindPlan, exc: ClusterError) -> str | None:
         """The error, or None when a conflict needs the pod read first.
@@ -585,8 +584,8 @@ class Extender:
         if not text:
             return None
         try:
-            assignment = decode_assignment(str(text))
-        except WireError:
+            assignment = parse_assignment(str(text))
+        except AssignmentError:
             return None
         return assignment if assignment.node == node else None
 

@@ -4,12 +4,12 @@ The extender structs (`ExtenderArgs`, `ExtenderFilterResult`, `HostPriority`,
 `ExtenderBindingArgs`, `ExtenderBindingResult`) have no JSON tags in Go, so their keys are the
 Go field names; the Pod and Node inside them are ordinary Kubernetes JSON. Everything a handler
 needs is decoded here, once, and anything malformed raises `WireError` with a message that
-says what was wrong, which the server turns into HTTP 400.
+says what was wrong, which the server turns into HTTP 400. (The `carpool.dev/assignment`
+annotation has its one codec in `carpool.core.assignment`.)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -18,10 +18,8 @@ from typing import Any
 import orjson
 
 from carpool.core import names
-from carpool.core.annotations import load_annotation_json
-from carpool.core.assignment import AssignedGpu
 from carpool.core.quantities import quantity_mib, quantity_milli
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.core.resources import GpuRequest, Isolation
 
 MIB_PER_GIB = 1024
 MAX_NODE_NAMES = 100_000
@@ -90,26 +88,6 @@ class BindingArgs:
     @property
     def key(self) -> str:
         return f"{self.pod_namespace}/{self.pod_name}"
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """The `carpool.dev/assignment` annotation: which GPUs a pod holds on which node."""
-
-    node: str
-    gpus: tuple[AssignedGpu, ...]
-
-    def grants(self, exclusive: bool, memory_total: Mapping[str, int]) -> tuple[GpuGrant, ...]:
-        """Grants this assignment holds; exclusive ones take the whole GPU."""
-        out = []
-        for g in self.gpus:
-            if exclusive:
-                out.append(GpuGrant(g.uuid, memory_total.get(g.uuid, g.memory_mib), 100,
-                                    exclusive=True))
-            else:
-                out.append(GpuGrant(g.uuid, g.memory_mib, g.cores_pct,
-                                    mig_instance=g.mig_instance))
-        return tuple(out)
 
 
 # --- JSON helpers -------------------------------------------------------------------------
@@ -317,48 +295,6 @@ def decode_pod(pod: Mapping[str, Any]) -> PodDemand:
         cpu_milli=cpu_milli,
         memory_mib=memory_mib,
     )
-
-
-# --- the assignment annotation ------------------------------------------------------------
-
-
-def encode_assignment(assignment: Assignment) -> str:
-    gpus = []
-    for g in assignment.gpus:
-        entry: dict[str, object] = {"uuid": g.uuid, "index": g.index, "memoryMiB": g.memory_mib,
-                                    "cores": g.cores_pct}
-        if g.mig_instance:
-            entry["migInstance"] = g.mig_instance
-        if g.container:
-            entry["container"] = g.container
-        gpus.append(entry)
-    return json.dumps({"node": assignment.node, "gpus": gpus}, separators=(",", ":"))
-
-
-def decode_assignment(text: str) -> Assignment:
-    """Parse `carpool.dev/assignment`; WireError if it is not what the extender writes."""
-    try:
-        raw = load_annotation_json(text, names.ANN_ASSIGNMENT)
-    except ValueError as exc:
-        raise WireError(str(exc)) from None
-    data = _mapping(raw, names.ANN_ASSIGNMENT)
-    gpus_raw = data.get("gpus")
-    if not isinstance(gpus_raw, list):
-        raise WireError(f"{names.ANN_ASSIGNMENT}: gpus must be a list")
-    gpus = []
-    for raw in gpus_raw:
-        g = _mapping(raw, f"{names.ANN_ASSIGNMENT} gpu")
-        index, memory, cores = g.get("index"), g.get("memoryMiB"), g.get("cores", 0)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (index, memory, cores)):
-            raise WireError(f"{names.ANN_ASSIGNMENT}: index, memoryMiB, cores must be integers")
-        assert isinstance(index, int) and isinstance(memory, int) and isinstance(cores, int)
-        gpus.append(AssignedGpu(
-            uuid=_string(g.get("uuid"), f"{names.ANN_ASSIGNMENT} gpu uuid"),
-            index=index, memory_mib=memory, cores_pct=cores,
-            mig_instance=_string(g.get("migInstance"), "migInstance", required=False),
-            container=_string(g.get("container"), "container", required=False),
-        ))
-    return Assignment(_string(data.get("node"), f"{names.ANN_ASSIGNMENT} node"), tuple(gpus))
 
 
 # --- responses ----------------------------------------------------------------------------

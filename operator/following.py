@@ -6,26 +6,18 @@ pass rather than remembering events, so a restart (or a missed event) changes no
 
 from __future__ import annotations
 
-import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import names
-from carpool.core.annotations import load_annotation_json
+from carpool.core.assignment import Assignment, AssignmentError, parse_assignment
+from carpool.core.timestamps import epoch_seconds as parse_time
+from carpool.core.timestamps import format_timestamp as format_time
 
 Obj = dict[str, Any]
 DISRUPTION_TARGET = "DisruptionTarget"  # the pod condition Kubernetes sets on disrupted pods
-
-
-def parse_time(text: str | None) -> float | None:
-    """RFC 3339 to epoch seconds."""
-    if not text:
-        return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-
-
-def format_time(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+__all__ = ["DISRUPTION_TARGET", "PodView", "attempt_of", "format_time", "parse_time",
+           "view_pod"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +29,7 @@ class PodView:
     attempt: int
     phase: str  # Pending | Running | Succeeded | Failed
     node: str
-    assignment: Obj | None
+    assignment: Assignment | None  # None: none, or not readable
     started: float | None
     finished: float | None
     deleting: bool
@@ -63,10 +55,9 @@ def view_pod(pod: Obj) -> PodView:
     assignment = None
     if raw := annotations.get(names.ANN_ASSIGNMENT):
         try:
-            parsed = load_annotation_json(raw, names.ANN_ASSIGNMENT)
-            assignment = parsed if isinstance(parsed, dict) else None
-        except ValueError:
-            assignment = None
+            assignment = parse_assignment(str(raw))
+        except AssignmentError:
+            assignment = None  # user-writable: a bad value holds nothing
     started = parse_time(status.get("startTime"))
     finished = None
     exit_reason = ""

@@ -50,6 +50,7 @@ from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciling import (
     admission_to_start_s,
     grants_from_assignment,
+    grants_from_status,
     history_gpu_hours,
     job_conditions,
     observe,
@@ -270,9 +271,9 @@ class Reconciler:
                 == "exclusive"
             if obs.live_pod is not None and obs.live_pod.assignment:
                 grants = grants_from_assignment(obs.live_pod.assignment, exclusive)
-                node = obs.live_pod.node or str(obs.live_pod.assignment.get("node", ""))
+                node = obs.live_pod.node or obs.live_pod.assignment.node
             elif obs.phase.holds_gpus or (obs.phase is Phase.PREEMPTED and obs.live_pod):
-                grants = grants_from_assignment({"gpus": merged.get("gpus") or []}, exclusive)
+                grants = grants_from_status(merged.get("gpus"), exclusive)
                 node = str(merged.get("node") or "")
             else:
                 grants, node = (), ""
@@ -346,7 +347,7 @@ class Reconciler:
     @staticmethod
     def _observe_hardware(state: PassState, pod: PodView, status: Obj, patch: Obj) -> None:
         """Hardware fingerprint once the pod is on a node; peak memory as it grows."""
-        uuids = [str(g.get("uuid", "")) for g in (pod.assignment or {}).get("gpus") or []]
+        uuids = [g.uuid for g in pod.assignment.gpus] if pod.assignment else []
         if pod.node and uuids:
             hardware = hardware_of(pod.node, uuids, state)
             if hardware is not None and status.get("hardware") != hardware:

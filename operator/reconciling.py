@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.resources import GpuGrant, Phase
 from carpool.operator.following import PodView, format_time, parse_time
@@ -57,23 +58,24 @@ class Observation:
     live_pod: PodView | None = None
 
 
-def grants_from_assignment(assignment: Mapping[str, Any] | None,
+def grants_from_assignment(assignment: Assignment | None,
                            exclusive: bool = False) -> tuple[GpuGrant, ...]:
-    """The grants of an extender assignment `{node, gpus: [{uuid, index, memoryMiB, cores,
-    migInstance?}]}`. The extender does not write an exclusive flag (it reads the pod's
-    isolation annotation, as we read the job's isolation): `exclusive` marks every grant as
-    holding its whole GPU, so placement sees the GPU taken and GPU-hours count 1 per GPU."""
-    if not assignment:
+    """The grants of an extender assignment (see `Assignment.grants`): `exclusive` (the job's
+    isolation) marks every grant as holding its whole GPU, so placement sees the GPU taken and
+    GPU-hours count 1 per GPU."""
+    return assignment.grants(exclusive) if assignment is not None else ()
+
+
+def grants_from_status(gpus: object, exclusive: bool = False) -> tuple[GpuGrant, ...]:
+    """The grants a job's `status.gpus` records (the assignment's GPUs, written by `observe`);
+    none when there are none or they cannot be read."""
+    try:
+        return Assignment("", parse_gpus(gpus, "status.gpus")).grants(exclusive)
+    except AssignmentError:
         return ()
-    return tuple(
-        GpuGrant(gpu_uuid=str(g.get("uuid", "")), memory_mib=int(g.get("memoryMiB", 0)),
-                 cores_pct=100 if exclusive else int(g.get("cores", 0)),
-                 exclusive=exclusive or bool(g.get("exclusive", False)),
-                 mig_instance=str(g.get("migInstance", "")))
-        for g in assignment.get("gpus") or [])
 
 
-def assignment_fraction(assignment: Mapping[str, Any] | None,
+def assignment_fraction(assignment: Assignment | None,
                         memory_totals: Mapping[str, int], exclusive: bool = False,
                         mig_slices: Mapping[str, int] | None = None) -> float:
     """GPUs held by an assignment, by the one GPU-hour definition (core.gpuhours);
@@ -150,8 +152,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         return Observation(Phase.QUEUED, attempts, patch, tuple(events))
 
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
-    gpus = [{k: g[k] for k in ("index", "uuid", "memoryMiB", "cores", "model") if k in g}
-            for g in (current.assignment or {}).get("gpus") or []]
+    gpus = [{"index": g.index, "uuid": g.uuid, "memoryMiB": g.memory_mib, "cores": g.cores_pct}
+            for g in (current.assignment.gpus if current.assignment is not None else ())]
     if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):
         requeued = _requeue_failed(phase, history, current, not_its_fault, fraction,
                                    attempts, now)

@@ -10,7 +10,6 @@ watch-fed copy of the pods, without loading the API server with lists.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
@@ -27,7 +26,9 @@ from typing import Any
 import yaml
 
 from carpool.core import names
-from carpool.core.durations import epoch_of as parse_time
+from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.timestamps import epoch_of as parse_time
+from carpool.core.timestamps import format_timestamp, format_timestamp_micro, parse_timestamp
 from carpool_testbed import devcluster
 
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
@@ -251,15 +252,14 @@ def assigned(pod: Mapping[str, Any]) -> list[Holding]:
     if not raw:
         return []
     try:
-        gpus = json.loads(raw)["gpus"]
-        key = f"{meta.get('namespace')}/{meta.get('name')}"
-        project = (meta.get("labels") or {}).get(names.LABEL_PROJECT, "")
-        exclusive = annotations.get(names.ANN_ISOLATION) == "exclusive"
-        return [Holding(key, project, str(g["uuid"]), int(g.get("memoryMiB", 0)),
-                        int(g.get("cores", 0)), exclusive,
-                        annotations.get(names.ANN_ASSIGNED_AT, "")) for g in gpus]
-    except (ValueError, KeyError, TypeError):
+        assignment = parse_assignment(str(raw))
+    except AssignmentError:
         return []
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
+    project = (meta.get("labels") or {}).get(names.LABEL_PROJECT, "")
+    exclusive = annotations.get(names.ANN_ISOLATION) == "exclusive"
+    return [Holding(key, project, g.uuid, g.memory_mib, g.cores_pct, exclusive,
+                    annotations.get(names.ANN_ASSIGNED_AT, "")) for g in assignment.gpus]
 
 
 def overcommitted_gpus(held: Iterable[Holding], capacity: Mapping[str, GpuCapacity]
@@ -312,7 +312,7 @@ def placed_on_unhealthy(held: Iterable[Holding], unhealthy_since: Mapping[str, d
         since = unhealthy_since.get(h.gpu_uuid)
         if since is None or not h.assigned_at:
             continue
-        assigned = datetime.fromisoformat(h.assigned_at.replace("Z", "+00:00"))
+        assigned = parse_timestamp(h.assigned_at)
         if (assigned - since).total_seconds() > grace_s:
             problems.append(f"{h.pod} assigned to unhealthy {h.gpu_uuid} at {h.assigned_at}")
     return problems
@@ -791,9 +791,9 @@ class StandInKubelet:
 
         core = client.CoreV1Api(self.api)
         leases = client.CoordinationV1Api(self.api)
-        since = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        since = format_timestamp(time.time())
         while not self._stop.is_set():
-            micro = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            micro = format_timestamp_micro(time.time())
             for node in self.plugin_dirs:
                 lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                          "metadata": {"name": node, "namespace": "kube-node-lease"},
@@ -804,7 +804,7 @@ class StandInKubelet:
                         node, "kube-node-lease", lease, field_manager="carpool-stand-in-kubelet",
                         force=True, _content_type="application/apply-patch+yaml",
                         _request_timeout=10)
-            stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            stamp = format_timestamp(time.time())
             conditions = [{"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
                            "lastHeartbeatTime": stamp, "lastTransitionTime": since}
                           for kind, reason in (("MemoryPressure", "SufficientMemory"),
@@ -972,7 +972,7 @@ class StandInKubelet:
         return False
 
     def _run(self, key: str, pod: dict[str, Any]) -> None:
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = format_timestamp(time.time())
         containers = (pod.get("spec") or {}).get("containers") or []
         status = {
             "phase": "Running", "startTime": stamp, "podIP": "10.0.0.1", "hostIP": "10.0.0.1",
@@ -1013,7 +1013,7 @@ class StandInKubelet:
             self.assignments.pop(key, None)
 
     def _complete(self, pod: dict[str, Any]) -> None:
-        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = format_timestamp(time.time())
         started = pod.get("_started", stamp)
         self._forget(pod)
         self._patch_status(pod, {

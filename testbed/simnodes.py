@@ -33,6 +33,7 @@ from carpool.core.names import (
     VERSION,
 )
 from carpool.core.quantities import quantity_mib, quantity_milli
+from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.backends.fake import DEFAULT_CUDA, DEFAULT_DRIVER, FakeBackend
 from carpool.deviceplugin.devices import share_count
 from carpool.deviceplugin.telemetry import status_from_backend
@@ -555,7 +556,7 @@ def beat(api: Any, names: Sequence[str], now: datetime | None = None, workers: i
     from kubernetes import client
 
     custom = client.CustomObjectsApi(api)
-    stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = format_timestamp((now or datetime.now(UTC)).timestamp())
     body = {"status": {"heartbeat": stamp}}
     _each(lambda name: custom.patch_cluster_custom_object_status(
         GROUP, VERSION, GPUNODE_PLURAL, name, body, field_manager=FIELD_MANAGER,

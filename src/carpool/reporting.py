@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import names
-from carpool.core.annotations import load_annotation_json
+from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.durations import parse_duration
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_hours
@@ -25,6 +25,7 @@ from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, inventory_from_gpunode
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, NodeInventory
+from carpool.core.timestamps import epoch_of, format_timestamp
 
 Obj = Mapping[str, Any]
 WAITING_PHASES = frozenset({"", "Queued", "Preempted"})
@@ -35,20 +36,6 @@ _MIG_PROFILE_SLICES = {f"{n}g": n for n in range(1, 8)}
 
 
 # --- small readers ------------------------------------------------------------------------
-
-
-def parse_time(text: object) -> float | None:
-    """RFC 3339 (as the API server writes it) to epoch seconds; None when absent."""
-    if not isinstance(text, str) or not text:
-        return None
-    stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=dt.UTC)
-    return stamp.timestamp()
-
-
-def format_time(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def human_duration(seconds: float) -> str:
@@ -266,7 +253,7 @@ def queue_groups(entries: Sequence[QueuedJob]) -> list[QueueGroup]:
         groups.append(QueueGroup(
             project, job_class, len(members), sum(m.gpus for m in members),
             min(positions) if positions else None,
-            min(starts, key=lambda s: parse_time(s) or 0.0) if starts else None,
+            min(starts, key=lambda s: epoch_of(s) or 0.0) if starts else None,
             dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))))
     groups.sort(key=lambda g: (g.project, class_rank(g.job_class)))
     return groups
@@ -340,21 +327,17 @@ def assignments_by_gpu(pods: Iterable[Obj]) -> dict[str, list[Share]]:
         if not text or status.get("phase") in TERMINAL_POD_PHASES:
             continue
         try:
-            data = load_annotation_json(str(text), names.ANN_ASSIGNMENT)
-            node = data["node"]
-            grants = data["gpus"]
-        except (ValueError, KeyError, TypeError):
+            assignment = parse_assignment(str(text))
+        except AssignmentError:
             continue
-        if spec.get("nodeName") and spec.get("nodeName") != node:
+        if spec.get("nodeName") and spec.get("nodeName") != assignment.node:
             continue
         exclusive = str(annotations.get(names.ANN_ISOLATION, "")).lower() == "exclusive"
-        for g in grants if isinstance(grants, list) else ():
-            if not isinstance(g, Mapping) or not g.get("uuid"):
-                continue
-            out.setdefault(str(g["uuid"]), []).append(Share(
+        for g in assignment.gpus:
+            out.setdefault(g.uuid, []).append(Share(
                 namespace=str(meta.get("namespace", "")), pod=str(meta.get("name", "")),
-                memory_mib=int(g.get("memoryMiB", 0) or 0), cores_pct=int(g.get("cores", 0) or 0),
-                mig_instance=str(g.get("migInstance", "") or ""), exclusive=exclusive))
+                memory_mib=g.memory_mib, cores_pct=g.cores_pct, mig_instance=g.mig_instance,
+                exclusive=exclusive))
     return out
 
 
@@ -385,7 +368,7 @@ def node_views(gpunodes: Iterable[Obj], pods: Iterable[Obj], now: float) -> list
                 mig_instances=len(g.get("migInstances") or ()),
                 shares=held))
         heartbeat = status.get("heartbeat")
-        beat = parse_time(heartbeat)
+        beat = epoch_of(heartbeat)
         views.append(NodeView(
             name=str(_meta(obj).get("name", "")), sharing_mode=str(status.get("sharingMode", "")),
             zone=str(status.get("zone", "")), driver_version=str(status.get("driverVersion", "")),
@@ -433,11 +416,11 @@ def quota_views(quotas: Iterable[Obj]) -> list[QuotaView]:
         running = status.get("running") or {}
         borrowed = status.get("borrowed") or {}
         period = str(hours.get("period", ""))
-        start = parse_time(status.get("periodStart"))
+        start = epoch_of(status.get("periodStart"))
         end = None
         if start is not None and period:
             try:
-                end = format_time(start + parse_duration(period))
+                end = format_timestamp(start + parse_duration(period))
             except ValueError:
                 end = None
         views.append(QuotaView(
@@ -496,7 +479,7 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
     if by not in ("project", "job"):
         raise ValueError(f"report rows are by 'project' or 'job', not {by!r}")
     if since > now:
-        raise ValueError(f"the report window starts in the future ({format_time(since)})")
+        raise ValueError(f"the report window starts in the future ({format_timestamp(since)})")
     hours: dict[str, float] = {}
     runs: dict[str, int] = {}
     jobs_in: dict[str, set[str]] = {}
@@ -505,10 +488,10 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
         project = str(_spec(obj).get("project", ""))
         key = project if by == "project" else job_key(obj)
         for record in _status(obj).get("history") or ():
-            start = parse_time(record.get("start"))
+            start = epoch_of(record.get("start"))
             if start is None:
                 continue
-            end = parse_time(record.get("end"))
+            end = epoch_of(record.get("end"))
             end = now if end is None else end
             clipped_start, clipped_end = max(start, since), min(end, now)
             if clipped_end <= clipped_start:
@@ -523,7 +506,7 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
         (UsageRow(key, projects[key], len(jobs_in[key]), runs[key], hours[key],
                   hours[key] / total if total > 0 else 0.0) for key in hours),
         key=lambda r: (-r.gpu_hours, r.key)))
-    return UsageReport(format_time(since), format_time(now), by, rows, total)
+    return UsageReport(format_timestamp(since), format_timestamp(now), by, rows, total)
 
 
 # --- why ----------------------------------------------------------------------------------
@@ -691,7 +674,7 @@ def _quota_findings(job: Obj, quota: Obj | None, fraction: float, now: float
                      f"({fmt_number(fraction)} GPU x {limit_text})")
         blocking = remaining is not None and need > remaining + 1e-9
         if view.period_end:
-            text += f"; refills {relative(parse_time(view.period_end), now)}"
+            text += f"; refills {relative(epoch_of(view.period_end), now)}"
         if blocking and view.on_exhausted == "PreemptibleOnly":
             text += "; once spent, only preemptible non-interactive jobs run"
             blocking = not (preemptible and spec.get("class") != "interactive")
@@ -713,7 +696,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
         text = f"{key} is {phase}"
         if status.get("node"):
             text += f" on {status['node']}"
-        since = parse_time(status.get("startTime") or status.get("admitTime"))
+        since = epoch_of(status.get("startTime") or status.get("admitTime"))
         if since is not None and phase not in FINISHED_PHASES:
             text += f" since {relative(since, now)}"
         if status.get("gpuHours") is not None:
@@ -729,7 +712,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
         summary += f" - {status['message']}"
     findings.append(Finding(Topic.STATUS, bool(reason), summary))
     position = status.get("queuePosition")
-    estimate = parse_time(status.get("estimatedStart"))
+    estimate = epoch_of(status.get("estimatedStart"))
     waiting = waiting_jobs(jobs)
     if isinstance(position, int) and position > 0:
         ahead = [w for w in waiting if w.position is not None and w.position < position]

@@ -30,7 +30,7 @@ from kubernetes import client
 
 from carpool.cli import kubectl_plugin
 from carpool.core import names
-from carpool.reporting import format_time
+from carpool.core.timestamps import format_timestamp as format_time
 from carpool_testbed import crds, devcluster
 
 pytestmark = pytest.mark.cluster

@@ -20,7 +20,7 @@ def running_pod(name: str, started: float) -> dict[str, Any]:
     return {"metadata": {"name": name, "namespace": "ns", "creationTimestamp": stamp(started - 5),
                          "labels": {names.LABEL_PROJECT: "p"},
                          "annotations": {names.ANN_ASSIGNMENT: json.dumps(
-                             {"node": "n0", "gpus": [{"uuid": "g0", "memoryMiB": 1000,
+                             {"node": "n0", "gpus": [{"uuid": "g0", "index": 0, "memoryMiB": 1000,
                                                       "cores": 100}]})}},
             "status": {"phase": "Running", "startTime": stamp(started),
                        "containerStatuses": [{"state": {"running": {
@@ -47,7 +47,7 @@ def test_a_lagging_view_does_not_overspend_a_budget_but_a_current_one_does() -> 
     other = running_pod("b", now - 1)  # a write from a second ago: the view is current
     other["metadata"]["labels"][names.LABEL_PROJECT] = "q"
     other["metadata"]["annotations"][names.ANN_ASSIGNMENT] = json.dumps(
-        {"node": "n0", "gpus": [{"uuid": "g1", "memoryMiB": 1000, "cores": 100}]})
+        {"node": "n0", "gpus": [{"uuid": "g1", "index": 1, "memoryMiB": 1000, "cores": 100}]})
     sampler._record(other)
     [problem] = sampler.check()
     assert problem.startswith("p over its budget"), problem

@@ -21,7 +21,6 @@ from carpool.deviceplugin.handshake import (
     allocated_annotation,
     in_flight,
     match_request,
-    parse_assignment,
     preferred_shares,
 )
 from carpool.deviceplugin.health import HealthTracker
@@ -105,17 +104,6 @@ def test_multi_container_pods_are_matched_container_by_container() -> None:
     unnamed = pod("unnamed", [g("A"), g("B"), g("C")], containers=(("x", 2), ("y", 1)))
     assert [[x.uuid for x in gs] for _, _, gs in in_flight([unnamed], NODE)] == [["A", "B"],
                                                                                   ["C"]]
-
-
-@pytest.mark.parametrize(
-    ("text", "words"),
-    [("nope", "not JSON"), ('{"gpus": []}', "node name"), ('{"node": "n", "gpus": []}',
-     "non-empty"), ('{"node": "n", "gpus": [{"index": 0}]}', "uuid"),
-     ('{"node": "n", "gpus": [{"uuid": "A", "index": -1, "memoryMiB": 1}]}', "index")],
-)
-def test_bad_assignments_are_explained(text: str, words: str) -> None:
-    with pytest.raises(ValueError, match=words):
-        parse_assignment(text)
 
 
 def test_a_pod_with_a_bad_assignment_is_skipped_not_fatal() -> None:

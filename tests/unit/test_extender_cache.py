@@ -7,13 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from carpool.core import names
-from carpool.core.assignment import AssignedGpu
+from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
 from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash
 from carpool.extender.fake import gpunode_object, node_object, pod_object
 from carpool.extender.kube import PODS_THAT_HOLD, Informer
-from carpool.extender.wire import Assignment, encode_assignment
 
 NOW = 1_800_000_000.0
 GIB = 1024

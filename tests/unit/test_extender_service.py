@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from carpool.core import names
+from carpool.core.assignment import parse_assignment
 from carpool.core.scoring import ScoringPolicy
 from carpool.extender.cache import IN_FLIGHT_STALE_S, ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
 from carpool.extender.service import Extender, Settings
-from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy, decode_assignment
+from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy
 
 NOW = 1_800_000_000.0
 PACKING_ONLY = ScoringPolicy(fragmentation=0, packing=1, temperature=0, locality=0)
@@ -70,7 +71,7 @@ class World:
 
     def assignment(self, name: str) -> Any:
         pod = self.cluster.pod("default", name)
-        return decode_assignment(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])
+        return parse_assignment(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])
 
     def run(self, name: str) -> None:
         """The pod starts (KWOK marks it Running): its allocation is no longer in flight."""

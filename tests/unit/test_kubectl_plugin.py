@@ -10,7 +10,7 @@ import pytest
 
 from carpool.cli import kubectl_plugin
 from carpool.cli.tables import render, render_csv, table
-from carpool.reporting import format_time
+from carpool.core.timestamps import format_timestamp as format_time
 
 NOW = 1_800_000_000.0
 Obj = dict[str, Any]

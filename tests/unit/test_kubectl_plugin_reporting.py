@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from carpool import reporting
-from carpool.reporting import format_time, human_duration, parse_since, relative
+from carpool.core.timestamps import format_timestamp as format_time
+from carpool.reporting import human_duration, parse_since, relative
 
 NOW = 1_800_000_000.0
 
@@ -68,7 +69,8 @@ def pod(annotation: str, node_name: str = "", phase: str = "Pending") -> dict[st
 
 
 def test_assignments_skip_bad_stale_and_finished_pods() -> None:
-    good = json.dumps({"node": "n1", "gpus": [{"uuid": "G", "memoryMiB": 1024, "cores": 10}]})
+    good = json.dumps({"node": "n1", "gpus": [{"uuid": "G", "index": 0, "memoryMiB": 1024,
+                                               "cores": 10}]})
     shares = reporting.assignments_by_gpu([
         pod(good), pod("{not json"), pod(json.dumps({"gpus": []})), pod(good, node_name="n2"),
         pod(good, phase="Failed")])

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from carpool.core import names
+from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.operator.following import view_pod
@@ -143,14 +144,13 @@ def test_a_pod_created_before_a_crash_is_adopted() -> None:
 
 def test_exclusive_assignments_hold_whole_gpus() -> None:
     """The extender's assignment has no exclusive flag; the job's isolation supplies it."""
-    assignment = {"node": "n1", "gpus": [{"uuid": UUID, "index": 0, "memoryMiB": 10240,
-                                          "cores": 0}]}
+    assignment = Assignment("n1", (AssignedGpu(UUID, 0, 10240, 0),))
     (shared,) = grants_from_assignment(assignment)
     (whole,) = grants_from_assignment(assignment, exclusive=True)
     assert not shared.exclusive and whole.exclusive and whole.cores_pct == 100
     assert assignment_fraction(assignment, {UUID: 81920}) == pytest.approx(0.125)
     assert assignment_fraction(assignment, {UUID: 81920}, exclusive=True) == 1.0
-    mig = {"gpus": [{"uuid": UUID, "memoryMiB": 18000, "cores": 0, "migInstance": "MIG-1"}]}
+    mig = Assignment("n1", (AssignedGpu(UUID, 0, 18000, 0, mig_instance="MIG-1"),))
     assert assignment_fraction(mig, {UUID: 143771}, mig_slices={"MIG-1": 2}) \
         == pytest.approx(2 / 7)
 

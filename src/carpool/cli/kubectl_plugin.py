@@ -17,6 +17,7 @@ from typing import Any, Protocol, TextIO
 from carpool import reporting
 from carpool.cli.tables import Table, render, render_csv, table
 from carpool.core import names
+from carpool.core.timestamps import epoch_of
 
 Obj = dict[str, Any]
 REQUEST_TIMEOUT_S = 15
@@ -169,7 +170,7 @@ def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
     group_table = table(
         ["project", "class", "waiting", "gpus", "head", "next-start", "reasons"],
         [[g.project, g.job_class, g.waiting, g.gpus, g.head_position,
-          reporting.relative(reporting.parse_time(g.earliest_start), now),
+          reporting.relative(epoch_of(g.earliest_start), now),
           ", ".join(f"{r} {n}" if n > 1 else r for r, n in g.reasons.items())]
          for g in groups])
     headers = ["pos", "job", "project", "class", "gpus", "memory", "waiting", "est-start",
@@ -180,9 +181,9 @@ def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
     for e in entries:
         row: list[object] = [e.position, f"{e.namespace}/{e.name}", e.project, e.job_class,
                              e.gpus, e.memory,
-                             reporting.relative(reporting.parse_time(e.submitted), now)
+                             reporting.relative(epoch_of(e.submitted), now)
                              .removesuffix(" ago"),
-                             reporting.relative(reporting.parse_time(e.estimated_start), now),
+                             reporting.relative(epoch_of(e.estimated_start), now),
                              e.reason]
         if args.output == "wide":
             row.append(e.message)
@@ -244,7 +245,7 @@ def cmd_quota(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
         [[v.project, reporting.fmt_number(v.budget_gpu_hours), v.period or None,
           reporting.fmt_number(v.used_gpu_hours), reporting.fmt_number(v.remaining_gpu_hours),
           percent_used(v),
-          reporting.relative(reporting.parse_time(v.period_end), now) if v.period_end else None,
+          reporting.relative(epoch_of(v.period_end), now) if v.period_end else None,
           reporting.fmt_number(v.guaranteed_gpus) + ("+borrow" if v.borrowing else ""),
           f"{reporting.fmt_number(v.running_gpus)} ({v.running_jobs} jobs)",
           reporting.fmt_number(v.borrowed_gpus), v.pending,
@@ -264,7 +265,7 @@ def cmd_nodes(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
         return "No GpuNodes (is the Carpool device plugin running on the GPU nodes?)."
     rows = []
     for node in views:
-        age = reporting.relative(reporting.parse_time(node.heartbeat), now)
+        age = reporting.relative(epoch_of(node.heartbeat), now)
         for i, g in enumerate(node.gpus or ()):
             temp = "-" if g.temperature_c is None else f"{g.temperature_c:.0f}"
             if g.slowdown_temperature_c is not None:

@@ -1,19 +1,41 @@
-"""One GPU of a `carpool.dev/assignment` annotation: the extender writes it at bind, the device
-plugin hands exactly it to the container, the operator accounts it. One type for all three."""
+"""The `carpool.dev/assignment` annotation: which GPUs a pod holds on which node.
+
+The extender writes it at bind, the device plugin hands exactly those GPUs to the container,
+the operator accounts them, `kubectl carpool` and the chaos checks show them. This module is
+the one codec for all of them: `encode_assignment` writes what the extender records, and
+`parse_assignment` accepts exactly that shape, refusing anything else with an
+`AssignmentError` that names the field (annotations are user-writable text).
+
+    {"node": "gpu-1", "gpus": [{"uuid": "GPU-…", "index": 0, "memoryMiB": 20480,
+                                "cores": 25, "migInstance": "MIG-…", "container": "main"}]}
+
+`migInstance` and `container` are left out when empty; `cores` defaults to 0; keys this
+version does not know are ignored (a newer extender may add some).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from carpool.core.annotations import load_annotation_json
+from carpool.core.names import ANN_ASSIGNMENT
+from carpool.core.resources import GpuGrant
 
 # How long a bound pod counts as "in flight" (assigned, not yet handed over by the device
 # plugin, not running) when nothing else ends it. The extender keeps a second pod with the same
 # GPU count off a node while one is in flight, because Allocate carries no pod identity and the
 # plugin tells such pods apart by count alone. A bound pod always leaves that state (the kubelet
 # admits it, fails it, or it is deleted, e.g. when its node dies); the timeout is only a last
-# resort, so it is long: a short one (60 s, until a 10,000-job load run showed it) let a second
-# pod onto a node whose kubelet was slow to admit the first, and the plugin then handed the two
-# each other's GPUs. The plugin uses the same value to rank a stale candidate last.
+# resort, so it is long: a short one (60 s) let a second pod onto a node whose kubelet was slow
+# to admit the first, and the plugin then handed the two each other's GPUs. The plugin uses the
+# same value to rank a stale candidate last.
 HAND_OVER_STALE_S = 600.0
+
+
+class AssignmentError(ValueError):
+    """A `carpool.dev/assignment` value that is not what the extender writes."""
 
 
 @dataclass(frozen=True)
@@ -26,3 +48,90 @@ class AssignedGpu:
     cores_pct: int
     mig_instance: str = ""
     container: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The whole annotation: the node and every GPU of every container."""
+
+    node: str
+    gpus: tuple[AssignedGpu, ...]
+
+    def grants(self, exclusive: bool = False,
+               memory_total: Mapping[str, int] | None = None) -> tuple[GpuGrant, ...]:
+        """The grants this assignment holds. The annotation has no exclusive flag (the pod's
+        isolation says it): `exclusive` makes every grant hold its whole GPU, with the GPU's
+        total memory where `memory_total` knows it."""
+        totals = memory_total or {}
+        if exclusive:
+            return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
+                         for g in self.gpus)
+        return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance)
+                     for g in self.gpus)
+
+
+def encode_assignment(assignment: Assignment) -> str:
+    """The annotation's text (compact JSON)."""
+    return json.dumps({"node": assignment.node, "gpus": [gpu_entry(g) for g in assignment.gpus]},
+                      separators=(",", ":"))
+
+
+def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
+    """One GPU as the annotation (and a GpuJob's `status.gpus`) writes it."""
+    entry: dict[str, object] = {"uuid": gpu.uuid, "index": gpu.index,
+                                "memoryMiB": gpu.memory_mib, "cores": gpu.cores_pct}
+    if gpu.mig_instance:
+        entry["migInstance"] = gpu.mig_instance
+    if gpu.container:
+        entry["container"] = gpu.container
+    return entry
+
+
+def parse_assignment(text: str) -> Assignment:
+    """The annotation's content; AssignmentError naming the field when it is malformed."""
+    try:
+        data = load_annotation_json(text, ANN_ASSIGNMENT)
+    except ValueError as err:
+        raise AssignmentError(str(err)) from None
+    if not isinstance(data, dict):
+        raise AssignmentError(f"{ANN_ASSIGNMENT} must be a JSON object, "
+                              f"got {type(data).__name__}")
+    node = data.get("node")
+    if not isinstance(node, str) or not node:
+        raise AssignmentError(f"{ANN_ASSIGNMENT}: node must be a non-empty string, got {node!r}")
+    return Assignment(node, parse_gpus(data.get("gpus"), ANN_ASSIGNMENT))
+
+
+def parse_gpus(raw: object, where: str) -> tuple[AssignedGpu, ...]:
+    """A non-empty list of GPU entries (see the module docstring); AssignmentError naming
+    `where` and the entry when it is malformed."""
+    if not isinstance(raw, list) or not raw:
+        raise AssignmentError(f"{where}: gpus must be a non-empty list")
+    return tuple(_gpu(entry, f"{where} gpus[{n}]") for n, entry in enumerate(raw))
+
+
+def _gpu(raw: object, where: str) -> AssignedGpu:
+    if not isinstance(raw, dict):
+        raise AssignmentError(f"{where}: must be a JSON object, got {type(raw).__name__}")
+    uuid = raw.get("uuid")
+    if not isinstance(uuid, str) or not uuid:
+        raise AssignmentError(f"{where}: uuid must be a non-empty string, got {uuid!r}")
+    return AssignedGpu(uuid=uuid, index=_count(raw, "index", where),
+                       memory_mib=_count(raw, "memoryMiB", where),
+                       cores_pct=_count(raw, "cores", where, 0),
+                       mig_instance=_text(raw, "migInstance", where),
+                       container=_text(raw, "container", where))
+
+
+def _count(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AssignmentError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _text(raw: Mapping[str, object], key: str, where: str) -> str:
+    value = raw.get(key, "")
+    if not isinstance(value, str):
+        raise AssignmentError(f"{where}: {key} must be a string, got {value!r}")
+    return value

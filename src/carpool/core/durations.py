@@ -7,7 +7,6 @@ so a spec the API server admits never fails here.
 from __future__ import annotations
 
 import re
-from datetime import datetime
 
 DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h|d))+$"
 _PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
@@ -30,14 +29,3 @@ def format_duration(seconds: float) -> str:
     parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
     text = "".join(f"{n}{u}" for n, u in parts if n)
     return text or "0s"
-
-
-def epoch_of(text: object) -> float | None:
-    """Epoch seconds of an RFC 3339 time as the API server writes it; None if absent or bad
-    (a watch-fed cache must skip a malformed annotation, not fail on it)."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None

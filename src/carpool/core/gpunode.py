@@ -15,6 +15,7 @@ from typing import Final
 
 from carpool.core.names import LABEL_ZONE
 from carpool.core.resources import Gpu, Isolation, MigInstance, NodeInventory
+from carpool.core.timestamps import parse_timestamp
 
 GIB: Final = 1024
 
@@ -143,14 +144,6 @@ def _dataset_name(node: str, position: int, raw: object) -> str:
     raise ValueError(f"GpuNode {node}: datasets[{position}] must be a dataset name, got {raw!r}")
 
 
-def parse_heartbeat(text: str) -> datetime:
-    """An RFC 3339 timestamp ("2026-11-29T19:00:00Z") as an aware datetime."""
-    stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    if stamp.tzinfo is None:
-        raise ValueError(f"heartbeat {text!r} has no time zone")
-    return stamp
-
-
 def inventory_from_gpunode(
     name: str,
     status: Mapping[str, object],
@@ -190,7 +183,7 @@ def inventory_from_gpunode(
             ready = False
         else:
             try:
-                ready = now - parse_heartbeat(heartbeat) <= stale_after
+                ready = now - parse_timestamp(heartbeat) <= stale_after
             except ValueError as err:
                 raise ValueError(f"GpuNode {name}: heartbeat: {err}") from None
     return NodeInventory(
