@@ -12,7 +12,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -285,8 +285,3 @@ def start_informers(api: Any, cache: ClusterCache) -> list[Informer]:
     for informer in informers:
         informer.start()
     return informers
-
-
-def stop_informers(informers: Iterable[Informer]) -> None:
-    for informer in informers:
-        informer.stop()

@@ -221,11 +221,6 @@ class Kube:
                      "uid": meta.get("uid")}
         self._event_pool.submit(self._post_event, reference, reason, note, type_, action)
 
-    def drain_events(self) -> None:
-        """Wait until every Event submitted so far is posted (tests, clean shutdown)."""
-        self._event_pool.shutdown(wait=True)
-        self._event_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
-
     def _post_event(self, regarding: Obj, reason: str, note: str, type_: str,
                     action: str) -> None:
         now = dt.datetime.now(dt.UTC)

@@ -13,7 +13,7 @@ import dataclasses
 import heapq
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
@@ -246,19 +246,6 @@ def admission_to_start_s(statuses: Iterable[Mapping[str, Any]], recent: int = 50
             pairs.append((started, started - admitted))
     latest = heapq.nlargest(recent, pairs)
     return float(statistics.median(d for _, d in latest)) if latest else 0.0
-
-
-@dataclass
-class StatusDiff:
-    """Collects only the status fields that change, so unchanged jobs cost no API call."""
-
-    current: Obj
-    changes: Obj = field(default_factory=dict)
-
-    def set(self, values: Mapping[str, Any]) -> None:
-        for key, value in values.items():
-            if self.current.get(key) != value:
-                self.changes[key] = value
 
 
 # (type, status, reason) of the standard conditions for each phase; reason None: the status's

@@ -91,9 +91,6 @@ class OperatorRuntime:
         self._tasks = [asyncio.create_task(self.elector.run(self._stop)),
                        asyncio.create_task(self._loop())]
 
-    def poke(self) -> None:
-        self._wake.set()
-
     def _poke_from_thread(self) -> None:
         """Wake the loop from a watch thread; one wake-up in flight at a time (watch events
         come in thousands per second during a burst)."""

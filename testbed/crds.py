@@ -85,17 +85,3 @@ def apply_crds(
             raise TimeoutError(f"CRDs not Established after {timeout_s:.0f}s: {sorted(waiting)}")
         time.sleep(0.2)
     return names
-
-
-def delete_crds(api_client: Any) -> None:
-    """Delete the Carpool CRDs (and with them every GpuJob, ProjectQuota and GpuNode)."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    api = client.ApiextensionsV1Api(api_client)
-    for name in CRD_NAMES:
-        try:
-            api.delete_custom_resource_definition(name)
-        except ApiException as err:
-            if err.status != 404:
-                raise

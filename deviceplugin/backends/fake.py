@@ -195,9 +195,6 @@ class FakeBackend:
     def set_memory_used(self, index: int, mib: int) -> None:
         self._update(index, memory_used_mib=mib)
 
-    def set_utilization(self, index: int, pct: float) -> None:
-        self._update(index, utilization_pct=pct)
-
     def set_processes(self, processes: list[ProcessMemory]) -> None:
         with self._cond:
             self._processes = list(processes)

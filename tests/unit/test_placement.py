@@ -6,7 +6,6 @@ from __future__ import annotations
 from carpool.core.placement import (
     NodeState,
     choose_gpus,
-    fits_somewhere,
     gpu_rejection,
     grant_for,
     node_rejection,
@@ -89,15 +88,6 @@ def test_mig_instances_are_handed_out_smallest_first() -> None:
     assert grant_for(used.free()[0], request).mig_instance == "MIG-b"
     two_slices = GpuRequest(count=1, memory_mib=1, isolation=Isolation.MIG, mig_slices=4)
     assert "no free MIG instance" in (gpu_rejection(free, two_slices) or "")
-
-
-def test_fits_somewhere_over_mappings_and_iterables() -> None:
-    full = node(gpu(0), grants=(GpuGrant("GPU-0", 40_960, 100),))
-    empty = node(gpu(0))
-    request = GpuRequest(count=1, memory_mib=1024)
-    assert fits_somewhere({"a": full, "b": empty}, request)
-    assert not fits_somewhere([full], request)
-    assert not fits_somewhere([], request)
 
 
 def test_derived_values_are_computed_once_per_state() -> None:

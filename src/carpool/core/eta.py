@@ -224,11 +224,6 @@ class Timeline:
             state = self._states[(node, ids)] = base.with_grants(held) if held else base
         return state
 
-    def state_during(self, node: str, start: float, end: float,
-                     without: frozenset[str] = frozenset()) -> NodeState:
-        """The node with every grant held at some point of [start, end) (minus `without` jobs)."""
-        return self._state(node, self._overlapping(node, start, end, without))
-
     def fit_during(self, node: str, request: GpuRequest, start: float, end: float,
                    without: frozenset[str] = frozenset()
                    ) -> tuple[float, tuple[GpuGrant, ...]] | None:

@@ -227,7 +227,3 @@ class ClusterSnapshot:
         for name, quota in self.quotas.items():
             if name != quota.name:
                 raise ValueError(f"quota keyed {name!r} is named {quota.name!r}")
-
-    def quota_for_namespace(self, namespace: str) -> list[str]:
-        """Projects whose quota binds `namespace`, sorted."""
-        return sorted(q.name for q in self.quotas.values() if namespace in q.namespaces)

@@ -6,7 +6,7 @@ what some GPU can hold now) and the placement benchmark, so all three agree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar, cast
 
@@ -160,10 +160,3 @@ def choose_gpus(node: NodeState, request: GpuRequest) -> tuple[GpuGrant, ...] | 
         return None
     usable.sort(key=lambda f: (f.memory_mib - request.memory_mib, f.cores_pct, f.gpu.index))
     return tuple(grant_for(f, request) for f in usable[: request.count])
-
-
-def fits_somewhere(nodes: Mapping[str, NodeState] | Iterable[NodeState],
-                   request: GpuRequest) -> bool:
-    """True if some node can hold `request` now (the operator's admission check)."""
-    values = nodes.values() if isinstance(nodes, Mapping) else nodes
-    return any(node_rejection(n, request) is None for n in values)

@@ -219,9 +219,6 @@ class CycleResult:
     def wait_for(self, job_key: str) -> Wait | None:
         return next((w for w in self.waits if w.job_key == job_key), None)
 
-    def admission_for(self, job_key: str) -> Admission | None:
-        return next((a for a in self.admissions if a.job_key == job_key), None)
-
 
 # ---------------------------------------------------------------- helpers
 
