@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Protocol
 
-from carpool.core.placement import GpuFree, NodeState, gpu_rejection, grant_for, node_rejection
+from carpool.core.placement import (
+    GpuFree,
+    NodeState,
+    choose_gpus,
+    gpu_rejection,
+    grant_for,
+    node_rejection,
+)
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
 from carpool.core.scoring import (
     CARPOOL,
@@ -93,21 +100,11 @@ def _grants_at(state: NodeState, request: GpuRequest, indices: tuple[int, ...]
     frees = state.derived("ranking.frees", _frees_by_index)
     chosen = [frees.get(i) for i in indices]
     if any(f is None or gpu_rejection(f, request) is not None for f in chosen):
-        fallback = _fallback_choice(state.free(), request)
+        fallback = choose_gpus(state, request)
         if fallback is None:
             raise RuntimeError(f"no GPUs fit on {state.name} although the scorer placed there")
         return fallback
     return tuple(grant_for(f, request) for f in chosen if f is not None)
-
-
-def _fallback_choice(frees: Sequence[GpuFree], request: GpuRequest
-                     ) -> tuple[GpuGrant, ...] | None:
-    """Tightest-fitting GPUs by index, for requests scoring cannot plan (MIG instances)."""
-    usable = [f for f in frees if gpu_rejection(f, request) is None]
-    if len(usable) < request.count:
-        return None
-    usable.sort(key=lambda f: (f.memory_mib - request.memory_mib, f.cores_pct, f.gpu.index))
-    return tuple(grant_for(f, request) for f in usable[: request.count])
 
 
 def _frees_by_index(state: NodeState) -> dict[int, GpuFree]:
@@ -185,7 +182,7 @@ class ShapePlacer:
                 reason = node_rejection(state, request)
                 if reason is not None:
                     return reason
-                grants = _fallback_choice(state.free(), request)
+                grants = choose_gpus(state, request)
                 if grants is None:  # node_rejection said it fits; kept for safety
                     return "no GPUs fit"
                 score = 0.0
@@ -221,7 +218,7 @@ class ShapePlacer:
             if reason is not None:
                 placement = reason
             else:  # the filter's rules let it fit where the scorer did not (CPU, say)
-                grants = _fallback_choice(state.free(), request)
+                grants = choose_gpus(state, request)
                 placement = (Placement(state.name, (grants,), 0.0) if grants is not None
                              else "no GPUs fit")
         if isinstance(placement, str):

@@ -154,7 +154,11 @@ def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
 
 
 def choose_gpus(node: NodeState, request: GpuRequest) -> tuple[GpuGrant, ...] | None:
-    """Grants for `request` on `node`, tightest-fitting GPUs first; None if it does not fit."""
+    """Grants for `request` on `node`, tightest-fitting GPUs first; None if it does not fit.
+
+    The GPU choice wherever no score is asked for: the operator's what-if timeline, and the
+    extender's bind when the scorer cannot plan the request (MIG instances, a node the
+    scorer's CPU and memory view rejects but the filter's rules accept)."""
     usable = [f for f in node.free() if gpu_rejection(f, request) is None]
     if len(usable) < request.count:
         return None
