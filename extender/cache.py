@@ -66,11 +66,21 @@ class Snapshot:
 UNKNOWN_NODE = "node is unknown to the Carpool extender (no Node object seen)"
 
 
-Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | str]
+@dataclass(frozen=True)
+class Refused:
+    """A bind step that cannot go on; `reason` is what the scheduler is told."""
+
+    reason: str
 
 
-class InFlightClash(str):
+@dataclass(frozen=True)
+class InFlightClash:
     """A reserve refusal that clears by itself once the in-flight pod is handed over."""
+
+    reason: str
+
+
+Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | Refused]
 
 
 def _pod_key(pod: Mapping[str, Any]) -> str:
@@ -422,8 +432,8 @@ class ClusterCache:
 
     def reserve(self, pod_key: str, uid: str, node: str, gpu_counts: frozenset[int],
                 now: float, choose: Chooser, cpu_milli: int = 0,
-                memory_mib: int = 0) -> Assignment | str:
-        """Choose GPUs on `node` and assume them, atomically; a reason string if it can't.
+                memory_mib: int = 0) -> Assignment | Refused | InFlightClash:
+        """Choose GPUs on `node` and assume them, atomically; why not if it can't.
 
         `choose` runs under the lock on the node's current state (this pod's own holds left
         out); it must be quick and pure.
@@ -431,14 +441,14 @@ class ClusterCache:
         with self._lock:
             state = self._state(node)
             if state is None:
-                return f"{node}: {self._broken.get(node, UNKNOWN_NODE)}"
+                return Refused(f"{node}: {self._broken.get(node, UNKNOWN_NODE)}")
             if pod_key in self._keys_on_node.get(node, ()):
                 state = self._without(state, node, pod_key)
             clash = in_flight_clash(self._in_flight(node, pod_key, now), gpu_counts)
             if clash is not None:
                 return InFlightClash(clash)
             chosen = choose(state)
-            if isinstance(chosen, str):
+            if isinstance(chosen, Refused):
                 return chosen
             assignment, grants = chosen
             self._assumed[pod_key] = Hold(pod_key, uid, node, grants, gpu_counts, now,

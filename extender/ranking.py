@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from carpool.core.placement import (
@@ -46,6 +46,13 @@ WORKLOAD_WINDOW = 5_000  # pods remembered for the target workload
 WORKLOAD_FIRST = 200  # pods seen before the first target workload is built
 WORKLOAD_REFRESH = 2_000  # further pods between checks whether it has drifted
 WORKLOAD_TOLERANCE = 0.1  # a shape's share must move this much to rebuild (costly: see Ranker)
+
+
+@dataclass(frozen=True)
+class Misfit:
+    """Why a pod does not fit a node: the reason filter reports for it."""
+
+    reason: str
 
 
 class Placement:
@@ -157,7 +164,7 @@ class ShapePlacer:
         self._single = only if only is not None and only.isolation is not Isolation.MIG else None
         self._requests = tuple(c.request for c in demand.containers)
 
-    def place(self, state: NodeState) -> Placement | str:
+    def place(self, state: NodeState) -> Placement | Misfit:
         """GPUs for every container on this node, or the reason it does not fit.
 
         The pod's CPU and memory requests go with its first GPU container (the node gives
@@ -181,10 +188,10 @@ class ShapePlacer:
             if scored is None:
                 reason = node_rejection(state, request)
                 if reason is not None:
-                    return reason
+                    return Misfit(reason)
                 grants = choose_gpus(state, request)
                 if grants is None:  # node_rejection said it fits; kept for safety
-                    return "no GPUs fit"
+                    return Misfit("no GPUs fit")
                 score = 0.0
             else:
                 indices, score = scored
@@ -205,7 +212,7 @@ class ShapePlacer:
     def evaluate(self, state: NodeState) -> Evaluation:
         """`place`'s answer as an Evaluation."""
         request = self._single
-        placement: Placement | str
+        placement: Placement | Misfit
         if request is None:
             placement = self.place(state)
         else:  # `place` for one container, written out: this runs on every node
@@ -216,17 +223,17 @@ class ShapePlacer:
                     return Evaluation(state, scored[1], request, scored[0])
             reason = node_rejection(state, request)
             if reason is not None:
-                placement = reason
+                placement = Misfit(reason)
             else:  # the filter's rules let it fit where the scorer did not (CPU, say)
                 grants = choose_gpus(state, request)
                 placement = (Placement(state.name, (grants,), 0.0) if grants is not None
-                             else "no GPUs fit")
-        if isinstance(placement, str):
-            return Evaluation(state, None, reason=placement, requests=self._requests)
+                             else Misfit("no GPUs fit"))
+        if isinstance(placement, Misfit):
+            return Evaluation(state, None, reason=placement.reason, requests=self._requests)
         return Evaluation(state, placement.score, placement=placement)
 
 
-def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | str:
+def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | Misfit:
     """GPUs for every container of `demand` on this node, or the reason it does not fit
     (see `ShapePlacer.place`)."""
     return ShapePlacer(demand, scorer).place(state)
@@ -502,7 +509,7 @@ class Ranker:
             generation.memo.move_to_end(shape)
         return memo
 
-    def place(self, state: NodeState, demand: PodDemand, policy: str) -> Placement | str:
+    def place(self, state: NodeState, demand: PodDemand, policy: str) -> Placement | Misfit:
         return place(state, demand, self._current.scorers[policy])
 
     def evaluate_all(self, states: Mapping[str, NodeState], demand: PodDemand,

@@ -31,7 +31,7 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.core.timestamps import format_timestamp_micro
-from carpool.extender.cache import ClusterCache, InFlightClash, in_flight_clash
+from carpool.extender.cache import ClusterCache, InFlightClash, Refused, in_flight_clash
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     BindingArgs,
@@ -199,7 +199,24 @@ class Nominations:
 
 T = TypeVar("T")
 RunBlocking = Callable[..., Awaitable[Any]]
-STALE = "the pod changed since the scheduler's copy; read it again"
+
+
+@dataclass(frozen=True)
+class AlreadyBound:
+    """The pod is bound to the node asked for: an earlier attempt succeeded."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The Binding was created (or an earlier attempt's was found in place)."""
+
+
+@dataclass(frozen=True)
+class Stale:
+    """The pod changed since the copy the plan was made from: read it again and redo."""
+
+
+BindOutcome = Bound | Stale | Refused
 MAX_REMEMBERED_PODS = 10_000
 
 
@@ -362,42 +379,43 @@ class Extender:
             return None
         return pod
 
-    def fetch_pod(self, args: BindingArgs) -> Mapping[str, Any] | str:
+    def fetch_pod(self, args: BindingArgs) -> Mapping[str, Any] | Refused:
         """The live pod, or why there is none."""
         try:
             return self.cluster.get_pod(args.pod_namespace, args.pod_name)
         except ClusterError as exc:
             if exc.status == 404:
-                return f"pod {args.key} no longer exists"
-            return f"API server: {exc}"
+                return Refused(f"pod {args.key} no longer exists")
+            return Refused(f"API server: {exc}")
 
     def plan_bind(self, args: BindingArgs, pod: Mapping[str, Any], fresh: bool
-                  ) -> BindPlan | str:
-        """What binding this pod takes; "" if it is already done, else an error."""
+                  ) -> BindPlan | AlreadyBound | Refused:
+        """What binding this pod takes, or that it is done (a retry after a bind that
+        succeeded), or why it cannot be."""
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
         if args.pod_uid and uid != args.pod_uid:
-            return f"pod {args.key} was replaced (uid {uid}, expected {args.pod_uid})"
+            return Refused(f"pod {args.key} was replaced (uid {uid}, expected {args.pod_uid})")
         bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to == args.node:
-            return ""  # a retry after a bind that succeeded
+            return AlreadyBound()
         if bound_to:
-            return f"pod {args.key} is already bound to {bound_to}"
+            return Refused(f"pod {args.key} is already bound to {bound_to}")
         try:
             demand = decode_pod(pod)
         except WireError as exc:
-            return f"pod {args.key} not understood: {exc}"
+            return Refused(f"pod {args.key} not understood: {exc}")
         return BindPlan(args, demand, uid, str(meta.get("resourceVersion") or ""),
                         self._previous_assignment(pod, args.node), self._policy(demand), fresh)
 
-    def reserve(self, plan: BindPlan) -> Assignment | str:
+    def reserve(self, plan: BindPlan) -> Assignment | Refused | InFlightClash:
         """Choose the GPUs on the node and assume them; `InFlightClash` means: wait, retry."""
         if not plan.demand.containers:
             return Assignment(plan.args.node, ())
         demand, previous = plan.demand, plan.previous
         exclusive = any(c.request.isolation is Isolation.EXCLUSIVE for c in demand.containers)
 
-        def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | str:
+        def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | Refused:
             if previous is not None:  # a retry: keep what an earlier attempt recorded
                 totals = {g.uuid: g.memory_total_mib for g in state.inventory.gpus}
                 grants = previous.grants(exclusive, totals)
@@ -405,7 +423,7 @@ class Extender:
                     return previous, grants
             evaluation = self.ranker.evaluate(state, demand, plan.policy)
             if evaluation.placement is None:
-                return evaluation.reason
+                return Refused(evaluation.reason)
             return (assignment_of(state, demand, evaluation.placement),
                     evaluation.placement.grants)
 
@@ -416,16 +434,16 @@ class Extender:
         if isinstance(reserved, InFlightClash):
             return reserved  # still nominated: other pods keep away while this one waits
         self.nominations.clear(demand.key)
-        if isinstance(reserved, str):
-            return f"cannot place {plan.args.key} on {plan.args.node}: {reserved}"
+        if isinstance(reserved, Refused):
+            return Refused(f"cannot place {plan.args.key} on {plan.args.node}: {reserved.reason}")
         return reserved
 
-    def commit_bind(self, plan: BindPlan, assignment: Assignment) -> str:
+    def commit_bind(self, plan: BindPlan, assignment: Assignment) -> BindOutcome:
         """Create the Binding, carrying the assignment annotations: one atomic write.
 
         The API server copies a Binding's annotations onto the pod as it sets its node, so the
         pod is never bound without its assignment, nor annotated without being bound. The
-        Binding is conditional on the pod's uid and resourceVersion: `STALE` means our copy
+        Binding is conditional on the pod's uid and resourceVersion: `Stale` means our copy
         (the scheduler's) was out of date and the caller should read the pod and plan again.
         """
         args = plan.args
@@ -434,20 +452,20 @@ class Extender:
             self.cluster.bind_pod(args.pod_namespace, args.pod_name, plan.uid, args.node,
                                   self._annotations(plan, assignment), plan.resource_version)
         except ClusterError as exc:
-            outcome = self._bind_failed(plan, exc)
-            if outcome is None:
-                outcome = self._after_conflict(plan, exc, self._bound_to(args))
-            return outcome
+            refused = self._bind_failed(plan, exc)
+            if refused is not None:
+                return refused
+            return self._after_conflict(plan, exc, self._bound_to(args))
         self._bound(plan, started)
-        return ""
+        return Bound()
 
     async def commit_bind_async(self, plan: BindPlan, assignment: Assignment,
-                                run_blocking: RunBlocking) -> str:
+                                run_blocking: RunBlocking) -> BindOutcome:
         """`commit_bind`, on the event loop when the cluster port can bind asynchronously
         (the Kubernetes adapter can), else in `run_blocking`."""
         bind_async = getattr(self.cluster, "bind_pod_async", None)
         if bind_async is None:
-            result: str = await run_blocking(self.commit_bind, plan, assignment)
+            result: BindOutcome = await run_blocking(self.commit_bind, plan, assignment)
             return result
         args = plan.args
         started = time.monotonic()
@@ -455,13 +473,12 @@ class Extender:
             await bind_async(args.pod_namespace, args.pod_name, plan.uid, args.node,
                              self._annotations(plan, assignment), plan.resource_version)
         except ClusterError as exc:
-            outcome = self._bind_failed(plan, exc)
-            if outcome is None:
-                outcome = self._after_conflict(plan, exc,
-                                               await run_blocking(self._bound_to, args))
-            return outcome
+            refused = self._bind_failed(plan, exc)
+            if refused is not None:
+                return refused
+            return self._after_conflict(plan, exc, await run_blocking(self._bound_to, args))
         self._bound(plan, started)
-        return ""
+        return Bound()
 
     def _annotations(self, plan: BindPlan, assignment: Assignment) -> dict[str, str]:
         if not plan.demand.containers:
@@ -469,7 +486,7 @@ class Extender:
         return {names.ANN_ASSIGNMENT: encode_assignment(assignment),
                 names.ANN_ASSIGNED_AT: format_timestamp_micro(self.clock())}
 
-    def _bind_failed(self, plan: BindPlan, exc: ClusterError) -> str | None:
+    def _bind_failed(self, plan: BindPlan, exc: ClusterError) -> Refused | None:
         """The error, or None when a conflict needs the pod read first.
 
         Only a refusal (4xx) proves the Binding was not written, so only then do the GPUs go
@@ -483,15 +500,16 @@ class Extender:
             return None
         if 400 <= exc.status < 500:
             self.cache.forget(plan.demand.key, plan.uid)
-        return f"creating the Binding failed: {exc}"
+        return Refused(f"creating the Binding failed: {exc}")
 
-    def _after_conflict(self, plan: BindPlan, exc: ClusterError, bound_to: str | None) -> str:
+    def _after_conflict(self, plan: BindPlan, exc: ClusterError, bound_to: str | None
+                        ) -> BindOutcome:
         if bound_to == plan.args.node:
-            return ""  # an earlier attempt bound it; the watch brings its assignment
+            return Bound()  # an earlier attempt bound it; the watch brings its assignment
         self.cache.forget(plan.demand.key, plan.uid)
         if bound_to is None and not plan.fresh:
-            return STALE
-        return f"creating the Binding failed: {exc}"
+            return Stale()
+        return Refused(f"creating the Binding failed: {exc}")
 
     @staticmethod
     def _bound(plan: BindPlan, started: float) -> None:
@@ -509,35 +527,41 @@ class Extender:
         while True:
             if pod is None:
                 fetched = await run_blocking(self.fetch_pod, args)
-                if isinstance(fetched, str):
-                    return {"Error": fetched}
+                if isinstance(fetched, Refused):
+                    return {"Error": fetched.reason}
                 pod, fresh = fetched, True
             plan = self.plan_bind(args, pod, fresh)
-            if isinstance(plan, str):
-                return {"Error": plan}
+            if isinstance(plan, AlreadyBound):
+                return {"Error": ""}
+            if isinstance(plan, Refused):
+                return {"Error": plan.reason}
             reserved = self.reserve(plan)
             if isinstance(reserved, InFlightClash):
                 log.info("bind of %s to %s waits (nominated %s): %s", args.key, args.node,
-                         self.nominations.describe(args.key), reserved)
+                         self.nominations.describe(args.key), reserved.reason)
             # The scheduler chose this node before an earlier pod's bind to it showed up as in
             # flight: rather than fail (and have the pod backed off), wait for the hand-over.
             deadline = time.monotonic() + self.settings.bind_wait_s
             while isinstance(reserved, InFlightClash) and time.monotonic() < deadline:
                 await asyncio.sleep(BIND_POLL_S)
                 reserved = self.reserve(plan)
-            if isinstance(reserved, str):
+            if isinstance(reserved, InFlightClash):  # waited long enough
+                reserved = Refused(reserved.reason)
+            if isinstance(reserved, Refused):
                 self.nominations.clear(plan.demand.key)
-                return {"Error": reserved}
+                return {"Error": reserved.reason}
             result = await self.commit_bind_async(plan, reserved, run_blocking)
-            if result == STALE:
+            if isinstance(result, Stale):
                 pod = None
                 continue
-            if result and self._still_assumed(plan):  # the Binding may have been written
+            if isinstance(result, Bound):
+                return {"Error": ""}
+            if self._still_assumed(plan):  # the Binding may have been written
                 task = asyncio.get_running_loop().create_task(
                     self._follow_ambiguous(plan, run_blocking))
                 self._followers.add(task)
                 task.add_done_callback(self._followers.discard)
-            return {"Error": result}
+            return {"Error": result.reason}
 
     def _still_assumed(self, plan: BindPlan) -> bool:
         hold = self.cache.hold_of(plan.demand.key)

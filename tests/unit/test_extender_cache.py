@@ -10,7 +10,7 @@ from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
-from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash
+from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash, Refused
 from carpool.extender.fake import gpunode_object, node_object, pod_object
 from carpool.extender.kube import PODS_THAT_HOLD, Informer
 
@@ -30,10 +30,10 @@ def cache_with_node(name: str = "n", gpus: int = 1, memory_gib: int = 40) -> Clu
 def take(memory_gib: int, gpu: str = "n-g0") -> Any:
     """A chooser that takes `memory_gib` on one GPU if it is free enough."""
 
-    def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | str:
+    def choose(state: NodeState) -> tuple[Assignment, tuple[GpuGrant, ...]] | Refused:
         free = {f.gpu.uuid: f for f in state.free()}[gpu]
         if free.memory_mib < memory_gib * GIB:
-            return "full"
+            return Refused("full")
         grant = GpuGrant(gpu, memory_gib * GIB, 0)
         return (Assignment(state.name, (AssignedGpu(gpu, 0, memory_gib * GIB, 0),)), (grant,))
 
@@ -59,10 +59,11 @@ def used_mib(cache: ClusterCache, node: str = "n") -> int:
 
 def test_an_assumption_holds_capacity_until_the_watch_confirms_it() -> None:
     cache = cache_with_node()
-    assert not isinstance(cache.reserve("default/a", "uid-a", "n", frozenset({1}), NOW,
-                                        take(30)), str)
+    assert isinstance(cache.reserve("default/a", "uid-a", "n", frozenset({1}), NOW,
+                                        take(30)), Assignment)
     assert used_mib(cache) == 30 * GIB
-    assert cache.reserve("default/b", "uid-b", "n", frozenset({2}), NOW, take(30)) == "full"
+    assert cache.reserve("default/b", "uid-b", "n", frozenset({2}), NOW,
+                         take(30)) == Refused("full")
     cache.apply_pod("MODIFIED", bound_pod("a", "n", 30), NOW)  # confirmed by the watch
     assert cache.counts()["assumed"] == 0 and cache.counts()["holds"] == 1
     assert used_mib(cache) == 30 * GIB
@@ -81,8 +82,8 @@ def test_a_relist_keeps_unconfirmed_assumptions_and_drops_vanished_pods() -> Non
     cache = cache_with_node(gpus=2)
     cache.apply_pod("ADDED", bound_pod("old", "n", 10, gpu="n-g1", phase="Running"), NOW)
     assert used_mib(cache) == 10 * GIB
-    assert not isinstance(cache.reserve("default/new", "uid-new", "n", frozenset({1}), NOW,
-                                        take(20)), str)
+    assert isinstance(cache.reserve("default/new", "uid-new", "n", frozenset({1}), NOW,
+                                        take(20)), Assignment)
     cache.replace_pods([], NOW)  # "old" is gone; "new" is not visible yet
     assert used_mib(cache) == 20 * GIB
 
@@ -109,10 +110,10 @@ def test_in_flight_ends_with_the_device_plugins_mark_or_running() -> None:
     cache = cache_with_node(gpus=2)
     cache.apply_pod("ADDED", bound_pod("a", "n", 10), NOW)
     clash = cache.reserve("default/b", "uid-b", "n", frozenset({1}), NOW, take(10, "n-g1"))
-    assert isinstance(clash, InFlightClash) and "default/a" in clash
+    assert isinstance(clash, InFlightClash) and "default/a" in clash.reason
     cache.apply_pod("MODIFIED", bound_pod("a", "n", 10, **{names.ANN_ALLOCATED: "x::0"}), NOW)
-    assert not isinstance(cache.reserve("default/b", "uid-b", "n", frozenset({1}), NOW,
-                                        take(10, "n-g1")), str)
+    assert isinstance(cache.reserve("default/b", "uid-b", "n", frozenset({1}), NOW,
+                                        take(10, "n-g1")), Assignment)
 
 
 def test_a_pods_own_hold_does_not_block_it() -> None:

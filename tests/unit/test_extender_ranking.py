@@ -8,6 +8,8 @@ from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.ranking import (
     MAX_SCORE,
     WORKLOAD_FIRST,
+    Misfit,
+    Placement,
     Ranker,
     WorkloadTracker,
     materially_different,
@@ -34,19 +36,19 @@ def demand(*containers: tuple[int, int], uid: str = "u") -> PodDemand:
 def test_each_container_gets_distinct_gpus_and_the_node_state_carries_over() -> None:
     ranker = Ranker()
     placed = ranker.place(node(), demand((1, 30), (1, 30)), Policy.BINPACK)
-    assert not isinstance(placed, str)
+    assert isinstance(placed, Placement)
     assert [g.gpu_uuid for g in placed.grants] == sorted({g.gpu_uuid for g in placed.grants})
     assert len(placed.per_container) == 2 and 0 <= placed.score <= 1
 
 
 def test_a_pod_that_does_not_fit_gets_the_placement_cores_reason() -> None:
     reason = Ranker().place(node(gpus=1), demand((2, 10)), Policy.BINPACK)
-    assert isinstance(reason, str) and reason.startswith("1 of 2 GPUs fit")
+    assert isinstance(reason, Misfit) and reason.reason.startswith("1 of 2 GPUs fit")
 
 
 def test_multi_gpu_requests_still_get_distinct_gpus() -> None:
     placed = place(node(gpus=4), demand((3, 10)), Ranker()._scorers[Policy.BINPACK])
-    assert not isinstance(placed, str)
+    assert isinstance(placed, Placement)
     assert len({g.gpu_uuid for g in placed.grants}) == 3
 
 
@@ -177,6 +179,6 @@ def test_placements_build_their_grants_on_the_gpus_the_scorer_chose() -> None:
         Gpu(i, f"n-g{i}", "A100", 40 * GIB, temperature_c=70.0 - 10 * i) for i in range(4))))
     for st in (state, hot):
         placed = place(st, demand((2, 10)), Ranker()._scorers[Policy.BINPACK])
-        assert not isinstance(placed, str)
+        assert isinstance(placed, Placement)
         assert len(placed.grants) == 2 and all(g.memory_mib == 10 * GIB for g in placed.grants)
     assert [g.gpu_uuid for g in placed.grants] == ["n-g3", "n-g2"]  # the coolest first

@@ -27,7 +27,7 @@ from carpool.core.scoring import (
     zone_hops,
 )
 from carpool.core.workload import Demand, TargetWorkload
-from carpool.extender.ranking import Evaluation, ShapePlacer
+from carpool.extender.ranking import Evaluation, Misfit, ShapePlacer
 from carpool.extender.wire import ContainerDemand, PodDemand
 
 GIB = 1024
@@ -123,8 +123,8 @@ def test_one_container_evaluation_is_the_general_placement(
     general = placer.place(node)
     evaluation = placer.evaluate(node)
     assert evaluation.state is node
-    if isinstance(general, str):
-        assert evaluation == Evaluation(node, None, reason=general, requests=(request,))
+    if isinstance(general, Misfit):
+        assert evaluation == Evaluation(node, None, reason=general.reason, requests=(request,))
     else:
         assert evaluation == Evaluation(node, general.score, placement=general)
         assert evaluation.score == general.score
