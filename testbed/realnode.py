@@ -110,6 +110,11 @@ class NodePaths:
         return self.base / "run" / "containerd.sock"
 
     @property
+    def registry_hosts(self) -> Path:
+        """containerd's registry host configuration (config_path): one hosts.toml per host."""
+        return self.etc / "certs.d"
+
+    @property
     def cni_conf_dir(self) -> Path:
         return self.etc / "cni"
 
@@ -365,11 +370,41 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
         BinaryName = "{shutil.which('runc') or 'runc'}"
+  # Image pulls read each registry's hosts.toml here (registry_hosts_toml): the local
+  # registry is plain HTTP on loopback.
+  [{cri}.registry]
+    config_path = "{paths.registry_hosts}"
   [{cri}.cni]
     bin_dir = "{CNI_BIN_DIR}"
     conf_dir = "{paths.cni_conf_dir}"
     max_conf_num = 1
 """
+
+
+# The local registry (hack/images/registry.sh) the node pulls Carpool's images from.
+DEFAULT_REGISTRY: Final = "localhost:5001"
+
+
+def registry_address() -> str:
+    return os.environ.get("CARPOOL_REGISTRY", DEFAULT_REGISTRY)
+
+
+def registry_hosts_toml(registry: str) -> str:
+    """containerd's hosts.toml for `registry` ("host:port"): pull and resolve over plain HTTP
+    from that address (a registry on this machine's loopback)."""
+    return f"""server = "http://{registry}"
+
+[host."http://{registry}"]
+  capabilities = ["pull", "resolve"]
+"""
+
+
+def write_registry_hosts(paths: NodePaths, registry: str) -> Path:
+    """Writes `<registry_hosts>/<registry>/hosts.toml` (containerd reads it on each pull)."""
+    folder = paths.registry_hosts / registry
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hosts.toml").write_text(registry_hosts_toml(registry))
+    return folder / "hosts.toml"
 
 
 def cni_config(paths: NodePaths) -> dict[str, Any]:
@@ -574,6 +609,9 @@ class NodeSettings:
     snapshotter: str = "overlayfs"
     shares_per_gpu: int = 4
     sharing_mode: str = "mps"
+    # False: the chart's device-plugin DaemonSet serves this node instead of a host process.
+    device_plugin: bool = True
+    registry: str = field(default_factory=registry_address)
 
 
 @dataclass
@@ -617,6 +655,8 @@ class RealNode:
         for d in (p.etc, p.containerd_root, p.containerd_state, p.cni_conf_dir, p.cni_ipam_dir):
             d.mkdir(parents=True, exist_ok=True)
         p.containerd_config.write_text(containerd_config(p, self.settings.snapshotter))
+        shutil.rmtree(p.registry_hosts, ignore_errors=True)
+        write_registry_hosts(p, self.settings.registry)
         for stale in p.cni_conf_dir.iterdir():
             stale.unlink()
         (p.cni_conf_dir / "10-carpool.conflist").write_text(json.dumps(cni_config(p), indent=2))
@@ -747,10 +787,11 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
         set_hosts_entry(node.name, present=True)
         node.start_kubelet()
         node.wait_ready()
-    with t.stage("device plugin (fake backend) registered; node advertises shares"):
-        crds.apply_crds(cluster.api())  # the plugin publishes the node's GpuNode
-        node.start_plugin()
-        node.wait_shares()
+    if node.settings.device_plugin:
+        with t.stage("device plugin (fake backend) registered; node advertises shares"):
+            crds.apply_crds(cluster.api())  # the plugin publishes the node's GpuNode
+            node.start_plugin()
+            node.wait_shares()
     return node
 
 
@@ -898,6 +939,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--name", default=DEFAULT_NODE_NAME, help="the Node's name")
     parser.add_argument("--snapshotter", default="overlayfs", choices=("overlayfs", "native"))
+    parser.add_argument("--no-device-plugin", action="store_true",
+                        help="start no device plugin on the host (the chart's DaemonSet will)")
+    parser.add_argument("--registry", default=registry_address(),
+                        help="the registry containerd pulls from over HTTP (hosts.toml); "
+                             "default $CARPOOL_REGISTRY or " + DEFAULT_REGISTRY)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="join a real node to the running `make cluster` cluster")
     sub.add_parser("down", help="stop the node's processes and delete its Node")
@@ -913,6 +959,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             settings = NodeSettings(name=args.name, snapshotter=args.snapshotter)
             print(f"# {paths.containerd_config}\n{containerd_config(paths, settings.snapshotter)}")
+            print(f"# {paths.registry_hosts / args.registry}/hosts.toml\n"
+                  f"{registry_hosts_toml(args.registry)}")
             print(f"# {paths.cni_conf_dir}/10-carpool.conflist\n"
                   f"{json.dumps(cni_config(paths), indent=2)}\n")
             print(f"# {paths.kubelet_config}\n" + yaml.safe_dump(
@@ -931,8 +979,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cluster is None:
             raise NodeError("no local cluster; run `make cluster` first")
         with exclusive(paths):
-            node = start(cluster, NodeSettings(name=args.name, snapshotter=args.snapshotter),
-                         paths)
+            node = start(cluster, NodeSettings(name=args.name, snapshotter=args.snapshotter,
+                                               device_plugin=not args.no_device_plugin,
+                                               registry=args.registry), paths)
         print(node.timings.table())
         print(f"node {node.name} is Ready; logs in {paths.logs}")
         return 0

@@ -94,6 +94,18 @@ def test_containerd_config_keeps_everything_under_the_node_directory(tmp_path: P
     assert 'snapshotter = "native"' in text
     assert "SystemdCgroup = false" in text
     assert "restrict_oom_score_adj = true" in text
+    assert f'config_path = "{paths.registry_hosts}"' in text
+
+
+def test_registry_hosts_send_pulls_to_the_local_registry_over_http(tmp_path: Path) -> None:
+    import tomllib
+
+    paths = realnode.NodePaths(tmp_path)
+    written = realnode.write_registry_hosts(paths, "localhost:5001")
+    assert written == paths.registry_hosts / "localhost:5001" / "hosts.toml"
+    hosts = tomllib.loads(written.read_text())
+    assert hosts["server"] == "http://localhost:5001"
+    assert hosts["host"]["http://localhost:5001"]["capabilities"] == ["pull", "resolve"]
 
 
 def test_kubelet_configuration_matches_the_runtime_and_the_sandbox(tmp_path: Path) -> None:
