@@ -70,4 +70,4 @@ def test_layout_digest_is_the_manifest(tmp_path: Path) -> None:
 
 def test_one_version_for_package_chart_and_images() -> None:
     chart = yaml.safe_load((REPO / "helm" / "carpool" / "Chart.yaml").read_text())
-    assert builder().version() == str(chart["appVersion"])
+    assert builder().version() == str(chart["appVersion"]) == str(chart["version"])
