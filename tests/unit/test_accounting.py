@@ -11,7 +11,6 @@ from carpool.core.accounting import (
     held_fraction,
     job_gpu_hours,
     memory_efficiency,
-    project_gpu_hours,
     project_usage,
     retire_job,
     run_gpu_hours_between,
@@ -27,9 +26,7 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
-
-GIB = 1024
-HOUR = 3600.0
+from carpool_testbed.builders import GIB, HOUR, project_gpu_hours
 
 
 def job(key: str, project: str = "a", runs: tuple[RunRecord, ...] = (),

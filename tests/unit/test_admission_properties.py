@@ -27,17 +27,14 @@ from hypothesis import strategies as st
 from carpool.core.accounting import (
     grants_fraction,
     job_gpu_hours,
-    project_gpu_hours,
     project_usage,
 )
-from carpool.core.eta import packing_score
 from carpool.core.jobs import BudgetPolicy, ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
 from carpool.core.resources import Gpu, GpuRequest, Isolation, JobClass, NodeInventory, Phase
+from carpool_testbed.builders import GIB, HOUR, packing_score, project_gpu_hours
 
-GIB = 1024
-HOUR = 3600.0
 EPS = 1e-6
 EPOCH = 1_780_000_000.0  # times as the operator passes them: float steps are ~2.4e-7 s
 

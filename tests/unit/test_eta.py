@@ -17,13 +17,11 @@ from carpool.core.eta import (
     expected_remaining,
     fluid_start,
     learn_durations,
-    packing_score,
     update_duration_estimate,
 )
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.resources import (
-    Gpu,
     GpuGrant,
     GpuRequest,
     Isolation,
@@ -31,15 +29,11 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
+from carpool_testbed.builders import GIB, HOUR, gpu_node, packing_score
 
-GIB = 1024
-HOUR = 3600.0
 WHOLE = GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE)
 
-
-def node(name: str, gpus: int = 2) -> NodeState:
-    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", "H100", 80 * GIB)
-                                               for i in range(gpus))))
+node = gpu_node
 
 
 def whole(node_name: str, index: int) -> tuple[GpuGrant, ...]:

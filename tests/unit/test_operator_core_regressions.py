@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.core.eta import Occupancy, Timeline, expected_remaining, packing_score
+from carpool.core.eta import Occupancy, Timeline, expected_remaining
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
@@ -22,6 +22,7 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
+from carpool_testbed.builders import packing_score
 
 GIB = 1024
 EPOCH = 1_780_000_000.0  # a late-2026 wall-clock time, as the operator passes it

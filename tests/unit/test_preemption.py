@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
-from carpool.core.eta import Occupancy, Timeline, packing_score
+from carpool.core.eta import Occupancy, Timeline
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
@@ -19,29 +20,18 @@ from carpool.core.preemption import (
 )
 from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import (
-    Gpu,
     GpuGrant,
     GpuRequest,
     Isolation,
     JobClass,
-    NodeInventory,
     Phase,
 )
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score
 
-GIB = 1024
-HOUR = 3600.0
 CONFIG = AdmissionConfig(node_ranker=packing_score)
 
-
-def node(name: str = "n1", gpus: int = 2) -> NodeState:
-    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", "H100", 80 * GIB)
-                                               for i in range(gpus))))
-
-
-def job(key: str, project: str, cls: JobClass, count: int = 1, preemptible: bool = True,
-        submitted: float = 0.0, **kw: object) -> Job:
-    return Job(key, project, cls, GpuRequest(count, 10 * GIB, isolation=Isolation.EXCLUSIVE),
-               submitted, 10 * HOUR, preemptible=preemptible, **kw)  # type: ignore[arg-type]
+node = gpu_node
+job = partial(gpu_job, preemptible=True, estimate=10 * HOUR)
 
 
 def run_on(j: Job, gpu_indices: list[int], started: float, node_name: str = "n1",

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 
-from carpool.core.eta import packing_score
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
@@ -18,31 +17,17 @@ from carpool.core.queueing import (
     extender_ranker,
 )
 from carpool.core.resources import (
-    Gpu,
     GpuGrant,
     GpuRequest,
-    Isolation,
     JobClass,
-    NodeInventory,
     Phase,
 )
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score
 
-GIB = 1024
-HOUR = 3600.0
 CONFIG = AdmissionConfig(node_ranker=packing_score)
 
-
-def node(name: str = "n1", gpus: int = 2, model: str = "H100", memory_gib: int = 80) -> NodeState:
-    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", model, memory_gib * GIB)
-                                               for i in range(gpus))))
-
-
-def job(key: str, project: str = "a", cls: JobClass = JobClass.BATCH, count: int = 1,
-        submitted: float = 0.0, estimate: float = HOUR, exclusive: bool = True,
-        memory_gib: int = 10, models: frozenset[str] = frozenset(), **kw: object) -> Job:
-    request = GpuRequest(count, memory_gib * GIB, models=models,
-                         isolation=Isolation.EXCLUSIVE if exclusive else Isolation.MPS)
-    return Job(key, project, cls, request, submitted, estimate, **kw)  # type: ignore[arg-type]
+node = gpu_node
+job = gpu_job
 
 
 def run_on(j: Job, gpu_indices: list[int], started: float, node_name: str = "n1") -> Job:

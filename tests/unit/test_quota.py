@@ -3,45 +3,26 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
-from carpool.core.eta import packing_score
 from carpool.core.jobs import BudgetPolicy, ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
 from carpool.core.quota import ProjectLedger, Standing, binding_refusal, budget_claims, judge
 from carpool.core.resources import (
-    Gpu,
     GpuGrant,
-    GpuRequest,
-    Isolation,
     JobClass,
-    NodeInventory,
     Phase,
 )
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score, project_quota
 
-GIB = 1024
-HOUR = 3600.0
 CONFIG = AdmissionConfig(node_ranker=packing_score)
 
-
-def node(name: str = "n1", gpus: int = 4, memory_gib: int = 80) -> NodeState:
-    return NodeState(NodeInventory(name, tuple(Gpu(i, f"{name}-g{i}", "H100", memory_gib * GIB)
-                                               for i in range(gpus))))
-
-
-def job(key: str, project: str = "a", cls: JobClass = JobClass.BATCH, count: int = 1,
-        exclusive: bool = True, submitted: float = 0.0, estimate: float = HOUR,
-        preemptible: bool = False, **kw: object) -> Job:
-    request = GpuRequest(count, 10 * GIB,
-                         isolation=Isolation.EXCLUSIVE if exclusive else Isolation.MPS)
-    return Job(key, project, cls, request, submitted, estimate, preemptible=preemptible,
-               **kw)  # type: ignore[arg-type]
-
-
-def quota(name: str = "a", **kw: object) -> ProjectQuota:
-    return ProjectQuota(name, frozenset({name}), **kw)  # type: ignore[arg-type]
+node = partial(gpu_node, gpus=4)
+job = gpu_job
+quota = project_quota
 
 
 def running(j: Job, node_name: str, gpu_indices: list[int], started: float,

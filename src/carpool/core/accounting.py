@@ -60,14 +60,6 @@ def job_gpu_hours(job: Job, now: float) -> float:
     return sum(run_gpu_hours(r, now) for r in job.runs)
 
 
-def project_gpu_hours(jobs: Iterable[Job], now: float) -> dict[str, float]:
-    """All-time GPU-hours per project: by construction the sum over its jobs."""
-    totals: dict[str, float] = {}
-    for job in jobs:
-        totals[job.project] = totals.get(job.project, 0.0) + job_gpu_hours(job, now)
-    return totals
-
-
 def _decayed_retired(retired: RetiredUsage, now: float, half_life_s: float) -> float:
     return retired.decayed_gpu_hours * decay_factor(now - retired.decayed_as_of, half_life_s)
 

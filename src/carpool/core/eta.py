@@ -26,19 +26,6 @@ from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
 NodeRanker = Callable[[NodeState, GpuRequest, tuple[GpuGrant, ...]], float]
 
 
-def packing_score(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
-    """Prefer the node that ends up fullest (bin packing keeps whole GPUs free for big jobs).
-
-    score = (GPU memory granted on the node after placement) / (node's total GPU memory), in
-    [0, 1]; a node without GPUs scores 0.
-    """
-    total = sum(g.memory_total_mib for g in node.inventory.gpus)
-    if total <= 0:
-        return 0.0
-    used = sum(g.memory_mib for g in node.grants) + sum(g.memory_mib for g in grants)
-    return min(1.0, used / total)
-
-
 # ---------------------------------------------------------------- learned durations
 
 
