@@ -3,7 +3,7 @@
 # files/policies/, which templates/policies.yaml reads with .Files.Get (Helm reads only files
 # inside the chart). The template renames the objects after the release and fills the
 # pod-annotation policy's `writers` with the release's accounts; nothing else changes.
-# tests/unit/test_helm_render.py fails when the copies drift.
+# tests/unit/packaging/test_helm_render.py fails when the copies drift.
 #   hack/policies/sync-chart.sh           write the copies
 #   hack/policies/sync-chart.sh --check   exit 1 (and say which) if a copy differs or is missing
 exec bash "$(dirname "$0")/../sync-chart-files.sh" hack/policies helm/carpool/files/policies \

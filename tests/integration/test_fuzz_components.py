@@ -2,7 +2,7 @@
 its real unix socket, and pods carrying malformed or oversized `carpool.dev/assignment`.
 
 The unit suites fuzz the extender's app and the plugin's handlers in-process
-(tests/unit/test_extender_http.py, test_deviceplugin_kubelet_protocol.py); here the real
+(tests/unit/extender/test_extender_http.py, test_deviceplugin_kubelet_protocol.py); here the real
 `python -m carpool.extender` and `python -m carpool.deviceplugin` processes, fed by the real API
 server, take the abuse: every answer is a 2xx/4xx (HTTP) or a deliberate gRPC status, never a
 500, an UNKNOWN/INTERNAL status or a dead process, and both still do their job afterwards.

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TESTBED_MODULES = {p.stem for p in (REPO / "testbed").glob("*.py")} - {"__init__", "__main__"}
 
 

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def builder() -> ModuleType:

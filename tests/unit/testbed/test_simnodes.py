@@ -20,7 +20,7 @@ from carpool.deviceplugin.backends.fake import fake_gpu_uuid
 from carpool_testbed import __main__ as cli
 from carpool_testbed import crds, simnodes
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nodes.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "nodes.yaml"
 NOW = datetime(2026, 11, 29, 19, 0, tzinfo=UTC)
 
 

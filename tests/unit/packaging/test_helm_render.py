@@ -21,7 +21,7 @@ from carpool.core import names
 from carpool_testbed import crds
 from carpool_testbed.devcluster import CARPOOL_PERCENTAGE_OF_NODES
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "helm" / "carpool"
 POLICIES = REPO / "hack" / "policies"
 NAMESPACE = "carpool-system"

@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_operator_is_the_standard_library_module_even_after_carpool_operator() -> None:
