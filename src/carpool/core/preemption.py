@@ -1,4 +1,10 @@
-"""Which running jobs to preempt so a waiting job can start, losing the least work.
+"""When to preempt, and which running jobs to preempt so a waiting job can start, losing the
+least work.
+
+When: only a job its project's limits allow to start (or that is held back by its own
+project's guarantee) and that finds no room; at most so many preemptions and attempts per
+cycle (`worth_preempting`), and only if waiting instead would take longer than the configured
+wait. A victim keeps its GPUs for its checkpoint grace period, at least `MIN_LEAVING_S`.
 
 Who may be preempted, and by whom:
 - Never an interactive job, never a non-preemptible one, never a job that has run less than
@@ -25,7 +31,7 @@ wins. Nothing is preempted if no node would fit the job afterwards.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from carpool.core.eta import Timeline
@@ -33,6 +39,28 @@ from carpool.core.fairshare import effective_level
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.jobs import Job
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass
+
+MIN_LEAVING_S = 1.0  # a victim's GPUs are not free before the operator has seen its pod gone
+
+
+def worth_preempting(preempted: int, attempts: int, max_preemptions: int, max_attempts: int,
+                     preempt_after_wait_s: float, wait_s: Callable[[], float | None]) -> bool:
+    """Whether a job that finds no room may preempt now: while this cycle has made fewer than
+    `max_preemptions` preemptions and `max_attempts` attempts, and only if its wait
+    (`wait_s()`, asked only then; None: it would never start) exceeds
+    `preempt_after_wait_s` (0: preempt at once)."""
+    if preempted >= max_preemptions or attempts >= max_attempts:
+        return False
+    if preempt_after_wait_s <= 0:
+        return True
+    wait = wait_s()
+    return wait is None or wait > preempt_after_wait_s
+
+
+def leaving_s(victim: Job) -> float:
+    """How long a job told to stop is assumed to keep its GPUs: its grace period, but never
+    less than MIN_LEAVING_S."""
+    return max(victim.checkpoint_grace_s, MIN_LEAVING_S)
 
 
 class PreemptionCause(enum.Enum):

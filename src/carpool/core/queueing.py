@@ -35,6 +35,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
 from carpool.core.durations import format_duration
@@ -42,6 +43,7 @@ from carpool.core.eta import (
     DurationEstimate,
     NodeRanker,
     Occupancy,
+    Slot,
     Timeline,
     expected_duration,
     expected_remaining,
@@ -57,24 +59,26 @@ from carpool.core.fairshare import (
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
+    MIN_LEAVING_S,
     Candidate,
     PreemptionCause,
+    leaving_s,
     lost_gpu_hours,
     plan_preemption,
     quota_victims,
     victim_cause,
+    worth_preempting,
 )
 from carpool.core.quota import (
     ProjectLedger,
     Standing,
+    Verdict,
     binding_refusal,
     budget_claims,
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.scoring import Scorer, score_node
-
-MIN_LEAVING_S = 1.0
 
 
 def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
@@ -293,7 +297,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         remaining = expected_remaining(job, now, expected_duration(job, learned),
                                        config.min_remaining_s)
         if job.terminating:
-            remaining = min(remaining, _leaving_s(job))
+            remaining = min(remaining, leaving_s(job))
         # a holder occupies at least the instant `now`, even at epoch times where a tiny
         # remainder added to `now` rounds back to `now`
         end = max(now + remaining, math.nextafter(now, math.inf))
@@ -335,22 +339,18 @@ def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: 
 
 
 def _worth_preempting(cycle: _Cycle, job: Job, duration: float) -> bool:
-    """Preempt only within the per-cycle caps, and only if waiting would take longer than
-    `preempt_after_wait_s`."""
+    """`preemption.worth_preempting` with this cycle's counts, caps and the job's wait."""
     config = cycle.config
-    if (len(cycle.preemptions) >= config.max_preemptions_per_cycle
-            or cycle.preempt_attempts >= config.max_preemption_attempts_per_cycle):
-        return False
-    if config.preempt_after_wait_s <= 0:
-        return True
-    eta = cycle.timeline.earliest(job.request, duration, cycle.snapshot.now)
-    return eta is None or eta.start - cycle.snapshot.now > config.preempt_after_wait_s
+    now = cycle.snapshot.now
 
+    def wait_s() -> float | None:
+        eta = cycle.timeline.earliest(job.request, duration, now)
+        return None if eta is None else eta.start - now
 
-def _leaving_s(job: Job) -> float:
-    """How long a job told to stop is assumed to keep its GPUs: its grace period, but never
-    zero: its GPUs are not free until the operator has seen its pod gone."""
-    return max(job.checkpoint_grace_s, MIN_LEAVING_S)
+    return worth_preempting(len(cycle.preemptions), cycle.preempt_attempts,
+                            config.max_preemptions_per_cycle,
+                            config.max_preemption_attempts_per_cycle,
+                            config.preempt_after_wait_s, wait_s)
 
 
 def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemption:
@@ -358,7 +358,7 @@ def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemp
     victim = chosen.job
     now = cycle.snapshot.now
     cycle.leaving.add(victim.key)
-    cycle.timeline.end_at(victim.key, now + _leaving_s(victim))
+    cycle.timeline.end_at(victim.key, now + leaving_s(victim))
     what = ("reclaims capacity borrowed by" if chosen.cause is PreemptionCause.RECLAIM
             else f"({job.job_class.label}) outranks")
     return Preemption(
@@ -407,7 +407,7 @@ def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> li
     if plan is None or len(plan.victims) > budget:
         return []
     out = [_preemption(cycle, job, chosen, plan.node) for chosen in plan.victims]
-    start = now + max(_leaving_s(v.job) for v in plan.victims)
+    start = now + max(leaving_s(v.job) for v in plan.victims)
     cycle.timeline.add(plan.node, Occupancy(job.key, start, start + duration, plan.grants))
     return out
 
@@ -469,6 +469,16 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                        projects)
 
 
+class _Parked(NamedTuple):
+    """Why a job waits, from when it could start at the earliest, and whether a start can be
+    estimated at all."""
+
+    reason: WaitReason
+    message: str
+    not_before: float
+    estimable: bool = True
+
+
 class _Walk:
     """The per-job decisions of one cycle, in the order jobs are considered."""
 
@@ -495,9 +505,34 @@ class _Walk:
     def consider(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
         """Admit, preempt for, or park one job; False if it would borrow and borrowers are not
         considered yet (the caller comes back to it)."""
+        if self._never_fits(job, position):
+            return True
         cycle = self.cycle
-        snapshot, timeline = cycle.snapshot, cycle.timeline
-        now = snapshot.now
+        now = cycle.snapshot.now
+        duration = self.durations[job.key]
+        slot, fraction, memory = self._slot_now(job, duration)
+        ledger = cycle.ledgers[job.project]
+        claims = budget_claims(ledger.quota, fraction, now, None, job.limit_s)
+        verdict = judge(job, ledger, fraction, memory, claims)
+        if verdict.borrowed and not borrowers_allowed:
+            return False
+        if verdict.standing.may_start and slot is not None:
+            self._admit(job, position, slot, duration, fraction, memory, verdict, claims)
+            return True
+        parked: _Parked | None
+        if verdict.standing is Standing.OVER_BUDGET:
+            parked = self._over_budget(job, verdict, fraction)
+        elif verdict.standing is Standing.OVER_QUOTA:
+            parked = self._over_quota(job, position, verdict, fraction, memory, duration)
+        else:
+            parked = self._no_room(job, position, verdict, fraction, memory, duration, claims)
+        if parked is not None:
+            self._park(job, position, duration, parked)
+        return True
+
+    def _never_fits(self, job: Job, position: int) -> bool:
+        """Park a job no GPU in the cluster could ever hold (model, size); True if it was."""
+        cycle = self.cycle
         request = job.request
         if request.models and not request.models & cycle.models:
             self._wait(job, WaitReason.NO_MATCHING_GPU_MODEL,
@@ -505,112 +540,126 @@ class _Walk:
                        f"the cluster has {', '.join(sorted(cycle.models)) or 'no GPUs'}",
                        position)
             return True
-        if not timeline.fits_anywhere_ever(request):
+        if not cycle.timeline.fits_anywhere_ever(request):
             self._wait(job, WaitReason.TOO_LARGE,
                        f"no node could hold {request.count} GPU(s) of "
                        f"{request.memory_mib // 1024} GiB ({request.isolation.value}) even if "
                        f"it were empty", position)
             return True
+        return False
 
-        duration = self.durations[job.key]
+    def _slot_now(self, job: Job, duration: float) -> tuple[Slot | None, float, int]:
+        """The best slot from now for the job's expected run (None: none), and the GPU
+        equivalents and memory it would hold there (nominal ones without a slot)."""
+        cycle = self.cycle
+        request = job.request
         slot = None
         if duration < cycle.now_fail.get(request, math.inf):
-            slot = timeline.best_now(request, duration)
+            slot = cycle.timeline.best_now(request, duration)
             if slot is None:
                 cycle.now_fail[request] = duration
         if slot is not None:
-            fraction = grants_fraction(slot.grants, snapshot.nodes[slot.node].inventory)
-            memory = _memory_of(request, slot.grants, cycle.reference_mib)
-        else:
-            fraction = nominal_fraction(request, cycle.reference_mib)
-            memory = _memory_of(request, (), cycle.reference_mib)
+            fraction = grants_fraction(slot.grants, cycle.snapshot.nodes[slot.node].inventory)
+            return slot, fraction, _memory_of(request, slot.grants, cycle.reference_mib)
+        return (None, nominal_fraction(request, cycle.reference_mib),
+                _memory_of(request, (), cycle.reference_mib))
+
+    def _admit(self, job: Job, position: int, slot: Slot, duration: float, fraction: float,
+               memory: int, verdict: Verdict, claims: Mapping[float, float]) -> None:
+        """Start the job on `slot`: charge its project and hold the GPUs for its run."""
+        cycle = self.cycle
+        now = cycle.snapshot.now
         ledger = cycle.ledgers[job.project]
-        quota = ledger.quota
-        claims = budget_claims(quota, fraction, now, None, job.limit_s)
         reserve = claims.get(ledger.current_period, 0.0)
-        verdict = judge(job, ledger, fraction, memory, claims)
-        if verdict.borrowed and not borrowers_allowed:
-            return False
+        ledger.add(fraction, memory, verdict.borrowed, claims)
+        cycle.timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
+        cycle.running_spans.setdefault(job.project, []).append((now + duration, fraction, memory))
+        self.admitted_by_project.setdefault(job.project, []).append(
+            (fraction, verdict.borrowed, reserve))
+        self.admissions.append(Admission(
+            job.key, slot.node, slot.grants, verdict.borrowed, fraction, job.attempts + 1,
+            position, f"admitted to {slot.node}: {verdict.message}"))
 
-        if verdict.standing.may_start and slot is not None:
-            ledger.add(fraction, memory, verdict.borrowed, claims)
-            timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
-            cycle.running_spans.setdefault(job.project, []).append(
-                (now + duration, fraction, memory))
-            self.admitted_by_project.setdefault(job.project, []).append(
-                (fraction, verdict.borrowed, reserve))
-            self.admissions.append(Admission(
-                job.key, slot.node, slot.grants, verdict.borrowed, fraction, job.attempts + 1,
-                position, f"admitted to {slot.node}: {verdict.message}"))
-            return True
+    def _over_budget(self, job: Job, verdict: Verdict, fraction: float) -> _Parked:
+        """Wait for the budget period that has room: its refill."""
+        now = self.cycle.snapshot.now
+        quota = self.cycle.ledgers[job.project].quota
+        budget = quota.budget_gpu_hours or 0.0
+        full_period = fraction * min(job.limit_s, quota.period_s) / 3600.0
+        short = verdict.budget_period if verdict.budget_period is not None else now
+        not_before = short + quota.period_s
+        if full_period > budget:
+            return _Parked(WaitReason.BUDGET,
+                           verdict.message + "; more than a whole period's budget",
+                           not_before, estimable=False)
+        return _Parked(WaitReason.BUDGET,
+                       f"{verdict.message}; the budget refills in {_fmt_time(not_before - now)}",
+                       not_before)
 
-        not_before = now
-        reason: WaitReason
-        message: str
-        estimable = True
-        if verdict.standing is Standing.OVER_BUDGET:
-            reason, message = WaitReason.BUDGET, verdict.message
-            budget = quota.budget_gpu_hours or 0.0
-            full_period = fraction * min(job.limit_s, quota.period_s) / 3600.0
-            short = verdict.budget_period if verdict.budget_period is not None else now
-            not_before = short + quota.period_s
-            if full_period > budget:
-                estimable = False
-                message += "; more than a whole period's budget"
-            else:
-                message += f"; the budget refills in {_fmt_time(not_before - now)}"
-        elif verdict.standing is Standing.OVER_QUOTA:
-            reason, message = WaitReason.QUOTA, verdict.message
-            free_at = _quota_free_at(cycle, quota, fraction, memory)
-            own_leaving = _own_leaving(cycle, job.project)
-            over_guarantee = _excess(ledger, fraction, memory, []) != (0.0, 0.0)
-            if free_at is None:
-                estimable = False
-                message += "; the job alone exceeds the guarantee"
-            elif not over_guarantee:
-                not_before = free_at  # over the borrowing cap: only time helps
-            elif own_leaving and _excess(ledger, fraction, memory, own_leaving) == (0.0, 0.0):
-                reason = WaitReason.PREEMPTING
-                message = (f"waiting for {len(own_leaving)} preempted job(s) of project "
-                           f"{job.project} to leave")
-                not_before = max(h.end for h in own_leaving)
-            else:
-                not_before = free_at
-                preempted = self._preempt_for_quota(job, fraction, memory, duration)
-                if preempted:
-                    start = now + max(max(p.grace_s, MIN_LEAVING_S) for p in preempted)
-                    victims = ", ".join(p.victim_key for p in preempted)
-                    self._wait(job, WaitReason.PREEMPTING,
-                               f"preempting {victims} to make room in project {job.project}'s "
-                               f"guarantee; starts when they leave in about "
-                               f"{_fmt_time(start - now)}", position, start)
-                    self.reservations += 1
-                    self.latest_reserved = max(self.latest_reserved, start)
-                    return True
-        else:
-            reason, message = self._capacity_reason(job, duration)
-            if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
-                preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
-                if preempted:
-                    ledger.add(fraction, memory, verdict.borrowed, claims)
-                    start = now + max(max(p.grace_s, MIN_LEAVING_S) for p in preempted)
-                    victims = ", ".join(p.victim_key for p in preempted)
-                    self._wait(job, WaitReason.PREEMPTING,
-                               f"preempting {victims}; starts when they leave in about "
-                               f"{_fmt_time(start - now)}", position, start)
-                    self.reservations += 1
-                    self.latest_reserved = max(self.latest_reserved, start)
-                    return True
-            if verdict.budget_exhausted:
-                message = f"{verdict.message}; {message}"
+    def _over_quota(self, job: Job, position: int, verdict: Verdict, fraction: float,
+                    memory: int, duration: float) -> _Parked | None:
+        """Wait for room in the project's own limits, preempting its lower-class jobs when
+        that is what it takes; None when a preemption was started (and its wait recorded)."""
+        cycle = self.cycle
+        now = cycle.snapshot.now
+        ledger = cycle.ledgers[job.project]
+        message = verdict.message
+        free_at = _quota_free_at(cycle, ledger.quota, fraction, memory)
+        own_leaving = _own_leaving(cycle, job.project)
+        over_guarantee = _excess(ledger, fraction, memory, []) != (0.0, 0.0)
+        if free_at is None:
+            return _Parked(WaitReason.QUOTA, message + "; the job alone exceeds the guarantee",
+                           now, estimable=False)
+        if not over_guarantee:
+            return _Parked(WaitReason.QUOTA, message, free_at)  # over the cap: only time helps
+        if own_leaving and _excess(ledger, fraction, memory, own_leaving) == (0.0, 0.0):
+            return _Parked(WaitReason.PREEMPTING,
+                           f"waiting for {len(own_leaving)} preempted job(s) of project "
+                           f"{job.project} to leave", max(h.end for h in own_leaving))
+        preempted = self._preempt_for_quota(job, fraction, memory, duration)
+        if not preempted:
+            return _Parked(WaitReason.QUOTA, message, free_at)
+        self._wait_for_victims(job, position, preempted,
+                               f"to make room in project {job.project}'s guarantee")
+        return None
 
-        limits = reason in (WaitReason.QUOTA, WaitReason.BUDGET)
-        estimate, coarse = (self._reserve(job, duration, not_before, limits) if estimable
-                            else (None, False))
+    def _no_room(self, job: Job, position: int, verdict: Verdict, fraction: float,
+                 memory: int, duration: float, claims: Mapping[float, float]
+                 ) -> _Parked | None:
+        """Wait for GPUs the project's limits allow but no node has now, preempting when
+        that is allowed; None when a preemption was started (and its wait recorded)."""
+        reason, message = self._capacity_reason(job, duration)
+        if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
+            preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
+            if preempted:
+                self.cycle.ledgers[job.project].add(fraction, memory, verdict.borrowed, claims)
+                self._wait_for_victims(job, position, preempted, "")
+                return None
+        if verdict.budget_exhausted:
+            message = f"{verdict.message}; {message}"
+        return _Parked(reason, message, self.cycle.snapshot.now)
+
+    def _wait_for_victims(self, job: Job, position: int, preempted: list[Preemption],
+                          why: str) -> None:
+        """Record the job's wait for the victims it preempts: it starts when they leave."""
+        now = self.cycle.snapshot.now
+        start = now + max(max(p.grace_s, MIN_LEAVING_S) for p in preempted)
+        victims = ", ".join(p.victim_key for p in preempted)
+        self._wait(job, WaitReason.PREEMPTING,
+                   f"preempting {victims}{' ' + why if why else ''}; starts when they leave "
+                   f"in about {_fmt_time(start - now)}", position, start)
+        self.reservations += 1
+        self.latest_reserved = max(self.latest_reserved, start)
+
+    def _park(self, job: Job, position: int, duration: float, parked: _Parked) -> None:
+        """Record the wait, with the job's reserved or estimated start when it has one."""
+        limits = parked.reason in (WaitReason.QUOTA, WaitReason.BUDGET)
+        estimate, coarse = (self._reserve(job, duration, parked.not_before, limits)
+                            if parked.estimable else (None, False))
+        message = parked.message
         if estimate is not None:
-            message += f"; estimated start in {_fmt_time(estimate - now)}"
-        self._wait(job, reason, message, position, estimate, coarse)
-        return True
+            message += f"; estimated start in {_fmt_time(estimate - self.cycle.snapshot.now)}"
+        self._wait(job, parked.reason, message, position, estimate, coarse)
 
     def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
         """Why a job the project limits allow finds no slot now."""
@@ -687,7 +736,7 @@ class _Walk:
         if len(victims) > cycle.config.max_preemptions_per_cycle - len(cycle.preemptions):
             return []
         out = [_preemption(cycle, job, v, node) for v in victims]
-        start = now + max(_leaving_s(v.job) for v in victims)
+        start = now + max(leaving_s(v.job) for v in victims)
         cycle.timeline.add(node, Occupancy(job.key, start, start + duration, grants))
         cycle.preemptions.extend(out)
         return out

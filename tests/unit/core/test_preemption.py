@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -17,6 +18,7 @@ from carpool.core.preemption import (
     plan_preemption,
     quota_victims,
     victim_cause,
+    worth_preempting,
 )
 from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import (
@@ -290,3 +292,20 @@ def test_quota_victims_cover_the_excess_with_the_least_loss() -> None:
     assert quota_victims(cands, 1.4, 0) == [b, c]
     assert quota_victims(cands, 2.0, 0) == [a]
     assert quota_victims(cands, 9.0, 0) is None
+
+
+def test_when_to_preempt_caps_then_the_wait() -> None:
+    asked: list[bool] = []
+
+    def wait(seconds: float | None) -> Callable[[], float | None]:
+        def ask() -> float | None:
+            asked.append(True)
+            return seconds
+        return ask
+
+    assert not worth_preempting(2, 0, 2, 10, 0.0, wait(None))  # preemptions cap reached
+    assert not worth_preempting(0, 10, 2, 10, 0.0, wait(None))  # attempts cap reached
+    assert worth_preempting(0, 0, 2, 10, 0.0, wait(5.0)) and not asked  # no wait threshold
+    assert not worth_preempting(0, 0, 2, 10, 60.0, wait(30.0))  # starts soon enough anyway
+    assert worth_preempting(0, 0, 2, 10, 60.0, wait(90.0))
+    assert worth_preempting(0, 0, 2, 10, 60.0, wait(None))  # would never start otherwise
