@@ -79,7 +79,7 @@ def runs_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[RunRecord, 
 def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
                     grants: tuple[GpuGrant, ...], node: str,
                     history: Sequence[Mapping[str, Any]]) -> Job:
-    """A core Job from a GpuJob object and the state its pods show (see reconciling)."""
+    """A core Job from a GpuJob object and the state its pods show (see core.lifecycle)."""
     meta = obj["metadata"]
     spec = obj.get("spec") or {}
     status = obj.get("status") or {}

@@ -6,11 +6,11 @@ pass rather than remembering events, so a restart (or a missed event) changes no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import names
-from carpool.core.assignment import Assignment, AssignmentError, parse_assignment
+from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.lifecycle import PodView
 from carpool.core.timestamps import epoch_seconds as parse_time
 from carpool.core.timestamps import format_timestamp as format_time
 
@@ -18,29 +18,6 @@ Obj = dict[str, Any]
 DISRUPTION_TARGET = "DisruptionTarget"  # the pod condition Kubernetes sets on disrupted pods
 __all__ = ["DISRUPTION_TARGET", "PodView", "attempt_of", "format_time", "parse_time",
            "view_pod"]
-
-
-@dataclass(frozen=True)
-class PodView:
-    """The facts of one job pod the operator acts on."""
-
-    name: str
-    namespace: str
-    attempt: int
-    phase: str  # Pending | Running | Succeeded | Failed
-    node: str
-    assignment: Assignment | None  # None: none, or not readable
-    started: float | None
-    finished: float | None
-    deleting: bool
-    exit_reason: str
-    # why Kubernetes stopped the pod, from its DisruptionTarget condition (a kubelet's
-    # eviction or node shutdown, a taint, the eviction API), not the job's code; "" if not
-    disruption: str = ""
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
 
 
 def attempt_of(pod_name: str) -> int:

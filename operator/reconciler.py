@@ -25,6 +25,14 @@ from carpool.core import names
 from carpool.core.accounting import retire_job
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
+from carpool.core.lifecycle import (
+    admission_to_start_s,
+    grants_from_assignment,
+    grants_from_status,
+    history_gpu_hours,
+    job_conditions,
+    observe,
+)
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
     Admission,
@@ -47,14 +55,6 @@ from carpool.operator.following import PodView, format_time, parse_time, view_po
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, REQUEST_TIMEOUT, Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
-from carpool.operator.reconciling import (
-    admission_to_start_s,
-    grants_from_assignment,
-    grants_from_status,
-    history_gpu_hours,
-    job_conditions,
-    observe,
-)
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less

@@ -9,12 +9,7 @@ import pytest
 
 from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment
-from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
-from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
-from carpool.operator.following import view_pod
-from carpool.operator.pods import build_pod, pod_name
-from carpool.operator.reconciler import PassState, Reconciler
-from carpool.operator.reconciling import (
+from carpool.core.lifecycle import (
     admission_to_start_s,
     assignment_fraction,
     grants_from_assignment,
@@ -22,6 +17,11 @@ from carpool.operator.reconciling import (
     job_conditions,
     observe,
 )
+from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
+from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
+from carpool.operator.following import view_pod
+from carpool.operator.pods import build_pod, pod_name
+from carpool.operator.reconciler import PassState, Reconciler
 
 UUID = "GPU-aaaa"
 

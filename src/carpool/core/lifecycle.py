@@ -1,4 +1,6 @@
-"""A GpuJob's state derived from its pods, every pass (level-triggered, restart-safe).
+"""A GpuJob's lifecycle: its state derived from its pods, every pass (level-triggered,
+restart-safe). Pure: the operator decodes pods into `PodView`s (`operator.following`), calls
+`observe`, and writes the status and events it returns.
 
 The pods are the truth about what runs: a job holds GPUs exactly while it has a live pod, and
 it is finished exactly when its current attempt's pod finished. The job's status keeps what
@@ -19,9 +21,33 @@ from typing import Any
 from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.resources import GpuGrant, Phase
-from carpool.operator.following import PodView, format_time, parse_time
+from carpool.core.timestamps import epoch_seconds, format_timestamp
 
 Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The facts of one job pod the operator acts on."""
+
+    name: str
+    namespace: str
+    attempt: int
+    phase: str  # Pending | Running | Succeeded | Failed
+    node: str
+    assignment: Assignment | None  # None: none, or not readable
+    started: float | None
+    finished: float | None
+    deleting: bool
+    exit_reason: str
+    # why Kubernetes stopped the pod, from its DisruptionTarget condition (a kubelet's
+    # eviction or node shutdown, a taint, the eviction API), not the job's code; "" if not
+    disruption: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
 
 # A pod can fail through no fault of the job's code. The kubelet may refuse it before
 # starting any container: its device plugin could not allocate (UnexpectedAdmissionError),
@@ -92,10 +118,10 @@ def history_gpu_hours(history: Iterable[Mapping[str, Any]], now: float,
     """GPU-hours of a job's usage records, the open one counted up to `now`, from `since`."""
     total = 0.0
     for record in history:
-        start = parse_time(record.get("start"))
+        start = epoch_seconds(record.get("start"))
         if start is None:
             continue
-        end = parse_time(record.get("end")) or now
+        end = epoch_seconds(record.get("end")) or now
         total += gpu_hours(float(record.get("fraction", 0.0)), max(start, since), end)
     return total
 
@@ -109,10 +135,10 @@ def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
         if pod.started is None:
             return out
         rec = {"attempt": pod.attempt, "node": pod.node, "fraction": round(fraction, 6),
-               "start": format_time(pod.started)}
+               "start": format_timestamp(pod.started)}
         out.append(rec)
     if outcome and not rec.get("end"):
-        rec["end"] = format_time(pod.finished or now)
+        rec["end"] = format_timestamp(pod.finished or now)
         rec["outcome"] = outcome
     return out
 
@@ -141,8 +167,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             return Observation(Phase.QUEUED, attempts, {} if unchanged else {"attempts": attempts})
         # The pod of the current attempt is gone: preempted (we deleted it) or lost.
         reason = "Preempted" if preempting == attempts else "PodLost"
-        history = [dict(r, end=r.get("end") or format_time(now), outcome=r.get("outcome") or reason)
-                   for r in history]
+        history = [dict(r, end=r.get("end") or format_timestamp(now),
+                        outcome=r.get("outcome") or reason) for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
                  "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
@@ -169,13 +195,13 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                           outcome if outcome == "Succeeded" else reason)
         patch = {"phase": new_phase.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
-                 "completionTime": format_time(current.finished or now),
+                 "completionTime": format_timestamp(current.finished or now),
                  "reason": reason,
                  "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
         if current.node:
             patch["node"] = current.node
         if not status.get("startTime") and current.started:  # it ran between two passes
-            patch["startTime"] = format_time(current.started)
+            patch["startTime"] = format_timestamp(current.started)
         events.append(("Normal" if new_phase is Phase.SUCCEEDED else "Warning",
                        new_phase.value, f"attempt {attempts} {outcome.lower()} on {current.node}"))
         return Observation(new_phase, attempts, patch, tuple(events), current)
@@ -193,7 +219,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     if gpus:
         patch["gpus"] = gpus
     if new_phase is Phase.RUNNING and not status.get("startTime") and current.started:
-        patch["startTime"] = format_time(current.started)
+        patch["startTime"] = format_timestamp(current.started)
     if new_phase is Phase.RUNNING and phase is not Phase.RUNNING:
         patch.update(reason="Running", message=f"running on {current.node}")
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
@@ -241,7 +267,8 @@ def admission_to_start_s(statuses: Iterable[Mapping[str, Any]], recent: int = 50
     for status in statuses:
         if status.get("attempts") != 1 or not status.get("startTime"):
             continue
-        admitted, started = parse_time(status.get("admitTime")), parse_time(status["startTime"])
+        admitted = epoch_seconds(status.get("admitTime"))
+        started = epoch_seconds(status["startTime"])
         if admitted is not None and started is not None and started >= admitted:
             pairs.append((started, started - admitted))
     latest = heapq.nlargest(recent, pairs)
@@ -280,7 +307,7 @@ def job_conditions(status: Mapping[str, Any], now: float) -> list[Obj] | None:
             state, cond_reason = "False", reason  # refused before it ever ran
         before = current.get(type_) or {}
         since = (before.get("lastTransitionTime") if before.get("status") == state
-                 else None) or format_time(now)
+                 else None) or format_timestamp(now)
         out.append({"type": type_, "status": state, "reason": cond_reason,
                     "message": message[:32768], "lastTransitionTime": since})
     unchanged = all(
