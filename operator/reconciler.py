@@ -23,6 +23,12 @@ from kubernetes.client.rest import ApiException
 
 from carpool.core import names
 from carpool.core.accounting import retire_job
+from carpool.core.decoding import (
+    job_from_object,
+    quota_from_object,
+    retired_from_status,
+    retired_to_status,
+)
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
 from carpool.core.lifecycle import (
@@ -45,12 +51,6 @@ from carpool.core.queueing import (
 )
 from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
 from carpool.operator import metrics
-from carpool.operator.decoding import (
-    job_from_object,
-    quota_from_object,
-    retired_from_status,
-    retired_to_status,
-)
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, REQUEST_TIMEOUT, Kube, Obj

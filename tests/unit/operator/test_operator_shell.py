@@ -9,6 +9,7 @@ import pytest
 
 from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment
+from carpool.core.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.core.lifecycle import (
     admission_to_start_s,
     assignment_fraction,
@@ -18,7 +19,6 @@ from carpool.core.lifecycle import (
     observe,
 )
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
-from carpool.operator.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciler import PassState, Reconciler

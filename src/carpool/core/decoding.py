@@ -2,7 +2,8 @@
 
 Everything the API server's schema already guarantees is trusted; what it cannot check
 (quantities that parse, MIG profile names) raises ValueError with the field's path, which
-the operator shows as the job's Failed reason.
+the operator shows as the job's Failed reason. The operator and the reports
+(`carpool.reporting`, `kubectl carpool`) read the objects through these same functions.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from carpool.core.durations import parse_duration
 from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
-from carpool.operator.following import format_time, parse_time
+from carpool.core.timestamps import epoch_seconds, format_timestamp
 
 _MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
 
@@ -65,10 +66,10 @@ def _seconds(spec: Mapping[str, Any], path: str, default: float = 0.0) -> float:
 def runs_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[RunRecord, ...]:
     runs = []
     for record in history:
-        start = parse_time(record.get("start"))
+        start = epoch_seconds(record.get("start"))
         if start is None:
             continue
-        end = parse_time(record.get("end"))
+        end = epoch_seconds(record.get("end"))
         runs.append(RunRecord(attempt=int(record.get("attempt", 0)), start=start,
                               end=max(end, start) if end is not None else None,
                               fraction=float(record.get("fraction", 0.0)),
@@ -84,7 +85,8 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
     spec = obj.get("spec") or {}
     status = obj.get("status") or {}
     job_class = JobClass.parse(str(spec.get("class", "batch")))
-    submitted = parse_time(status.get("submitTime")) or parse_time(meta.get("creationTimestamp"))
+    submitted = (epoch_seconds(status.get("submitTime"))
+                 or epoch_seconds(meta.get("creationTimestamp")))
     return Job(
         key=f"{meta['namespace']}/{meta['name']}",
         project=str(spec.get("project", "")),
@@ -97,7 +99,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         preemptible=bool(spec.get("preemptible", False)),
         checkpoint_grace_s=_seconds(spec, "checkpoint.gracePeriod", 30.0),
         min_runtime_s=_seconds(spec, "checkpoint.minRuntime"),
-        last_checkpoint_at=parse_time(status.get("lastCheckpointTime")),
+        last_checkpoint_at=epoch_seconds(status.get("lastCheckpointTime")),
         phase=phase,
         attempts=attempts,
         node=node,
@@ -125,8 +127,8 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         borrow_limit_gpus=float(borrowing["maxGpus"]) if "maxGpus" in borrowing else None,
         budget_gpu_hours=float(hours["budget"]) if "budget" in hours else None,
         period_s=_seconds(spec, "gpuHours.period", 30 * 86400.0),
-        period_anchor=parse_time(hours.get("periodAnchor"))
-        or parse_time(meta.get("creationTimestamp")) or 0.0,
+        period_anchor=epoch_seconds(hours.get("periodAnchor"))
+        or epoch_seconds(meta.get("creationTimestamp")) or 0.0,
         on_budget_exhausted=BudgetPolicy.parse(str(hours.get("onExhausted", "Hold"))),
         weight=float(spec.get("weight", 1.0)),
     )
@@ -138,17 +140,17 @@ def retired_from_status(status: Mapping[str, Any] | None) -> RetiredUsage | None
     if not isinstance(raw, Mapping):
         return None
     return RetiredUsage(
-        period_start=parse_time(raw.get("periodStart")) or 0.0,
+        period_start=epoch_seconds(raw.get("periodStart")) or 0.0,
         gpu_hours=float(raw.get("gpuHours", 0.0)),
         decayed_gpu_hours=float(raw.get("decayedGpuHours", 0.0)),
-        decayed_as_of=parse_time(raw.get("decayedAsOf")) or 0.0,
+        decayed_as_of=epoch_seconds(raw.get("decayedAsOf")) or 0.0,
         job_keys=frozenset(str(k) for k in raw.get("jobs") or ()),
     )
 
 
 def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
-    return {"periodStart": format_time(retired.period_start),
+    return {"periodStart": format_timestamp(retired.period_start),
             "gpuHours": round(retired.gpu_hours, 6),
             "decayedGpuHours": round(retired.decayed_gpu_hours, 6),
-            "decayedAsOf": format_time(retired.decayed_as_of),
+            "decayedAsOf": format_timestamp(retired.decayed_as_of),
             "jobs": sorted(retired.job_keys)}
