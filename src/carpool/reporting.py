@@ -18,13 +18,22 @@ from typing import Any
 
 from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.decoding import gpu_request_from_spec, job_from_object, quota_from_object
 from carpool.core.durations import parse_duration
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, inventory_from_gpunode
+from carpool.core.jobs import BudgetPolicy
 from carpool.core.placement import NodeState, node_rejection
-from carpool.core.quantities import quantity_mib
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, NodeInventory
+from carpool.core.quota import (
+    ProjectLedger,
+    Standing,
+    binding_refusal,
+    budget_claims,
+    judge,
+    may_borrow,
+)
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_of, format_timestamp
 
 Obj = Mapping[str, Any]
@@ -32,7 +41,6 @@ WAITING_PHASES = frozenset({"", "Queued", "Preempted"})
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
 _MIB_PER_GIB = 1024
-_MIG_PROFILE_SLICES = {f"{n}g": n for n in range(1, 8)}
 
 
 # --- small readers ------------------------------------------------------------------------
@@ -130,25 +138,6 @@ def class_rank(name: str) -> int:
         return int(JobClass.parse(name))
     except ValueError:
         return len(JobClass)
-
-
-def request_of(spec: Obj) -> GpuRequest:
-    """The GpuRequest a GpuJob spec asks for (the same reading as the operator's)."""
-    gpu = spec.get("gpu") if isinstance(spec.get("gpu"), Mapping) else {}
-    assert isinstance(gpu, Mapping)
-    isolation = Isolation.parse(str(gpu.get("isolation", "mps")))
-    slices = 0
-    profile = str(gpu.get("migProfile", ""))
-    if isolation is Isolation.MIG and profile:
-        slices = _MIG_PROFILE_SLICES.get(profile.split(".", 1)[0], 0)
-    return GpuRequest(
-        count=int(gpu.get("count", 1)),
-        memory_mib=quantity_mib(gpu.get("memory", 0)),
-        cores_pct=int(gpu.get("cores", 0) or 0),
-        isolation=isolation,
-        models=frozenset(str(m) for m in gpu.get("models") or ()),
-        mig_slices=slices,
-    )
 
 
 def _gib(mib: float) -> str:
@@ -616,6 +605,8 @@ def _capacity_finding(request: GpuRequest, states: Sequence[NodeState]) -> Findi
 
 def _quota_findings(job: Obj, quota: Obj | None, fraction: float, now: float
                     ) -> list[Finding]:
+    """The project's binding, guarantee and budget as they bear on `job`, judged by the
+    operator's own rules (`core.quota`) on the quota's last published usage."""
     spec, meta = _spec(job), _meta(job)
     project = str(spec.get("project", ""))
     namespace = str(meta.get("namespace", ""))
@@ -624,61 +615,57 @@ def _quota_findings(job: Obj, quota: Obj | None, fraction: float, now: float
                         f"there is no ProjectQuota named {project!r}; ask the platform team "
                         f"to create one (kubectl get projectquotas)")]
     view = quota_views([quota])[0]
+    try:
+        rules = quota_from_object(quota)
+        subject = job_from_object(job, Phase.QUEUED, 0, (), "", ())
+    except (ValueError, KeyError, TypeError) as err:
+        return [Finding(Topic.PROJECT, True, f"ProjectQuota {project} cannot be read: {err}")]
     findings = []
-    if namespace not in view.namespaces:
+    if binding_refusal(subject, {rules.name: rules}) is not None:
         findings.append(Finding(
             Topic.PROJECT, True,
             f"namespace {namespace} does not bill to project {project} (its namespaces: "
             f"{', '.join(view.namespaces)})"))
-    preemptible = bool(spec.get("preemptible", False))
     if view.guaranteed_gpus is not None:
-        after = view.running_gpus - view.borrowed_gpus + fraction
-        over = after > view.guaranteed_gpus + 1e-9
+        ledger = ProjectLedger(rules, in_quota_gpus=max(0.0, view.running_gpus
+                                                        - view.borrowed_gpus),
+                               borrowed_gpus=view.borrowed_gpus, now=now)
+        standing = judge(subject, ledger, fraction, 0, {}).standing
         text = (f"project {project} runs {fmt_number(view.running_gpus)} GPU(s) "
                 f"({fmt_number(view.borrowed_gpus)} borrowed) of "
                 f"{fmt_number(view.guaranteed_gpus)} "
                 f"guaranteed; this job needs {fmt_number(fraction)} more")
-        blocking = False
-        if over:
-            if not view.borrowing:
+        if standing is not Standing.IN_QUOTA:
+            if not rules.borrowing:
                 text += "; over the guarantee and borrowing is off"
-                blocking = True
-            elif not preemptible or spec.get("class") == "interactive":
+            elif not may_borrow(subject, rules):
                 text += "; over the guarantee and only preemptible, non-interactive jobs borrow"
-                blocking = True
+            elif standing is Standing.OVER_QUOTA:
+                text += (f"; borrowing would pass the limit of "
+                         f"{fmt_number(view.borrow_limit_gpus or 0.0)} GPU(s)")
             else:
-                limit = view.borrow_limit_gpus
-                if limit is not None and view.borrowed_gpus + fraction > limit + 1e-9:
-                    text += f"; borrowing would pass the limit of {fmt_number(limit)} GPU(s)"
-                    blocking = True
-                else:
-                    text += "; may borrow idle GPUs (preemptible)"
-        findings.append(Finding(Topic.QUOTA, blocking, text))
+                text += "; may borrow idle GPUs (preemptible)"
+        findings.append(Finding(Topic.QUOTA, standing is Standing.OVER_QUOTA, text))
     else:
         findings.append(Finding(Topic.QUOTA, False,
                                 f"project {project} has no concurrent GPU limit"))
     if view.budget_gpu_hours is not None:
         limit_text = spec.get("maxDuration") or spec.get("estimatedDuration")
-        limit_s = 0.0
-        if limit_text:
-            try:
-                limit_s = parse_duration(str(limit_text))
-            except ValueError:
-                limit_s = 0.0
-        need = fraction * limit_s / 3600.0
+        claims = budget_claims(rules, fraction, now, None, subject.limit_s)
+        ledger = ProjectLedger(rules, used_gpu_hours=view.used_gpu_hours or 0.0, now=now)
+        verdict = judge(subject, ledger, fraction, 0, claims)
         remaining = view.remaining_gpu_hours
         text = (f"budget {fmt_number(view.budget_gpu_hours)} GPU-hours per {view.period}: "
                 f"{fmt_number(view.used_gpu_hours)} used, {fmt_number(remaining)} remaining")
         if limit_text:
-            text += (f"; this job may use {fmt_number(need)} "
+            text += (f"; this job may use {fmt_number(sum(claims.values()))} "
                      f"({fmt_number(fraction)} GPU x {limit_text})")
-        blocking = remaining is not None and need > remaining + 1e-9
         if view.period_end:
             text += f"; refills {relative(epoch_of(view.period_end), now)}"
-        if blocking and view.on_exhausted == "PreemptibleOnly":
+        spent = verdict.standing is Standing.OVER_BUDGET or verdict.budget_exhausted
+        if spent and rules.on_budget_exhausted is BudgetPolicy.PREEMPTIBLE_ONLY:
             text += "; once spent, only preemptible non-interactive jobs run"
-            blocking = not (preemptible and spec.get("class") != "interactive")
-        findings.append(Finding(Topic.BUDGET, blocking, text))
+        findings.append(Finding(Topic.BUDGET, verdict.standing is Standing.OVER_BUDGET, text))
     else:
         findings.append(Finding(Topic.BUDGET, False, f"project {project} has no GPU-hour budget"))
     return findings
@@ -723,7 +710,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
             f"GPU(s); estimated start {relative(estimate, now)}"
             + (f" ({status['estimatedStart']})" if estimate is not None else "")))
     try:
-        request = request_of(spec)
+        request = gpu_request_from_spec(spec)
     except ValueError as err:
         findings.append(Finding(Topic.CONSTRAINTS, True, f"the spec cannot be read: {err}"))
         return Explanation(key, phase or "Queued", True, summary, tuple(findings))

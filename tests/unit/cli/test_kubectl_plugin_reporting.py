@@ -86,7 +86,8 @@ def test_explain_an_unreadable_spec() -> None:
     explanation = reporting.explain(bad, None, [bad], [], [], NOW)
     assert explanation.waiting
     assert explanation.findings[-1].blocking
-    assert "the spec cannot be read: not a quantity" in explanation.findings[-1].text
+    assert ("the spec cannot be read: spec.gpu.memory: not a quantity"
+            in explanation.findings[-1].text)
 
 
 def test_explain_a_job_the_operator_has_not_seen() -> None:
@@ -115,3 +116,53 @@ def test_queue_groups_count_reasons() -> None:
 def test_to_jsonable_handles_infinities_and_sets() -> None:
     assert reporting.to_jsonable({"x": float("inf"), "s": frozenset({"b", "a"})}) == {
         "x": None, "s": ["a", "b"]}
+
+
+def _waiting(preemptible: bool, job_class: str = "batch") -> dict[str, Any]:
+    return {"metadata": {"namespace": "ns", "name": "w", "creationTimestamp": format_time(NOW)},
+            "spec": {"project": "p", "class": job_class, "preemptible": preemptible,
+                     "gpu": {"count": 1, "memory": "80Gi", "isolation": "exclusive"},
+                     "estimatedDuration": "10h"},
+            "status": {"phase": "Queued", "reason": "Quota"}}
+
+
+def _project(borrow_limit: float, on_exhausted: str = "Hold", used: float = 0.0,
+             running: float = 2.0) -> dict[str, Any]:
+    return {"metadata": {"name": "p", "creationTimestamp": format_time(NOW - 3600)},
+            "spec": {"namespaces": ["ns"], "concurrent": {"gpus": 2},
+                     "borrowing": {"enabled": True, "maxGpus": borrow_limit},
+                     "gpuHours": {"budget": 20, "period": "30d", "onExhausted": on_exhausted}},
+            "status": {"running": {"gpus": running, "jobs": 2}, "borrowed": {"gpus": 0},
+                       "usedGpuHours": used, "remainingGpuHours": 20 - used}}
+
+
+def _finding(explanation: reporting.Explanation, topic: reporting.Topic) -> reporting.Finding:
+    return next(f for f in explanation.findings if f.topic is topic)
+
+
+@pytest.mark.parametrize(("preemptible", "limit", "blocking", "words"), [
+    (True, 1.0, False, "may borrow idle GPUs"),
+    (True, 0.5, True, "borrowing would pass the limit of 0.5"),
+    (False, 1.0, True, "only preemptible, non-interactive jobs borrow"),
+])
+def test_why_quota_uses_the_operators_borrowing_rules(preemptible: bool, limit: float,
+                                                      blocking: bool, words: str) -> None:
+    waiting = _waiting(preemptible)
+    quota = _finding(reporting.explain(waiting, _project(limit), [waiting], [], [], NOW),
+                     reporting.Topic.QUOTA)
+    assert quota.blocking is blocking and words in quota.text, quota
+
+
+@pytest.mark.parametrize(("policy", "preemptible", "blocking"), [
+    ("Hold", True, True), ("PreemptibleOnly", True, False), ("PreemptibleOnly", False, True)])
+def test_why_budget_uses_the_operators_budget_rules(policy: str, preemptible: bool,
+                                                    blocking: bool) -> None:
+    """10 hours of a whole GPU do not fit the 5 GPU-hours left; PreemptibleOnly still lets a
+    preemptible job run (as a borrower, within the borrow limit)."""
+    waiting = _waiting(preemptible)
+    quota = _project(1.0, policy, used=15.0, running=0.0)
+    budget = _finding(reporting.explain(waiting, quota, [waiting], [], [], NOW),
+                      reporting.Topic.BUDGET)
+    assert budget.blocking is blocking, budget
+    assert "this job may use 10 (1 GPU x 10h)" in budget.text
+    assert ("once spent, only preemptible" in budget.text) is (policy == "PreemptibleOnly")
