@@ -71,7 +71,7 @@ def make_backend(args: argparse.Namespace) -> Any:
         return NvmlBackend()
     from carpool.deviceplugin.backends.fake import FakeBackend
     if args.fake_spec:
-        return FakeBackend.from_yaml(args.fake_spec)
+        return FakeBackend.from_yaml(args.fake_spec, node=args.node_name)
     with args.openb_node_list.open(newline="") as f:
         for row in csv.DictReader(f):
             if row.get("sn") == args.node_name:

@@ -133,11 +133,12 @@ class FakeBackend:
         )
 
     @classmethod
-    def from_yaml(cls, path: Path) -> FakeBackend:
+    def from_yaml(cls, path: Path, node: str = "") -> FakeBackend:
+        """`node` names the node when the spec does not (one spec shared by a DaemonSet)."""
         spec = yaml.safe_load(path.read_text())
         if not isinstance(spec, Mapping):
             raise ValueError(f"{path}: a fake backend spec must be a YAML mapping")
-        return cls.from_spec(spec)
+        return cls.from_spec({"node": node, **spec} if spec.get("node") is None else spec)
 
     @classmethod
     def from_openb_row(cls, row: Mapping[str, str]) -> FakeBackend:

@@ -41,6 +41,19 @@ def test_yaml_spec(tmp_path: Path) -> None:
     assert backend.cuda_version() == "12.4"
 
 
+def test_a_spec_without_node_describes_the_node_it_is_read_for(tmp_path: Path) -> None:
+    """The chart's one spec, shared by every node of the DaemonSet."""
+    spec = tmp_path / "gpus.yaml"
+    spec.write_text("gpus:\n- {model: H200, count: 2}\n")
+    one, two = FakeBackend.from_yaml(spec, node="a"), FakeBackend.from_yaml(spec, node="b")
+    assert one.inventory()[0].uuid == fake_gpu_uuid("a", 0) != two.inventory()[0].uuid
+    named = tmp_path / "named.yaml"
+    named.write_text("node: lab-1\ngpus:\n- {model: H200}\n")
+    assert FakeBackend.from_yaml(named, node="a").inventory()[0].uuid == fake_gpu_uuid("lab-1", 0)
+    with pytest.raises(ValueError, match="'node' must be a non-empty string"):
+        FakeBackend.from_yaml(spec)
+
+
 def test_controls_change_readings_and_health() -> None:
     backend = FakeBackend.from_spec({"node": "n", "gpus": [{"model": "A10", "count": 2}]})
     uuid1 = backend.inventory()[1].uuid

@@ -287,6 +287,34 @@ def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
     assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
 
+def test_fake_backend_is_a_value(helm: Path, tmp_path: Path) -> None:
+    """devicePlugin.backend=fake: every plugin reads the shared simulated-GPU spec as its own
+    node's, and the MPS daemon (no driver to serve) is ready once its pipe directory exists."""
+    from carpool.deviceplugin.__main__ import make_backend, parse_args
+
+    objs = objects(helm, "--set", "devicePlugin.backend=fake",
+                   "--set", "devicePlugin.fakeGpus[0].model=T4",
+                   "--set", "devicePlugin.fakeGpus[0].count=3")
+    spec_map = find(objs, "ConfigMap", "carpool-device-plugin-fake-gpus")
+    spec_file = tmp_path / "gpus.yaml"
+    spec_file.write_text(spec_map["data"]["gpus.yaml"])
+    daemonset = find(objs, "DaemonSet", "carpool-device-plugin-mps")
+    c = container(daemonset)
+    args = parse_args([*c["args"], "--node-name", "node-a"])
+    assert (args.backend, str(args.fake_spec)) == ("fake", "/etc/carpool/fake/gpus.yaml")
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/carpool/fake")
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == spec_map["metadata"]["name"]
+    args.fake_spec = spec_file
+    gpus = make_backend(args).inventory()
+    assert [g.model for g in gpus] == ["T4"] * 3
+    mps = container(find(objs, "DaemonSet", "carpool-mps-daemon"))
+    assert {"name": "CARPOOL_MPS_BACKEND", "value": "fake"} in mps["env"]
+    assert mps["readinessProbe"]["exec"]["command"] == ["/usr/local/bin/mps-ready.sh"]
+    assert not [o for o in objects(helm) if o["metadata"]["name"].endswith("-fake-gpus")]
+
+
 def test_values_switch_components(helm: Path) -> None:
     objs = objects(helm, "--set", "devicePlugin.sharingModes={mig}", "--set",
                    "scheduler.enabled=false", "--set", "metrics.serviceMonitor.enabled=true",
@@ -306,6 +334,7 @@ def test_values_switch_components(helm: Path) -> None:
     ("operator.replicas=two", "at '/operator/replicas': got string, want integer"),
     ("devicePlugin.sharingModes={mps,gpu}", "/devicePlugin/sharingModes/1"),
     ("extender.policy=random", "/extender/policy"),
+    ("devicePlugin.backend=cuda", "/devicePlugin/backend"),
     ("operatr.enabled=false", "additional properties 'operatr' not allowed"),
 ])
 def test_schema_refuses_bad_values(helm: Path, flag: str, message: str) -> None:
@@ -381,9 +410,11 @@ def test_images_carry_what_the_chart_runs(default: list[Obj]) -> None:
     assert modules == {"carpool.operator.handlers", "carpool.extender", "carpool.deviceplugin"}
     for module in modules:
         assert importlib.util.find_spec(module) is not None, module
-    script = REPO / "docker" / "mps-entrypoint.sh"
-    assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
-    assert "mps-entrypoint.sh" in (REPO / "docker" / "mps.Dockerfile").read_text()
+    for name in ("mps-entrypoint.sh", "mps-ready.sh"):
+        script = REPO / "docker" / name
+        assert subprocess.run(["sh", "-n", str(script)], capture_output=True).returncode == 0
+        assert name in (REPO / "docker" / "mps.Dockerfile").read_text()
+        assert name in (REPO / "hack" / "images" / "build.py").read_text()
 
 
 # --- the policies from hack/policies ---------------------------------------------------------
