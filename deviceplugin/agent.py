@@ -18,10 +18,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from carpool.core.assignment import AssignmentError, parse_assignment
-from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.names import ANN_ISOLATION
 from carpool.core.resources import Isolation
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import PodView, assignment_on
 from carpool.deviceplugin.plugin import PluginState
 from carpool.deviceplugin.telemetry import (
     PodPeak,
@@ -119,19 +118,11 @@ def timeslice_grants(pods: list[PodView], node: str, node_mode: str) -> list[Mem
     for pod in pods:
         if pod.phase not in ("Running", "Pending") or pod.deleting:
             continue
-        text = pod.annotations.get(ANN_ASSIGNMENT)
-        if not text:
-            continue
         isolation = pod.annotations.get(ANN_ISOLATION) or node_mode
         if isolation != Isolation.TIMESLICE.value:
             continue
-        try:
-            assignment = parse_assignment(text)
-        except AssignmentError:
-            continue
-        if assignment.node != node:
-            continue
-        for g in assignment.gpus:
+        assignment = assignment_on(pod, node)
+        for g in assignment.gpus if assignment is not None else ():
             grants.append(MemoryGrant(pod.uid, pod.namespace, pod.name, g.uuid, g.memory_mib))
     return grants
 

@@ -20,6 +20,7 @@ from carpool.core.annotations import load_annotation_json
 from carpool.core.assignment import (
     HAND_OVER_STALE_S,
     AssignedGpu,
+    Assignment,
     AssignmentError,
     parse_assignment,
 )
@@ -133,20 +134,27 @@ def _isolation(pod: PodView) -> Isolation | None:
 Candidate = tuple[PodView, str, tuple[AssignedGpu, ...]]
 
 
+def assignment_on(pod: PodView, node: str) -> Assignment | None:
+    """The pod's assignment when it names `node`; None when it has none, names another node,
+    or cannot be read (a user-writable annotation: skipped, never fatal)."""
+    text = pod.annotations.get(ANN_ASSIGNMENT)
+    if not text:
+        return None
+    try:
+        assignment = parse_assignment(text)
+    except AssignmentError:
+        return None
+    return assignment if assignment.node == node else None
+
+
 def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
     """(pod, container, its GPUs) still waiting for an Allocate on `node`; bad annotations skip."""
     out = []
     for pod in pods:
         if pod.deleting or pod.phase not in ("Pending", ""):
             continue
-        text = pod.annotations.get(ANN_ASSIGNMENT)
-        if not text:
-            continue
-        try:
-            assignment = parse_assignment(text)
-        except AssignmentError:
-            continue
-        if assignment.node != node:
+        assignment = assignment_on(pod, node)
+        if assignment is None:
             continue
         gpus = assignment.gpus
         done = allocated_containers(pod)
