@@ -13,7 +13,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from carpool.core.durations import parse_duration
-from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota, RetiredUsage, RunRecord
+from carpool.core.jobs import (
+    BudgetPolicy,
+    Job,
+    ProjectQuota,
+    RetiredUsage,
+    RunRecord,
+    job_template,
+)
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
@@ -107,7 +114,15 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         borrowed=bool(status.get("borrowed", False)),
         runs=runs_from_history(history),
         peak_memory_mib=status.get("peakMemoryMiB"),
+        template=job_template(str(meta["name"]), _image(spec)),
     )
+
+
+def _image(spec: Mapping[str, Any]) -> str:
+    """The first container's image (what the job runs), or ""."""
+    pod = (spec.get("template") or {}).get("spec") or {}
+    containers = pod.get("containers") or []
+    return str((containers[0] or {}).get("image") or "") if containers else ""
 
 
 def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from carpool.core.jobs import Job
+from carpool.core.jobs import DurationEstimate, Job
 from carpool.core.placement import NodeState, choose_gpus, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
 
@@ -28,33 +28,80 @@ NodeRanker = Callable[[NodeState, GpuRequest, tuple[GpuGrant, ...]], float]
 
 # ---------------------------------------------------------------- learned durations
 
-
-@dataclass(frozen=True)
-class DurationEstimate:
-    """Exponentially weighted history of one project's jobs of one class."""
-
-    seconds: float  # weighted mean actual run time
-    ratio: float  # weighted mean of actual / estimated run time
-    samples: int
+# Learned run times are kept per (project, class) and per (project, template): a template is
+# what a job is run from (its image, or its name without a trailing number), so jobs of the
+# same kind learn from each other. Keys: (project, JobClass) and (project, template str).
+LearnKey = tuple[str, "JobClass | str"]
+MIN_TEMPLATE_SAMPLES = 1  # finished runs of a template before its own history is used
 
 
 def update_duration_estimate(previous: DurationEstimate | None, actual_s: float,
                              estimated_s: float, alpha: float) -> DurationEstimate:
-    """Fold one finished run in: new = alpha * observation + (1 - alpha) * old."""
+    """Fold one finished run in: new = alpha * observation + (1 - alpha) * old.
+
+    Two predictors are learned side by side, in log space (run times are skewed): the
+    template's typical run time (`log_seconds`), and its typical actual/estimated ratio
+    (`log_ratio`), each with the mean absolute log error it made on the runs folded in after
+    it (`error_seconds`, `error_ratio`) and the spread of its signed errors (`low`, `high`:
+    running 10th and 90th percentiles of ln(actual / predicted)).
+    """
     if not 0 < alpha <= 1:
         raise ValueError("duration learning rate alpha must be in (0, 1]")
+    actual_s = max(actual_s, 1.0)
     ratio = actual_s / estimated_s if estimated_s > 0 else 1.0
+    log_actual, log_ratio = math.log(actual_s), math.log(max(ratio, 1e-9))
     if previous is None:
-        return DurationEstimate(actual_s, ratio, 1)
+        return DurationEstimate(actual_s, ratio, 1, log_actual, log_ratio)
+    miss_seconds = log_actual - previous.log_seconds
+    miss_ratio = log_ratio - previous.log_ratio
+    first_error = previous.samples == 1
+    if previous.error_seconds + previous.error_ratio == 0 and first_error:
+        err_s, err_r = abs(miss_seconds), abs(miss_ratio)
+    else:
+        err_s = alpha * abs(miss_seconds) + (1 - alpha) * previous.error_seconds
+        err_r = alpha * abs(miss_ratio) + (1 - alpha) * previous.error_ratio
+    miss = miss_seconds if previous.uses_seconds else miss_ratio
     return DurationEstimate(alpha * actual_s + (1 - alpha) * previous.seconds,
                             alpha * ratio + (1 - alpha) * previous.ratio,
-                            previous.samples + 1)
+                            previous.samples + 1,
+                            alpha * log_actual + (1 - alpha) * previous.log_seconds,
+                            alpha * log_ratio + (1 - alpha) * previous.log_ratio,
+                            err_s, err_r,
+                            _quantile_step(previous.low, miss, 0.1, first_error),
+                            _quantile_step(previous.high, miss, 0.9, first_error))
 
 
-def learn_durations(jobs: Iterable[Job], alpha: float = 0.3
-                    ) -> dict[tuple[str, JobClass], DurationEstimate]:
-    """Per (project, class) estimates from succeeded jobs' last runs, folded in end-time order
-    (ties by key), so the result does not depend on the order of `jobs`."""
+def _quantile_step(current: float, observation: float, q: float, first: bool) -> float:
+    """A running estimate of the q-quantile of `observation` (stochastic approximation: move
+    up by q * step when below the observation, down by (1 - q) * step otherwise)."""
+    if first:
+        return observation
+    step = 0.25
+    return current + (q * step if observation > current else -(1 - q) * step)
+
+
+def learn_key_template(job: Job) -> LearnKey | None:
+    return (job.project, job.template) if job.template else None
+
+
+def fold_finished(learned: dict[LearnKey, DurationEstimate], job: Job, actual_s: float,
+                  alpha: float) -> None:
+    """Fold one finished run of `job` into `learned` (its class's and its template's)."""
+    keys: list[LearnKey] = [(job.project, job.job_class)]
+    template = learn_key_template(job)
+    if template is not None:
+        keys.append(template)
+    for key in keys:
+        learned[key] = update_duration_estimate(learned.get(key), actual_s,
+                                                job.estimated_duration_s, alpha)
+
+
+def learn_durations(jobs: Iterable[Job], alpha: float = 0.3,
+                    base: Mapping[LearnKey, DurationEstimate] | None = None
+                    ) -> dict[LearnKey, DurationEstimate]:
+    """Per (project, class) and (project, template) estimates from succeeded jobs' last runs,
+    folded in end-time order (ties by key), so the result does not depend on the order of
+    `jobs`; a snapshot's own `learned` (kept up to date run by run) is added to first."""
     finished: list[tuple[float, str, Job, float]] = []
     for job in jobs:
         if job.phase is not Phase.SUCCEEDED or not job.runs:
@@ -63,38 +110,121 @@ def learn_durations(jobs: Iterable[Job], alpha: float = 0.3
         if last.end is not None:
             finished.append((last.end, job.key, job, last.end - last.start))
     finished.sort(key=lambda item: (item[0], item[1]))
-    learned: dict[tuple[str, JobClass], DurationEstimate] = {}
+    learned: dict[LearnKey, DurationEstimate] = dict(base or {})
     for _, _, job, actual in finished:
-        group = (job.project, job.job_class)
-        learned[group] = update_duration_estimate(learned.get(group), actual,
-                                                  job.estimated_duration_s, alpha)
+        fold_finished(learned, job, actual, alpha)
     return learned
 
 
-def expected_duration(job: Job, learned: Mapping[tuple[str, JobClass], DurationEstimate]
-                      ) -> float:
-    """How long a run of `job` is expected to take: its estimate scaled by how its project's
-    jobs of this class have compared with their estimates, never beyond its limit."""
-    history = learned.get((job.project, job.job_class))
-    duration = job.estimated_duration_s * (history.ratio if history else 1.0)
-    return max(1.0, min(duration, job.limit_s))
+def _template_history(job: Job, learned: Mapping[LearnKey, DurationEstimate]
+                      ) -> DurationEstimate | None:
+    key = learn_key_template(job)
+    history = learned.get(key) if key is not None else None
+    return history if history is not None and history.samples >= MIN_TEMPLATE_SAMPLES else None
+
+
+def expected_duration(job: Job, learned: Mapping[LearnKey, DurationEstimate]) -> float:
+    """How long a run of `job` is expected to take, from history: its template's typical run
+    time or its estimate times the template's typical ratio, whichever predicted that
+    template's recent runs better; without template history, its estimate scaled by how its
+    project's jobs of this class compared with theirs. Never beyond maxDuration."""
+    history = _template_history(job, learned)
+    if history is not None:
+        duration = history.predict(job.estimated_duration_s)
+    else:
+        by_class = learned.get((job.project, job.job_class))
+        duration = job.estimated_duration_s * (by_class.ratio if by_class else 1.0)
+    if job.max_duration_s > 0:
+        duration = min(duration, job.max_duration_s)
+    return max(1.0, duration)
+
+
+def duration_range(job: Job, learned: Mapping[LearnKey, DurationEstimate]
+                   ) -> tuple[float, float]:
+    """(P10, P90) of the job's run time: its expected duration scaled by the 10th and 90th
+    percentiles of its template's past prediction errors (the expected duration twice when
+    there is no template history)."""
+    expected = expected_duration(job, learned)
+    history = _template_history(job, learned)
+    if history is None or history.samples < 3:
+        return expected, expected
+    low, high = expected * math.exp(history.low), expected * math.exp(history.high)
+    if job.max_duration_s > 0:
+        high = min(high, job.max_duration_s)
+    return max(1.0, min(low, expected)), max(expected, high)
+
+
+# ---------------------------------------------------------------- estimate ranges
+
+MIN_RANGE_SAMPLES = 20  # started jobs with a first estimate before ranges are shown
+RANGE_MIN_WAIT_S = 60.0  # first estimates closer than this say little about the error
+RANGE_QUANTILES = (0.1, 0.9)
+
+
+def wait_miss(job: Job) -> float | None:
+    """ln(actual wait / estimated wait) of a started job's first estimate, or None."""
+    estimate = job.first_estimated_start
+    if estimate is None or not job.runs:
+        return None
+    started = min(r.start for r in job.runs)
+    promised = estimate - job.submitted_at
+    if promised < RANGE_MIN_WAIT_S:
+        return None
+    return math.log(max(started - job.submitted_at, 1.0) / promised)
+
+
+def wait_misses(jobs: Iterable[Job], base: Iterable[float] = ()) -> list[float]:
+    """`base` (misses of jobs no longer in the snapshot) and those of `jobs`, sorted."""
+    misses = list(base)
+    for job in jobs:
+        miss = wait_miss(job)
+        if miss is not None:
+            misses.append(miss)
+    misses.sort()
+    return misses
+
+
+def start_range(now: float, estimate: float, misses: Sequence[float]
+                ) -> tuple[float, float] | None:
+    """The 80 % range (P10-P90) around an estimated start: the wait it promises scaled by the
+    10th and 90th percentiles of how far the first estimates of started jobs missed
+    (ln(actual / estimated wait)); None until `MIN_RANGE_SAMPLES` jobs have started."""
+    if len(misses) < MIN_RANGE_SAMPLES:
+        return None
+    wait = max(0.0, estimate - now)
+    low_q, high_q = (_sorted_quantile(misses, q) for q in RANGE_QUANTILES)
+    return now + wait * min(1.0, math.exp(low_q)), now + wait * max(1.0, math.exp(high_q))
+
+
+def _sorted_quantile(values: Sequence[float], q: float) -> float:
+    position = q * (len(values) - 1)
+    lower = math.floor(position)
+    upper = min(lower + 1, len(values) - 1)
+    return values[lower] + (values[upper] - values[lower]) * (position - lower)
+
+
+OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x its age more
 
 
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
     """Expected seconds until a GPU-holding job lets go of its GPUs.
 
-    What the expectation leaves; a job past its expectation is given `min_remaining_s` more.
-    Never more than what its limit (maxDuration, enforced) leaves; a job past its limit is
-    also given `min_remaining_s` (it is being stopped). A job still within its expectation is
-    not floored at `min_remaining_s`: that would push every estimate behind a job about to
-    end up to `min_remaining_s` too late.
+    What the expectation leaves. A job past its expectation is given `OVERRUN_FRACTION` of
+    the time it has run so far (at least `min_remaining_s`): run times are heavy-tailed, so
+    the longer a job has overrun the longer it is likely to go on; "any minute now" at every
+    cycle made every estimate behind it too early. Never more than what its limit
+    (maxDuration, enforced) leaves; a job past its limit is given `min_remaining_s` (it is
+    being stopped). A job still within its expectation is not floored at `min_remaining_s`:
+    that would push every estimate behind a job about to end up to `min_remaining_s` too late.
     """
     started = job.started_at
     elapsed = max(0.0, now - started) if started is not None else 0.0
     expected = duration_s - elapsed
-    limit_left = job.limit_s - elapsed
-    if expected <= 0 or limit_left <= 0:
+    limit_left = job.max_duration_s - elapsed if job.max_duration_s > 0 else math.inf
+    if limit_left <= 0:
         return min_remaining_s
+    if expected <= 0:
+        expected = max(min_remaining_s, OVERRUN_FRACTION * elapsed)
     return min(expected, limit_left)
 
 
@@ -131,6 +261,66 @@ class Slot:
     grants: tuple[GpuGrant, ...]
 
 
+class TimelineMemo:
+    """Node states and fit results kept from one cycle to the next, for callers that run many
+    cycles over the same nodes (a replay: each event changes one node, the rest repeat).
+
+    Keyed by the identity of the node's base state (kept alive here, so an id is never
+    reused while its entry exists) and the grants held, so a changed inventory never meets
+    a stale entry. Cleared when it grows past `limit` entries.
+    """
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.limit = limit
+        self.ranker: NodeRanker | None = None
+        self._states: dict[tuple[int, tuple[int, ...]],
+                           tuple[NodeState, tuple[tuple[GpuGrant, ...], ...], NodeState]] = {}
+        self._fits: dict[tuple[int, GpuRequest], tuple[NodeState, tuple[float, tuple[
+            GpuGrant, ...]] | None]] = {}
+        self._hosts: dict[tuple[tuple[int, ...], GpuRequest],
+                          tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
+
+    def bind(self, ranker: NodeRanker) -> None:
+        if self.ranker is not ranker:
+            self.ranker = ranker
+            self._fits.clear()
+        if len(self._states) + len(self._fits) > self.limit:
+            self._states.clear()
+            self._fits.clear()
+            self._hosts.clear()
+
+    def state(self, base: NodeState, held: tuple[tuple[GpuGrant, ...], ...]) -> NodeState:
+        """`base` with the grant tuples `held` added; keyed by the tuples' identities (cheap
+        to hash, and each occupancy keeps its job's grants tuple), checked on a hit."""
+        key = (id(base), tuple(id(g) for g in held))
+        entry = self._states.get(key)
+        if entry is None or entry[0] is not base or any(
+                a is not b for a, b in zip(entry[1], held, strict=True)):
+            grants = tuple(g for gs in held for g in gs)
+            entry = self._states[key] = (base, held, base.with_grants(grants) if grants else base)
+        return entry[2]
+
+    def fit(self, state: NodeState, request: GpuRequest, ranker: NodeRanker
+            ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+        key = (id(state), request)
+        entry = self._fits.get(key)
+        if entry is None or entry[0] is not state:
+            grants = choose_gpus(state, request)
+            entry = self._fits[key] = (
+                state, None if grants is None else (ranker(state, request, grants), grants))
+        return entry[1]
+
+    def hosts(self, bases: tuple[NodeState, ...], names: tuple[str, ...],
+              request: GpuRequest) -> tuple[str, ...]:
+        key = (tuple(id(b) for b in bases), request)
+        entry = self._hosts.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], bases, strict=True)):
+            hosts = tuple(n for n, b in zip(names, bases, strict=True)
+                          if node_rejection(b, request) is None)
+            entry = self._hosts[key] = (bases, hosts)
+        return entry[1]
+
+
 class Timeline:
     """Per-node occupancy over time for one cycle's what-ifs (local state, never shared).
 
@@ -140,11 +330,16 @@ class Timeline:
     placement core only once per distinct situation.
     """
 
-    def __init__(self, nodes: Mapping[str, NodeState], now: float, ranker: NodeRanker) -> None:
+    def __init__(self, nodes: Mapping[str, NodeState], now: float, ranker: NodeRanker,
+                 memo: TimelineMemo | None = None) -> None:
         self.now = now
         self.ranker = ranker
+        self.memo = memo
+        if memo is not None:
+            memo.bind(ranker)
         self._base = dict(nodes)  # inventory + grants of things that are not jobs
         self._names = sorted(nodes)
+        self._bases = tuple(self._base[n] for n in self._names)
         self._occupancies: dict[str, list[Occupancy]] = {name: [] for name in nodes}
         self._starts: dict[str, list[float]] = {name: [] for name in nodes}  # sorted
         self._versions: dict[str, int] = dict.fromkeys(nodes, 0)
@@ -164,8 +359,11 @@ class Timeline:
         rid = self._request_ids.get(request)
         if rid is None:
             rid = self._request_ids[request] = len(self._request_ids)
-            self._hosts[rid] = tuple(n for n in self._names
-                                     if node_rejection(self._base[n], request) is None)
+            if self.memo is not None:
+                self._hosts[rid] = self.memo.hosts(self._bases, tuple(self._names), request)
+            else:
+                self._hosts[rid] = tuple(n for n in self._names
+                                         if node_rejection(self._base[n], request) is None)
             self._host_index[rid] = {n: i for i, n in enumerate(self._hosts[rid])}
         return rid
 
@@ -207,8 +405,12 @@ class Timeline:
         if state is None:
             base = self._base[node]
             occs = self._occupancies[node]
-            held = tuple(g for i in ids for g in occs[i].grants)
-            state = self._states[(node, ids)] = base.with_grants(held) if held else base
+            if self.memo is not None:
+                state = self._states[(node, ids)] = self.memo.state(
+                    base, tuple(occs[i].grants for i in ids))
+            else:
+                held = tuple(g for i in ids for g in occs[i].grants)
+                state = self._states[(node, ids)] = base.with_grants(held) if held else base
         return state
 
     def fit_during(self, node: str, request: GpuRequest, start: float, end: float,
@@ -235,7 +437,9 @@ class Timeline:
         else:
             ids = self._overlapping(node, start, end, without)
         key = (node, ids, rid)
-        if key not in self._fits:
+        if key not in self._fits and self.memo is not None:
+            self._fits[key] = self.memo.fit(self._state(node, ids), request, self.ranker)
+        elif key not in self._fits:
             state = self._state(node, ids)
             grants = choose_gpus(state, request)
             self._fits[key] = (None if grants is None

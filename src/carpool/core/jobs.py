@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -55,6 +56,46 @@ class RunRecord:
             raise ValueError(f"run {self.attempt} has a negative GPU fraction {self.fraction}")
 
 
+_TRAILING_NUMBER = re.compile(r"[-_.]?[0-9]+$")
+
+
+def name_stem(name: str) -> str:
+    """A job's name without a trailing number: `train-resnet-7` and `train-resnet-8` are runs
+    of one kind of job."""
+    return _TRAILING_NUMBER.sub("", name) or name
+
+
+def job_template(name: str, image: str = "") -> str:
+    """What run-time learning groups a job by: its name's stem and its image."""
+    stem = name_stem(name)
+    return f"{stem}@{image}" if image else stem
+
+
+@dataclass(frozen=True)
+class DurationEstimate:
+    """Exponentially weighted history of finished runs of one group of jobs (see `eta`)."""
+
+    seconds: float  # weighted mean actual run time
+    ratio: float  # weighted mean of actual / estimated run time
+    samples: int
+    log_seconds: float = 0.0  # weighted mean of ln(actual run time)
+    log_ratio: float = 0.0  # weighted mean of ln(actual / estimated)
+    error_seconds: float = 0.0  # weighted mean |ln(actual / exp(log_seconds before it))|
+    error_ratio: float = 0.0  # the same for the ratio predictor
+    low: float = 0.0  # running P10 of ln(actual / predicted)
+    high: float = 0.0  # running P90 of ln(actual / predicted)
+
+    @property
+    def uses_seconds(self) -> bool:
+        """Predict from the typical run time (not the ratio) when it has erred no more."""
+        return self.error_seconds <= self.error_ratio
+
+    def predict(self, estimated_s: float) -> float:
+        if self.uses_seconds:
+            return math.exp(self.log_seconds)
+        return estimated_s * math.exp(self.log_ratio)
+
+
 @dataclass(frozen=True)
 class Job:
     """A GpuJob: what it asks for and where it stands.
@@ -82,6 +123,8 @@ class Job:
     borrowed: bool = False
     runs: tuple[RunRecord, ...] = ()
     peak_memory_mib: int | None = None  # per GPU, as the device plugin saw it
+    template: str = ""  # what it runs (image, or name without a trailing number): learning key
+    first_estimated_start: float | None = None  # the first estimate it was shown
 
     def __post_init__(self) -> None:
         if self.key.count("/") != 1 or not all(self.key.split("/")):
@@ -218,6 +261,11 @@ class ClusterSnapshot:
     quotas: Mapping[str, ProjectQuota]
     nodes: Mapping[str, NodeState]
     retired: Mapping[str, RetiredUsage] = field(default_factory=dict)
+    # run-time history of finished jobs no longer in `jobs` (a replay keeps it run by run);
+    # the cycle adds what the finished jobs in `jobs` teach
+    learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(default_factory=dict)
+    # ln(actual / first estimated wait) of started jobs no longer in `jobs` (see eta.start_range)
+    wait_misses: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         keys = [j.key for j in self.jobs]

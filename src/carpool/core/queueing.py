@@ -40,15 +40,18 @@ from typing import NamedTuple
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
-    DurationEstimate,
+    LearnKey,
     NodeRanker,
     Occupancy,
     Slot,
     Timeline,
+    TimelineMemo,
     expected_duration,
     expected_remaining,
     fluid_start,
     learn_durations,
+    start_range,
+    wait_misses,
 )
 from carpool.core.fairshare import (
     DEFAULT_REFERENCE_MEMORY_MIB,
@@ -56,7 +59,7 @@ from carpool.core.fairshare import (
     nominal_fraction,
     rank_queue,
 )
-from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, ProjectUsage
+from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
     MIN_LEAVING_S,
@@ -77,7 +80,7 @@ from carpool.core.quota import (
     budget_claims,
     judge,
 )
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
 from carpool.core.scoring import Scorer, score_node
 
 
@@ -107,6 +110,8 @@ class AdmissionConfig:
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
     duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
     node_ranker: NodeRanker = field(default_factory=extender_ranker)
+    # node states and fits kept across cycles (a replay); None: each cycle starts afresh
+    timeline_memo: TimelineMemo | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.fair_share_half_life_s <= 0:
@@ -180,6 +185,8 @@ class Wait:
     ahead: int  # higher-ranked jobs also waiting for GPUs
     estimated_start: float | None  # None: cannot be estimated (refused, never fits)
     coarse_estimate: bool = False  # beyond the reservation depth: drain-rate estimate
+    estimated_start_low: float | None = None  # the P10-P90 range around `estimated_start`
+    estimated_start_high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -252,7 +259,7 @@ class _Cycle:
 
     snapshot: ClusterSnapshot
     config: AdmissionConfig
-    learned: dict[tuple[str, JobClass], DurationEstimate]
+    learned: dict[LearnKey, DurationEstimate]
     usage: dict[str, ProjectUsage]
     reference_mib: int
     timeline: Timeline
@@ -275,7 +282,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     now = snapshot.now
     nodes = snapshot.nodes
     jobs = sorted(snapshot.jobs, key=lambda j: j.key)  # float sums in one order, always
-    learned = learn_durations(jobs, config.duration_learning_rate)
+    learned = learn_durations(jobs, config.duration_learning_rate, snapshot.learned)
     by_project: dict[str, list[Job]] = {}
     for job in jobs:
         by_project.setdefault(job.project, []).append(job)
@@ -285,7 +292,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         for name, quota in snapshot.quotas.items()}
     memories = [g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus]
     reference_mib = max(memories, default=DEFAULT_REFERENCE_MEMORY_MIB)
-    timeline = Timeline(nodes, now, config.node_ranker)
+    timeline = Timeline(nodes, now, config.node_ranker, config.timeline_memo)
     ledgers = {name: ProjectLedger(q, used_gpu_hours=usage[name].gpu_hours_used, now=now)
                for name, q in snapshot.quotas.items()}
     holders: list[_Holder] = []
@@ -459,7 +466,9 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     for position, job in borrowers:
         walk.consider(job, position, borrowers_allowed=True)
 
-    ordered = sorted(walk.waits, key=lambda w: (w.position, w.job_key))
+    misses = wait_misses(snapshot.jobs, snapshot.wait_misses)
+    ordered = sorted((_with_range(w, now, misses) for w in walk.waits),
+                     key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
     waits = tuple(w if w.reason.refused else replace(w, position=next(queued))
@@ -467,6 +476,15 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     projects = _project_statuses(cycle, walk.admitted_by_project, waits)
     return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
                        projects)
+
+
+def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
+    if wait.estimated_start is None:
+        return wait
+    found = start_range(now, wait.estimated_start, misses)
+    if found is None:
+        return wait
+    return replace(wait, estimated_start_low=found[0], estimated_start_high=found[1])
 
 
 class _Parked(NamedTuple):

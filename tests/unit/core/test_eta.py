@@ -48,9 +48,13 @@ def finished(key: str, estimate: float, actual: float, end: float, project: str 
 
 def test_ewma_update() -> None:
     first = update_duration_estimate(None, 100, 50, 0.5)
-    assert first == DurationEstimate(100, 2.0, 1)
+    assert (first.seconds, first.ratio, first.samples) == (100, 2.0, 1)
     second = update_duration_estimate(first, 200, 200, 0.5)
-    assert second == DurationEstimate(150, 1.5, 2)
+    assert (second.seconds, second.ratio, second.samples) == (150, 1.5, 2)
+    # in log space: the typical run time is the weighted geometric mean
+    assert math.exp(second.log_seconds) == pytest.approx(math.sqrt(100 * 200))
+    assert second.error_seconds == pytest.approx(math.log(2))  # predicted 100, took 200
+    assert second.error_ratio == pytest.approx(math.log(2))  # predicted 2 x 200, took 200
     with pytest.raises(ValueError, match="alpha"):
         update_duration_estimate(None, 1, 1, 0)
 
@@ -84,8 +88,12 @@ def test_expected_remaining() -> None:
     j = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, max_duration_s=2000,
             phase=Phase.RUNNING, runs=(RunRecord(1, 100, None, 1.0),))
     assert expected_remaining(j, 400, 1000, 60) == 700
-    assert expected_remaining(j, 1500, 1000, 60) == 60  # past its expectation
-    assert expected_remaining(j, 2095, 1000, 60) == 60  # past its limit: ends any moment
+    # past its expectation: half the 1400 s it has run, but never past its maxDuration
+    assert expected_remaining(j, 1500, 1000, 60) == 600
+    assert expected_remaining(j, 1150, 1000, 60) == 525
+    assert expected_remaining(j, 200, 50, 60) == 60  # at least a minute
+    assert expected_remaining(j, 2095, 1000, 60) == 5  # its maxDuration stops it in 5 s
+    assert expected_remaining(j, 2200, 1000, 60) == 60  # past its limit: ends any moment
     queued = Job("a/q", "a", JobClass.SHORT, WHOLE, 0, 1000)
     assert expected_remaining(queued, 400, 1000, 60) == 1000
 

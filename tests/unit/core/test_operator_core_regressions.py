@@ -73,4 +73,5 @@ def test_a_job_about_to_end_is_expected_to_end_then_not_a_minute_later() -> None
     """ETAs behind a job with seconds left were up to `min_remaining_s` (60 s) too late."""
     runner = _borrowed_runner("nlp/r", 0, EPOCH)  # started 300 s ago
     assert expected_remaining(runner, EPOCH, 310.0, 60.0) == pytest.approx(10.0)
-    assert expected_remaining(runner, EPOCH, 200.0, 60.0) == 60.0  # overdue: a minute more
+    # overdue after 300 s: half its age more (150 s), at least a minute
+    assert expected_remaining(runner, EPOCH, 200.0, 60.0) == 150.0
