@@ -1,0 +1,552 @@
+"""Replay a job trace through a queueing policy on a simulated clock, and score its waits.
+
+A discrete-event simulation: events are arrivals, ends of runs and preempted jobs leaving
+their GPUs. At every instant with an event, the policy decides from the state as it is then
+(one admission cycle); admitted jobs start at once and hold their GPUs for their real run
+time (the trace's), a preempted job resumes where it stopped (it checkpoints in its grace
+period). The estimates a policy gives waiting jobs are recorded and compared with the starts
+that happened.
+
+Policies, all placing through the same ranker (`queueing.extender_ranker`, the extender's
+score) so that only queueing differs:
+
+- `carpool`: the operator's own `queueing.admission_cycle` on a `ClusterSnapshot` built from
+  the replay's state: fair share, classes and aging, quotas and borrowing, preemption,
+  conservative backfill on learned run times, and its estimated starts and ranges.
+- `fifo`: one queue in arrival order; the head starts when it fits, nothing passes it.
+- `slurm`: Slurm-like multifactor priority (age, fair share, class as QOS) with EASY
+  backfill on the users' estimates (time limits), and `squeue --start`-style estimates: the
+  backfill plan of the waiting jobs in priority order on those same estimates.
+- `kueue`: Kueue-like, one ClusterQueue per project with the project's guarantee as nominal
+  quota in one cohort (borrowing idle quota), BestEffortFIFO (a head that does not fit does
+  not block the others); no estimates.
+
+Pure: jobs and nodes in, numbers out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from carpool.core.accounting import grants_fraction, project_usage, retire_job
+from carpool.core.eta import (
+    LearnKey,
+    NodeRanker,
+    Occupancy,
+    Timeline,
+    TimelineMemo,
+    fold_finished,
+    wait_miss,
+)
+from carpool.core.fairshare import nominal_fraction
+from carpool.core.job_traces import TraceJob
+from carpool.core.jobs import (
+    ClusterSnapshot,
+    DurationEstimate,
+    Job,
+    ProjectQuota,
+    RetiredUsage,
+    RunRecord,
+)
+from carpool.core.placement import NodeState
+from carpool.core.queueing import AdmissionConfig, admission_cycle
+from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
+
+POLICIES = ("fifo", "slurm", "kueue", "carpool")
+MIN_WAIT_S = 60.0  # relative ETA error only over jobs that waited at least this long
+REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at most this often
+GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24, "G2": 32,
+                  "G3": 32}
+HALF_LIFE_S = 7 * 86400.0
+RECENT_MISSES = 500  # finished jobs' estimate misses kept for the ranges (as in a cluster)
+
+
+# ---------------------------------------------------------------- cluster
+
+
+def trace_nodes(nodes: Iterable[tuple[str, int, str]], scale: float) -> dict[str, NodeState]:
+    """(name, GPUs, model) rows as NodeStates, keeping `scale` of each model's nodes (at
+    least one), so a smaller cluster keeps the trace's mix of models."""
+    if not 0 < scale <= 1:
+        raise ValueError("--scale must be in (0, 1]")
+    by_model: dict[str, list[tuple[str, int, str]]] = {}
+    for row in nodes:
+        if row[1] > 0:
+            by_model.setdefault(row[2], []).append(row)
+    out: dict[str, NodeState] = {}
+    for model in sorted(by_model):
+        rows = by_model[model]
+        keep = max(1, round(len(rows) * scale))
+        step = len(rows) / keep
+        for i in range(keep):
+            name, gpus, _ = rows[int(i * step)]
+            memory = GPU_MEMORY_GIB.get(model, 16) * 1024
+            out[name] = NodeState(NodeInventory(name, tuple(
+                Gpu(g, f"{name}-gpu{g}", model, memory) for g in range(gpus))))
+    if not out:
+        raise ValueError("no GPU nodes")
+    return out
+
+
+def capacity_gpus(nodes: Mapping[str, NodeState]) -> int:
+    return sum(len(n.inventory.gpus) for n in nodes.values())
+
+
+def open_quotas(jobs: Sequence[TraceJob]) -> dict[str, ProjectQuota]:
+    """No guarantees (any project may use any idle GPU), equal fair-share weights."""
+    return {p: ProjectQuota(p, frozenset({p})) for p in sorted({j.project for j in jobs})}
+
+
+def share_quotas(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState]
+                 ) -> dict[str, ProjectQuota]:
+    """Each project guaranteed its share of the trace's GPU-hours of the cluster's GPUs (at
+    least its largest job, which could never start otherwise: beyond its guarantee a project
+    runs only preemptible work), borrowing allowed, no budget; fair-share weight equal to
+    that share."""
+    reference = max((g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus),
+                    default=1)
+    work: dict[str, float] = {}
+    largest: dict[str, float] = {}
+    for job in jobs:
+        fraction = nominal_fraction(job.request, reference)
+        work[job.project] = work.get(job.project, 0.0) + fraction * job.runtime_s
+        largest[job.project] = max(largest.get(job.project, 0.0), fraction)
+    total = sum(work.values()) or 1.0
+    capacity = capacity_gpus(nodes)
+    return {p: ProjectQuota(p, frozenset({p}),
+                            guaranteed_gpus=max(capacity * w / total, largest[p]),
+                            borrowing=True, weight=max(w / total, 1e-3))
+            for p, w in sorted(work.items())}
+
+
+# ---------------------------------------------------------------- state
+
+
+@dataclass
+class State:
+    """What a policy decides from: the replay's live jobs and history at `now`."""
+
+    now: float
+    nodes: Mapping[str, NodeState]
+    quotas: Mapping[str, ProjectQuota]
+    trace: Mapping[str, TraceJob]
+    jobs: dict[str, Job] = field(default_factory=dict)  # queued, running, leaving
+    retired: dict[str, RetiredUsage] = field(default_factory=dict)
+    learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
+    wait_misses: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_MISSES))
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(self.now, tuple(self.jobs.values()), self.quotas, self.nodes,
+                               self.retired, self.learned, tuple(self.wait_misses))
+
+
+@dataclass(frozen=True)
+class Start:
+    job_key: str
+    node: str
+    grants: tuple[GpuGrant, ...]
+    borrowed: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    job_key: str
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    start: float
+    low: float | None = None
+    high: float | None = None
+
+
+@dataclass(frozen=True)
+class Decisions:
+    starts: tuple[Start, ...] = ()
+    stops: tuple[Stop, ...] = ()
+    estimates: Mapping[str, Estimate] = field(default_factory=dict)
+
+
+Policy = Callable[[State], Decisions]
+
+
+def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
+    """The operator's admission cycle, unchanged (node states memoised across cycles)."""
+    config = config if config is not None else AdmissionConfig()
+    if config.timeline_memo is None:
+        config = replace(config, timeline_memo=TimelineMemo())
+
+    def decide(state: State) -> Decisions:
+        result = admission_cycle(state.snapshot(), config)
+        return Decisions(
+            tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
+            tuple(Stop(p.victim_key, p.grace_s) for p in result.preemptions),
+            {w.job_key: Estimate(w.estimated_start, w.estimated_start_low,
+                                 w.estimated_start_high)
+             for w in result.waits if w.estimated_start is not None})
+
+    return decide
+
+
+def _timeline(state: State, ranker: NodeRanker, planned_end: Callable[[Job], float],
+              memo: TimelineMemo) -> Timeline:
+    timeline = Timeline(state.nodes, state.now, ranker, memo)
+    for job in state.jobs.values():
+        if job.holds_gpus and job.grants:
+            end = max(planned_end(job), math.nextafter(state.now, math.inf))
+            timeline.add(job.node, Occupancy(job.key, state.now, end, job.grants))
+    return timeline
+
+
+def _waiting(state: State) -> list[Job]:
+    return [j for j in state.jobs.values() if j.waiting]
+
+
+def fifo_policy(ranker: NodeRanker) -> Policy:
+    memo = TimelineMemo()
+
+    def decide(state: State) -> Decisions:
+        timeline = _timeline(state, ranker, lambda j: math.inf, memo)
+        starts: list[Start] = []
+        for job in sorted(_waiting(state), key=lambda j: (j.submitted_at, j.key)):
+            slot = timeline.best_now(job.request, 1.0, respect_reservations=False)
+            if slot is None:
+                break
+            timeline.add(slot.node, Occupancy(job.key, state.now, math.inf, slot.grants))
+            starts.append(Start(job.key, slot.node, slot.grants))
+        return Decisions(tuple(starts))
+
+    return decide
+
+
+def _decayed_usage(state: State) -> dict[str, float]:
+    by_project: dict[str, list[Job]] = {}
+    for job in state.jobs.values():
+        by_project.setdefault(job.project, []).append(job)
+    return {name: project_usage(q, by_project.get(name, ()), state.now, HALF_LIFE_S,
+                                state.retired.get(name)).decayed_gpu_hours
+            for name, q in state.quotas.items()}
+
+
+def slurm_priority(job: Job, now: float, usage_share: float, shares: float) -> float:
+    """Slurm's multifactor priority with weights age 1000 (full at 7 days), fair share 10000
+    (2^(-usage/shares), the classic factor) and class as QOS 10000 (interactive 1 .. batch 0)."""
+    age = min(1.0, max(0.0, now - job.submitted_at) / (7 * 86400.0))
+    fairshare = math.pow(2.0, -usage_share / shares) if shares > 0 else 0.0
+    qos = (int(JobClass.BATCH) - int(job.job_class)) / int(JobClass.BATCH)
+    return 1000.0 * age + 10000.0 * fairshare + 10000.0 * qos
+
+
+def slurm_policy(ranker: NodeRanker, estimate_depth: int = 64, min_remaining_s: float = 60.0
+                 ) -> Policy:
+    """EASY backfill on user estimates: the top waiting job that cannot start reserves its
+    earliest slot; later jobs start only where they leave that reservation in place. Then
+    the backfill plan: each waiting job in priority order reserves its earliest slot on the
+    users' estimates, which is its `--start` estimate."""
+    memo = TimelineMemo()
+
+    def decide(state: State) -> Decisions:
+        now = state.now
+        usage = _decayed_usage(state)
+        total_usage = sum(usage.values()) or 1.0
+        total_weight = sum(q.weight for q in state.quotas.values()) or 1.0
+        ordered = sorted(_waiting(state), key=lambda j: (
+            -slurm_priority(j, now, usage.get(j.project, 0.0) / total_usage,
+                            state.quotas[j.project].weight / total_weight
+                            if j.project in state.quotas else 0.0),
+            j.submitted_at, j.key))
+
+        def planned_end(job: Job) -> float:
+            started = job.started_at if job.started_at is not None else now
+            return max(started + job.estimated_duration_s, now + min_remaining_s)
+
+        timeline = _timeline(state, ranker, planned_end, memo)
+        starts: list[Start] = []
+        blocked: list[Job] = []
+        reserved = False
+        for job in ordered:
+            duration = job.estimated_duration_s
+            slot = timeline.best_now(job.request, duration)
+            if slot is not None:
+                timeline.add(slot.node, Occupancy(job.key, now, now + duration, slot.grants))
+                starts.append(Start(job.key, slot.node, slot.grants))
+                continue
+            blocked.append(job)
+            if not reserved:
+                found = timeline.earliest(job.request, duration, now)
+                if found is not None:
+                    timeline.add(found.node, Occupancy(job.key, found.start,
+                                                       found.start + duration, found.grants))
+                    reserved = True
+        estimates: dict[str, Estimate] = {}
+        plan = _timeline(state, ranker, planned_end, memo)
+        for start in starts:
+            plan.add(start.node, Occupancy(start.job_key, now,
+                                           now + state.jobs[start.job_key].estimated_duration_s,
+                                           start.grants))
+        for job in blocked[:estimate_depth]:
+            found = plan.earliest(job.request, job.estimated_duration_s, now)
+            if found is None:
+                continue
+            plan.add(found.node, Occupancy(job.key, found.start,
+                                           found.start + job.estimated_duration_s, found.grants))
+            estimates[job.key] = Estimate(found.start)
+        return Decisions(tuple(starts), (), estimates)
+
+    return decide
+
+
+def kueue_policy(ranker: NodeRanker) -> Policy:
+    """Per project a ClusterQueue with its guarantee as nominal quota, all in one cohort:
+    workloads within quota first, then those that borrow the cohort's unused quota; within
+    each, by class then creation time; one that does not fit is skipped (BestEffortFIFO)."""
+    memo = TimelineMemo()
+
+    def decide(state: State) -> Decisions:
+        now = state.now
+        reference = max((g.memory_total_mib for n in state.nodes.values()
+                         for g in n.inventory.gpus), default=1)
+        used: dict[str, float] = {}
+        for job in state.jobs.values():
+            if job.holds_gpus:
+                used[job.project] = used.get(job.project, 0.0) + nominal_fraction(
+                    job.request, reference)
+        nominal = {p: (q.guaranteed_gpus if q.guaranteed_gpus is not None else math.inf)
+                   for p, q in state.quotas.items()}
+        timeline = _timeline(state, ranker, lambda j: math.inf, memo)
+        ordered = sorted(_waiting(state), key=lambda j: (j.job_class, j.submitted_at, j.key))
+        starts: list[Start] = []
+        for borrowing in (False, True):
+            for job in ordered:
+                if any(s.job_key == job.key for s in starts):
+                    continue
+                need = nominal_fraction(job.request, reference)
+                mine = used.get(job.project, 0.0)
+                cap = nominal.get(job.project, 0.0)
+                if mine + need > cap + 1e-9:
+                    if not borrowing:
+                        continue
+                    unused = sum(max(0.0, nominal[p] - used.get(p, 0.0)) for p in nominal
+                                 if p != job.project)
+                    if mine + need > cap + unused + 1e-9:
+                        continue
+                slot = timeline.best_now(job.request, 1.0, respect_reservations=False)
+                if slot is None:
+                    continue
+                timeline.add(slot.node, Occupancy(job.key, now, math.inf, slot.grants))
+                used[job.project] = mine + need
+                starts.append(Start(job.key, slot.node, slot.grants, mine + need > cap + 1e-9))
+        return Decisions(tuple(starts))
+
+    return decide
+
+
+# ---------------------------------------------------------------- the replay
+
+
+@dataclass
+class _Record:
+    arrival: float
+    first_start: float | None = None
+    arrival_estimate: Estimate | None = None
+    refreshed: list[tuple[float, float]] = field(default_factory=list)  # (made at, start)
+    last_sample: float = -math.inf
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one replay measured (see `score` for the numbers)."""
+
+    policy: str
+    records: Mapping[str, _Record]
+    trace: Mapping[str, TraceJob]
+    gpu_seconds: float  # GPU equivalents held x seconds
+    capacity_gpus: int
+    span_s: float  # from the first arrival to the last end
+    preemptions: int
+    gpu_hours_by_project: Mapping[str, float]
+    cycles: int
+
+
+ARRIVE, LEAVE, END = 0, 1, 2  # at one instant: leaving GPUs before ends, then arrivals
+
+
+def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
+           quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
+           learning_rate: float = 0.3) -> Outcome:
+    """Run the trace through `policy`; every instant with an event is one cycle."""
+    trace = {j.key: j for j in jobs}
+    if len(trace) != len(jobs):
+        raise ValueError("trace job keys repeat")
+    state = State(jobs[0].arrival if jobs else 0.0, nodes, quotas, trace)
+    events: list[tuple[float, int, str, int]] = [(j.arrival, ARRIVE, j.key, 0) for j in jobs]
+    heapq.heapify(events)
+    records: dict[str, _Record] = {}
+    done_s: dict[str, float] = {}  # seconds of work done by earlier runs
+    gpu_seconds = 0.0
+    preemptions = cycles = 0
+    hours: dict[str, float] = {}
+    last_end = state.now
+    reference = max((g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus),
+                    default=1)
+
+    def close_run(job: Job, now: float) -> Job:
+        nonlocal gpu_seconds
+        run = job.current_run
+        if run is None:
+            return job
+        gpu_seconds += run.fraction * (now - run.start)
+        hours[job.project] = hours.get(job.project, 0.0) + run.fraction * (now - run.start) / 3600
+        done_s[job.key] = done_s.get(job.key, 0.0) + (now - run.start)
+        runs = tuple(replace(r, end=now) if r.attempt == run.attempt else r for r in job.runs)
+        return replace(job, runs=runs)
+
+    while events:
+        now = events[0][0]
+        state.now = now
+        while events and events[0][0] == now:
+            _, kind, key, attempt = heapq.heappop(events)
+            if kind == ARRIVE:
+                t = trace[key]
+                state.jobs[key] = Job(key, t.project, t.job_class, t.request, t.arrival,
+                                      t.user_estimate_s, preemptible=t.preemptible,
+                                      checkpoint_grace_s=30.0, template=t.template)
+                records[key] = _Record(t.arrival)
+            elif kind == END:
+                job = state.jobs.get(key)
+                if job is None or job.attempts != attempt or job.phase is not Phase.RUNNING:
+                    continue  # a run that was preempted meanwhile
+                job = replace(close_run(job, now), phase=Phase.SUCCEEDED, grants=(), node="")
+                del state.jobs[key]
+                last_end = max(last_end, now)
+                quota = quotas.get(job.project)
+                if quota is not None:
+                    state.retired[job.project] = retire_job(
+                        state.retired.get(job.project), job, quota, now, HALF_LIFE_S)
+                fold_finished(state.learned, job, trace[key].runtime_s, learning_rate)
+                miss = wait_miss(job)
+                if miss is not None:
+                    state.wait_misses.append(miss)
+            else:  # LEAVE: a preempted job is off its GPUs and queued again
+                job = state.jobs.get(key)
+                if job is None or job.attempts != attempt or not job.terminating:
+                    continue
+                state.jobs[key] = replace(close_run(job, now), grants=(), node="")
+        decisions = policy(state)
+        cycles += 1
+        for stop in decisions.stops:
+            job = state.jobs[stop.job_key]
+            preemptions += 1
+            state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
+            heapq.heappush(events, (now + max(stop.grace_s, 1.0), LEAVE, job.key, job.attempts))
+        for start in decisions.starts:
+            job = state.jobs[start.job_key]
+            inventory = nodes[start.node].inventory
+            fraction = (grants_fraction(start.grants, inventory) if start.grants
+                        else nominal_fraction(job.request, reference))
+            attempt = job.attempts + 1
+            state.jobs[job.key] = replace(
+                job, phase=Phase.RUNNING, attempts=attempt, node=start.node,
+                grants=start.grants, borrowed=start.borrowed,
+                runs=(*job.runs, RunRecord(attempt, now, None, fraction, start.node)))
+            record = records[job.key]
+            if record.first_start is None:
+                record.first_start = now
+            remaining = max(1.0, trace[job.key].runtime_s - done_s.get(job.key, 0.0))
+            heapq.heappush(events, (now + remaining, END, job.key, attempt))
+        for key, estimate in decisions.estimates.items():
+            record = records[key]
+            if record.first_start is not None:
+                continue  # started before (a preempted job waits again): not its first wait
+            if record.arrival_estimate is None and now == record.arrival:
+                record.arrival_estimate = estimate
+                record.last_sample = now
+                state.jobs[key] = replace(state.jobs[key], first_estimated_start=estimate.start)
+            elif now - record.last_sample >= REFRESH_SAMPLE_S:
+                record.refreshed.append((now, estimate.start))
+                record.last_sample = now
+    unfinished = [k for k, r in records.items() if r.first_start is None]
+    if unfinished:
+        raise ValueError(f"{len(unfinished)} job(s) never started under {name}, e.g. "
+                         f"{unfinished[0]} (a request no node can hold?)")
+    span = max(0.0, last_end - (jobs[0].arrival if jobs else 0.0))
+    return Outcome(name, records, trace, gpu_seconds, capacity_gpus(nodes), span, preemptions,
+                   hours, cycles)
+
+
+# ---------------------------------------------------------------- scores
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))
+    return ordered[index]
+
+
+def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]:
+    """The numbers of one replay, as `carpool simulate queue -o json` prints them.
+
+    ETA error at arrival: |estimated start - actual start| / actual wait, over jobs that
+    waited at least `min_wait_s` and were given an estimate when they arrived; jobs that
+    started sooner get the absolute error in seconds. Refreshed: the same for estimates given
+    later while the job waited, relative to the wait left then. Coverage: the share of those
+    jobs whose start fell inside the range shown at arrival.
+    """
+    relative: list[float] = []
+    short_abs: list[float] = []
+    refreshed: list[float] = []
+    covered = ranged = 0
+    waited = estimated = 0
+    waits: dict[str, list[float]] = {c.label: [] for c in JobClass}
+    for key, record in outcome.records.items():
+        assert record.first_start is not None
+        wait = record.first_start - record.arrival
+        waits[outcome.trace[key].job_class.label].append(wait)
+        estimate = record.arrival_estimate
+        if wait >= min_wait_s:
+            waited += 1
+            if estimate is not None:
+                estimated += 1
+                relative.append(abs(estimate.start - record.first_start) / wait)
+                if estimate.low is not None and estimate.high is not None:
+                    ranged += 1
+                    covered += estimate.low <= record.first_start <= estimate.high
+            for made, start in record.refreshed:
+                left = record.first_start - made
+                if left >= min_wait_s:
+                    refreshed.append(abs(start - record.first_start) / left)
+        elif estimate is not None:
+            short_abs.append(abs(estimate.start - record.first_start))
+    capacity_s = outcome.capacity_gpus * outcome.span_s
+    return {
+        "policy": outcome.policy,
+        "jobs": len(outcome.records),
+        "jobs_waited_60s": waited,
+        "jobs_waited_60s_with_estimate": estimated,
+        "eta_median_abs_rel_error": _median(relative),
+        "eta_p90_abs_rel_error": _quantile(relative, 0.9),
+        "eta_refreshed_median_abs_rel_error": _median(refreshed),
+        "eta_refreshed_samples": len(refreshed),
+        "eta_interval_coverage": covered / ranged if ranged else None,
+        "eta_short_wait_median_abs_error_s": _median(short_abs),
+        "wait_p50_s": {c: _quantile(w, 0.5) for c, w in waits.items() if w},
+        "wait_p99_s": {c: _quantile(w, 0.99) for c, w in waits.items() if w},
+        "gpu_utilization": outcome.gpu_seconds / capacity_s if capacity_s else None,
+        "preemptions": outcome.preemptions,
+        "gpu_hours_by_project": {p: round(h, 3)
+                                 for p, h in sorted(outcome.gpu_hours_by_project.items())},
+        "makespan_s": outcome.span_s,
+        "cycles": outcome.cycles,
+    }
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
