@@ -21,6 +21,8 @@ from typing import Any
 import yaml
 
 from carpool.core import names
+from carpool.core.durations import format_duration
+from carpool.core.timestamps import epoch_of
 from carpool_testbed import devcluster, simnodes, stack
 
 NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
@@ -123,6 +125,72 @@ def _preempted(jobs: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+class EstimateLog:
+    """Every estimated start the demo showed, by job, and when each job really started."""
+
+    def __init__(self) -> None:
+        self.shown: dict[str, list[tuple[float, float]]] = {}  # key -> (seen at, estimate)
+        self.started: dict[str, float] = {}
+        self.submitted: dict[str, float] = {}
+
+    def observe(self, jobs: Sequence[dict[str, Any]], now: float) -> None:
+        for job in jobs:
+            key = f"{job['metadata']['namespace']}/{job['metadata']['name']}"
+            status = job.get("status") or {}
+            submitted = epoch_of(status.get("submitTime"))
+            if submitted is not None:
+                self.submitted.setdefault(key, submitted)
+            started = epoch_of(status.get("startTime"))
+            if started is not None:
+                self.started.setdefault(key, started)
+            estimate = epoch_of(status.get("estimatedStart"))
+            if estimate is None or status.get("phase") not in ("Queued", "Preempted"):
+                continue
+            shown = self.shown.setdefault(key, [])
+            if not shown or shown[-1][1] != estimate:
+                shown.append((now, estimate))
+
+    def lines(self) -> list[str]:
+        """One line per job shown an estimate: each estimate beside the actual start."""
+        out = []
+        for key in sorted(self.shown):
+            started = self.started.get(key)
+            seen, first = self.shown[key][0]
+            if started is None:
+                out.append(f"    {key}: shown {_clock(first)}; has not started")
+                continue
+            wait = started - seen
+            off = started - first
+            relative = f", {abs(off) / wait:.0%} of the {format_duration(wait)} wait" \
+                if wait >= 1 else ""
+            later = len(self.shown[key]) - 1
+            revised = (f"; {later} later estimate(s), last {_clock(self.shown[key][-1][1])}"
+                       if later else "")
+            out.append(f"    {key}: estimated {_clock(first)}, started {_clock(started)} — "
+                       f"{'late' if off > 0 else 'early'} by {format_duration(abs(off))}"
+                       f"{relative}{revised}")
+        return out
+
+
+def _clock(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(epoch))
+
+
+def progress_line(jobs: Sequence[dict[str, Any]], now: float) -> str:
+    """Phases and the next estimated start, for the wait while the queue drains."""
+    counts = _phase_counts(jobs)
+    text = ", ".join(f"{n} {phase.lower()}" for phase, n in sorted(counts.items()))
+    upcoming = sorted(
+        (estimate, f"{j['metadata']['namespace']}/{j['metadata']['name']}")
+        for j in jobs
+        if (estimate := epoch_of((j.get("status") or {}).get("estimatedStart"))) is not None
+        and (j.get("status") or {}).get("phase") in ("Queued", "Preempted"))
+    if upcoming:
+        estimate, key = upcoming[0]
+        text += f"; next: {key} estimated in {format_duration(max(0.0, estimate - now))}"
+    return text
+
+
 def _report(cluster: devcluster.Cluster) -> str:
     """The kubectl plugin's report, run as a user would run it."""
     result = subprocess.run(
@@ -186,7 +254,10 @@ def run(log_dir: Path) -> int:
         "two batch sweeps. vision is within its guarantee, so borrowed nlp shards get "
         "preempted (5s checkpoint grace) and requeued")
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(VISION_JOBS))
-    time.sleep(8)
+    estimates = EstimateLog()
+    for _ in range(8):
+        time.sleep(1)
+        estimates.observe(_jobs(cluster), time.time())
     _show(cluster)
     print(f"    preempted so far: {', '.join(_preempted(_jobs(cluster))) or 'none yet'}")
 
@@ -199,12 +270,27 @@ def run(log_dir: Path) -> int:
                   f"{status.get('reason')} — {status.get('message')}")
 
     say("Letting the queue drain (simulated jobs last 20-150 s)...")
-    done = _wait(lambda: all((j.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-                             for j in _jobs(cluster)), 420, 5)
+    last_line = 0.0
+
+    def drained() -> bool:
+        nonlocal last_line
+        jobs, now = _jobs(cluster), time.time()
+        estimates.observe(jobs, now)
+        if now - last_line >= 15:
+            say(progress_line(jobs, now))
+            last_line = now
+        return all((j.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+                   for j in jobs)
+
+    done = _wait(drained, 420, 2)
+    estimates.observe(_jobs(cluster), time.time())
     _show(cluster)
     print(f"    preempted and requeued along the way: {', '.join(_preempted(_jobs(cluster)))}")
     if not done:
         print("    (some jobs are still running; the report counts them up to now)")
+
+    say("Each estimated start the demo showed, beside the actual start:")
+    print("\n".join(estimates.lines()) or "    (no job had to wait)")
 
     say("GPU-hours by project (`kubectl carpool report`):")
     print(_report(cluster))
