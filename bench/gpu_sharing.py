@@ -429,8 +429,7 @@ def main() -> int:
         import carpool.deviceplugin  # noqa: F401
     except ImportError:
         raise SystemExit("the carpool package is not importable: install it (pip install "
-                         "--no-deps --target DIR a built wheel; PYTHONPATH=DIR), never by "
-                         "putting the repo root on sys.path") from None
+                         "--no-deps --target DIR a built wheel; PYTHONPATH=DIR)") from None
 
     report: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds")}
     report["cpu_scaling_4"] = cpu_scaling()
