@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         api = api_client(args.kubeconfig)
-    except Exception as exc:  # the kubernetes client raises its own types for bad configs
+    except ValueError as exc:  # no kubeconfig, no service account
         print(f"error: cannot load the cluster configuration "
               f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
         return 2

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
@@ -12,7 +13,9 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant
 from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash, Refused
 from carpool.extender.fake import gpunode_object, node_object, pod_object
-from carpool.extender.kube import PODS_THAT_HOLD, Informer
+from carpool.extender.kube import PODS_THAT_HOLD, start_informers
+from carpool.kube import Api, NotFound
+from carpool.kube.resources import NODES, PODS
 
 NOW = 1_800_000_000.0
 GIB = 1024
@@ -149,47 +152,70 @@ def test_unknown_unready_and_unreadable_nodes_explain_themselves() -> None:
 
 
 class FakeResponse:
-    def __init__(self, lines: list[dict[str, Any]] | None = None, data: Any = None) -> None:
-        self.status = 200
-        self.data = json.dumps(data).encode() if data is not None else b""
-        self._lines = [json.dumps(line).encode() + b"\n" for line in lines or []]
+    """A watch stream: its events, one JSON line each; then waits for `hold` if given."""
+
+    def __init__(self, lines: list[dict[str, Any]], hold: threading.Event | None = None
+                 ) -> None:
+        self._lines = [json.dumps(line).encode() + b"\n" for line in lines]
+        self._hold = hold
 
     def stream(self, amt: Any = None, decode_content: bool = False) -> Iterator[bytes]:
         yield from self._lines
+        if self._hold is not None:
+            self._hold.wait(10)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         pass
 
     def release_conn(self) -> None:
         pass
 
 
-def test_the_informer_relists_after_a_410_and_forgets_what_vanished_meanwhile() -> None:
-    cache = ClusterCache()
-    lists = [[node_object("a"), node_object("b")], [node_object("a"), node_object("c")]]
-    watches = [
-        [{"type": "ADDED", "object": node_object("d")},
-         {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                      "message": "too old resource version"}}],
-    ]
-    calls: list[str] = []
+class FakeApi:
+    """`carpool.kube.Api`'s list and watch, answering from scripted lists and watches of one
+    path (404 for others); once the script is spent, a watch waits until `spent` is set."""
 
-    def list_nodes(*args: Any, watch: bool = False, **kwargs: Any) -> FakeResponse:
-        """:return: V1NodeList"""
-        if not watch:
-            calls.append("list")
-            items = lists.pop(0)
-            return FakeResponse(data={"metadata": {"resourceVersion": str(len(calls))},
-                                      "items": items})
-        calls.append(f"watch@{kwargs.get('resource_version')}")
-        if watches:
-            return FakeResponse(watches.pop(0))
-        informer.stop()  # nothing more to see: end the test
+    def __init__(self, path: str, lists: list[list[Any]],
+                 watches: list[list[dict[str, Any]]]) -> None:
+        self.path, self.lists, self.watches = path, lists, watches
+        self.calls: list[str] = []
+        self.spent = threading.Event()
+
+    def list_all(self, path: str, query: dict[str, Any]) -> tuple[list[Any], str]:
+        if path != self.path:
+            raise NotFound(404)
+        self.calls.append(f"list?{query.get('fieldSelector', '')}")
+        return self.lists.pop(0), str(len(self.calls))
+
+    def stream(self, path: str, query: dict[str, Any], read_timeout: float) -> FakeResponse:
+        if self.spent.is_set():
+            return FakeResponse([], self.spent)
+        self.calls.append(f"watch@{query['resourceVersion']}")
+        if self.watches:
+            return FakeResponse(self.watches.pop(0))
+        self.spent.set()
         return FakeResponse([])
 
-    informer = Informer("nodes", list_nodes, (), cache.replace_nodes, cache.apply_node, cache)
-    informer.run()
-    assert calls == ["list", "watch@1", "list", "watch@3"]
+    def run(self, cache: ClusterCache) -> None:
+        """The extender's watches until the script is spent."""
+        reflectors = start_informers(cast(Api, self), cache)
+        assert self.spent.wait(10)
+        for reflector in reflectors:
+            reflector.stop()
+        for reflector in reflectors:
+            reflector.join(10)
+
+
+def test_the_informer_relists_after_a_410_and_forgets_what_vanished_meanwhile() -> None:
+    cache = ClusterCache()
+    api = FakeApi(NODES.path(), [[node_object("a"), node_object("b")],
+                                 [node_object("a"), node_object("c")]],
+                  [[{"type": "ADDED", "object": node_object("d")},
+                    {"type": "ERROR", "object": {"kind": "Status", "code": 410,
+                                                 "reason": "Expired",
+                                                 "message": "too old resource version"}}]])
+    api.run(cache)
+    assert api.calls == ["list?", "watch@1", "list?", "watch@3"]
     assert cache.synced(["nodes"])
     assert set(cache.snapshot(["a", "b", "c", "d"], "", NOW).states) == {"a", "c"}
 
@@ -220,27 +246,17 @@ def test_the_pod_informer_lists_and_watches_only_pods_that_can_hold_resources() 
         {"node": "n", "gpus": [{"uuid": "n-g0", "index": 0, "memoryMiB": 10 * GIB,
                                 "cores": 0}]})
     finished = {**bound, "status": {"phase": "Succeeded"}}
-    selectors: list[str] = []
-
-    def list_pods(*args: Any, watch: bool = False, **kwargs: Any) -> FakeResponse:
-        selectors.append(kwargs.get("field_selector", ""))
-        if not watch:
-            return FakeResponse(data={"metadata": {"resourceVersion": "1"}, "items": [bound]})
-        informer.stop()
-        return FakeResponse([{"type": "DELETED", "object": finished}])
-
+    api = FakeApi(PODS.path(), [[bound]], [[{"type": "DELETED", "object": finished}]])
     held: list[int] = []
+    replace_pods = cache.replace_pods
 
-    def relisted(pods: list[Any]) -> None:
-        cache.replace_pods(pods, NOW)
+    def relisted(pods: list[Any], now: float) -> None:
+        replace_pods(pods, NOW)
         held.append(used_mib(cache))
 
-    informer = Informer("pods", list_pods, (), relisted,
-                        lambda event, pod: cache.apply_pod(event, pod, NOW), cache,
-                        field_selector=PODS_THAT_HOLD)
-    informer.start()
-    informer.join(10)
-    assert selectors == [PODS_THAT_HOLD, PODS_THAT_HOLD]
+    cache.replace_pods = relisted  # type: ignore[method-assign]
+    api.run(cache)
+    assert api.calls == [f"list?{PODS_THAT_HOLD}", "watch@1", "watch@1"]
     assert held == [10 * GIB]
     assert "spec.nodeName!=" in PODS_THAT_HOLD and "status.phase!=Succeeded" in PODS_THAT_HOLD
     assert used_mib(cache) == 0 and cache.hold_of("default/a") is None

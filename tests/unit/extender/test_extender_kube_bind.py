@@ -11,6 +11,7 @@ from kubernetes import client
 
 from carpool.extender.kube import KubeCluster
 from carpool.extender.service import ClusterError
+from carpool.kube import Api
 
 
 def run_against(status: int, reply: dict[str, Any], call: Any) -> list[dict[str, Any]]:
@@ -33,7 +34,7 @@ def run_against(status: int, reply: dict[str, Any], call: Any) -> list[dict[str,
         configuration = client.Configuration(host=f"http://127.0.0.1:{port}")
         configuration.api_key = {"authorization": "tok"}
         configuration.api_key_prefix = {"authorization": "Bearer"}
-        cluster = KubeCluster(client.ApiClient(configuration))
+        cluster = KubeCluster(Api(configuration))
         try:
             await call(cluster)
         finally:
@@ -71,7 +72,7 @@ def test_a_refused_binding_raises_with_the_status_and_the_servers_message() -> N
 
 def test_an_unreachable_api_server_is_status_0() -> None:
     async def main() -> None:
-        cluster = KubeCluster(client.ApiClient(client.Configuration(host="http://127.0.0.1:9")))
+        cluster = KubeCluster(Api(client.Configuration(host="http://127.0.0.1:9")))
         try:
             with pytest.raises(ClusterError) as raised:
                 await cluster.bind_pod_async("ns", "p", "", "n1", {})
