@@ -11,9 +11,11 @@ from typing import Any
 from carpool.extender.cache import ClusterCache
 from carpool.extender.service import ClusterError
 from carpool.extender.wire import dump_json
-from carpool.kube import Api, ApiError, NotFound, Reflector
 from carpool.kube.aio import AioApi
+from carpool.kube.client import Api
+from carpool.kube.errors import ApiError, NotFound
 from carpool.kube.resources import GPUNODES, NODES, PODS
+from carpool.kube.watching import Reflector
 
 log = logging.getLogger(__name__)
 

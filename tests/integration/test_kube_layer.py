@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from carpool.kube import Api, Conflict, Invalid, NotFound, Store
+from carpool.kube.client import Api
+from carpool.kube.errors import Conflict, Invalid, NotFound
 from carpool.kube.leases import LeaderElector, LeaseConfig
 from carpool.kube.resources import LEASES, NAMESPACES, Resource
+from carpool.kube.watching import Store
 
 pytestmark = pytest.mark.cluster
 CONFIGMAPS = Resource("", "v1", "configmaps", True)

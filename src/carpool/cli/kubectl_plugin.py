@@ -8,16 +8,20 @@ in `carpool.reporting`; this module only fetches objects and renders tables or J
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from carpool import reporting
 from carpool.cli.tables import Table, render, render_csv, table
 from carpool.core import names
 from carpool.core.timestamps import epoch_of
+from carpool.kube.errors import ApiError, Forbidden, NotFound, Unauthorized, Unreachable
+from carpool.kube.resources import GPUJOBS, GPUNODES, PODS, PROJECTQUOTAS, Resource
+
+if TYPE_CHECKING:
+    from carpool.kube.client import Api
 
 Obj = dict[str, Any]
 REQUEST_TIMEOUT_S = 15
@@ -46,74 +50,49 @@ class ClusterReader(Protocol):
 class KubeReader:
     """`ClusterReader` over the API server (raw JSON: no model classes, fast for big lists)."""
 
-    def __init__(self, api: Any) -> None:
-        from kubernetes import client
+    def __init__(self, api: Api) -> None:
+        self.api = api
 
-        self.core = client.CoreV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
+    def _call(self, what: str, path: str, query: dict[str, Any] | None = None) -> Any:
         try:
-            response = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
-                          **kwargs)
-        except ApiException as err:
-            if err.status == 404 and what.endswith("s"):
+            return self.api.request("GET", path, query=query,
+                                    timeout=(REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_S))
+        except NotFound:
+            if what.endswith("s"):
                 raise PluginError(f"the API server does not serve {what}; are the Carpool "
                                   f"CRDs installed? (helm install carpool ./helm/carpool)"
                                   ) from None
-            if err.status == 404:
-                return None
-            if err.status in (401, 403):
-                raise PluginError(f"not allowed to read {what}: {_api_message(err)}") from None
-            raise PluginError(f"reading {what}: {_api_message(err)}") from None
-        except (HTTPError, OSError) as err:
-            raise PluginError(f"cannot reach the cluster: {err}") from None
-        return json.loads(response.data)
+            return None
+        except (Unauthorized, Forbidden) as err:
+            raise PluginError(f"not allowed to read {what}: {err.message}") from None
+        except Unreachable as err:
+            raise PluginError(f"cannot reach the cluster: {err.message}") from None
+        except ApiError as err:
+            raise PluginError(f"reading {what}: {err.message}") from None
 
-    def _custom_list(self, plural: str, namespace: str | None) -> list[Obj]:
-        args = (names.GROUP, names.VERSION)
-        if namespace is None:
-            data = self._call(plural, self.custom.list_cluster_custom_object, *args, plural)
-        else:
-            data = self._call(plural, self.custom.list_namespaced_custom_object, *args,
-                              namespace, plural)
+    def _custom_list(self, resource: Resource, namespace: str | None) -> list[Obj]:
+        data = self._call(resource.plural, resource.path(namespace))
         return list(data.get("items") or [])
 
     def list_gpujobs(self, namespace: str | None) -> list[Obj]:
-        return self._custom_list(names.GPUJOB_PLURAL, namespace)
+        return self._custom_list(GPUJOBS, namespace)
 
     def get_gpujob(self, namespace: str, name: str) -> Obj | None:
-        data = self._call("gpujob", self.custom.get_namespaced_custom_object, names.GROUP,
-                          names.VERSION, namespace, names.GPUJOB_PLURAL, name)
+        data = self._call("gpujob", GPUJOBS.path(namespace, name))
         return dict(data) if data is not None else None
 
     def list_quotas(self) -> list[Obj]:
-        return self._custom_list(names.PROJECTQUOTA_PLURAL, None)
+        return self._custom_list(PROJECTQUOTAS, None)
 
     def list_gpunodes(self) -> list[Obj]:
-        return self._custom_list(names.GPUNODE_PLURAL, None)
+        return self._custom_list(GPUNODES, None)
 
     def list_pods(self, namespace: str | None) -> list[Obj]:
         """Carpool's pods only (the operator labels every pod it creates): GPU assignments
         live on them, and a big cluster's other pods are not worth the transfer."""
-        selector = f"{names.LABEL_MANAGED}=true"
-        if namespace is None:
-            data = self._call("pods", self.core.list_pod_for_all_namespaces,
-                              label_selector=selector)
-        else:
-            data = self._call("pods", self.core.list_namespaced_pod, namespace,
-                              label_selector=selector)
+        data = self._call("pods", PODS.path(namespace),
+                          {"labelSelector": f"{names.LABEL_MANAGED}=true"})
         return list(data.get("items") or [])
-
-
-def _api_message(err: Any) -> str:
-    try:
-        return str(json.loads(err.body)["message"])
-    except (TypeError, ValueError, KeyError):
-        return f"{err.status} {err.reason}"
 
 
 def connect(kubeconfig: str | None, context: str | None) -> tuple[ClusterReader, str]:
@@ -121,31 +100,15 @@ def connect(kubeconfig: str | None, context: str | None) -> tuple[ClusterReader,
     namespace its current context names ('default' when none)."""
     from pathlib import Path
 
-    from kubernetes import config
-    from kubernetes.config.config_exception import ConfigException
+    from carpool.kube.client import Api, kubeconfig_namespace  # the kubernetes package: slow
 
     if kubeconfig and not Path(kubeconfig).is_file():
         raise PluginError(f"no cluster to talk to: kubeconfig {kubeconfig} does not exist")
     try:
-        api = config.new_client_from_config(config_file=kubeconfig, context=context)
-        _, active = config.list_kube_config_contexts(config_file=kubeconfig)
-        if context:
-            contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)
-            active = next((c for c in contexts if c.get("name") == context), active)
-        namespace = str((active or {}).get("context", {}).get("namespace") or "default")
-    except (ConfigException, OSError) as err:
-        if kubeconfig is None and context is None:
-            try:
-                from kubernetes import client
-
-                configuration = client.Configuration()
-                config.load_incluster_config(client_configuration=configuration)
-                return KubeReader(client.ApiClient(configuration)), "default"
-            except ConfigException:
-                pass
-        raise PluginError(f"no cluster to talk to: {err} (pass --kubeconfig or set "
-                          f"KUBECONFIG)") from None
-    return KubeReader(api), namespace
+        api = Api.load(kubeconfig, context=context, user_agent="kubectl-carpool")
+    except ValueError as err:
+        raise PluginError(str(err)) from None
+    return KubeReader(api), kubeconfig_namespace(kubeconfig, context)
 
 
 # --- commands -----------------------------------------------------------------------------

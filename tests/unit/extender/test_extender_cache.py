@@ -14,7 +14,8 @@ from carpool.core.resources import GpuGrant
 from carpool.extender.cache import ASSUMED_TTL_S, ClusterCache, InFlightClash, Refused
 from carpool.extender.fake import gpunode_object, node_object, pod_object
 from carpool.extender.kube import PODS_THAT_HOLD, start_informers
-from carpool.kube import Api, NotFound
+from carpool.kube.client import Api
+from carpool.kube.errors import NotFound
 from carpool.kube.resources import NODES, PODS
 
 NOW = 1_800_000_000.0

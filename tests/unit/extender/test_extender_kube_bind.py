@@ -11,7 +11,7 @@ from kubernetes import client
 
 from carpool.extender.kube import KubeCluster
 from carpool.extender.service import ClusterError
-from carpool.kube import Api
+from carpool.kube.client import Api
 
 
 def run_against(status: int, reply: dict[str, Any], call: Any) -> list[dict[str, Any]]:
