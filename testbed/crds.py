@@ -20,7 +20,6 @@ CRD_FILES = ("gpujob.yaml", "projectquota.yaml", "gpunode.yaml")
 CRD_NAMES = tuple(f"{plural}.{GROUP}" for plural in (GPUJOB_PLURAL, PROJECTQUOTA_PLURAL,
                                                       GPUNODE_PLURAL))
 FIELD_MANAGER = "carpool-crds"
-APPLY_PATCH = "application/apply-patch+yaml"
 
 
 def crd_directory() -> Traversable:
@@ -49,9 +48,9 @@ def crd_schema(plural: str) -> dict[str, Any]:
     raise KeyError(f"no Carpool CRD with plural {plural!r}")
 
 
-def _established(crd: Any) -> bool:
-    conditions = (crd.status.conditions if crd.status else None) or []
-    return any(c.type == "Established" and c.status == "True" for c in conditions)
+def _established(crd: dict[str, Any] | None) -> bool:
+    conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
 
 
 def apply_crds(
@@ -60,25 +59,25 @@ def apply_crds(
     *,
     timeout_s: float = 60.0,
 ) -> list[str]:
-    """Server-side apply the CRDs and wait until the API server serves them.
+    """Server-side apply the CRDs and wait until the API server serves them (`api_client`: a
+    `carpool.kube.client.Api`, or a kubernetes `ApiClient`).
 
     Returns the CRD names. Raises TimeoutError naming the CRDs that never became Established
     (e.g. a rejected schema leaves NamesAccepted or NonStructuralSchema conditions behind).
     """
-    from kubernetes import client  # the adapter side: only this function talks to a cluster
+    from carpool.kube.client import Api  # the adapter side: only this function talks to a cluster
+    from carpool.kube.resources import CRDS
 
-    api = client.ApiextensionsV1Api(api_client)
+    api = Api.of(api_client)
     names: list[str] = []
     for manifest in manifests if manifests is not None else load_crds():
         name = manifest["metadata"]["name"]
-        api.patch_custom_resource_definition(
-            name, manifest, field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH
-        )
+        api.apply(CRDS.path(None, name), manifest, FIELD_MANAGER)
         names.append(name)
     deadline = time.monotonic() + timeout_s
     waiting = set(names)
     while waiting:
-        waiting = {n for n in waiting if not _established(api.read_custom_resource_definition(n))}
+        waiting = {n for n in waiting if not _established(api.get(CRDS.path(None, n)))}
         if not waiting:
             break
         if time.monotonic() > deadline:

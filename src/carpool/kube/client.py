@@ -68,9 +68,10 @@ def kubeconfig_namespace(kubeconfig: str | Path | None = None,
 class Api:
     """JSON requests to one API server, through one connection pool."""
 
-    def __init__(self, configuration: client.Configuration, *, pool_size: int = 16,
+    def __init__(self, configuration: client.Configuration, *, pool_size: int | None = 16,
                  user_agent: str = "carpool") -> None:
-        configuration.connection_pool_maxsize = pool_size
+        if pool_size is not None:
+            configuration.connection_pool_maxsize = pool_size
         self.configuration = configuration
         self.client = client.ApiClient(configuration)
         self.pool: urllib3.PoolManager = self.client.rest_client.pool_manager
@@ -85,6 +86,12 @@ class Api:
         """An `Api` for the cluster `load_configuration` finds."""
         return cls(load_configuration(kubeconfig, context), pool_size=pool_size,
                    user_agent=user_agent)
+
+    @classmethod
+    def of(cls, api: Api | Any) -> Api:
+        """`api` itself, or an `Api` on the credentials of a kubernetes `ApiClient` (tests and
+        scripts that hold one)."""
+        return api if isinstance(api, Api) else cls(api.configuration, pool_size=None)
 
     def close(self) -> None:
         self.client.close()
