@@ -9,7 +9,6 @@ killed operator resumes exactly where the cluster is: a pod's deterministic name
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -18,8 +17,6 @@ from collections.abc import Callable, Mapping
 from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-
-from kubernetes.client.rest import ApiException
 
 from carpool.core import names
 from carpool.core.accounting import retire_job
@@ -50,10 +47,12 @@ from carpool.core.queueing import (
     admission_cycle,
 )
 from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
+from carpool.kube.client import REQUEST_TIMEOUT
+from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.informer import Informers
-from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, REQUEST_TIMEOUT, Kube, Obj
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
 from carpool.operator.pods import build_pod, pod_name
 
 log = logging.getLogger(__name__)
@@ -397,7 +396,7 @@ class Reconciler:
         if not self._priority_class_ready:
             self.kube.ensure_priority_class()
             self._priority_class_ready = True
-        writes_before = self.kube.rest.writes
+        writes_before = self.kube.api.writes
         self._apply(state, result, now, budget=max(self.config.admission_budget_s,
                                                    3 * (read_s + decide_s)),
                     still_leader=still_leader)
@@ -409,7 +408,7 @@ class Reconciler:
             self._guard_later(state.objects[key])
         self._record_metrics(state, result)
         self.last_result = result
-        writes = self.kube.rest.writes - writes_before
+        writes = self.kube.api.writes - writes_before
         spent = time.monotonic() - started
         metrics.PASS_SECONDS.observe(spent)
         log.info("reconcile pass: %d jobs, %d admitted, %d preempted, %d waiting, %d writes; "
@@ -650,10 +649,10 @@ class Reconciler:
         try:
             pod = build_pod(obj, job.request, admission.attempt)
             created = self.kube.create_pod(pod)
-        except (ValueError, ApiException) as err:
-            if isinstance(err, ApiException) and err.status not in (400, 403, 422):
-                raise  # transient (API down, throttled): the next pass tries again
-            message = f"the pod for attempt {admission.attempt} was refused: {_api_message(err)}"
+        except (ValueError, BadRequest, Forbidden, Invalid) as err:
+            # (other API errors are transient: API down, throttled; the next pass tries again)
+            reason = err.message if isinstance(err, ApiError) else str(err)
+            message = f"the pod for attempt {admission.attempt} was refused: {reason}"
             state.patches.setdefault(job.key, {}).update(
                 state.initial.pop(job.key, {}),
                 phase=Phase.FAILED.value, reason="PodRejected", message=message,
@@ -784,17 +783,6 @@ def _changes(current: Obj, patch: Obj) -> Obj:
     the history of a pod not started yet, an empty list)."""
     return {k: v for k, v in patch.items()
             if current.get(k) != v and not (v == [] and current.get(k) is None)}
-
-
-def _api_message(err: Exception) -> str:
-    """The API server's own message from an ApiException body, else the error text."""
-    body = getattr(err, "body", None)
-    if body:
-        try:
-            return str(json.loads(body).get("message", body))
-        except ValueError:
-            return str(body)
-    return str(err)
 
 
 def _pod_name_of(job: Job) -> str:

@@ -15,11 +15,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kubernetes import client, config
-
+from carpool.kube.client import Api
+from carpool.kube.leases import LeaderElector, LeaseConfig
 from carpool.operator.informer import Informers
 from carpool.operator.kube import Kube
-from carpool.operator.leadership import LeaderElector, LeaseConfig
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
 
 log = logging.getLogger(__name__)
@@ -33,20 +32,6 @@ class RuntimeConfig:
     metrics_port: int = 0  # 0: no metrics server
 
 
-def load_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """In-cluster config when running in a pod, else the kubeconfig."""
-    configuration = client.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            config.load_kube_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = 64  # write workers + events + lease
-    return client.ApiClient(configuration)
-
-
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """Fewer glibc malloc arenas (default: 8 per core, one per busy thread): the operator's
     ~30 I/O threads each fragmenting an arena of their own cost more RSS than the objects.
@@ -56,7 +41,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 class OperatorRuntime:
-    def __init__(self, api: client.ApiClient, runtime: RuntimeConfig,
+    def __init__(self, api: Api, runtime: RuntimeConfig,
                  reconciler_config: ReconcilerConfig, identity: str | None = None):
         self.config = runtime
         self.elector = LeaderElector(api, LeaseConfig(namespace=runtime.namespace), identity)
@@ -71,7 +56,9 @@ class OperatorRuntime:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> OperatorRuntime:
-        api = load_api_client(env.get("CARPOOL_KUBECONFIG") or env.get("KUBECONFIG"))
+        # write workers + events + lease + watches share one pool
+        api = Api.load(env.get("CARPOOL_KUBECONFIG") or env.get("KUBECONFIG"), pool_size=64,
+                       user_agent="carpool-operator")
         runtime = RuntimeConfig(
             namespace=env.get("CARPOOL_NAMESPACE", "default"),
             resync_seconds=float(env.get("CARPOOL_RESYNC_SECONDS", "5")),

@@ -7,8 +7,9 @@ import copy
 from typing import Any
 
 from carpool.core import names
+from carpool.kube.watching import Store, WatchEnded
 from carpool.operator.following import view_pod
-from carpool.operator.informer import Informer, Informers
+from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
 
@@ -23,7 +24,7 @@ class FakeKube:
     """Records writes; answers with increasing resourceVersions like the API server."""
 
     def __init__(self) -> None:
-        self.rest = FakeRest()
+        self.api = FakeRest()
         self.written: dict[str, int] = {}
         self._lock = __import__("threading").Lock()
         self.version = 100
@@ -36,7 +37,7 @@ class FakeKube:
         with self._lock:
             self.version += 1
             self.written[kind] = self.version
-            self.rest.writes += 1
+            self.api.writes += 1
             return str(self.version)
 
     def ensure_priority_class(self) -> None:
@@ -66,6 +67,15 @@ class FakeKube:
     def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
               action: str = "Reconcile") -> None:
         self.events.append(reason)
+
+
+def _watch_event(store: Store, event: Obj) -> bool:
+    """One watch event through the store's reflector; False when it asks for a fresh list."""
+    try:
+        store.reflector._event(event)
+    except WatchEnded:
+        return False
+    return True
 
 
 def _job(name: str, version: str = "1", status: Obj | None = None) -> Obj:
@@ -111,17 +121,18 @@ def _reconciler(kube: FakeKube, informers: Informers) -> Reconciler:
 
 def test_watch_events_keep_the_newest_object_and_a_410_asks_for_a_list() -> None:
     changes: list[int] = []
-    informer = Informer(FakeKube(), Informers(FakeKube()).by_kind[GPUJOBS].kind,  # type: ignore[arg-type]
-                        lambda: changes.append(1))
-    assert informer._apply({"type": "ADDED", "object": _job("a", "5")})
-    assert informer._apply({"type": "MODIFIED", "object": _job("a", "7", {"phase": "Queued"})})
-    assert informer._apply({"type": "ADDED", "object": _job("b", "8")})
-    assert informer._apply({"type": "DELETED", "object": _job("b", "9")})
+    informer = Informers(FakeKube(), lambda: changes.append(1)).by_kind[GPUJOBS]  # type: ignore[arg-type]
+    assert _watch_event(informer, {"type": "ADDED", "object": _job("a", "5")})
+    assert _watch_event(informer,
+                        {"type": "MODIFIED", "object": _job("a", "7", {"phase": "Queued"})})
+    assert _watch_event(informer, {"type": "ADDED", "object": _job("b", "8")})
+    assert _watch_event(informer, {"type": "DELETED", "object": _job("b", "9")})
     assert [o["status"] for o in informer.snapshot()] == [{"phase": "Queued"}]
     assert informer.version == 9 and len(changes) == 4
-    assert informer._apply({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}})
+    assert _watch_event(informer,
+                        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}})
     assert informer.version == 12 and len(changes) == 4  # a bookmark changes no object
-    assert not informer._apply({"type": "ERROR", "object": {"code": 410, "message": "gone"}})
+    assert not _watch_event(informer, {"type": "ERROR", "object": {"code": 410, "message": "gone"}})
 
 
 def test_a_cache_behind_our_own_write_is_waited_for_then_relisted() -> None:
@@ -129,7 +140,7 @@ def test_a_cache_behind_our_own_write_is_waited_for_then_relisted() -> None:
     informers = _informers(kube, _cluster(1), version=50)
     kube.written[PODS] = 60
     assert not informers.caught_up(0.05)
-    assert informers.by_kind[PODS]._relist.is_set()  # the watch is told to list again
+    assert informers.by_kind[PODS].reflector._relist.is_set()  # the watch is told to list again
     informers.by_kind[PODS].version = 60
     assert informers.caught_up(0.05)
     informers.by_kind[GPUJOBS].synced = False  # not listed yet: never a pass on nothing
@@ -232,7 +243,7 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
                                              "state": {"running": {
                                                  "startedAt": "2026-11-29T10:00:01Z"}}}]}}
     before = view_pod(copy.deepcopy(pod))
-    assert informer._apply({"type": "ADDED", "object": pod})
+    assert _watch_event(informer, {"type": "ADDED", "object": pod})
     (kept,) = informer.snapshot()
     assert kept["spec"] == {"nodeName": "n1"}
     assert kept["status"] == {"phase": "Running", "startTime": "2026-11-29T10:00:00Z",
@@ -248,7 +259,7 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
                                                      disrupted])
     before = view_pod(copy.deepcopy(pod))
     assert before.disruption == "TerminationByKubelet"
-    assert informer._apply({"type": "MODIFIED", "object": pod})
+    assert _watch_event(informer, {"type": "MODIFIED", "object": pod})
     (kept,) = informer.snapshot()
     assert kept["status"]["conditions"] == [disrupted]  # the one condition a pass reads
     assert view_pod(kept) == before
@@ -398,7 +409,7 @@ def _burst(arrival_class: str | None, max_s: float = 30.0) -> int:
         if arrival_class is not None and pods == 1:
             late = _job("late", "900")
             late["spec"]["class"] = arrival_class
-            assert informers["it"].by_kind[GPUJOBS]._apply({"type": "ADDED", "object": late})
+            assert _watch_event(informers["it"].by_kind[GPUJOBS], {"type": "ADDED", "object": late})
 
     kube = SlowKube(0.05, arrive)
     cluster = _cluster(8)
@@ -432,14 +443,15 @@ def test_arrivals_are_counted_from_watch_events_only() -> None:
     informers = _informers(kube, _cluster(1), version=10)
     start = informers.arrived(GPUJOBS)
     jobs = informers.by_kind[GPUJOBS]
-    assert jobs._apply({"type": "ADDED", "object": _job("a", "11")})
-    assert jobs._apply({"type": "MODIFIED", "object": _job("a", "12")})
-    assert jobs._apply({"type": "ADDED", "object": _job("a", "13")})  # seen before: no arrival
+    assert _watch_event(jobs, {"type": "ADDED", "object": _job("a", "11")})
+    assert _watch_event(jobs, {"type": "MODIFIED", "object": _job("a", "12")})
+    # seen before: no arrival
+    assert _watch_event(jobs, {"type": "ADDED", "object": _job("a", "13")})
     assert [o["metadata"]["name"] for o in informers.arrived_since(GPUJOBS, start) or []] == ["a"]
     assert informers.arrived_since(GPUJOBS, start + 1) == []
     assert informers.arrived_since(GPUJOBS, start - 5000) is None  # more than it remembers
     pod = {"metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "14"}}
-    assert informers.by_kind[PODS]._apply({"type": "ADDED", "object": pod})
+    assert _watch_event(informers.by_kind[PODS], {"type": "ADDED", "object": pod})
     assert informers.arrived(PODS) == 0  # only GpuJobs keep arrivals (a pass asks for those)
 
 
