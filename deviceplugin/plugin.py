@@ -38,6 +38,7 @@ from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.metrics import GpuMetrics
 from carpool.deviceplugin.pods import PodSource
 from carpool.deviceplugin.sharing import MpsSettings, container_setup
+from carpool.kube.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,12 @@ class PluginState:
             await self._cond.wait_for(lambda: self._closed or self._version != seen)
             return not self._closed
 
-    def retry_mark(self, pod: PodView, value: str, delays: Sequence[float] = (1, 2, 4, 8, 16)
-                   ) -> None:
-        """Keep trying to set `pod`'s allocated mark: until it lands the extender keeps other
-        pods with the same GPU count off this node."""
+    def retry_mark(self, pod: PodView, value: str, backoff: Backoff | None = None,
+                   attempts: int = 5) -> None:
+        """Keep trying to set `pod`'s allocated mark (1, 2, 4, 8, 16 s apart): until it lands
+        the extender keeps other pods with the same GPU count off this node."""
+        delays = (backoff or Backoff(first=1.0, most=16.0)).delays(attempts)
+
         async def attempt() -> None:
             for delay in delays:
                 await asyncio.sleep(delay)
@@ -387,7 +390,7 @@ class PluginServer:
 
     async def supervise(self) -> None:
         """Run forever: keep serving and registered across kubelet restarts."""
-        backoff = self.poll_s
+        backoff = Backoff(first=self.poll_s, most=30.0)
         while True:
             if self.server is None or self.needs_restart():
                 if not (self.plugin_dir / KUBELET_SOCKET).exists():
@@ -395,13 +398,13 @@ class PluginServer:
                     continue
                 try:
                     await self.start()
-                    backoff = self.poll_s
+                    backoff.reset()
                 except grpc.aio.AioRpcError as err:
+                    delay = backoff.next()
                     log.warning("registration failed (%s: %s); retrying in %.0fs",
-                                err.code().name, err.details(), backoff)
+                                err.code().name, err.details(), delay)
                     await self.stop_serving()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 30.0)
+                    await asyncio.sleep(delay)
                     continue
             await asyncio.sleep(self.poll_s)
 

@@ -28,6 +28,7 @@ from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
 from carpool.deviceplugin.sharing import MpsSettings
+from carpool.kube.retry import Backoff
 
 NODE = "gpu-node-1"
 NOW = 1_800_000_000.0
@@ -362,7 +363,7 @@ def test_a_lost_allocated_mark_is_retried_until_it_lands(plugin_dir: Path) -> No
             gpu0 = backend.inventory()[0].uuid
             first = pod("first", [{"uuid": gpu0, "index": 0, "memoryMiB": 1024, "cores": 10}])
             source.add(first)
-            server.state.retry_mark(first, '{"containers": {}}', delays=(0.01, 0.01, 0.01))
+            server.state.retry_mark(first, '{"containers": {}}', Backoff(first=0.01, most=0.01), 3)
             for _ in range(100):
                 if source.marked:
                     break
