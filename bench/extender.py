@@ -488,11 +488,12 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
 
     from kubernetes import client
 
+    from carpool.kube.client import generated_client
     from carpool_testbed import crds, simnodes
 
     bin_dir = cluster.bin_dir
     paths = cluster
-    api = simnodes.api_client(paths.kubeconfig)
+    api = generated_client(paths.kubeconfig)
     crds.apply_crds(api)
     core = client.CoreV1Api(api)
     run = f"{random.randrange(16**6):06x}"

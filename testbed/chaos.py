@@ -465,52 +465,35 @@ def capacities(gpunodes: Iterable[Mapping[str, Any]]) -> dict[str, GpuCapacity]:
 # Pods from a list and a resumed watch
 
 
-class _Relist(Exception):
-    """The watch cannot resume (410 Gone or another error event): list again."""
+def _kube(api: Any) -> Any:
+    """A `carpool.kube` client on `api`'s credentials (imported late: the CLI stays light)."""
+    from carpool.kube.client import Api
+
+    return Api.of(api)
 
 
 def watch_pods(api: Any, stop: threading.Event, on_list: Callable[[list[dict[str, Any]]], None],
                on_event: Callable[[str, dict[str, Any]], None], on_error: Callable[[], None],
                label_selector: str, field_selector: str = "") -> None:
-    """List the pods, then watch from the list's version; when a watch times out, resume from
-    the last version seen, and list again only after an error (the API server down, 410 Gone).
-    Bodies are decoded with orjson, not into the client's model objects: at 10,000 pods those
-    cost minutes per list on a loaded machine, and a list every minute (each watch's timeout)
-    left the stand-in kubelet minutes behind. Runs until `stop` is set."""
-    import orjson
-    from kubernetes import client
+    """List the pods, then watch (`carpool.kube.watching.Reflector`: a watch that times out
+    is resumed, a list follows any error, e.g. the API server down or 410 Gone). Runs until
+    `stop` is set."""
+    from carpool.kube.client import Api
+    from carpool.kube.resources import PODS
+    from carpool.kube.retry import Backoff
+    from carpool.kube.watching import Reflector
 
-    core = client.CoreV1Api(api)
-    selectors = {"label_selector": label_selector, "field_selector": field_selector}
-    while not stop.is_set():
-        try:
-            listed = orjson.loads(core.list_pod_for_all_namespaces(
-                **selectors, _preload_content=False, _request_timeout=60).data)
-            on_list(listed.get("items") or [])
-            version = listed["metadata"]["resourceVersion"]
-            while not stop.is_set():
-                stream = core.list_pod_for_all_namespaces(
-                    **selectors, watch=True, resource_version=version,
-                    allow_watch_bookmarks=True, timeout_seconds=60, _preload_content=False,
-                    _request_timeout=90)
-                try:
-                    for line in stream:
-                        if stop.is_set():
-                            return
-                        if not line.strip():
-                            continue
-                        event = orjson.loads(line)
-                        pod = event.get("object") or {}
-                        if event.get("type") == "ERROR":
-                            raise _Relist(str(pod.get("message", pod)))
-                        version = pod["metadata"]["resourceVersion"]
-                        if event["type"] != "BOOKMARK":
-                            on_event(event["type"], pod)
-                finally:
-                    stream.release_conn()
-        except Exception:  # any failure: list again (the API server may be down)
-            on_error()
-            stop.wait(1.0)
+    reflector = Reflector(Api.of(api), PODS, on_list=lambda items, version: on_list(items),
+                          on_event=on_event, on_error=lambda err: on_error(),
+                          label_selector=label_selector, field_selector=field_selector,
+                          watch_seconds=60, backoff=Backoff(first=1.0, most=1.0))
+
+    def stop_when_told() -> None:
+        stop.wait()
+        reflector.stop()
+
+    threading.Thread(target=stop_when_told, daemon=True).start()
+    reflector.run()
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,6 +680,7 @@ class StandInKubelet:
     def __init__(self, api: Any, plugin_dirs: Mapping[str, Path],
                  capacity: Mapping[str, GpuCapacity]) -> None:
         self.api = api
+        self.kube = _kube(api)
         self.plugin_dirs = dict(plugin_dirs)
         self.capacity = capacity
         self.registrations: dict[str, int] = dict.fromkeys(plugin_dirs, 0)
@@ -787,10 +771,8 @@ class StandInKubelet:
     def _node_loop(self) -> None:
         """Ready, and the node Lease renewed, every 10 s (the node lifecycle controller's
         heartbeats; without them it taints the node and evicts its pods)."""
-        from kubernetes import client
+        from carpool.kube.resources import LEASES, NODES
 
-        core = client.CoreV1Api(self.api)
-        leases = client.CoordinationV1Api(self.api)
         since = format_timestamp(time.time())
         while not self._stop.is_set():
             micro = format_timestamp_micro(time.time())
@@ -800,10 +782,10 @@ class StandInKubelet:
                          "spec": {"holderIdentity": node, "leaseDurationSeconds": 40,
                                   "renewTime": micro}}
                 with contextlib.suppress(Exception):
-                    leases.patch_namespaced_lease(
-                        node, "kube-node-lease", lease, field_manager="carpool-stand-in-kubelet",
-                        force=True, _content_type="application/apply-patch+yaml",
-                        _request_timeout=10)
+                    self.kube.request("PATCH", LEASES.path("kube-node-lease", node), lease,
+                                      content_type="application/apply-patch+yaml",
+                                      query={"fieldManager": "carpool-stand-in-kubelet",
+                                             "force": "true"}, timeout=(10, 10))
             stamp = format_timestamp(time.time())
             conditions = [{"type": kind, "status": "False", "reason": f"KubeletHas{reason}",
                            "lastHeartbeatTime": stamp, "lastTransitionTime": since}
@@ -814,8 +796,10 @@ class StandInKubelet:
                                "lastHeartbeatTime": stamp, "lastTransitionTime": since})
             for node in self.plugin_dirs:
                 with contextlib.suppress(Exception):  # the API server may be down on purpose
-                    core.patch_node_status(node, {"status": {"conditions": conditions}},
-                                           _request_timeout=10)
+                    self.kube.request("PATCH", NODES.path(None, node, "status"),
+                                      {"status": {"conditions": conditions}},
+                                      content_type="application/strategic-merge-patch+json",
+                                      timeout=(10, 10))
             self._stop.wait(10)
 
     # -- pods -----------------------------------------------------------------------------
@@ -860,11 +844,11 @@ class StandInKubelet:
         return key
 
     def _remove(self, namespace: str, name: str) -> None:
-        from kubernetes import client
+        from carpool.kube.resources import PODS
 
         with contextlib.suppress(Exception):
-            client.CoreV1Api(self.api).delete_namespaced_pod(
-                name, namespace, grace_period_seconds=0, _request_timeout=30)
+            self.kube.request("DELETE", PODS.path(namespace, name),
+                              query={"gracePeriodSeconds": 0}, timeout=(10, 30))
 
     def _devices(self, node: str) -> list[str]:
         """The plugin's healthy device IDs, from the first ListAndWatch answer."""
@@ -953,19 +937,19 @@ class StandInKubelet:
 
     def _patch_status(self, pod: dict[str, Any], status: dict[str, Any]) -> bool:
         """Patch a pod's status through outages; False once the pod is gone."""
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
+        from carpool.kube.errors import NotFound
+        from carpool.kube.resources import PODS
 
         meta = pod["metadata"]
-        core = client.CoreV1Api(self.api)
         while not self._stop.is_set():
             try:
-                core.patch_namespaced_pod_status(meta["name"], meta["namespace"],
-                                                 {"status": status}, _request_timeout=30)
+                self.kube.request("PATCH", PODS.path(meta["namespace"], meta["name"], "status"),
+                                  {"status": status},
+                                  content_type="application/strategic-merge-patch+json",
+                                  timeout=(10, 30))
                 return True
-            except ApiException as err:
-                if err.status == 404:
-                    return False
+            except NotFound:
+                return False
             except Exception:  # the API server may be down on purpose
                 pass
             self._stop.wait(1.0)

@@ -611,9 +611,17 @@ class Cluster:
         return result
 
     def api(self) -> Any:
-        """A `kubernetes.client.ApiClient` for this cluster (imported lazily: CLI stays light)."""
-        kube_config: Any = importlib.import_module("kubernetes.config")
-        return kube_config.new_client_from_config(config_file=str(self.kubeconfig))
+        """A `kubernetes.client.ApiClient` for this cluster, for tests and scripts that use
+        its typed APIs (imported lazily: the CLI stays light)."""
+        from carpool.kube.client import generated_client
+
+        return generated_client(self.kubeconfig)
+
+    def kube(self) -> Any:
+        """A `carpool.kube.client.Api` for this cluster."""
+        from carpool.kube.client import Api
+
+        return Api.load(self.kubeconfig)
 
 
 def up(

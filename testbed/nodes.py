@@ -131,16 +131,16 @@ def guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
     """Bad input becomes one line on stderr and exit status 2; an API refusal, status 1."""
 
     def run(args: argparse.Namespace) -> int:
-        from kubernetes.client.exceptions import ApiException
+        from carpool.kube.errors import ApiError
 
         try:
             return command(args)
         except (ValueError, OSError) as err:
             print(f"carpool-testbed nodes: {err}", file=sys.stderr)
             return 2
-        except ApiException as err:
+        except ApiError as err:
             print(f"carpool-testbed nodes: the API server refused: {err.status} {err.reason}: "
-                  f"{err.body}", file=sys.stderr)
+                  f"{err.message}", file=sys.stderr)
             return 1
 
     return run

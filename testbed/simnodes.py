@@ -25,12 +25,10 @@ import yaml
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, SHARING_MODES
 from carpool.core.names import (
     API_VERSION,
-    GPUNODE_PLURAL,
     GROUP,
     LABEL_SHARING,
     LABEL_ZONE,
     RESOURCE_GPU,
-    VERSION,
 )
 from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.core.timestamps import format_timestamp
@@ -43,8 +41,6 @@ LABEL_GPU_MODEL = f"{GROUP}/gpu-model"  # the node's GPU model ("mixed" if it ha
 LABEL_GPU_COUNT = f"{GROUP}/gpu-count"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"  # KWOK manages nodes annotated with "fake"
 FIELD_MANAGER = "carpool-simnodes"
-APPLY_PATCH = "application/apply-patch+yaml"
-MERGE_PATCH = "application/merge-patch+json"
 
 DEFAULT_SHARES_PER_GPU = 8
 DEFAULT_CPU_MILLI = 32_000
@@ -452,57 +448,53 @@ def gpunode_manifest(node: SimNode, node_uid: str | None = None) -> dict[str, An
 # --- talking to the cluster ---------------------------------------------------------------
 
 def api_client(kubeconfig: str | Path | None = None) -> Any:
-    """A kubernetes ApiClient for a kubeconfig file (default: $KUBECONFIG or ~/.kube/config)."""
-    from kubernetes import config
+    """A `carpool.kube` client for a kubeconfig file (default: $KUBECONFIG or ~/.kube/config)."""
+    from carpool.kube.client import Api
 
-    new_client: Any = config.new_client_from_config  # untyped in the kubernetes package
-    return new_client(config_file=str(kubeconfig) if kubeconfig else None)
+    return Api.load(kubeconfig)
 
 
 def apply_node(api: Any, node: SimNode, now: datetime) -> None:
-    """Create or update one node's Node and GpuNode, status included (idempotent)."""
-    from kubernetes import client
+    """Create or update one node's Node and GpuNode, status included (idempotent); `api`: a
+    `carpool.kube` `Api` or a kubernetes `ApiClient`."""
+    from carpool.kube.client import Api
+    from carpool.kube.resources import GPUNODES, NODES
 
-    core = client.CoreV1Api(api)
-    custom = client.CustomObjectsApi(api)
+    kube = Api.of(api)
     # The status goes in with the Node itself: KWOK initialises a node's status the moment it
     # appears, and one it saw without capacity gets KWOK's defaults (cpu "1k"). On an existing
     # Node the main endpoint ignores status, so it is applied through /status as well.
     status = node_status_manifest(node)
-    applied = core.patch_node(node.name, {**node_manifest(node), "status": status["status"]},
-                              field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
-    core.patch_node_status(node.name, status, field_manager=FIELD_MANAGER, force=True,
-                           _content_type=APPLY_PATCH)
-    _drop_stale_taints(core, node, applied)
-    uid = applied.metadata.uid if applied.metadata else None
-    custom.patch_cluster_custom_object(
-        GROUP, VERSION, GPUNODE_PLURAL, node.name, gpunode_manifest(node, uid),
-        field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
-    custom.patch_cluster_custom_object_status(
-        GROUP, VERSION, GPUNODE_PLURAL, node.name,
-        {"apiVersion": API_VERSION, "kind": "GpuNode", "metadata": {"name": node.name},
-         "status": gpunode_status(node, now)},
-        field_manager=FIELD_MANAGER, force=True, _content_type=APPLY_PATCH)
+    applied = kube.apply(NODES.path(None, node.name),
+                         {**node_manifest(node), "status": status["status"]}, FIELD_MANAGER)
+    kube.apply(NODES.path(None, node.name, "status"), status, FIELD_MANAGER)
+    _drop_stale_taints(kube, node, applied)
+    uid = (applied.get("metadata") or {}).get("uid")
+    kube.apply(GPUNODES.path(None, node.name), gpunode_manifest(node, uid), FIELD_MANAGER)
+    kube.apply(GPUNODES.path(None, node.name, "status"),
+               {"apiVersion": API_VERSION, "kind": "GpuNode", "metadata": {"name": node.name},
+                "status": gpunode_status(node, now)}, FIELD_MANAGER)
 
 
 def _taint_keys(taints: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     return sorted((str(t.get("key")), str(t.get("effect") or "")) for t in taints)
 
 
-def _drop_stale_taints(core: Any, node: SimNode, applied: Any) -> None:
+def _drop_stale_taints(kube: Any, node: SimNode, applied: Mapping[str, Any]) -> None:
     """Make the Node's taints the file's (plus the system's own `node.kubernetes.io/*` ones).
 
     `spec.taints` is an atomic list: once the node lifecycle controller has written it, it owns
     the whole list and a server-side apply no longer removes a taint the file dropped.
     """
+    from carpool.kube.resources import NODES
+
     wanted = list(node_manifest(node)["spec"].get("taints") or [])
-    current = [t.to_dict() for t in (applied.spec.taints or [])] if applied.spec else []
+    current = list((applied.get("spec") or {}).get("taints") or [])
     system = [{k: v for k, v in t.items() if v is not None} for t in current
               if str(t.get("key", "")).startswith("node.kubernetes.io/")]
     desired = wanted + system
     if _taint_keys(desired) != _taint_keys(current):
-        core.patch_node(node.name, {"spec": {"taints": desired or None}},
-                        _content_type=MERGE_PATCH)
+        kube.patch(NODES.path(None, node.name), {"spec": {"taints": desired or None}})
 
 
 def _each(work: Callable[[str], object], names: Sequence[str], workers: int) -> None:
@@ -514,38 +506,33 @@ def _each(work: Callable[[str], object], names: Sequence[str], workers: int) -> 
 def apply_nodes(api: Any, nodes: Sequence[SimNode], now: datetime | None = None,
                 workers: int = 8) -> None:
     """Apply every node (a few in parallel: each is four small requests)."""
+    from carpool.kube.client import Api
+
+    kube = Api.of(api)
     when = now or datetime.now(UTC)
     by_name = {n.name: n for n in nodes}
-    _each(lambda name: apply_node(api, by_name[name], when), list(by_name), workers)
+    _each(lambda name: apply_node(kube, by_name[name], when), list(by_name), workers)
 
 
 def simulated_node_names(api: Any) -> list[str]:
     """Names of every Node this module created (label carpool.dev/simulated=true)."""
-    from kubernetes import client
+    from carpool.kube.client import Api
+    from carpool.kube.resources import NODES
 
-    listed = client.CoreV1Api(api).list_node(label_selector=f"{LABEL_SIMULATED}=true")
-    return sorted(n.metadata.name for n in listed.items if n.metadata and n.metadata.name)
+    listed, _ = Api.of(api).list_all(NODES.path(), {"labelSelector": f"{LABEL_SIMULATED}=true"})
+    return sorted(name for n in listed if (name := (n.get("metadata") or {}).get("name")))
 
 
 def delete_nodes(api: Any, names: Sequence[str], workers: int = 8) -> None:
     """Delete the Nodes and GpuNodes of these names; absent ones are fine."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
+    from carpool.kube.client import Api
+    from carpool.kube.resources import GPUNODES, NODES
 
-    core = client.CoreV1Api(api)
-    custom = client.CustomObjectsApi(api)
+    kube = Api.of(api)
 
     def delete(name: str) -> None:
-        try:
-            core.delete_node(name)
-        except ApiException as err:
-            if err.status != 404:
-                raise
-        try:
-            custom.delete_cluster_custom_object(GROUP, VERSION, GPUNODE_PLURAL, name)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        kube.delete(NODES.path(None, name))
+        kube.delete(GPUNODES.path(None, name))
 
     _each(delete, list(names), workers)
 
@@ -553,14 +540,15 @@ def delete_nodes(api: Any, names: Sequence[str], workers: int = 8) -> None:
 def beat(api: Any, names: Sequence[str], now: datetime | None = None, workers: int = 8) -> None:
     """Refresh the heartbeat of simulated GpuNodes, as a live device plugin does, so readers
     that treat a stale heartbeat as a dead plugin keep using them."""
-    from kubernetes import client
+    from carpool.kube.client import Api
+    from carpool.kube.resources import GPUNODES
 
-    custom = client.CustomObjectsApi(api)
+    kube = Api.of(api)
     stamp = format_timestamp((now or datetime.now(UTC)).timestamp())
     body = {"status": {"heartbeat": stamp}}
-    _each(lambda name: custom.patch_cluster_custom_object_status(
-        GROUP, VERSION, GPUNODE_PLURAL, name, body, field_manager=FIELD_MANAGER,
-        _content_type=MERGE_PATCH), list(names), workers)
+    _each(lambda name: kube.patch(GPUNODES.path(None, name, "status"), body,
+                                  query={"fieldManager": FIELD_MANAGER}),
+          list(names), workers)
 
 
 def summary(nodes: Sequence[SimNode]) -> str:
