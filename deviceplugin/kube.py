@@ -4,11 +4,12 @@ Events, through `carpool.kube` (synchronous requests, so calls run in worker thr
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 from carpool.core.names import ANN_ALLOCATED, RESOURCE_GPU
+from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.handshake import PodView
 from carpool.kube.client import Api
 from carpool.kube.errors import NotFound
@@ -73,7 +74,7 @@ class KubernetesCluster:
             await asyncio.to_thread(self.api.patch, path, body)
 
     async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = format_timestamp(time.time())
         event = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import os
 import socket
@@ -18,18 +17,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.core.durations import epoch_of
+from carpool.core.timestamps import epoch_of, format_timestamp_micro
 from carpool.kube.client import Api, Obj
 from carpool.kube.errors import Conflict, NotFound
 from carpool.kube.resources import LEASES
 from carpool.kube.retry import Backoff
 
 log = logging.getLogger(__name__)
-
-
-def _stamp(moment: float) -> str:
-    """A Lease MicroTime: RFC 3339 with microseconds, UTC."""
-    return dt.datetime.fromtimestamp(moment, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass
@@ -87,7 +81,7 @@ class LeaderElector:
         await asyncio.to_thread(self.release)
 
     def _spec(self, acquire_time: Any) -> Obj:
-        now = _stamp(time.time())
+        now = format_timestamp_micro(time.time())
         return {"holderIdentity": self.identity,
                 "leaseDurationSeconds": int(self.config.lease_seconds),
                 "acquireTime": acquire_time or now, "renewTime": now}
