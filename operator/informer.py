@@ -25,6 +25,7 @@ from carpool.core import names
 from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import GPUNODES, NODES, PROJECTQUOTAS, Resource
 from carpool.kube.resources import PODS as POD_RESOURCE
+from carpool.kube.retry import Backoff
 from carpool.kube.watching import Store
 from carpool.operator.following import DISRUPTION_TARGET
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
@@ -99,7 +100,8 @@ class Informers:
         self.by_kind = {
             kind.name: Store(kube.api, kind.resource, label_selector=kind.selector,
                              keep=_trim_pod if kind.name == PODS else trimmed,
-                             changed=changed, arrivals=kind.arrivals, name=kind.name)
+                             changed=changed, arrivals=kind.arrivals, name=kind.name,
+                             backoff=Backoff(first=0.2, most=1.0))
             for kind in KINDS}
 
     def start(self) -> None:

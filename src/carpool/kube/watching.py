@@ -140,7 +140,7 @@ class Reflector:
         self._response = response
         try:
             pending = b""
-            for chunk in response.stream(65536, decode_content=False):
+            for chunk in response.stream(65536):
                 if b"\n" not in chunk:  # one event may span many chunks
                     pending += chunk
                     continue
@@ -177,7 +177,7 @@ class Store:
     def __init__(self, api: Api, resource: Resource, *, label_selector: str = "",
                  field_selector: str = "", keep: Callable[[Obj], Obj] = lambda obj: obj,
                  changed: Callable[[], None] = lambda: None, arrivals: bool = False,
-                 name: str = "") -> None:
+                 backoff: Backoff | None = None, name: str = "") -> None:
         self.name = name or resource.plural
         self.items: dict[str, Obj] = {}
         self.version = 0  # the newest resourceVersion this store reflects
@@ -190,7 +190,8 @@ class Store:
         self.reflector = Reflector(api, resource, on_list=self._replace, on_event=self._apply,
                                    on_bookmark=self._bookmark,
                                    label_selector=label_selector,
-                                   field_selector=field_selector, name=self.name)
+                                   field_selector=field_selector, backoff=backoff,
+                                   name=self.name)
 
     @property
     def relists(self) -> int:
