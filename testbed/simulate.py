@@ -183,6 +183,9 @@ def register(commands: Any) -> None:
                        help=f"comma-separated, from {', '.join(queue_replay.POLICIES)} (all)")
     queue.add_argument("--jobs", type=_positive, default=min(2, os.cpu_count() or 1),
                        help="worker processes (2)")
+    queue.add_argument("--arrival-window", type=float, default=0.0, metavar="SECONDS",
+                       help="Carpool: stretch estimates by higher-class arrivals over this "
+                            "window (0: off, the operator's default)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table")
     queue.set_defaults(run=run_queue)
 
@@ -230,12 +233,14 @@ class QueueRun:
     policy: str
     limit: int | None
     quotas: str = "open"
+    arrival_window_s: float = 0.0
 
 
-def queue_policy(name: str) -> queue_replay.Policy:
+def queue_policy(name: str, arrival_window_s: float = 0.0) -> queue_replay.Policy:
     ranker = extender_ranker()
     if name == "carpool":
-        return queue_replay.carpool_policy(AdmissionConfig(node_ranker=ranker))
+        return queue_replay.carpool_policy(AdmissionConfig(
+            node_ranker=ranker, arrival_window_s=arrival_window_s))
     if name == "fifo":
         return queue_replay.fifo_policy(ranker)
     if name == "slurm":
@@ -255,7 +260,8 @@ def replay_queue(run: QueueRun) -> tuple[dict[str, object], float]:
     quotas = (queue_replay.share_quotas(jobs, nodes) if run.quotas == "shares"
               else queue_replay.open_quotas(jobs))
     started = time.process_time()
-    outcome = queue_replay.replay(jobs, nodes, quotas, queue_policy(run.policy), run.policy)
+    policy = queue_policy(run.policy, run.arrival_window_s)
+    outcome = queue_replay.replay(jobs, nodes, quotas, policy, run.policy)
     return queue_replay.score(outcome), time.process_time() - started
 
 
@@ -277,7 +283,7 @@ def run_queue(args: argparse.Namespace) -> int:
         if args.write_trace:
             args.write_trace.write_text(trace_text)
         runs = [QueueRun(nodes_csv.read_text(), trace_text, args.scale, args.seed,
-                         args.projects, policy, args.limit, args.quotas)
+                         args.projects, policy, args.limit, args.quotas, args.arrival_window)
                 for policy in args.policy]
         started = time.perf_counter()
         if args.jobs <= 1 or len(runs) <= 1:

@@ -154,6 +154,52 @@ def duration_range(job: Job, learned: Mapping[LearnKey, DurationEstimate]
     return max(1.0, min(low, expected)), max(expected, high)
 
 
+# ---------------------------------------------------------------- arrivals to come
+
+MAX_HIGHER_LOAD = 0.8  # the higher classes' share of capacity never counts for more
+MIN_HIGHER_ARRIVALS = 10  # fewer arrivals above a class in the window say nothing of a rate
+
+
+def arrival_work(job: Job, fraction: float, learned: Mapping[LearnKey, DurationEstimate]
+                 ) -> float:
+    """GPU-seconds a job brings: what its runs took once finished, else what it is expected
+    to take."""
+    if job.phase.finished and job.runs:
+        return fraction * sum((r.end if r.end is not None else r.start) - r.start
+                              for r in job.runs)
+    return fraction * expected_duration(job, learned)
+
+
+def higher_class_stretch(now: float, window_s: float, capacity_gpus: float,
+                         arrivals: Iterable[tuple[float, int, float]]) -> dict[int, float]:
+    """Per class level: how much longer its jobs wait than the queue alone says, because jobs
+    of higher classes keep arriving and are served first.
+
+    `arrivals` are (submitted at, class level, GPU-seconds). Over the last `window_s`, rho_c =
+    (GPU-seconds of arrivals of classes above c) / (window_s x capacity); a class-c job's
+    wait is stretched by 1 / (1 - rho_c), the factor by which higher-priority load stretches a
+    lower class's waiting time in a priority queue (rho_c capped at MAX_HIGHER_LOAD; 0 while
+    fewer than MIN_HIGHER_ARRIVALS jobs above c arrived in the window).
+    """
+    if window_s <= 0 or capacity_gpus <= 0:
+        return {}
+    work: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for submitted, level, gpu_seconds in arrivals:
+        if now - window_s <= submitted <= now:
+            work[level] = work.get(level, 0.0) + gpu_seconds
+            count[level] = count.get(level, 0) + 1
+    stretch: dict[int, float] = {}
+    above, above_count = 0.0, 0
+    for level in range(min(work, default=0), 4):
+        if above_count >= MIN_HIGHER_ARRIVALS:
+            rho = min(MAX_HIGHER_LOAD, above / (window_s * capacity_gpus))
+            stretch[level] = 1.0 / (1.0 - rho)
+        above += work.get(level, 0.0)
+        above_count += count.get(level, 0)
+    return stretch
+
+
 # ---------------------------------------------------------------- estimate ranges
 
 MIN_RANGE_SAMPLES = 20  # started jobs with a first estimate before ranges are shown

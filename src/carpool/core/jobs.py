@@ -266,6 +266,8 @@ class ClusterSnapshot:
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(default_factory=dict)
     # ln(actual / first estimated wait) of started jobs no longer in `jobs` (see eta.start_range)
     wait_misses: tuple[float, ...] = ()
+    # (submitted at, class level, GPU-seconds) of recent arrivals no longer in `jobs`
+    recent_arrivals: tuple[tuple[float, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         keys = [j.key for j in self.jobs]

@@ -40,6 +40,7 @@ from carpool.core.eta import (
     Occupancy,
     Timeline,
     TimelineMemo,
+    arrival_work,
     fold_finished,
     wait_miss,
 )
@@ -63,6 +64,7 @@ REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at mos
 GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24, "G2": 32,
                   "G3": 32}
 HALF_LIFE_S = 7 * 86400.0
+ARRIVALS_KEPT_S = 86400.0  # finished jobs' arrivals kept for the arrival-rate window
 RECENT_MISSES = 500  # finished jobs' estimate misses kept for the ranges (as in a cluster)
 
 
@@ -139,10 +141,12 @@ class State:
     retired: dict[str, RetiredUsage] = field(default_factory=dict)
     learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
     wait_misses: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_MISSES))
+    arrivals: deque[tuple[float, int, float]] = field(default_factory=deque)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.now, tuple(self.jobs.values()), self.quotas, self.nodes,
-                               self.retired, self.learned, tuple(self.wait_misses))
+                               self.retired, self.learned, tuple(self.wait_misses),
+                               tuple(self.arrivals))
 
 
 @dataclass(frozen=True)
@@ -433,6 +437,10 @@ def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
                 miss = wait_miss(job)
                 if miss is not None:
                     state.wait_misses.append(miss)
+                state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
+                    job, nominal_fraction(job.request, reference), state.learned)))
+                while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
+                    state.arrivals.popleft()
             else:  # LEAVE: a preempted job is off its GPUs and queued again
                 job = state.jobs.get(key)
                 if job is None or job.attempts != attempt or not job.terminating:
@@ -501,6 +509,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
     jobs whose start fell inside the range shown at arrival.
     """
     relative: list[float] = []
+    signed: list[float] = []
     short_abs: list[float] = []
     refreshed: list[float] = []
     covered = ranged = 0
@@ -516,6 +525,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
             if estimate is not None:
                 estimated += 1
                 relative.append(abs(estimate.start - record.first_start) / wait)
+                signed.append((record.first_start - estimate.start) / wait)
                 if estimate.low is not None and estimate.high is not None:
                     ranged += 1
                     covered += estimate.low <= record.first_start <= estimate.high
@@ -533,6 +543,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
         "jobs_waited_60s_with_estimate": estimated,
         "eta_median_abs_rel_error": _median(relative),
         "eta_p90_abs_rel_error": _quantile(relative, 0.9),
+        "eta_median_signed_rel_error": _median(signed),  # > 0: jobs started later than said
         "eta_refreshed_median_abs_rel_error": _median(refreshed),
         "eta_refreshed_samples": len(refreshed),
         "eta_interval_coverage": covered / ranged if ranged else None,

@@ -46,9 +46,11 @@ from carpool.core.eta import (
     Slot,
     Timeline,
     TimelineMemo,
+    arrival_work,
     expected_duration,
     expected_remaining,
     fluid_start,
+    higher_class_stretch,
     learn_durations,
     start_range,
     wait_misses,
@@ -108,6 +110,9 @@ class AdmissionConfig:
     max_preemption_attempts_per_cycle: int = 32  # victim searches per cycle, at most
     preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
+    # higher-class arrivals over this window stretch lower classes' estimates (eta.
+    # higher_class_stretch); 0: off, the default: on replayed traces it made them worse
+    arrival_window_s: float = 0.0
     duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
     node_ranker: NodeRanker = field(default_factory=extender_ranker)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
@@ -467,7 +472,14 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         walk.consider(job, position, borrowers_allowed=True)
 
     misses = wait_misses(snapshot.jobs, snapshot.wait_misses)
-    ordered = sorted((_with_range(w, now, misses) for w in walk.waits),
+    arrivals = [*snapshot.recent_arrivals, *(
+        (j.submitted_at, int(j.job_class),
+         arrival_work(j, nominal_fraction(j.request, cycle.reference_mib), cycle.learned))
+        for j in snapshot.jobs if now - j.submitted_at <= config.arrival_window_s)]
+    stretch = higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus, arrivals)
+    levels = {j.key: int(j.job_class) for j in waiting}
+    ordered = sorted((_with_range(_stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)),
+                                  now, misses) for w in walk.waits),
                      key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
@@ -476,6 +488,12 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     projects = _project_statuses(cycle, walk.admitted_by_project, waits)
     return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
                        projects)
+
+
+def _stretched(wait: Wait, now: float, factor: float) -> Wait:
+    if wait.estimated_start is None or factor == 1.0:
+        return wait
+    return replace(wait, estimated_start=now + (wait.estimated_start - now) * factor)
 
 
 def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
