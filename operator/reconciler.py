@@ -616,16 +616,24 @@ class Reconciler:
         # the admissions left for later passes take their time, then the pod its own to run
         backlog = round(self._backlog_s / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
         delay = round(self._start_delay / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
-        estimate = (format_time(round((wait.estimated_start + backlog + delay)
-                                      / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S)
-                    if wait.estimated_start is not None else None)
+        def shown(epoch: float | None) -> str | None:
+            if epoch is None:
+                return None
+            return format_time(round((epoch + backlog + delay) / ESTIMATE_ROUNDING_S)
+                               * ESTIMATE_ROUNDING_S)
+
+        estimate = shown(wait.estimated_start)
         message = wait.message
         if estimate is not None and backlog > 0:
             message += f" (+{backlog:.0f}s to carry out the admissions decided before it)"
         if estimate is not None and delay > 0:
             message += f" (+{delay:.0f}s from admission to a running pod, recent median)"
         fields = {"reason": wait.reason.value, "message": message,
-                  "queuePosition": wait.position or None, "estimatedStart": estimate}
+                  "queuePosition": wait.position or None, "estimatedStart": estimate,
+                  "estimatedStartEarliest": shown(wait.estimated_start_low),
+                  "estimatedStartLatest": shown(wait.estimated_start_high)}
+        if estimate is not None and not status.get("firstEstimatedStart"):
+            fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
         changed = {k: v for k, v in fields.items() if status.get(k) != v}
         if not changed:
             return
@@ -667,6 +675,7 @@ class Reconciler:
                      borrowed=admission.borrowed, admitTime=format_time(now),
                      podName=pod["metadata"]["name"], reason="Admitted",
                      message=admission.message, queuePosition=None, estimatedStart=None,
+                     estimatedStartEarliest=None, estimatedStartLatest=None,
                      preemptingAttempt=None)
         if created:
             self.kube.event(obj, "Admitted", admission.message, "Normal", "Admit")

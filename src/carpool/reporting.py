@@ -178,6 +178,7 @@ class QueuedJob:
     phase: str
     position: int | None  # 1 = next to be considered; None: not yet ranked or refused
     estimated_start: str | None  # RFC 3339
+    estimated_range: tuple[str, str] | None  # RFC 3339 P10 and P90 around it
     reason: str
     message: str
     gpus: int
@@ -199,6 +200,22 @@ class QueueGroup:
     reasons: Mapping[str, int]
 
 
+def _range(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    low, high = status.get("estimatedStartEarliest"), status.get("estimatedStartLatest")
+    return (str(low), str(high)) if low and high else None
+
+
+def relative_range(estimated_range: tuple[str, str] | None, now: float) -> str:
+    """'2m-9m' (from now) for an estimate's 80 % range, '' without one."""
+    if estimated_range is None:
+        return ""
+    low, high = (epoch_of(t) for t in estimated_range)
+    if low is None or high is None:
+        return ""
+    return (f"{relative(low, now).removeprefix('in ')}-"
+            f"{relative(high, now).removeprefix('in ')}")
+
+
 def waiting_jobs(jobs: Iterable[Obj]) -> list[QueuedJob]:
     """Jobs still in the queue, in queue order (unranked ones last, oldest first)."""
     out = []
@@ -216,6 +233,7 @@ def waiting_jobs(jobs: Iterable[Obj]) -> list[QueuedJob]:
             phase=phase or "Queued",
             position=position if isinstance(position, int) and position > 0 else None,
             estimated_start=status.get("estimatedStart") or None,
+            estimated_range=_range(status),
             reason=str(status.get("reason") or ("Pending" if not phase else "")),
             message=str(status.get("message") or ""),
             gpus=int(gpu.get("count", 1)), memory=str(gpu.get("memory", "")),
@@ -708,7 +726,9 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
             Topic.QUEUE, False,
             f"queue position {position}; {len(ahead)} job(s) ahead asking for {ahead_gpus} "
             f"GPU(s); estimated start {relative(estimate, now)}"
-            + (f" ({status['estimatedStart']})" if estimate is not None else "")))
+            + (f" ({status['estimatedStart']})" if estimate is not None else "")
+            + (f", 80 % range {low_high}" if (low_high := relative_range(_range(status), now))
+               else "")))
     try:
         request = gpu_request_from_spec(spec)
     except ValueError as err:

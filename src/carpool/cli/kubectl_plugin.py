@@ -137,7 +137,7 @@ def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
           ", ".join(f"{r} {n}" if n > 1 else r for r, n in g.reasons.items())]
          for g in groups])
     headers = ["pos", "job", "project", "class", "gpus", "memory", "waiting", "est-start",
-               "reason"]
+               "80%-range", "reason"]
     if args.output == "wide":
         headers.append("message")
     rows = []
@@ -147,6 +147,7 @@ def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
                              reporting.relative(epoch_of(e.submitted), now)
                              .removesuffix(" ago"),
                              reporting.relative(epoch_of(e.estimated_start), now),
+                             reporting.relative_range(e.estimated_range, now) or None,
                              e.reason]
         if args.output == "wide":
             row.append(e.message)

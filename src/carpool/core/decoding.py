@@ -23,7 +23,7 @@ from carpool.core.jobs import (
 )
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
-from carpool.core.timestamps import epoch_seconds, format_timestamp
+from carpool.core.timestamps import epoch_of, epoch_seconds, format_timestamp
 
 _MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
 
@@ -115,6 +115,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         runs=runs_from_history(history),
         peak_memory_mib=status.get("peakMemoryMiB"),
         template=job_template(str(meta["name"]), _image(spec)),
+        first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
     )
 
 

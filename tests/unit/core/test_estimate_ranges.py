@@ -1,0 +1,75 @@
+"""Estimated-start ranges, higher-class arrivals, and what the operator decodes for them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from carpool.core.decoding import job_from_object
+from carpool.core.eta import (
+    MIN_HIGHER_ARRIVALS,
+    MIN_RANGE_SAMPLES,
+    higher_class_stretch,
+    start_range,
+    wait_miss,
+    wait_misses,
+)
+from carpool.core.jobs import Job, RunRecord, job_template
+from carpool.core.resources import JobClass, Phase
+from carpool.reporting import relative_range
+from carpool_testbed.builders import gpu_job
+
+
+def started(key: str, submitted: float, promised: float | None, began: float) -> Job:
+    return gpu_job(key, submitted=submitted, first_estimated_start=promised,
+                   phase=Phase.RUNNING, runs=(RunRecord(1, began, None, 1.0),))
+
+
+def test_a_miss_is_the_log_of_actual_over_promised_wait() -> None:
+    assert wait_miss(started("a/x", 0, 100, 200)) == pytest.approx(math.log(2))
+    assert wait_miss(started("a/x", 0, 30, 200)) is None  # promised under a minute
+    assert wait_miss(started("a/x", 0, None, 200)) is None  # never shown an estimate
+    assert wait_miss(gpu_job("a/q", first_estimated_start=100)) is None  # not started
+
+
+def test_the_range_scales_the_promised_wait_by_p10_and_p90_misses() -> None:
+    assert start_range(0, 100, [0.0] * (MIN_RANGE_SAMPLES - 1)) is None
+    # misses of ln 0.5 .. ln 2 evenly: P10 and P90 interpolate between them
+    misses = wait_misses([started(f"a/{i}", 0, 100, 50 + 150 * i / 19) for i in range(20)])
+    assert len(misses) == MIN_RANGE_SAMPLES
+    low, high = start_range(1000, 1100, misses) or (0, 0)
+    assert 1000 + 100 * 0.5 < low < 1100 < high < 1000 + 100 * 2.0
+    # an estimate that says "now" has no range to speak of
+    assert start_range(1000, 1000, misses) == (1000, 1000)
+
+
+def test_higher_class_arrivals_stretch_lower_classes_only() -> None:
+    # 20 interactive arrivals of 360 GPU-seconds in the last hour on 4 GPUs: rho = 0.5
+    arrivals = [(3600.0 - i, int(JobClass.INTERACTIVE), 360.0) for i in range(20)]
+    stretch = higher_class_stretch(3600.0, 3600.0, 4.0, arrivals)
+    assert JobClass.INTERACTIVE not in stretch  # nothing above it
+    assert stretch[JobClass.BATCH] == pytest.approx(2.0)
+    assert higher_class_stretch(3600.0, 3600.0, 4.0, arrivals[:MIN_HIGHER_ARRIVALS - 1]) == {}
+    old = [(0.0, int(JobClass.INTERACTIVE), 1e9)] * 20  # outside the window
+    assert higher_class_stretch(7200.0, 3600.0, 4.0, old) == {}
+    flood = [(3600.0, int(JobClass.SHORT), 1e9)] * 20
+    assert higher_class_stretch(3600.0, 3600.0, 4.0, flood)[JobClass.LONG] == pytest.approx(5.0)
+
+
+def test_the_operator_decodes_the_template_and_the_first_estimate() -> None:
+    obj = {"metadata": {"namespace": "vision", "name": "finetune-7",
+                        "creationTimestamp": "2026-12-01T10:00:00Z"},
+           "spec": {"project": "vision", "class": "short", "estimatedDuration": "30m",
+                    "gpu": {"count": 1, "memory": "10Gi", "isolation": "mps"},
+                    "template": {"spec": {"containers": [{"name": "m", "image": "lab/ft:2"}]}}},
+           "status": {"firstEstimatedStart": "2026-12-01T10:05:00Z"}}
+    job = job_from_object(obj, Phase.QUEUED, 0, (), "", [])
+    assert job.template == job_template("finetune-8", "lab/ft:2") == "finetune@lab/ft:2"
+    assert job.first_estimated_start == job.submitted_at + 300
+
+
+def test_the_range_reads_as_from_now() -> None:
+    now = 1_800_000_000.0
+    assert relative_range(("2027-01-15T08:02:00Z", "2027-01-15T08:09:00Z"), now) == "2m-9m"
+    assert relative_range(None, now) == ""
