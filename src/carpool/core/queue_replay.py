@@ -383,8 +383,10 @@ ARRIVE, LEAVE, END = 0, 1, 2  # at one instant: leaving GPUs before ends, then a
 
 def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
            quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-           learning_rate: float = 0.3) -> Outcome:
-    """Run the trace through `policy`; every instant with an event is one cycle."""
+           learning_rate: float = 0.3,
+           observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
+    """Run the trace through `policy`; every instant with an event is one cycle. `observe`
+    sees each cycle's state and decisions before they are carried out."""
     trace = {j.key: j for j in jobs}
     if len(trace) != len(jobs):
         raise ValueError("trace job keys repeat")
@@ -447,6 +449,8 @@ def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
                     continue
                 state.jobs[key] = replace(close_run(job, now), grants=(), node="")
         decisions = policy(state)
+        if observe is not None:
+            observe(state, decisions)
         cycles += 1
         for stop in decisions.stops:
             job = state.jobs[stop.job_key]
