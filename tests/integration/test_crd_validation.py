@@ -314,7 +314,9 @@ def test_gpujob_spec_is_immutable_but_status_is_writable(
 
     status = {
         "phase": "Queued", "queuePosition": 3, "estimatedStart": "2026-11-29T20:00:00Z",
-        "reason": "InsufficientCapacity", "attempts": 0, "submitTime": "2026-11-29T19:00:00Z",
+        "estimatedStartEarliest": "2026-11-29T19:40:00Z",
+        "estimatedStartLatest": "2026-11-29T20:30:00Z",
+        "firstEstimatedStart": "2026-11-29T19:50:00Z", "reason": "InsufficientCapacity", "attempts": 0, "submitTime": "2026-11-29T19:00:00Z",
         "conditions": [{"type": "Admitted", "status": "False", "reason": "Queued",
                         "message": "behind 2 jobs", "lastTransitionTime": "2026-11-29T19:00:00Z"}],
     }
@@ -323,6 +325,7 @@ def test_gpujob_spec_is_immutable_but_status_is_writable(
         _content_type="application/merge-patch+json",
     )
     assert patched["status"]["queuePosition"] == 3
+    assert patched["status"]["estimatedStartLatest"] == "2026-11-29T20:30:00Z"
     message, fields = refusal(
         lambda: custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, GPUJOB_PLURAL, "immutable", {"status": {"phase": "Done"}},
@@ -373,7 +376,7 @@ def table_columns(api: client.ApiClient, plural: str, namespace: str | None = No
 def test_printer_columns(api: client.ApiClient, namespace: str) -> None:
     jobs = table_columns(api, GPUJOB_PLURAL, namespace)
     for column in ["Name", "Project", "Class", "Phase", "GPUs", "Memory", "Node", "Est-Start",
-                   "Age"]:
+                   "Est-P10", "Est-P90", "Age"]:
         assert column in jobs
     quotas = table_columns(api, PROJECTQUOTA_PLURAL)
     for column in ["Budget", "Used", "Remaining", "Running-GPUs", "Borrowed-GPUs", "Pending"]:
@@ -390,7 +393,8 @@ def test_kubectl_get_gpujobs_wide(
     out = cluster.kubectl("get", "gpujobs", "-n", namespace, "-o", "wide").stdout
     header, *rows = out.splitlines()
     assert header.split() == ["NAME", "PROJECT", "CLASS", "PHASE", "GPUS", "MEMORY", "ISOLATION",
-                              "NODE", "EST-START", "QUEUE", "REASON", "GPU-HOURS", "AGE"]
+                              "NODE", "EST-START", "EST-P10", "EST-P90", "QUEUE", "REASON",
+                              "GPU-HOURS", "AGE"]
     shown = next(r for r in rows if r.startswith("shown "))
     assert shown.split()[1:6] == ["vision", "batch", "1", "8Gi", "mps"]
 
