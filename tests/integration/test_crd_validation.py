@@ -316,7 +316,8 @@ def test_gpujob_spec_is_immutable_but_status_is_writable(
         "phase": "Queued", "queuePosition": 3, "estimatedStart": "2026-11-29T20:00:00Z",
         "estimatedStartEarliest": "2026-11-29T19:40:00Z",
         "estimatedStartLatest": "2026-11-29T20:30:00Z",
-        "firstEstimatedStart": "2026-11-29T19:50:00Z", "reason": "InsufficientCapacity", "attempts": 0, "submitTime": "2026-11-29T19:00:00Z",
+        "firstEstimatedStart": "2026-11-29T19:50:00Z", "reason": "InsufficientCapacity",
+        "attempts": 0, "submitTime": "2026-11-29T19:00:00Z",
         "conditions": [{"type": "Admitted", "status": "False", "reason": "Queued",
                         "message": "behind 2 jobs", "lastTransitionTime": "2026-11-29T19:00:00Z"}],
     }
