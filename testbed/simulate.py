@@ -169,6 +169,9 @@ def register(commands: Any) -> None:
                             "instead of --pods itself")
     queue.add_argument("--interarrival", type=float, default=300.0,
                        help="mean seconds between generated arrivals (300)")
+    queue.add_argument("--load", type=_fraction, metavar="SHARE",
+                       help="space generated arrivals so their work keeps this share of the "
+                            "(scaled) cluster's GPUs busy on average; overrides --interarrival")
     queue.add_argument("--write-trace", type=Path,
                        help="also write the replayed trace (openb columns) here")
     queue.add_argument("--limit", type=_positive, help="replay only the first N jobs")
@@ -277,8 +280,14 @@ def run_queue(args: argparse.Namespace) -> int:
         trace_text = pods_csv.read_text()
         parsed = job_traces.parse_trace(trace_text)
         if args.generate:
+            busy = None
+            if args.load:
+                nodes = queue_replay.trace_nodes(
+                    ((n.name, n.gpus, n.model)
+                     for n in simulation.parse_nodes_csv(nodes_csv.read_text())), args.scale)
+                busy = args.load * queue_replay.capacity_gpus(nodes)
             trace_text = job_traces.generate(parsed.rows, args.generate, args.seed,
-                                         args.interarrival)
+                                             args.interarrival, busy_gpus=busy)
             parsed = job_traces.parse_trace(trace_text)
         if args.write_trace:
             args.write_trace.write_text(trace_text)

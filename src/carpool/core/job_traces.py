@@ -26,9 +26,11 @@ What openb lacks — projects, classes, user estimates — a seeded generator ad
   estimate is the run time times U(0.3, 1); otherwise times a factor log-uniform in [1, 10]
   (the f model with f = 10, drawn on a log scale so that 2x is as likely as 5x to 10x); then
   rounded up to the next of the round values in `ROUND_ESTIMATES_S`.
-- **Generated traces** (`generate`): Poisson arrivals; per template a log-normal run time
-  (median drawn log-uniform from 2 min to 8 h, sigma 0.5); shapes and QoS drawn from the
-  openb pods given. Written in the openb columns, so the same reader replays them.
+- **Generated traces** (`generate`): Poisson arrivals (spaced to a given offered load if
+  asked); 200 templates, picked with a Pareto(1.2) index so a few recur most; per template a
+  log-normal run time (median drawn log-uniform from 2 min to 8 h, sigma 0.5); shapes and QoS
+  drawn from the openb pods given. Written in the openb columns, so the same reader replays
+  them.
 
 Pure: text in, jobs out.
 """
@@ -39,7 +41,7 @@ import csv
 import io
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from carpool.core.jobs import name_stem
@@ -216,38 +218,38 @@ def annotate(rows: Sequence[TraceRow], seed: int, projects: int = 4) -> list[Tra
 
 
 def generate(shapes: Sequence[TraceRow], jobs: int, seed: int, mean_interarrival_s: float,
-             templates: int = 200) -> str:
-    """A synthetic trace in the openb pod columns (see the module docstring)."""
+             templates: int = 200, busy_gpus: float | None = None) -> str:
+    """A synthetic trace in the openb pod columns (see the module docstring). With
+    `busy_gpus`, arrivals are spaced so that the trace's work keeps that many GPUs busy on
+    average over its arrivals (the offered load), whatever run times the seed drew;
+    `mean_interarrival_s` is then ignored."""
     if not shapes or jobs < 1 or templates < 1 or mean_interarrival_s <= 0:
         raise ValueError("need shapes, jobs >= 1, templates >= 1, interarrival > 0")
+    if busy_gpus is not None and busy_gpus <= 0:
+        raise ValueError("the offered load must be positive")
     rng = random.Random(seed)
     kinds = []
     for _ in range(templates):
         shape = rng.choice(shapes)
         median = math.exp(rng.uniform(math.log(120.0), math.log(8 * 3600.0)))
         kinds.append((shape, median))
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(OPENB_COLUMNS)
+    drawn = []
     t = 0.0
     for i in range(jobs):
         t += rng.expovariate(1.0 / mean_interarrival_s)
         kind = int(rng.paretovariate(1.2)) % templates
         shape, median = kinds[kind]
-        runtime = max(10.0, rng.lognormvariate(math.log(median), 0.5))
-        writer.writerow((f"gen-t{kind:03d}-{i:05d}", shape.cpu_milli, shape.memory_mib,
-                         shape.num_gpu, shape.gpu_milli, "|".join(sorted(shape.models)), shape.qos,
-                         "Succeeded", round(t), round(t) + round(runtime), round(t)))
-    return out.getvalue()
-
-
-def write_rows(rows: Iterable[TraceRow]) -> str:
-    """Rows back in the openb pod columns (scheduled at arrival)."""
+        drawn.append((i, kind, shape, t, max(10.0, rng.lognormvariate(math.log(median), 0.5))))
+    scale = 1.0
+    if busy_gpus is not None and t > 0:
+        work = sum(s.num_gpu * s.gpu_milli / MILLI_PER_GPU * run for _, _, s, _, run in drawn)
+        scale = work / busy_gpus / t
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(OPENB_COLUMNS)
-    for r in rows:
-        writer.writerow((r.name, r.cpu_milli, r.memory_mib, r.num_gpu, r.gpu_milli,
-                         "|".join(sorted(r.models)), r.qos, "Succeeded", round(r.arrival),
-                         round(r.arrival + r.runtime_s), round(r.arrival)))
+    for i, kind, shape, arrival, runtime in drawn:
+        at = round(arrival * scale)
+        writer.writerow((f"gen-t{kind:03d}-{i:05d}", shape.cpu_milli, shape.memory_mib,
+                         shape.num_gpu, shape.gpu_milli, "|".join(sorted(shape.models)), shape.qos,
+                         "Succeeded", at, at + round(runtime), at))
     return out.getvalue()

@@ -200,3 +200,14 @@ def test_cli_prints_one_json_object_per_policy(tmp_path: Path,
     with pytest.raises(SystemExit):
         carpool_testbed(["simulate", "queue", "--scale", "2"])
     assert "must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_generated_arrivals_can_be_spaced_to_an_offered_load() -> None:
+    shapes = [traces.TraceRow("s", 0, 60, 1, 500, frozenset(), "BE", 0, 0),
+              traces.TraceRow("w", 0, 60, 2, 1000, frozenset(), "LS", 0, 0)]
+    for seed in (0, 1):
+        rows = traces.parse_trace(traces.generate(shapes, 400, seed, 60.0, busy_gpus=8)).rows
+        work = sum(r.num_gpu * r.gpu_milli / 1000 * r.runtime_s for r in rows)
+        assert work / (rows[-1].arrival - rows[0].arrival) == pytest.approx(8, rel=0.02)
+    with pytest.raises(ValueError, match="offered load"):
+        traces.generate(shapes, 10, 0, 60.0, busy_gpus=0)
