@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import devcluster, realnode
 from carpool.core import names
+from carpool_testbed import devcluster, realnode
 
 REPO = Path(__file__).resolve().parents[1]
 USER_ID = 65532
