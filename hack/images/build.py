@@ -23,6 +23,7 @@ smoke-tests the image with its own Python).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import hashlib
 import io
@@ -96,7 +97,9 @@ def version() -> str:
     return str(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"])
 
 
+@functools.cache
 def revision() -> str:
+    """HEAD, "-dirty" with uncommitted changes; read once, so both builds of a check agree."""
     done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=False)
     head = done.stdout.strip() if done.returncode == 0 else "unknown"
@@ -490,13 +493,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for ref, (digest, size) in first.items():
             print(f"{ref}\t{digest}\t{size / 2**20:.1f} MiB")
         if args.check_reproducible:
-            with tempfile.TemporaryDirectory(prefix="carpool-images-again-") as again:
-                second = build(Path(again), args.with_scheduler)
+            again = args.out.with_name(args.out.name + "-again")
+            second = build(again, args.with_scheduler)
             differ = [ref for ref in first if first[ref] != second.get(ref)]
             if differ:
                 for ref in differ:
-                    print(f"DIFFERENT {ref}: {first[ref][0]} then {second[ref][0]}")
+                    print(f"DIFFERENT {ref}: {first[ref][0]} then {second[ref][0]} "
+                          f"(layouts {args.out} and {again})")
                 return 1
+            shutil.rmtree(again)
             print(f"reproducible: two builds gave the same {len(first)} digests")
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
