@@ -74,7 +74,7 @@ def test_the_node_pulls_carpool_from_the_registry_and_runs_it_as_the_chart_does(
     imports, the CLI runs, and the image came from the registry by the pushed digest."""
     name = f"image-check-{uuid.uuid4().hex[:6]}"
     check = ("import os, carpool.operator.handlers, carpool.extender, carpool.deviceplugin, "
-             "carpool.cli.main; print('uid', os.getuid()); "
+             "carpool.cli.kubectl_plugin; print('uid', os.getuid()); "
              "import subprocess; subprocess.run(['kubectl-carpool', '--help'], check=True, "
              "stdout=subprocess.DEVNULL)")
     pod = {
