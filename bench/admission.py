@@ -265,17 +265,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _job(namespace: str, name: str, project: str, rng: random.Random, model: str) -> dict[str, Any]:
+def _job(namespace: str, name: str, project: str, rng: random.Random, model: str,
+         exclusive: bool = False) -> dict[str, Any]:
+    """A one-GPU job: an MPS share (25-50 % of the cores), or with `exclusive` a whole GPU
+    (what bench/peers.py gives Carpool and Kueue alike)."""
     cls = rng.choices(["interactive", "short", "long", "batch"], [1, 3, 2, 4])[0]
     seconds = rng.randint(40, 120)
+    memory, cores = rng.choice([16, 24, 32, 48]), rng.choice([25, 34, 50])
+    gpu: dict[str, Any] = ({"count": 1, "isolation": "exclusive", "models": [model]}
+                           if exclusive else
+                           {"count": 1, "memory": f"{memory}Gi", "cores": cores,
+                            "isolation": "mps", "models": [model]})
     return {
         "apiVersion": names.API_VERSION, "kind": "GpuJob",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {"project": project, "class": cls,
                  "preemptible": cls == "batch",
-                 "gpu": {"count": 1, "memory": f"{rng.choice([16, 24, 32, 48])}Gi",
-                         "cores": rng.choice([25, 34, 50]), "isolation": "mps",
-                         "models": [model]},
+                 "gpu": gpu,
                  "estimatedDuration": f"{seconds}s", "simulatedDuration": f"{seconds}s",
                  "template": {"spec": {"containers": [{"name": "main", "image": "work"}]}}},
     }
@@ -313,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "spec": {"namespaces": [project], "concurrent": {"gpus": gpus // args.projects},
                      "borrowing": {"enabled": True}}})
     jobs = [(p, f"j{i}") for i in range(args.jobs) for p in [projects[i % len(projects)]]]
-    manifests = [_job(p, name, p, rng, model) for p, name in jobs]
+    manifests = [_job(p, name, p, rng, model, args.exclusive) for p, name in jobs]
 
     created: dict[str, float] = {}
     # GpuJobs are created through the client's connection pool directly: the generated API
@@ -400,11 +406,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if startedn >= len(manifests) and (
                         not args.drain or finishedn >= len(manifests)):
                     break
+                if args.stop_when_admitted and (admitted >= len(manifests) or (
+                        admitted and time.monotonic() - last_change > 20)):
+                    break  # bench/peers.py: the admissions are all it compares
                 time.sleep(5)
             peak_kib = _rss_kib(operator_pid, "VmHWM")
             window = time.time() - operator_start
-            cpu = {name: (_cpu_seconds(pid) - cpu_before[name]) / window
-                   for name, pid in pids.items()}
+            cpu_seconds = {name: _cpu_seconds(pid) - cpu_before[name]
+                           for name, pid in pids.items()}
+            cpu = {name: seconds / window for name, seconds in cpu_seconds.items()}
             requests_after = _api_requests(api)
             requests = {k: (v - requests_before.get(k, 0.0)) / window
                         for k, v in requests_after.items() if v > requests_before.get(k, 0.0)}
@@ -467,6 +477,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_cores": {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])},
         "api_writes_per_s": {k: round(v, 1) for k, v in
                              sorted(requests.items(), key=lambda kv: -kv[1]) if v >= 0.5},
+        # for bench/peers.py, which summarises Kueue's rounds the same way; not printed
+        "_raw": {"admitted_at": admitted_at, "t0": t0, "cpu_seconds": cpu_seconds,
+                 "requests_before": requests_before, "requests_after": requests_after},
     }
     if args.delete_cluster:
         devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)
@@ -542,7 +555,7 @@ def write_doc(path: Path, result: dict[str, Any], command: str, notes: str) -> N
     path.write_text(text)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--projects", type=int, default=20)
@@ -566,12 +579,21 @@ def main() -> None:
                         "GpuJob status patches")
     parser.add_argument("--create-first", action="store_true",
                         help="create every GpuJob before the operator starts")
+    parser.add_argument("--exclusive", action="store_true",
+                        help="whole-GPU jobs (isolation exclusive) instead of MPS shares")
     parser.add_argument("--write-doc", type=Path)
     parser.add_argument("--notes", default="")
-    args = parser.parse_args()
+    parser.add_argument("--stop-when-admitted", action="store_true",
+                        help="end the run once every job is admitted (or none was for 20 s)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     # SIGTERM (timeout, a CI cancel) unwinds like Ctrl-C, so the operator and extender stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = run(args)
+    result.pop("_raw")
     print(json.dumps(result, indent=1))
     print(table(result))
     if args.write_doc:

@@ -1,0 +1,498 @@
+"""Kueue and Carpool side by side: the same one-GPU jobs, the same cluster, one invocation.
+
+Kueue (sigs.k8s.io/kueue v0.17.0, built by hack/build-kueue.sh from the Go module proxy) runs
+as a host process against the devcluster's API server, with its controllers, its admission
+and conversion webhooks and its internal certificate management, configured as its manifests
+ship it (`config/components/manager/controller_manager_config.yaml`: client QPS 50, burst
+100, `--zap-log-level=2`) except for what a host process needs: webhook server, health probe
+on loopback ports, metrics and the visibility API off, no leader election (one replica).
+
+How the API server reaches a Kueue on the host: its webhook configurations name the Service
+`kueue-webhook-service` in `kueue-system`, as shipped; that Service is of type ExternalName
+with `externalName: localhost`. kube-apiserver's default service resolver sends a webhook
+call for an ExternalName Service to `https://<externalName>:<port>`, and checks the TLS
+certificate against the Service's DNS name (`kueue-webhook-service.kueue-system.svc`), which is
+what Kueue's internal certificate names. (Endpoints or EndpointSlices cannot point at a
+loopback address, so a Service with manual endpoints does not work here.)
+
+Each round, for one system: `--nodes` KWOK nodes of 8 GPUs, 20 projects (Carpool:
+ProjectQuotas of nodes x 8 / 20 GPUs with borrowing; Kueue: one ClusterQueue each with that
+nominal quota of `nvidia.com/gpu`, all in one cohort, borrowing unlimited, a LocalQueue in the
+project's namespace), `--jobs` one-GPU jobs (Carpool: GpuJobs with isolation exclusive; Kueue:
+batch/v1 Jobs, suspended, in the project's LocalQueue), all created before the controller
+starts, so the rates are the controller's and not the bench client's. kube-scheduler is
+stopped until the burst is over (both: the admission path alone). Rounds alternate
+Kueue, Carpool, Kueue, ... (the first system swaps each pair).
+
+Prints per system and round: admissions/s (burst: admitted / seconds from the controller's
+start to the last admission; sustained: the middle 80 % of the admissions), creation (the
+controller's start) -> admitted p50/p99 (the watch first showing the Workload Admitted or
+the GpuJob Admitted or later), API writes per admission (the API server's
+apiserver_request_total, every write of every client, from the controller's start to the
+end of the round), CPU seconds per process per 1,000 admissions, and the medians' ratios.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py [--jobs 5000] [--nodes 625] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, watch
+
+from carpool import devcluster, simnodes
+
+HERE = Path(__file__).resolve().parent
+KUEUE_NS = "kueue-system"
+WEBHOOK_SERVICE = "kueue-webhook-service"
+KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
+GPU = "nvidia.com/gpu"
+WEBHOOK_NAMES = ("kueue-mutating-webhook-configuration", "kueue-validating-webhook-configuration")
+CONVERTED = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
+BACKGROUND = ("leases", "nodes")  # node heartbeats and leader leases: not per admission
+SELECTED = ("mpod.kb.io", "mdeployment.kb.io", "mstatefulset.kb.io", "vpod.kb.io",
+            "vdeployment.kb.io", "vstatefulset.kb.io")
+
+
+def _admission() -> Any:
+    """bench/admission.py (Carpool's side of the round) as a module."""
+    spec = importlib.util.spec_from_file_location("bench_admission", HERE / "admission.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+admission = _admission()
+
+
+def kueue_home() -> Path:
+    """Build (once, cached) and return the folder with `kueue` and `config/`."""
+    built = subprocess.run(["bash", str(HERE.parent / "hack" / "build-kueue.sh")],
+                           check=True, capture_output=True, text=True)
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
+def _kubectl_apply(cluster: devcluster.Cluster, docs: list[dict[str, Any]]) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                    stdin="\n---\n".join(yaml.safe_dump(d) for d in docs), timeout=180)
+
+
+def install_kueue_api(cluster: devcluster.Cluster, home: Path, port: int) -> None:
+    """CRDs (with the conversion webhook the shipped kustomization patches in), the
+    namespace and the ExternalName Service; idempotent."""
+    service_ref = {"namespace": KUEUE_NS, "name": WEBHOOK_SERVICE, "port": port}
+    crds = []
+    for path in sorted((home / "config").glob("kueue.x-k8s.io_*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        if crd["spec"]["names"]["plural"] in CONVERTED:
+            crd["spec"]["conversion"] = {"strategy": "Webhook", "webhook": {
+                "clientConfig": {"service": {**service_ref, "path": "/convert"}},
+                "conversionReviewVersions": ["v1"]}}
+        crds.append(crd)
+    _kubectl_apply(cluster, crds)
+    _kubectl_apply(cluster, [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NS}},
+        {"apiVersion": "v1", "kind": "Service",
+         "metadata": {"name": WEBHOOK_SERVICE, "namespace": KUEUE_NS},
+         "spec": {"type": "ExternalName", "externalName": "localhost",
+                  "ports": [{"name": "https", "port": port, "protocol": "TCP"}]}}])
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=120s",
+                    *[f"crd/{c['metadata']['name']}" for c in crds])
+
+
+def webhook_configurations(home: Path, port: int) -> list[dict[str, Any]]:
+    """The shipped webhook configurations, named and pointed as the kustomization does
+    (prefix `kueue-`, namespace kueue-system, pods/deployments/statefulsets outside
+    kube-system and kueue-system), with the Service's port."""
+    out = []
+    not_system = {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
+                                        "operator": "NotIn",
+                                        "values": ["kube-system", KUEUE_NS]}]}
+    for doc in yaml.safe_load_all((home / "config" / "webhook-manifests.yaml").read_text()):
+        if not doc:
+            continue
+        doc["metadata"]["name"] = "kueue-" + doc["metadata"]["name"]
+        for hook in doc["webhooks"]:
+            hook["clientConfig"]["service"].update(
+                {"name": WEBHOOK_SERVICE, "namespace": KUEUE_NS, "port": port})
+            if hook["name"] in SELECTED:
+                hook["namespaceSelector"] = not_system
+        out.append(doc)
+    return out
+
+
+def kueue_config(port: int, qps: int, burst: int, cert_dir: Path) -> dict[str, Any]:
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+        "namespace": KUEUE_NS,
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{port + 1}"},
+        "metrics": {"bindAddress": "0"},
+        "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": True, "webhookServiceName": WEBHOOK_SERVICE,
+                                   "webhookSecretName": "kueue-webhook-server-cert"},
+        "controller": {"groupKindConcurrency": {
+            "Job.batch": 5, "Pod": 5, "Workload.kueue.x-k8s.io": 5,
+            "LocalQueue.kueue.x-k8s.io": 1, "Cohort.kueue.x-k8s.io": 1,
+            "ClusterQueue.kueue.x-k8s.io": 1, "ResourceFlavor.kueue.x-k8s.io": 1}},
+        "clientConnection": {"qps": qps, "burst": burst},
+        "integrations": {"frameworks": ["batch/job"]},
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+
+
+class WorkloadTracker:
+    """First time the watch shows each Workload admitted, keyed by its Job."""
+
+    def __init__(self, api: Any) -> None:
+        self.custom = client.CustomObjectsApi(api)
+        self.admitted: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        version = ""
+        while not self.stop.is_set():
+            try:
+                for event in watch.Watch().stream(
+                        self.custom.list_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION,
+                        "workloads", resource_version=version, timeout_seconds=30):
+                    obj = event["object"]
+                    version = obj["metadata"].get("resourceVersion", version)
+                    conditions = (obj.get("status") or {}).get("conditions") or []
+                    if any(c.get("type") == "Admitted" and c.get("status") == "True"
+                           for c in conditions):
+                        owner = (obj["metadata"].get("ownerReferences") or [{}])[0].get("name")
+                        key = f"{obj['metadata']['namespace']}/{owner}"
+                        with self.lock:
+                            self.admitted.setdefault(key, time.time())
+                    if self.stop.is_set():
+                        break
+            except Exception:  # an expired resourceVersion: list again
+                version = ""
+                time.sleep(0.5)
+
+
+def _job_manifest(namespace: str, name: str, seconds: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"kueue.x-k8s.io/queue-name": "jobs"}},
+        "spec": {"suspend": True, "parallelism": 1, "completions": 1, "backoffLimit": 0,
+                 "template": {
+                     "metadata": {"annotations": {"carpool.dev/simulated-duration": str(seconds)}},
+                     "spec": {"restartPolicy": "Never", "containers": [{
+                         "name": "main", "image": "work",
+                         "resources": {"requests": {GPU: "1"}, "limits": {GPU: "1"}}}]}}},
+    }
+
+
+@contextlib.contextmanager
+def kueue_running(cluster: devcluster.Cluster, home: Path, port: int, qps: int, burst: int,
+                  log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Webhook configurations applied, Kueue started; both gone after the block."""
+    config_dir = Path(tempfile.mkdtemp(prefix="carpool-bench-kueue-"))
+    config = config_dir / "config.yaml"
+    config.write_text(yaml.safe_dump(kueue_config(port, qps, burst, config_dir / "certs")))
+    _kubectl_apply(cluster, webhook_configurations(home, port))
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    with log.open("wb") as out:
+        process = subprocess.Popen([str(home / "kueue"), f"--config={config}",
+                                    "--zap-log-level=2"], stdout=out, stderr=subprocess.STDOUT,
+                                   env=env)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for name in WEBHOOK_NAMES:  # failurePolicy Fail: none may outlive Kueue
+            kind = "mutatingwebhookconfiguration" if "mutating" in name else \
+                "validatingwebhookconfiguration"
+            cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
+
+
+def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
+              round_no: int) -> dict[str, Any]:
+    api = cluster.api()
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    tag = f"k{int(time.time()) % 100000}"
+    model = f"BENCH{tag}"
+    nodes = simnodes.parse_nodes({"nodes": [{
+        "name": f"bench-{tag}-n{i}", "zone": "zone-a", "sharing": "mps",
+        "gpus": [{"model": model, "count": 8, "memoryTotalMiB": 141 * 1024}]}
+        for i in range(args.nodes)]})
+    simnodes.apply_nodes(api, nodes, workers=8)
+    for node in nodes:  # the NVIDIA device plugin's resource, for Kueue's pods
+        core.patch_node_status(node.name, {"status": {"capacity": {GPU: "8"},
+                                                      "allocatable": {GPU: "8"}}})
+    gpus = args.nodes * 8
+    projects = [f"bench-{tag}-p{i}" for i in range(args.projects)]
+    cohort = f"bench-{tag}"
+    flavor = f"bench-{tag}"
+    custom.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "resourceflavors", {
+        "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "ResourceFlavor",
+        "metadata": {"name": flavor}})
+    for project in projects:
+        core.create_namespace({"metadata": {"name": project}})
+        custom.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues", {
+            "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "ClusterQueue",
+            "metadata": {"name": project},
+            "spec": {"cohortName": cohort,
+                     "namespaceSelector": {"matchLabels": {
+                         "kubernetes.io/metadata.name": project}},
+                     "resourceGroups": [{"coveredResources": [GPU], "flavors": [{
+                         "name": flavor, "resources": [{
+                             "name": GPU, "nominalQuota": gpus // args.projects}]}]}]}})
+        custom.create_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, project,
+                                               "localqueues", {
+            "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "LocalQueue",
+            "metadata": {"name": "jobs", "namespace": project},
+            "spec": {"clusterQueue": project}})
+    rng = admission.random.Random(args.seed)
+    manifests = [_job_manifest(projects[i % len(projects)], f"j{i}", rng.randint(40, 120))
+                 for i in range(args.jobs)]
+    pool = api.rest_client.pool_manager
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+
+    def create(manifest: dict[str, Any]) -> None:
+        url = (f"{api.configuration.host}/apis/batch/v1/namespaces/"
+               f"{manifest['metadata']['namespace']}/jobs")
+        for _ in range(5):
+            response = pool.request("POST", url, body=json.dumps(manifest).encode(),
+                                    headers=headers, retries=False)
+            if response.status < 300 or response.status == 409:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"creating a Job failed: {response.status} {response.data[:300]!r}")
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=8) as workers:
+        list(workers.map(create, manifests))
+    print(f"  created {len(manifests)} Jobs in {time.monotonic() - started:.1f}s",
+          file=sys.stderr)
+    settle(api)  # kube-controller-manager's job controller reacts to the new Jobs first
+    scheduler = admission._component_pids(args.cluster).get("kube-scheduler")
+    paused = [scheduler] if scheduler is not None else []
+    admission._signal_scheduler(paused, signal.SIGSTOP)
+    log = Path(tempfile.mkdtemp(prefix="carpool-bench-peers-")) / f"kueue-{round_no}.log"
+    try:
+        with kueue_running(cluster, home, args.kueue_port, args.kueue_qps, args.kueue_burst,
+                           log) as process:
+            t0 = time.time()
+            pids = {**admission._component_pids(args.cluster), "kueue": process.pid,
+                    "bench (this client)": os.getpid()}
+            cpu_before = {name: admission._cpu_seconds(pid) for name, pid in pids.items()}
+            requests_before = admission._api_requests(api)
+            tracker = WorkloadTracker(cluster.api())
+            tracker.thread.start()
+            deadline = time.monotonic() + args.timeout
+            last, last_change = -1, time.monotonic()
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    raise RuntimeError(f"kueue exited ({process.returncode}); see {log}")
+                with tracker.lock:
+                    count = len(tracker.admitted)
+                print(f"  kueue t+{time.time() - t0:5.0f}s admitted {count}/{len(manifests)}",
+                      file=sys.stderr)
+                if count != last:
+                    last, last_change = count, time.monotonic()
+                if count >= len(manifests) or (count and time.monotonic() - last_change > 20):
+                    break
+                time.sleep(2)
+            window = time.time() - t0
+            cpu = {name: admission._cpu_seconds(pid) - cpu_before[name]
+                   for name, pid in pids.items()}
+            requests_after = admission._api_requests(api)
+            tracker.stop.set()
+            with tracker.lock:
+                admitted = dict(tracker.admitted)
+        # the scheduler stays stopped until Kueue's pods are gone (it has nothing else to do)
+        cleanup_kueue(cluster, projects, flavor, [n.name for n in nodes])
+    finally:
+        admission._signal_scheduler(paused, signal.SIGCONT)
+    result = summarize("kueue", admitted, t0, window, cpu, requests_before, requests_after)
+    result["log"] = str(log)
+    return result
+
+
+def settle(api: Any, quiet_per_s: float = 10.0, limit_s: float = 180.0) -> None:
+    """Wait until the API server takes fewer than `quiet_per_s` writes a second."""
+    deadline = time.monotonic() + limit_s
+    before = sum(admission._api_requests(api).values())
+    while time.monotonic() < deadline:
+        time.sleep(3)
+        after = sum(admission._api_requests(api).values())
+        if (after - before) / 3 < quiet_per_s:
+            return
+        before = after
+
+
+def cleanup_kueue(cluster: devcluster.Cluster, projects: list[str], flavor: str,
+                  node_names: list[str]) -> None:
+    """With Kueue stopped its finalizers stay: take them off, then delete everything."""
+    api = cluster.api()
+    custom = client.CustomObjectsApi(api)
+    core = client.CoreV1Api(api)
+
+    def unfinalize(item: tuple[str, str]) -> None:
+        namespace, name = item
+        with contextlib.suppress(client.ApiException):
+            custom.patch_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace,
+                                                  "workloads", name,
+                                                  {"metadata": {"finalizers": None}})
+
+    for project in projects:
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(project)
+    items = custom.list_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "workloads")["items"]
+    with ThreadPoolExecutor(max_workers=8) as workers:
+        list(workers.map(unfinalize, [(w["metadata"]["namespace"], w["metadata"]["name"])
+                                      for w in items
+                                      if w["metadata"]["namespace"] in set(projects)]))
+    for plural, name in [*[("clusterqueues", p) for p in projects],
+                         ("resourceflavors", flavor)]:
+        with contextlib.suppress(client.ApiException):
+            custom.patch_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, plural, name,
+                                               {"metadata": {"finalizers": None}})
+            custom.delete_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, plural, name)
+    simnodes.delete_nodes(api, node_names)
+
+
+def summarize(system: str, admitted: dict[str, float], t0: float, window: float,
+              cpu: dict[str, float], before: dict[str, float], after: dict[str, float],
+              ) -> dict[str, Any]:
+    times = sorted(admitted.values())
+    n = len(times)
+    low, high = (times[n // 10], times[n * 9 // 10]) if n else (0.0, 0.0)
+    writes = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
+    total_writes = sum(writes.values())
+    background = sum(v for k, v in writes.items()
+                     if k.split(" ")[1].split("/")[0] in BACKGROUND)
+    return {
+        "system": system, "admitted": n,
+        "burst_rate": n / max(1e-9, times[-1] - t0) if n else 0.0,
+        "sustained_rate": (n * 9 // 10 - n // 10) / (high - low) if high > low else 0.0,
+        "p50": admission._percentile([t - t0 for t in times], 0.5),
+        "p99": admission._percentile([t - t0 for t in times], 0.99),
+        "writes_per_admission": total_writes / max(n, 1),
+        "controller_writes_per_admission": (total_writes - background) / max(n, 1),
+        "writes": {k: round(v / max(n, 1), 2) for k, v in
+                   sorted(writes.items(), key=lambda kv: -kv[1]) if v / max(n, 1) >= 0.05},
+        "cpu_s_per_1000": {k: round(1000 * v / max(n, 1), 2) for k, v in
+                           sorted(cpu.items(), key=lambda kv: -kv[1])},
+        "window_s": window,
+    }
+
+
+def run_carpool(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
+    """One bench/admission.py run with the same jobs (whole GPUs), nodes and projects."""
+    carpool_args = admission.build_parser().parse_args([
+        "--jobs", str(args.jobs), "--nodes", str(args.nodes), "--projects",
+        str(args.projects), "--cluster", args.cluster, "--extender-port",
+        str(args.extender_port), "--create-first", "--pause-scheduler", "--exclusive",
+        "--stop-when-admitted", "--timeout", str(args.timeout), "--seed", str(args.seed)])
+    outcome = admission.run(carpool_args)
+    raw = outcome["_raw"]
+    return summarize("carpool", raw["admitted_at"], raw["t0"], outcome["window_s"],
+                     raw["cpu_seconds"], raw["requests_before"], raw["requests_after"]) | {
+        "log": outcome["log"]}
+
+
+def median_row(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+
+def report(results: list[dict[str, Any]], command: str) -> str:
+    by = {s: [r for r in results if r["system"] == s] for s in ("carpool", "kueue")}
+    lines = [f"`{command}`", "",
+             "| round | system | admitted | admissions/s burst | sustained | p50 s | p99 s "
+             "| API writes / admission (without leases, nodes) "
+             "| CPU s / 1,000 admissions (top 4) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for i, r in enumerate(results):
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in list(r["cpu_s_per_1000"].items())[:4])
+        lines.append(f"| {i + 1} | {r['system']} | {r['admitted']} | {r['burst_rate']:.1f} "
+                     f"| {r['sustained_rate']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} "
+                     f"| {r['writes_per_admission']:.2f} "
+                     f"({r['controller_writes_per_admission']:.2f}) | {cpu} |")
+    lines.append("")
+    lines.append("| median | Carpool | Kueue | Carpool / Kueue |")
+    lines.append("|---|---:|---:|---:|")
+    for key, label in (("burst_rate", "admissions/s, burst"),
+                       ("sustained_rate", "admissions/s, sustained"),
+                       ("p50", "controller start -> admitted p50 (s)"),
+                       ("p99", "controller start -> admitted p99 (s)"),
+                       ("writes_per_admission", "API writes per admission"),
+                       ("controller_writes_per_admission",
+                        "API writes per admission, without leases and nodes")):
+        c, k = median_row(by["carpool"], key), median_row(by["kueue"], key)
+        lines.append(f"| {label} | {c:.2f} | {k:.2f} | {c / k if k else float('nan'):.2f}× |")
+    for r in results:
+        lines.append("")
+        lines.append(f"{r['system']}: writes per admission by resource: "
+                     + ", ".join(f"{k} {v}" for k, v in r["writes"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--nodes", type=int, default=625,
+                        help="KWOK nodes of 8 GPUs (625: every job fits at once)")
+    parser.add_argument("--projects", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2, help="pairs of runs (Kueue, Carpool)")
+    parser.add_argument("--only", choices=("kueue", "carpool"))
+    parser.add_argument("--cluster", default="carpool-bench-peers")
+    parser.add_argument("--extender-port", type=int, default=18160)
+    parser.add_argument("--kueue-port", type=int, default=19443)
+    parser.add_argument("--kueue-qps", type=int, default=50, help="as shipped: 50")
+    parser.add_argument("--kueue-burst", type=int, default=100, help="as shipped: 100")
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.environ[devcluster.EXTENDER_PORT_ENV] = str(args.extender_port)
+    cluster = devcluster.up(args.cluster, port=args.extender_port,
+                            progress=devcluster.Progress(sys.stderr))
+    home = kueue_home()
+    install_kueue_api(cluster, home, args.kueue_port)
+    results = []
+    for round_no in range(args.rounds):
+        order = ["kueue", "carpool"] if round_no % 2 == 0 else ["carpool", "kueue"]
+        for system in order:
+            if args.only and system != args.only:
+                continue
+            print(f"== round {round_no + 1}: {system}", file=sys.stderr)
+            result = (run_kueue(args, cluster, home, round_no) if system == "kueue"
+                      else run_carpool(args, round_no))
+            print(json.dumps(result), file=sys.stderr)
+            results.append(result)
+    command = "PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
+    print(report(results, command))
+
+
+if __name__ == "__main__":
+    main()
