@@ -56,13 +56,14 @@ from typing import Any
 import yaml
 from kubernetes import client, watch
 
-from carpool import devcluster, simnodes
+from carpool_testbed import crds, devcluster, simnodes
 
 HERE = Path(__file__).resolve().parent
 KUEUE_NS = "kueue-system"
 WEBHOOK_SERVICE = "kueue-webhook-service"
 KUEUE_GROUP, KUEUE_VERSION = "kueue.x-k8s.io", "v1beta2"
 GPU = "nvidia.com/gpu"
+KUEUE_SHIPPED_QPS, KUEUE_SHIPPED_BURST = 50, 100  # controller_manager_config.yaml
 WEBHOOK_NAMES = ("kueue-mutating-webhook-configuration", "kueue-validating-webhook-configuration")
 CONVERTED = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
 BACKGROUND = ("leases", "nodes")  # node heartbeats and leader leases: not per admission
@@ -96,7 +97,7 @@ def _kubectl_apply(cluster: devcluster.Cluster, docs: list[dict[str, Any]]) -> N
 
 def install_kueue_api(cluster: devcluster.Cluster, home: Path, port: int) -> None:
     """CRDs (with the conversion webhook the shipped kustomization patches in), the
-    namespace and the ExternalName Service; idempotent."""
+    namespace, the certificate Secret and the ExternalName Service; idempotent."""
     service_ref = {"namespace": KUEUE_NS, "name": WEBHOOK_SERVICE, "port": port}
     crds = []
     for path in sorted((home / "config").glob("kueue.x-k8s.io_*.yaml")):
@@ -109,6 +110,9 @@ def install_kueue_api(cluster: devcluster.Cluster, home: Path, port: int) -> Non
     _kubectl_apply(cluster, crds)
     _kubectl_apply(cluster, [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NS}},
+        # the shipped empty Secret that Kueue's certificate rotator fills
+        {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+         "metadata": {"name": "kueue-webhook-server-cert", "namespace": KUEUE_NS}},
         {"apiVersion": "v1", "kind": "Service",
          "metadata": {"name": WEBHOOK_SERVICE, "namespace": KUEUE_NS},
          "spec": {"type": "ExternalName", "externalName": "localhost",
@@ -234,7 +238,7 @@ def kueue_running(cluster: devcluster.Cluster, home: Path, port: int, qps: int, 
 
 
 def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
-              round_no: int) -> dict[str, Any]:
+              round_no: int, qps: int, burst: int) -> dict[str, Any]:
     api = cluster.api()
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
@@ -244,6 +248,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
         "name": f"bench-{tag}-n{i}", "zone": "zone-a", "sharing": "mps",
         "gpus": [{"model": model, "count": 8, "memoryTotalMiB": 141 * 1024}]}
         for i in range(args.nodes)]})
+    crds.apply_crds(api)  # the GpuNodes of the simulated nodes need them
     simnodes.apply_nodes(api, nodes, workers=8)
     for node in nodes:  # the NVIDIA device plugin's resource, for Kueue's pods
         core.patch_node_status(node.name, {"status": {"capacity": {GPU: "8"},
@@ -299,8 +304,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
     admission._signal_scheduler(paused, signal.SIGSTOP)
     log = Path(tempfile.mkdtemp(prefix="carpool-bench-peers-")) / f"kueue-{round_no}.log"
     try:
-        with kueue_running(cluster, home, args.kueue_port, args.kueue_qps, args.kueue_burst,
-                           log) as process:
+        with kueue_running(cluster, home, args.kueue_port, qps, burst, log) as process:
             t0 = time.time()
             pids = {**admission._component_pids(args.cluster), "kueue": process.pid,
                     "bench (this client)": os.getpid()}
@@ -333,18 +337,25 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
         cleanup_kueue(cluster, projects, flavor, [n.name for n in nodes])
     finally:
         admission._signal_scheduler(paused, signal.SIGCONT)
-    result = summarize("kueue", admitted, t0, window, cpu, requests_before, requests_after)
+    system = "kueue" if qps == KUEUE_SHIPPED_QPS else f"kueue-qps{qps}"
+    result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after)
     result["log"] = str(log)
     return result
 
 
-def settle(api: Any, quiet_per_s: float = 10.0, limit_s: float = 180.0) -> None:
-    """Wait until the API server takes fewer than `quiet_per_s` writes a second."""
+def _foreground_writes(api: Any) -> float:
+    writes: dict[str, float] = admission._api_requests(api)
+    return sum(v for k, v in writes.items() if k.split(" ")[1].split("/")[0] not in BACKGROUND)
+
+
+def settle(api: Any, quiet_per_s: float = 10.0, limit_s: float = 120.0) -> None:
+    """Wait until the API server takes fewer than `quiet_per_s` writes a second besides
+    node heartbeats and leases."""
     deadline = time.monotonic() + limit_s
-    before = sum(admission._api_requests(api).values())
+    before = _foreground_writes(api)
     while time.monotonic() < deadline:
         time.sleep(3)
-        after = sum(admission._api_requests(api).values())
+        after = _foreground_writes(api)
         if (after - before) / 3 < quiet_per_s:
             return
         before = after
@@ -426,7 +437,8 @@ def median_row(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def report(results: list[dict[str, Any]], command: str) -> str:
-    by = {s: [r for r in results if r["system"] == s] for s in ("carpool", "kueue")}
+    systems = list(dict.fromkeys(r["system"] for r in results))
+    by = {s: [r for r in results if r["system"] == s] for s in systems}
     lines = [f"`{command}`", "",
              "| round | system | admitted | admissions/s burst | sustained | p50 s | p99 s "
              "| API writes / admission (without leases, nodes) "
@@ -438,9 +450,11 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                      f"| {r['sustained_rate']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} "
                      f"| {r['writes_per_admission']:.2f} "
                      f"({r['controller_writes_per_admission']:.2f}) | {cpu} |")
+    others = [s for s in systems if s != "carpool"]
     lines.append("")
-    lines.append("| median | Carpool | Kueue | Carpool / Kueue |")
-    lines.append("|---|---:|---:|---:|")
+    lines.append("| median | " + " | ".join(systems) + " | "
+                 + " | ".join(f"Carpool / {s}" for s in others) + " |")
+    lines.append("|---|" + "---:|" * (len(systems) + len(others)))
     for key, label in (("burst_rate", "admissions/s, burst"),
                        ("sustained_rate", "admissions/s, sustained"),
                        ("p50", "controller start -> admitted p50 (s)"),
@@ -448,8 +462,11 @@ def report(results: list[dict[str, Any]], command: str) -> str:
                        ("writes_per_admission", "API writes per admission"),
                        ("controller_writes_per_admission",
                         "API writes per admission, without leases and nodes")):
-        c, k = median_row(by["carpool"], key), median_row(by["kueue"], key)
-        lines.append(f"| {label} | {c:.2f} | {k:.2f} | {c / k if k else float('nan'):.2f}× |")
+        values = {s: median_row(by[s], key) for s in systems}
+        carpool = values.get("carpool", float("nan"))
+        lines.append(f"| {label} | " + " | ".join(f"{values[s]:.2f}" for s in systems) + " | "
+                     + " | ".join(f"{carpool / values[s] if values[s] else float('nan'):.2f}×"
+                                  for s in others) + " |")
     for r in results:
         lines.append("")
         lines.append(f"{r['system']}: writes per admission by resource: "
@@ -468,8 +485,12 @@ def main() -> None:
     parser.add_argument("--cluster", default="carpool-bench-peers")
     parser.add_argument("--extender-port", type=int, default=18160)
     parser.add_argument("--kueue-port", type=int, default=19443)
-    parser.add_argument("--kueue-qps", type=int, default=50, help="as shipped: 50")
-    parser.add_argument("--kueue-burst", type=int, default=100, help="as shipped: 100")
+    parser.add_argument("--kueue-qps", type=int, default=KUEUE_SHIPPED_QPS,
+                        help="Kueue's client QPS (as shipped: 50)")
+    parser.add_argument("--kueue-burst", type=int, default=KUEUE_SHIPPED_BURST,
+                        help="Kueue's client burst (as shipped: 100)")
+    parser.add_argument("--kueue-tuned-qps", type=int, default=0, metavar="N",
+                        help="each round also runs Kueue with client QPS N (burst 2N)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -482,12 +503,20 @@ def main() -> None:
     results = []
     for round_no in range(args.rounds):
         order = ["kueue", "carpool"] if round_no % 2 == 0 else ["carpool", "kueue"]
+        if args.kueue_tuned_qps:
+            order.append("kueue-tuned")
         for system in order:
-            if args.only and system != args.only:
+            if args.only and not system.startswith(args.only):
                 continue
             print(f"== round {round_no + 1}: {system}", file=sys.stderr)
-            result = (run_kueue(args, cluster, home, round_no) if system == "kueue"
-                      else run_carpool(args, round_no))
+            if system == "carpool":
+                result = run_carpool(args, round_no)
+            elif system == "kueue":
+                result = run_kueue(args, cluster, home, round_no, args.kueue_qps,
+                                   args.kueue_burst)
+            else:
+                result = run_kueue(args, cluster, home, round_no, args.kueue_tuned_qps,
+                                   2 * args.kueue_tuned_qps)
             print(json.dumps(result), file=sys.stderr)
             results.append(result)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
