@@ -272,7 +272,8 @@ def _job(namespace: str, name: str, project: str, rng: random.Random, model: str
     cls = rng.choices(["interactive", "short", "long", "batch"], [1, 3, 2, 4])[0]
     seconds = rng.randint(40, 120)
     memory, cores = rng.choice([16, 24, 32, 48]), rng.choice([25, 34, 50])
-    gpu: dict[str, Any] = ({"count": 1, "isolation": "exclusive", "models": [model]}
+    gpu: dict[str, Any] = ({"count": 1, "memory": f"{memory}Gi", "isolation": "exclusive",
+                            "models": [model]}
                            if exclusive else
                            {"count": 1, "memory": f"{memory}Gi", "cores": cores,
                             "isolation": "mps", "models": [model]})
@@ -336,7 +337,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     headers=headers, retries=False)
             if response.status < 300 or response.status == 409:
                 break
+            if response.status == 422:  # invalid: no retry will help
+                raise RuntimeError(f"GpuJob refused: {response.data[:500]!r}")
             time.sleep(0.5)
+        else:
+            raise RuntimeError(f"creating a GpuJob failed: {response.status} "
+                               f"{response.data[:300]!r}")
         created[f"{meta['namespace']}/{meta['name']}"] = time.time()
 
     def create_all() -> tuple[float, float]:

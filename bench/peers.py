@@ -37,6 +37,7 @@ end of the round), CPU seconds per process per 1,000 admissions, and the medians
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import importlib.util
 import json
@@ -223,6 +224,7 @@ def kueue_running(cluster: devcluster.Cluster, home: Path, port: int, qps: int, 
                                     "--zap-log-level=2"], stdout=out, stderr=subprocess.STDOUT,
                                    env=env)
     try:
+        mount_certificates(cluster, config_dir / "certs", process)
         yield process
     finally:
         process.send_signal(signal.SIGTERM)
@@ -235,6 +237,25 @@ def kueue_running(cluster: devcluster.Cluster, home: Path, port: int, qps: int, 
             kind = "mutatingwebhookconfiguration" if "mutating" in name else \
                 "validatingwebhookconfiguration"
             cluster.kubectl("delete", kind, name, "--ignore-not-found", check=False)
+
+
+def mount_certificates(cluster: devcluster.Cluster, cert_dir: Path,
+                       process: subprocess.Popen[bytes], limit_s: float = 60) -> None:
+    """Do what the kubelet's Secret volume does for Kueue's pod: once the certificate
+    rotator has filled the Secret, its keys become files in the webhook's certificate
+    folder (the rotator waits for them there before Kueue starts its controllers)."""
+    core = client.CoreV1Api(cluster.api())
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and process.poll() is None:
+        secret = core.read_namespaced_secret("kueue-webhook-server-cert", KUEUE_NS)
+        data = secret.data or {}
+        if "tls.crt" in data and "tls.key" in data:
+            cert_dir.mkdir(parents=True, exist_ok=True)
+            for key, value in data.items():
+                (cert_dir / key).write_bytes(base64.b64decode(value))
+            return
+        time.sleep(0.5)
+    raise RuntimeError("Kueue's certificate Secret was not filled in time")
 
 
 def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
@@ -290,6 +311,8 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
                                     headers=headers, retries=False)
             if response.status < 300 or response.status == 409:
                 return
+            if response.status == 422:  # invalid: no retry will help
+                break
             time.sleep(0.5)
         raise RuntimeError(f"creating a Job failed: {response.status} {response.data[:300]!r}")
 
