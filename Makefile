@@ -11,14 +11,19 @@ export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml setup.py testbed/pyproject.toml
+# The editable install is strict (it links each module, so mypy sees the files): a module added
+# or removed since the last install needs a new one. The stamp is named by the module list.
+MODULES := $(shell find src operator extender deviceplugin testbed -name '*.py' -not -path '*/build/*' 2>/dev/null | sort | cksum | cut -d' ' -f1)
+INSTALLED := $(VENV)/.installed-$(MODULES)
+
+$(INSTALLED): pyproject.toml setup.py testbed/pyproject.toml
 	@echo "==> [dev] creating $(VENV) and installing carpool (editable, strict)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -m pip install -q -e '.[dev]' -e ./testbed --config-settings editable_mode=strict
-	@touch $@
+	@rm -f $(VENV)/.installed*; touch $@
 
-dev: $(VENV)/.installed ## Create the virtualenv with Carpool and its dev tools
+dev: $(INSTALLED) ## Create the virtualenv with Carpool and its dev tools (again when modules change)
 
 binaries: ## Build (once, cached in ~/.cache/carpool) Kubernetes, etcd, KWOK, Helm from the Go module proxy
 	@bash hack/build-k8s.sh

@@ -10,10 +10,34 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+import carpool
+import carpool_testbed
 from carpool_testbed import devcluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def modules_not_installed() -> list[str]:
+    """Modules of the checkout the editable install does not have: it links each module
+    (strict mode), so one added since the last `make dev` is not importable yet."""
+    package, testbed = Path(carpool.__file__).parent, Path(carpool_testbed.__file__).parent
+    roots = {REPO / "src" / "carpool": package, REPO / "testbed": testbed,
+             **{REPO / c: package / c for c in ("operator", "extender", "deviceplugin")}}
+    return sorted(str(source.relative_to(REPO))
+                  for checkout, installed in roots.items()
+                  for source in checkout.rglob("*.py")
+                  if "build" not in source.relative_to(checkout).parts
+                  and not (installed / source.relative_to(checkout)).is_file())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = modules_not_installed()
+    if missing:
+        raise pytest.UsageError(f"not installed yet: {', '.join(missing)}; run `make dev`")
 
 
 @pytest.fixture(scope="session")
