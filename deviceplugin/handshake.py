@@ -37,7 +37,8 @@ class HandshakeError(Exception):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
-        self.code = code  # "INVALID_ARGUMENT" | "NOT_FOUND" | "FAILED_PRECONDITION"
+        # "INVALID_ARGUMENT" | "NOT_FOUND" | "FAILED_PRECONDITION" | "PERMISSION_DENIED"
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class PodView:
     deleting: bool
     annotations: Mapping[str, str]
     gpu_containers: tuple[tuple[str, int], ...]  # (container name, carpool.dev/gpu count)
+    owner: str = ""  # the GpuJob controlling the pod ("" for none; see core.ownership)
 
     @property
     def key(self) -> str:

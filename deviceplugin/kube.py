@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from carpool.core.names import ANN_ALLOCATED, RESOURCE_GPU
+from carpool.core.ownership import gpujob_owner
 from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.handshake import PodView
 from carpool.kube.client import Api
@@ -42,6 +43,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         gpu_containers=tuple(
             (c["name"], n) for c in (spec.get("containers") or []) if (n := _gpu_count(c)) > 0
         ),
+        owner=gpujob_owner(meta.get("ownerReferences")),
     )
 
 

@@ -20,6 +20,7 @@ import grpc
 from carpool.core.assignment import AssignedGpu
 from carpool.core.gpunode import SHARING_MODES
 from carpool.core.names import RESOURCE_GPU
+from carpool.core.ownership import unowned_refusal
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
@@ -51,6 +52,7 @@ _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 @dataclass
@@ -60,6 +62,8 @@ class PluginConfig:
     shares_per_gpu: int = 8
     mps: MpsSettings = field(default_factory=MpsSettings)
     resource_name: str = RESOURCE_GPU
+    # Serve pods that no GpuJob owns (a test bed's bare pods); off: they get PERMISSION_DENIED.
+    serve_unowned: bool = False
 
 
 MARK_WAIT_S = 2.0  # how long Allocate waits for the allocated mark before answering anyway
@@ -267,9 +271,12 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         pods = await state.pods.pods_on_node(state.config.node)
         match = match_request(pods, state.config.node, shares, state.clock(),
                               frozenset(state.handed_over))
+        if not match.pod.owner and not state.config.serve_unowned:
+            raise HandshakeError("PERMISSION_DENIED", unowned_refusal(match.pod.key))
         isolation = self._isolation(match)
         self._check_honourable(match.pod.key, match.gpus)
-        setup = container_setup(isolation, match.gpus, state.config.mps)
+        setup = container_setup(isolation, match.gpus, state.config.mps,
+                                {g.uuid: g.memory_total_mib for g in state.gpus})
         assigned = [g.uuid for g in match.gpus]
         if {s.gpu_uuid for s in shares} != set(assigned):
             log.warning("kubelet chose %s for %s/%s but the extender assigned %s; the container "

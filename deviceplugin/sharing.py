@@ -7,13 +7,15 @@ exactly this environment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
 from carpool.core.assignment import AssignedGpu
+from carpool.core.gpuhours import sm_share_pct
 from carpool.core.resources import Isolation
 from carpool.deviceplugin.handshake import HandshakeError
+from carpool.deviceplugin.mps import mps_memory_limit
 
 CONTAINER_MPS_PIPE_DIR = "/run/carpool/mps"
 CONTAINER_SHM_DIR = "/dev/shm"
@@ -25,6 +27,9 @@ class MpsSettings:
 
     pipe_dir: str = "/run/carpool/mps/pipe"
     shm_dir: str = ""  # a host tmpfs shared by the daemon and clients; "" to leave /dev/shm alone
+    # The most one client may hold of each GPU (memory and SMs, %), fenced on the control
+    # daemon (see mps.py) and published so that placement grants no more on an MPS node.
+    ceiling_pct: int = 100
 
 
 @dataclass(frozen=True)
@@ -40,20 +45,18 @@ class ContainerSetup:
     mounts: tuple[MountSpec, ...] = ()
 
 
-def mps_memory_limit(mib: int) -> str:
-    """`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`'s value syntax: whole GiB as "8G", otherwise "1536M"."""
-    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
-
-
 def container_setup(
     isolation: Isolation,
     gpus: Sequence[AssignedGpu],
     mps: MpsSettings = MpsSettings(),
+    memory_totals: Mapping[str, int] | None = None,
 ) -> ContainerSetup:
     """Environment and mounts that give a container exactly its assigned GPUs.
 
     GPUs are named by UUID (CUDA_VISIBLE_DEVICES accepts UUIDs), so the numbering the container
     sees cannot disagree with the host's. MPS per-device limits index the visible devices.
+    An MPS grant without `cores` gets its memory share of the SMs (`gpuhours.sm_share_pct`,
+    the share it is billed for); `memory_totals` (GPU uuid -> MiB) says what that share is.
     """
     if not gpus:
         raise HandshakeError("FAILED_PRECONDITION", "the assignment lists no GPUs")
@@ -85,8 +88,10 @@ def container_setup(
     )
     if not envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]:
         del envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
-    cores = max(g.cores_pct for g in gpus)  # one value per process: the largest grant
-    if 0 < cores < 100:
+    totals = memory_totals or {}
+    # one value per process: the largest grant
+    cores = max(sm_share_pct(g.cores_pct, g.memory_mib, totals.get(g.uuid, 0)) for g in gpus)
+    if cores < 100:
         envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(cores)
     mounts = [MountSpec(CONTAINER_MPS_PIPE_DIR, mps.pipe_dir)]
     if mps.shm_dir:

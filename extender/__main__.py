@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="filter passes only Carpool's N best nodes for the pod; 1 lets "
                              "the scheduler bind without scoring or prioritize; 0 passes "
                              "every node that fits (default %(default)s)")
+    parser.add_argument("--allow-unowned-pods", action="store_true",
+                        help="also place pods that no GpuJob owns (test beds and benchmarks; "
+                             "without it such pods are filtered out with the reason)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                           packing=args.weight_packing, alignment=args.weight_alignment,
                           temperature=args.weight_temperature, locality=args.weight_locality)
         settings = Settings(args.policy, scoring, learn_workload=not args.static_workload,
-                            bind_wait_s=args.bind_wait_seconds, filter_best=args.filter_best)
+                            bind_wait_s=args.bind_wait_seconds, filter_best=args.filter_best,
+                            serve_unowned=args.allow_unowned_pods)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

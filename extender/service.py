@@ -27,6 +27,7 @@ from carpool.core.assignment import (
     encode_assignment,
     parse_assignment,
 )
+from carpool.core.ownership import unowned_refusal
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
@@ -94,6 +95,10 @@ class Settings:
     # After a Binding whose outcome is unknown (a timeout, a lost connection, a 5xx), how
     # often to read the pod until the watch settles its GPUs (see `_follow_ambiguous`).
     ambiguous_recheck_s: float = 10.0
+    # Place pods that no GpuJob owns (benchmarks and test beds that schedule bare pods). The
+    # command turns it off unless told `--allow-unowned-pods`: such pods are then filtered
+    # out with the reason in their FailedScheduling event, and never bound.
+    serve_unowned: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in Policy.ALL:
@@ -269,6 +274,9 @@ class Extender:
             return encode_filter_result(args, [], {}, {}, f"pod not understood: {exc}")
         if not demand.containers:  # not a Carpool GPU pod: nothing for us to restrict
             return encode_filter_result(args, list(args.node_names), {}, {})
+        if not demand.owner and not self.settings.serve_unowned:
+            refusal = f"carpool: {unowned_refusal(demand.key)}"
+            return encode_filter_result(args, [], {}, dict.fromkeys(args.node_names, refusal))
         policy = self._policy(demand)
         self.remember_pod(args.pod)
         self.ranker.set_supply(self.cache.supply())
@@ -405,6 +413,8 @@ class Extender:
             demand = decode_pod(pod)
         except WireError as exc:
             return Refused(f"pod {args.key} not understood: {exc}")
+        if demand.containers and not demand.owner and not self.settings.serve_unowned:
+            return Refused(unowned_refusal(args.key))
         return BindPlan(args, demand, uid, str(meta.get("resourceVersion") or ""),
                         self._previous_assignment(pod, args.node), self._policy(demand), fresh)
 

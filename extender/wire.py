@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from carpool.core import names
+from carpool.core.ownership import gpujob_owner
 from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.core.resources import GpuRequest, Isolation
 
@@ -58,6 +59,7 @@ class PodDemand:
     policy: str | None = None  # per-job override of the extender's policy
     cpu_milli: int = 0  # the pod's CPU request (see `pod_requests`)
     memory_mib: int = 0  # the pod's memory request
+    owner: str = ""  # the GpuJob controlling the pod ("": none; see core.ownership)
 
     @property
     def key(self) -> str:
@@ -294,7 +296,15 @@ def decode_pod(pod: Mapping[str, Any]) -> PodDemand:
         policy=policy,
         cpu_milli=cpu_milli,
         memory_mib=memory_mib,
+        owner=gpujob_owner(_owner_references(meta)),
     )
+
+
+def _owner_references(meta: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    refs = meta.get("ownerReferences") or []
+    if not isinstance(refs, list):
+        raise WireError("Pod.metadata.ownerReferences must be a list")
+    return [r for r in refs if isinstance(r, Mapping)]
 
 
 # --- responses ----------------------------------------------------------------------------

@@ -938,17 +938,21 @@ def start_extender(
     log_path: Path | None = None,
     extra_args: Sequence[str] = (),
     timeout: float = 30,
+    serve_unowned: bool = True,
 ) -> subprocess.Popen[bytes]:
     """Spawns `python -m carpool.extender --port N --kubeconfig K` and waits until it listens.
 
     Output goes to `log_path` (or is inherited). Raises with the log's tail if it exits or
     never listens.
+    The test bed's extender also places bare pods (`serve_unowned`), which many tests schedule;
+    the demo's and the tenant tests' extender does not, like the chart's.
     """
     if port_open(port):
         raise ClusterError(f"port {port} is taken; stop its process or set {EXTENDER_PORT_ENV}")
     env = dict(os.environ)
     command = [sys.executable, "-m", "carpool.extender", "--port", str(port)]
     command += ["--kubeconfig", str(kubeconfig), *extra_args]
+    command += ["--allow-unowned-pods"] if serve_unowned else []
     log = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)

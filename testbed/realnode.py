@@ -612,6 +612,8 @@ class NodeSettings:
     # False: the chart's device-plugin DaemonSet serves this node instead of a host process.
     device_plugin: bool = True
     registry: str = field(default_factory=registry_address)
+    # The e2e tests hand bare pods to the plugin; a product plugin serves only GpuJobs' pods.
+    serve_unowned: bool = True
 
 
 @dataclass
@@ -740,7 +742,7 @@ class RealNode:
             "--metrics-port", "0",
             "--publish-interval", "5",
             "--kubeconfig", str(self.cluster.kubeconfig),
-        ]
+        ] + (["--allow-unowned-pods"] if self.settings.serve_unowned else [])
 
     def start_plugin(self) -> None:
         p = self.paths

@@ -40,9 +40,10 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 @contextlib.contextmanager
 def running_stack(cluster: devcluster.Cluster, log_dir: Path,
-                  operator_env: Mapping[str, str] | None = None
+                  operator_env: Mapping[str, str] | None = None, strict: bool = False
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
-    """CRDs applied, the extender on the scheduler's port and one operator, for the block."""
+    """CRDs applied, the extender on the scheduler's port and one operator, for the block;
+    `strict`: the extender places only GpuJobs' pods, as the chart's does."""
     crds.apply_crds(cluster.api())
     processes: dict[str, subprocess.Popen[bytes]] = {}
     paths = devcluster.ClusterPaths.for_name(cluster.name)
@@ -52,7 +53,8 @@ def running_stack(cluster: devcluster.Cluster, log_dir: Path,
         time.sleep(0.2)
     try:
         processes["extender"] = devcluster.start_extender(
-            cluster.kubeconfig, cluster.extender_port, log_dir / "extender.log")
+            cluster.kubeconfig, cluster.extender_port, log_dir / "extender.log",
+            serve_unowned=not strict)
         processes["operator"] = start_operator(cluster.kubeconfig, log_dir / "operator.log",
                                                operator_env)
         yield processes
@@ -81,7 +83,7 @@ def start_detached(cluster: devcluster.Cluster, log_dir: Path) -> dict[str, int]
     paths = devcluster.ClusterPaths.for_name(cluster.name)
     stop_detached(cluster.name)
     extender = devcluster.start_extender(cluster.kubeconfig, cluster.extender_port,
-                                         log_dir / "extender.log")
+                                         log_dir / "extender.log", serve_unowned=False)
     paths.extender_pid.parent.mkdir(parents=True, exist_ok=True)
     paths.extender_pid.write_text(str(extender.pid))
     operator = start_operator(cluster.kubeconfig, log_dir / "operator.log",

@@ -69,11 +69,26 @@ def names(api: client.ApiClient) -> Iterator[tuple[str, str]]:
             raise
 
 
-def bound_pod(namespace: str, node: str, gpu_uuid: str) -> client.V1Pod:
+def gpujob(api: client.ApiClient, namespace: str) -> client.V1OwnerReference:
+    """A GpuJob (no operator runs here, so it only waits) to own the test's pod: the plugin
+    serves only the pods of GpuJobs."""
+    job = client.CustomObjectsApi(api).create_namespaced_custom_object(
+        GROUP, VERSION, namespace, "gpujobs",
+        {"apiVersion": f"{GROUP}/{VERSION}", "kind": "GpuJob", "metadata": {"name": "train"},
+         "spec": {"project": "none", "gpu": {"count": 1, "memory": "6Gi"},
+                  "template": {"spec": {"containers": [{"name": "main", "image": "x"}]}}}})
+    return client.V1OwnerReference(api_version=f"{GROUP}/{VERSION}", kind="GpuJob",
+                                   name="train", uid=job["metadata"]["uid"], controller=True)
+
+
+def bound_pod(namespace: str, node: str, gpu_uuid: str,
+              owner: client.V1OwnerReference | None = None) -> client.V1Pod:
     assignment = {"node": node, "gpus": [{"uuid": gpu_uuid, "index": 1, "memoryMiB": 6144,
                                           "cores": 30}]}
     return client.V1Pod(
-        metadata=client.V1ObjectMeta(name="train", namespace=namespace, annotations={
+        metadata=client.V1ObjectMeta(name="train", namespace=namespace,
+                                     owner_references=[owner] if owner else None,
+                                     annotations={
             ANN_ASSIGNMENT: json.dumps(assignment),
             ANN_ASSIGNED_AT: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             ANN_ISOLATION: "mps",
@@ -90,7 +105,8 @@ def test_allocate_finds_the_bound_pod_marks_it_and_publishes_status(
     backend = FakeBackend.from_spec({"node": node, "gpus": [{"model": "A100", "count": 2}]})
     gpu1 = backend.inventory()[1].uuid
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(namespace, bound_pod(namespace, node, gpu1))
+    core.create_namespaced_pod(namespace, bound_pod(namespace, node, gpu1,
+                                                    gpujob(api, namespace)))
     cluster = KubernetesCluster(api, node)
     plugin_dir = Path(tempfile.mkdtemp(prefix="cpi-", dir="/tmp"))
 

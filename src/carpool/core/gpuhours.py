@@ -3,11 +3,28 @@
 GPU-hours = wall hours x the fraction of a GPU held, summed over the job's GPUs, where the
 fraction is 1 for an exclusive GPU, slices/7 for a MIG instance, and for a shared GPU
 max(memory / total memory, cores / 100).
+
+A shared grant that names no `cores` is held to its memory share of the SMs (`sm_share_pct`,
+which the device plugin hands MPS clients as their active-thread limit), so billing it by its
+memory share bills what it can use. Time-sliced GPUs have no SM limit at all; see
+docs/concepts.md (Billing).
 """
 
 from __future__ import annotations
 
+import math
+
 from carpool.core.resources import MIG_SLICES_PER_GPU, GpuGrant
+
+
+def sm_share_pct(cores_pct: int, memory_mib: int, memory_total_mib: int) -> int:
+    """The SM percentage a shared grant is held to: `cores` when the job set it, otherwise its
+    memory share rounded up to a whole percent (at least 1, at most 100)."""
+    if cores_pct > 0:
+        return min(100, cores_pct)
+    if memory_total_mib <= 0:
+        return 100
+    return max(1, min(100, math.ceil(memory_mib * 100 / memory_total_mib)))
 
 
 def gpu_fraction(grant: GpuGrant, memory_total_mib: int, mig_slices: int = 0) -> float:

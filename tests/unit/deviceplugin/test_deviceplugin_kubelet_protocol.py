@@ -84,13 +84,14 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
 
 
 def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int | None = None,
-        assigned_at: str = "2027-01-15T08:00:00Z", node: str = NODE) -> PodView:
+        assigned_at: str = "2027-01-15T08:00:00Z", node: str = NODE, owner: str = "job"
+        ) -> PodView:
     annotations = {ANN_ASSIGNMENT: json.dumps({"node": node, "gpus": gpus}),
                    ANN_ASSIGNED_AT: assigned_at}
     if isolation:
         annotations[ANN_ISOLATION] = isolation
     return PodView("lab", name, f"uid-{name}", "Pending", False, annotations,
-                   (("main", count if count is not None else len(gpus)),))
+                   (("main", count if count is not None else len(gpus)),), owner)
 
 
 @pytest.fixture
@@ -230,6 +231,32 @@ def test_allocate_mps_follows_the_assignment_and_marks_the_pod(plugin_dir: Path)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await allocate(stub, f"{gpu1}::2")
             assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    run(scenario())
+
+
+def test_a_pod_no_gpujob_owns_is_refused_and_an_uncapped_one_gets_its_memory_share(
+        plugin_dir: Path) -> None:
+    """The GPU is handed only to a GpuJob's pod: a bare pod the extender assigned (a cluster
+    without the admission policy) gets PERMISSION_DENIED, which the kubelet puts on the pod.
+    An MPS grant without cores is held to its memory share of the SMs (what it is billed)."""
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, source):
+            gpu0, _ = (g.uuid for g in backend.inventory())
+            total = backend.inventory()[0].memory_total_mib
+            source.add(pod("bare", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192, "cores": 0}],
+                           isolation="mps", owner=""))
+            stub = kubelet.stub()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, f"{gpu0}::0")
+            assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "pod lab/bare is not owned by a GpuJob" in (err.value.details() or "")
+            assert "Submit a GpuJob" in (err.value.details() or "")
+            assert ANN_ALLOCATED not in source.pods["lab/bare"].annotations
+            del source.pods["lab/bare"]
+            source.add(pod("owned", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192, "cores": 0}],
+                           isolation="mps"))
+            envs = dict((await allocate(stub, f"{gpu0}::1")).container_responses[0].envs)
+            assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(-(-8192 * 100 // total))
     run(scenario())
 
 
