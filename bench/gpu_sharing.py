@@ -6,7 +6,14 @@
       10 GiB allocation must fail and a 6 GiB one succeed in each;
   (c) ResNet-50 fp16 batch-8 inference: 1 process exclusive vs 4 processes time-sliced vs 4
       processes under MPS, every process started with the environment Allocate returned;
-  (d) the time-slice watchdog against a process that holds more than its grant.
+  (d) the time-slice watchdog against a process that holds more than its grant;
+  (e) isolation (`--isolation` runs only this part): the plugin's own MPS setup (control daemon
+      fenced at the node's ceiling before any server starts, `mps.MpsDaemon.fence`) and its
+      Allocate answer for an 8 GiB / 25 % pod; then clients that keep that environment, raise
+      their memory limit, ask for 100 % of the SMs, or drop the pipe directory, each alone on
+      the GPU: what memory each could allocate and the bf16 matmul rate it got; and the
+      watchdog against the client that raised its memory limit. Escapes are counted against
+      the grant and the ceiling, and the one only EXCLUSIVE_PROCESS can stop is reported so.
 First it measures how much CPU four busy processes get against one (`--cpu-only` stops there):
 eager inference is launch-bound, so that bounds the ratios in (c). `--cuda-graph` makes each
 request one graph replay instead, which shows what the GPU itself can give.
@@ -132,6 +139,40 @@ def worker_resnet(seconds: float, graph: bool) -> dict[str, Any]:
             [round(x * 1000, 3) for x in latencies]}
 
 
+def worker_escape(ladder: list[int]) -> dict[str, Any]:
+    """Allocate each size of `ladder` (GiB) in turn, then time a bf16 matmul alone: what this
+    client's environment lets it take."""
+    import torch
+
+    out: dict[str, Any] = {"mps_env": {
+        k: v for k, v in sorted(os.environ.items())
+        if k.startswith("CUDA_MPS_") and k != "CUDA_MPS_LOG_DIRECTORY"}}
+    torch.cuda.init()
+    for gib in ladder:
+        try:
+            block = torch.empty(gib * 1024**3, dtype=torch.uint8, device="cuda")
+            block.fill_(1)
+            torch.cuda.synchronize()
+            out[f"{gib}GiB"] = "ok"
+            del block
+        except RuntimeError as err:
+            out[f"{gib}GiB"] = "refused: " + str(err).splitlines()[0][:100]
+        torch.cuda.empty_cache()
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 40
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    out["matmul_tflops"] = round(2 * 8192**3 * reps / (time.perf_counter() - start) / 1e12, 1)
+    return out
+
+
 def worker_hog(gib: int, seconds: float) -> dict[str, Any]:
     """Hold `gib` GiB for up to `seconds` (the watchdog should kill us first)."""
     import torch
@@ -165,6 +206,8 @@ def worker_main(argv: list[str]) -> int:
         result = worker_spin(float(argv[1]))
     elif kind == "hog":
         result = worker_hog(int(argv[1]), float(argv[2]))
+    elif kind == "escape":
+        result = worker_escape([int(x) for x in argv[1:]])
     else:
         raise SystemExit(f"unknown worker {kind!r}")
     print(json.dumps({"result": result}), flush=True)
@@ -270,11 +313,11 @@ def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
         ANN_ASSIGNMENT: encode_assignment(assignment),
         ANN_ASSIGNED_AT: format_timestamp(time.time()),
         ANN_ISOLATION: isolation,
-    }, (("main", 1),))
+    }, (("main", 1),), owner=name)
 
 
 async def plugin_allocations(backend: Any, pipe_dir: Path,
-                             requests: list[tuple[str, str, int, int]]
+                             requests: list[tuple[str, str, int, int]], ceiling_pct: int = 100
                              ) -> list[dict[str, Any]]:
     """Serve the plugin on a scratch socket and ask it, as the kubelet would, for each
     (pod name, isolation, memory MiB, cores %): GetPreferredAllocation, then Allocate.
@@ -288,7 +331,7 @@ async def plugin_allocations(backend: Any, pipe_dir: Path,
 
     source = StaticPodSource()
     config = PluginConfig("bench-node", "mps", shares_per_gpu=16,
-                          mps=MpsSettings(pipe_dir=str(pipe_dir)))
+                          mps=MpsSettings(pipe_dir=str(pipe_dir), ceiling_pct=ceiling_pct))
     state = PluginState(config, backend, source)
     gpu = state.gpus[0]
     plugin_dir = Path(tempfile.mkdtemp(prefix="cpb-", dir="/tmp"))
@@ -368,8 +411,11 @@ def part_a(backend: Any) -> dict[str, Any]:
     return status
 
 
-def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str) -> dict[str, Any]:
-    """A time-sliced 'pod' granted 4 GiB holds 6 GiB: the watchdog warns twice, then kills."""
+def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str,
+                  env: dict[str, str] | None = None, isolation: str = "timeslice",
+                  grant_gib: int = 4, hold_gib: int = 6) -> dict[str, Any]:
+    """A 'pod' granted `grant_gib` holds `hold_gib` (by default a time-sliced one, 4 and 6 GiB):
+    the watchdog warns twice, then kills."""
     from carpool.deviceplugin.agent import Watchdog
     from carpool.deviceplugin.plugin import PluginConfig, PluginState
     from carpool.deviceplugin.pods import StaticPodSource
@@ -383,15 +429,15 @@ def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str) ->
         async def pod_event(self, pod: Any, reason: str, message: str, warning: bool) -> None:
             self.events.append(f"{reason}: {message}")
 
-    env = host_env(answers[0])
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_FLAG, "hog", "6",
-                             "60"], env=client_env(env), stdout=subprocess.PIPE,
+    env = env if env is not None else host_env(answers[0])
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_FLAG, "hog",
+                             str(hold_gib), "60"], env=client_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     ready = wait_ready(proc, time.monotonic() + 120)
     if ready is None:
         raise RuntimeError("the memory hog did not start")
     pid = int(ready.get("pid", proc.pid))
-    pod = pod_view("hog", gpu_uuid, 0, 4 * GIB, 0, "timeslice")
+    pod = pod_view("hog", gpu_uuid, 0, grant_gib * GIB, 0, isolation)
     pod = dataclasses.replace(pod, phase="Running")
     source = StaticPodSource([pod])
     state = PluginState(PluginConfig("bench-node", "mps"), backend, source)
@@ -410,6 +456,120 @@ def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str) ->
     return {"steps": steps, "exit_code": proc.returncode, "events": writer.events}
 
 
+PINNED, THREADS, PIPE = ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                         "CUDA_MPS_PIPE_DIRECTORY")
+
+
+def part_isolation(backend: Any, ceiling_pct: int) -> dict[str, Any]:
+    """(e) What clients of an 8 GiB / 25 % MPS grant get when they keep or change the
+    environment the plugin handed them, each alone on the GPU, under the plugin's own fenced
+    MPS daemon; and the watchdog against the one that raised its memory limit."""
+    from carpool.deviceplugin.mps import MpsDaemon, ceiling_mib
+
+    gpus = backend.inventory()
+    gpu = gpus[0]
+    root = Path(tempfile.mkdtemp(prefix="carpool-iso-", dir="/tmp"))
+    pipe_dir, log_dir = root / "pipe", root / "log"
+    grant_gib, cores = 8, 25
+    answers = asyncio.run(plugin_allocations(
+        backend, pipe_dir, [("tenant", "mps", grant_gib * GIB, cores),
+                            ("uncapped", "mps", grant_gib * GIB, 0)], ceiling_pct))
+    honest, uncapped = host_env(answers[0]), host_env(answers[1])
+    ceiling = ceiling_mib(gpu.memory_total_mib, ceiling_pct)
+    ladder = [grant_gib + 2, ceiling // GIB - 4, ceiling // GIB + 6]
+    clients: dict[str, dict[str, str]] = {
+        "keeps the plugin's environment": honest,
+        # what the fence allows (the largest grant the GPU may hold): the yardstick for escapes
+        "reference: a grant at the ceiling": honest | {PINNED: f"0={ceiling}M",
+                                                       THREADS: str(ceiling_pct)},
+        "raises its memory limit (0=140G)": honest | {PINNED: "0=140G"},
+        "asks for 100 % of the SMs": honest | {THREADS: "100"},
+        "drops both limits": {k: v for k, v in honest.items() if k not in (PINNED, THREADS)},
+        "uncapped pod (no gpu.cores): plugin's environment": uncapped,
+        "drops the pipe directory (skips MPS)": {k: v for k, v in honest.items() if k != PIPE},
+    }
+    daemon = MpsDaemon(pipe_dir, log_dir, binary=find_mps_control())
+    daemon.start()
+    report: dict[str, Any] = {"ceiling_pct": ceiling_pct, "ceiling_mib": ceiling,
+                              "grant": {"memory_gib": grant_gib, "cores_pct": cores},
+                              "allocate_envs": [a["envs"] for a in answers], "ladder_gib": ladder}
+    try:
+        daemon.fence(ceiling_pct, [(g.uuid, g.memory_total_mib) for g in gpus])
+        report["daemon_defaults"] = {
+            "active_threads": daemon.command("get_default_active_thread_percentage"),
+            "pinned_memory": daemon.command(f"get_default_device_pinned_mem_limit {gpu.uuid}")}
+        log(f"(e) MPS daemon fenced before any server: {report['daemon_defaults']}; "
+            f"Allocate for 8 GiB / 25 %: {answers[0]['envs']}")
+        results = {}
+        for name, env in clients.items():
+            [results[name]] = run_workers(["escape", *map(str, ladder)], [env])
+            log(f"    {name}: {json.dumps(results[name])}")
+        report["clients"] = results
+        report["watchdog"] = part_watchdog(backend, [], gpu.uuid,
+                                           env=clients["raises its memory limit (0=140G)"],
+                                           isolation="mps", grant_gib=grant_gib, hold_gib=20)
+        log(f"    watchdog on the client holding 20 GiB of an 8 GiB grant: "
+            f"{json.dumps(report['watchdog'])}")
+        report["server_list"] = daemon.command("get_server_list")
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+def print_isolation(report: dict[str, Any], gpu: Any) -> int:
+    """The isolation table; returns the number of escapes beyond the daemon's ceiling other
+    than the one only EXCLUSIVE_PROCESS can stop."""
+    ladder, ceiling_pct = report["ladder_gib"], report["ceiling_pct"]
+    results = report["clients"]
+    full = results["drops the pipe directory (skips MPS)"]["matmul_tflops"]
+    at_grant = results["keeps the plugin's environment"]["matmul_tflops"]
+    at_ceiling = results["reference: a grant at the ceiling"]["matmul_tflops"]
+    grant = report["grant"]
+    print()
+    print(f"Isolation on {gpu.model}: MPS daemon fenced at {ceiling_pct} % "
+          f"({report['ceiling_mib']} MiB, {ceiling_pct} % threads) before any server; each "
+          f"client alone; grant {grant['memory_gib']} GiB / {grant['cores_pct']} %")
+    print()
+    print(f"An escape takes more than the ceiling allows: a {ladder[-1]} GiB allocation, or over "
+          f"1.1x the matmul rate of a client granted the ceiling ({at_ceiling:.0f} TFLOP/s; "
+          f"SM throughput is not linear in the thread percentage).")
+    print()
+    print("| client | MPS variables it ran with | " + " | ".join(f"{g} GiB" for g in ladder)
+          + " | bf16 TFLOP/s | of the GPU | outcome |")
+    print("|---|---|" + "---|" * len(ladder) + "---:|---:|---|")
+    escapes = 0
+    for name, r in results.items():
+        share = r["matmul_tflops"] / full if full else 0.0
+        cells = ["ok" if r[f"{g}GiB"] == "ok" else "refused" for g in ladder]
+        over_ceiling = cells[-1] == "ok" or r["matmul_tflops"] > 1.1 * at_ceiling
+        over_grant = cells[0] == "ok" or r["matmul_tflops"] > 1.1 * at_grant
+        if name.startswith("reference"):
+            outcome = "what the fence allows"
+        elif PIPE not in r["mps_env"]:
+            outcome = "outside MPS: the whole GPU; only EXCLUSIVE_PROCESS stops it"
+        elif over_ceiling:
+            outcome = "ESCAPE beyond the daemon's ceiling"
+            escapes += 1
+        elif name.startswith("uncapped"):
+            outcome = "held to its memory share of the SMs (what it is billed)"
+        elif over_grant:
+            outcome = "above its grant, held at the ceiling"
+        else:
+            outcome = "held to its grant"
+        variables = ", ".join(f"{k.removeprefix('CUDA_MPS_')}={v}" for k, v in r["mps_env"].items()
+                              if k != PIPE) or "none"
+        print(f"| {name} | {variables} | " + " | ".join(cells)
+              + f" | {r['matmul_tflops']:.0f} | {share:.0%} | {outcome} |")
+    dog = report["watchdog"]
+    print()
+    print(f"watchdog, MPS client holding 20 GiB of its {grant['memory_gib']} GiB grant: "
+          f"{len(dog['steps'])} readings, exit code {dog['exit_code']}; events: "
+          f"{'; '.join(e.split(':')[0] for e in dog['events'])}")
+    print(f"escapes beyond the ceiling (other than skipping MPS): {escapes}")
+    return escapes
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
         return worker_main(sys.argv[2:])
@@ -422,6 +582,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="throughput rounds; each runs every setup once")
     parser.add_argument("--json", type=Path, help="also write all results here")
+    parser.add_argument("--isolation", action="store_true",
+                        help="only part (e): what escaping MPS clients get under the fence")
+    parser.add_argument("--ceiling", type=int, default=50,
+                        help="the MPS ceiling (%% of each GPU), as the plugin's --mps-ceiling")
     parser.add_argument("--dry-run", action="store_true",
                         help="fake backend, no GPU: only the plugin's Allocate answers")
     args = parser.parse_args()
@@ -432,6 +596,20 @@ def main() -> int:
                          "--no-deps --target DIR a built wheel; PYTHONPATH=DIR)") from None
 
     report: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds")}
+    if args.isolation and not args.dry_run:
+        from carpool.deviceplugin.backends.nvml import NvmlBackend
+
+        nvml = NvmlBackend()
+        try:
+            report["isolation"] = part_isolation(nvml, args.ceiling)
+            gpu0 = nvml.inventory()[0]
+            print(f"{gpu0.model}, driver {nvml.driver_version()}, {report['date']}")
+            escapes = print_isolation(report["isolation"], gpu0)
+        finally:
+            nvml.close()
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        return 1 if escapes else 0
     report["cpu_scaling_4"] = cpu_scaling()
     log(f"CPU: 4 busy processes get {report['cpu_scaling_4']:.2f}x the CPU of one "
         f"(a ceiling for launch-bound sharing ratios)")
@@ -508,6 +686,8 @@ def main() -> int:
     except Exception as err:  # report, do not hide the sharing results
         report["watchdog"] = {"error": repr(err)}
         log(f"    watchdog demo failed: {err!r}")
+    log("(e) isolation: escaping MPS clients under the plugin's fenced daemon")
+    report["isolation"] = part_isolation(backend, args.ceiling)
     backend.close()
 
     rows = {name: summarize(runs[name]) for name in SETUPS}
@@ -546,6 +726,7 @@ def main() -> int:
           f"{mps_ok[1]} (25 % SM cap); without the SM cap: "
           f"{uncapped['req_per_s'] / base['req_per_s']:.2f}x, p99 "
           f"{uncapped['p99_ms'] / base['p99_ms']:.2f}x")
+    print_isolation(report["isolation"], gpu)
     if args.json:
         for r in report.get("allocate", []):
             r.pop("allocatedAnnotation", None)

@@ -13,7 +13,9 @@ import csv
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mps-shm-dir", default="",
                    help="host tmpfs mounted as the clients' /dev/shm (empty: none)")
     p.add_argument("--no-manage-mps", action="store_true",
-                   help="do not start the MPS control daemon (another container runs it)")
+                   help="do not start the MPS control daemon (another container runs it; the "
+                        "plugin still checks that its defaults hold the ceiling)")
+    p.add_argument("--mps-ceiling", type=int, default=50, metavar="PERCENT",
+                   help="the most one MPS client may hold of each GPU's memory and SMs, set on "
+                        "the control daemon before any server starts (1-100)")
+    p.add_argument("--allow-unowned-pods", action="store_true",
+                   help="serve pods that no GpuJob owns (test beds only)")
     p.add_argument("--dataset-dir", type=Path,
                    help="cache directory whose sub-folders are datasets")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables the endpoint")
@@ -60,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--node-name (or $NODE_NAME) is required")
     if args.shares_per_gpu < 1:
         p.error("--shares-per-gpu must be at least 1")
+    if not 1 <= args.mps_ceiling <= 100:
+        p.error("--mps-ceiling must be between 1 and 100")
     if args.backend == "fake" and not (args.fake_spec or args.openb_node_list):
         p.error("--backend fake needs --fake-spec or --openb-node-list")
     return args
@@ -92,12 +102,30 @@ async def run(args: argparse.Namespace) -> None:
 
     backend = make_backend(args)
     mps = MpsDaemon(args.mps_pipe_dir, args.mps_log_dir)
-    if args.sharing_mode == "mps" and args.backend == "nvml" and not args.no_manage_mps:
-        await asyncio.to_thread(mps.start)
-        log.info("MPS control daemon answering on %s", args.mps_pipe_dir)
+    if args.sharing_mode == "mps" and args.backend == "nvml":
+        # before the plugin registers: no MPS client exists until it serves Allocate
+        gpus = [(g.uuid, g.memory_total_mib) for g in backend.inventory()]
+        if not args.no_manage_mps:
+            await asyncio.to_thread(mps.start)
+            await asyncio.to_thread(mps.fence, args.mps_ceiling, gpus)
+        else:  # the MPS daemon's container fences; wait for it (it may start after us)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    await asyncio.to_thread(mps.check_fence, args.mps_ceiling, gpus)
+                    break
+                except (RuntimeError, OSError, subprocess.TimeoutExpired) as err:
+                    if time.monotonic() > deadline:
+                        raise
+                    log.info("waiting for the MPS daemon's fence: %s", err)
+                    await asyncio.sleep(2)
+        log.info("MPS control daemon answering on %s; each client held to %d %% of each GPU",
+                 args.mps_pipe_dir, args.mps_ceiling)
     cluster = KubernetesCluster(load_config(args.kubeconfig), args.node_name)
     config = PluginConfig(args.node_name, args.sharing_mode, args.shares_per_gpu,
-                          MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir))
+                          MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir,
+                                      args.mps_ceiling if args.sharing_mode == "mps" else 100),
+                          serve_unowned=args.allow_unowned_pods)
     state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=state.metrics.registry)

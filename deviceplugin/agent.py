@@ -102,6 +102,7 @@ class Telemetry:
             datasets=cached_datasets(self.dataset_dir),
             pod_peaks=[PodPeak(ns, name, gpu, mib) for (ns, name, gpu), mib in self.peaks.items()],
             shares_per_gpu=state.config.shares_per_gpu,
+            mps_ceiling_pct=state.config.mps.ceiling_pct,
             health_reasons={u: state.health.reason(u) for u in state.health.unhealthy},
         )
         now = self.monotonic()
@@ -112,14 +113,21 @@ class Telemetry:
         return True
 
 
-def timeslice_grants(pods: list[PodView], node: str, node_mode: str) -> list[MemoryGrant]:
-    """Memory grants of the running time-sliced pods on `node`, from their assignments."""
+WATCHED = (Isolation.TIMESLICE.value, Isolation.MPS.value)
+
+
+def watched_grants(pods: list[PodView], node: str, node_mode: str) -> list[MemoryGrant]:
+    """Memory grants of the running time-sliced and MPS pods on `node`, from their assignments.
+
+    Time-sliced pods have no other memory limit. An MPS client is fenced by the daemon only at
+    the GPU's ceiling (mps.py), so one that raised its own limit above its grant is caught here;
+    NVML lists MPS clients by pid with their own memory."""
     grants = []
     for pod in pods:
         if pod.phase not in ("Running", "Pending") or pod.deleting:
             continue
         isolation = pod.annotations.get(ANN_ISOLATION) or node_mode
-        if isolation != Isolation.TIMESLICE.value:
+        if isolation not in WATCHED:
             continue
         assignment = assignment_on(pod, node)
         for g in assignment.gpus if assignment is not None else ():
@@ -153,7 +161,7 @@ class Watchdog:
             state.metrics.observe_peaks(
                 PodPeak(ns, name, gpu, mib) for (ns, name, gpu), mib in self.telemetry.peaks.items()
             )
-        grants = timeslice_grants(pods, state.config.node, state.config.sharing_mode)
+        grants = watched_grants(pods, state.config.node, state.config.sharing_mode)
         self.strikes, violations = watchdog_step(self.strikes, usage, grants, self.max_strikes)
         done = []
         for v in violations:

@@ -69,6 +69,7 @@ def gpunode_status(
     pod_peaks: Iterable[PodPeak] = (),
     shares_per_gpu: int | None = None,
     health_reasons: Mapping[str, str] | None = None,
+    mps_ceiling_pct: int = 100,
 ) -> dict[str, Any]:
     """The full status object; `unhealthy` holds GPU UUIDs the health tracker has marked,
     `health_reasons` why (by UUID)."""
@@ -91,6 +92,8 @@ def gpunode_status(
     }
     if shares_per_gpu is not None:
         status["sharesPerGpu"] = shares_per_gpu
+    if mps_ceiling_pct < 100:
+        status["mpsCeilingPercent"] = mps_ceiling_pct
     return status
 
 

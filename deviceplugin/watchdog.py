@@ -1,4 +1,5 @@
-"""Timeslice memory watchdog: time-sliced pods have no hard memory cap, so the plugin watches
+"""Memory watchdog: time-sliced pods have no hard memory cap, and an MPS client that raised its
+own limit is held only at its GPU's ceiling (mps.py), so the plugin watches
 per-process GPU memory, maps processes to pods through their cgroups, warns, and kills a pod's
 processes on that GPU after `max_strikes` consecutive readings over its grant.
 
@@ -43,7 +44,7 @@ def pod_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
 
 @dataclass(frozen=True)
 class MemoryGrant:
-    """A time-sliced pod's memory grant on one GPU."""
+    """A time-sliced or MPS pod's memory grant on one GPU."""
 
     pod_uid: str
     namespace: str

@@ -10,6 +10,7 @@ Also home to the table of GPU models and their memory that simulated nodes use.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Final
 
@@ -161,9 +162,14 @@ def inventory_from_gpunode(
     if not isinstance(mode, str) or mode not in SHARING_MODES:
         raise ValueError(f"GpuNode {name}: sharingMode must be one of "
                          f"{', '.join(sorted(SHARING_MODES))}, got {mode!r}")
+    ceiling = status.get("mpsCeilingPercent", 100)
+    if isinstance(ceiling, bool) or not isinstance(ceiling, int) or not 1 <= ceiling <= 100:
+        raise ValueError(f"GpuNode {name}: mpsCeilingPercent must be an integer 1..100, "
+                         f"got {ceiling!r}")
     gpus = tuple(
         sorted(
-            (_gpu(name, i, g) for i, g in enumerate(_list(name, "gpus", status.get("gpus", [])))),
+            (replace(_gpu(name, i, g), mps_ceiling_pct=ceiling)
+             for i, g in enumerate(_list(name, "gpus", status.get("gpus", [])))),
             key=lambda g: g.index,
         )
     )

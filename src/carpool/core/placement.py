@@ -112,6 +112,11 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
                    if m.uuid in free.free_mig and m.memory_mib >= request.memory_mib
                    and m.slices >= request.mig_slices]
         return None if fitting else f"GPU {gpu.index} has no free MIG instance that fits"
+    if request.isolation is Isolation.MPS and gpu.mps_ceiling_pct < 100 and (
+            request.memory_mib > gpu.mps_ceiling_mib or request.cores_pct > gpu.mps_ceiling_pct):
+        return (f"GPU {gpu.index} holds one MPS client to {gpu.mps_ceiling_mib // 1024} GiB and "
+                f"{gpu.mps_ceiling_pct}% cores, job needs {request.memory_mib // 1024} GiB and "
+                f"{request.cores_pct}% (ask for less, or for an exclusive GPU)")
     if free.memory_mib < request.memory_mib:
         return (f"GPU {gpu.index} has {free.memory_mib // 1024} GiB free, "
                 f"job needs {request.memory_mib // 1024} GiB")

@@ -118,6 +118,13 @@ class Gpu:
     healthy: bool = True
     cordoned: bool = False
     mig_instances: tuple[MigInstance, ...] = ()
+    # The most one MPS client may hold of this GPU (memory and SMs, %): its node's MPS daemon
+    # fences every client there (GpuNode status.mpsCeilingPercent).
+    mps_ceiling_pct: int = 100
+
+    @property
+    def mps_ceiling_mib(self) -> int:
+        return self.memory_total_mib * self.mps_ceiling_pct // 100
 
 
 @dataclass(frozen=True)

@@ -44,35 +44,42 @@ def running_pod(name: str, gpu: str, memory_mib: int, isolation: str) -> PodView
                    (("main", 1),))
 
 
-def test_watchdog_kills_only_the_timesliced_pod_over_its_grant_and_tracks_peaks() -> None:
+def test_watchdog_kills_timesliced_and_mps_pods_over_their_grant_and_tracks_peaks() -> None:
+    """An MPS client that raised its own limit is fenced only at the GPU's ceiling, so the
+    watchdog holds MPS pods to their grants too; a pod within its grant and a process outside
+    pods are left alone."""
     backend = FakeBackend.from_spec({"node": NODE, "gpus": [{"model": "T4"}]})
     gpu = backend.inventory()[0].uuid
     pods = StaticPodSource([running_pod("greedy", gpu, 2048, "timeslice"),
-                            running_pod("capped", gpu, 2048, "mps")])
+                            running_pod("raised", gpu, 2048, "mps"),
+                            running_pod("honest", gpu, 2048, "mps")])
     backend.set_processes([ProcessMemory(100, gpu, 3000), ProcessMemory(200, gpu, 5000),
-                           ProcessMemory(300, gpu, 999)])
-    state = PluginState(PluginConfig(NODE, "timeslice"), backend, pods)
+                           ProcessMemory(300, gpu, 999), ProcessMemory(400, gpu, 2000)])
+    state = PluginState(PluginConfig(NODE, "mps"), backend, pods)
     writer = RecordingWriter()
     telemetry = Telemetry(state, writer)
     killed: list[int] = []
-    owners = {100: "uid-greedy", 200: "uid-capped", 300: None}
+    owners = {100: "uid-greedy", 200: "uid-raised", 300: None, 400: "uid-honest"}
     dog = Watchdog(state, writer, telemetry, pod_of=owners.get, kill=killed.append)
 
     async def three_readings() -> list[list[str]]:
         return [await dog.step() for _ in range(3)]
 
     steps = asyncio.run(three_readings())
-    assert [len(s) for s in steps] == [1, 1, 1] and "killed 1 process" in steps[2][0]
-    assert killed == [100]  # the MPS pod has a hard cap; the host process belongs to no pod
-    assert writer.events == [("lab/greedy", "GpuMemoryOverGrant")] * 2 + [
-        ("lab/greedy", "GpuMemoryKilled")]
-    assert telemetry.peaks == {("lab", "greedy", gpu): 3000, ("lab", "capped", gpu): 5000}
+    assert [len(s) for s in steps] == [2, 2, 2]
+    assert all("killed 1 process" in line for line in steps[2])
+    assert killed == [100, 200]  # by pod name: greedy, raised; the host process is no pod's
+    assert writer.events == [("lab/greedy", "GpuMemoryOverGrant"),
+                             ("lab/raised", "GpuMemoryOverGrant")] * 2 + [
+        ("lab/greedy", "GpuMemoryKilled"), ("lab/raised", "GpuMemoryKilled")]
+    assert telemetry.peaks == {("lab", "greedy", gpu): 3000, ("lab", "raised", gpu): 5000,
+                               ("lab", "honest", gpu): 2000}
     assert asyncio.run(telemetry.step())
     assert {(p["name"], p["peakMemoryMiB"]) for p in writer.statuses[0]["pods"]} == {
-        ("greedy", 3000), ("capped", 5000)}
+        ("greedy", 3000), ("raised", 5000), ("honest", 2000)}
     assert not asyncio.run(telemetry.step())  # nothing moved: rate-limited
     metrics = generate_latest(state.metrics.registry).decode()
-    assert 'carpool_gpu_watchdog_kills_total{node="n1"} 1.0' in metrics
+    assert 'carpool_gpu_watchdog_kills_total{node="n1"} 2.0' in metrics
     assert "carpool_gpu_pod_memory_peak_mib" in metrics
 
 

@@ -1,0 +1,132 @@
+"""Tenant isolation rules that need no cluster: who owns a pod, the MPS fence on the control
+daemon, placement under a node's MPS ceiling, the SM share an uncapped grant is held to and
+billed for, and the extender refusing pods no GpuJob owns (over its real HTTP layer)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from carpool.deviceplugin.mps import (
+    ceiling_commands,
+    ceiling_mib,
+    parse_memory_limit,
+    parse_percentage,
+)
+
+from carpool.core import names
+from carpool.core.gpuhours import gpu_fraction, sm_share_pct
+from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.ownership import gpujob_owner, unowned_refusal
+from carpool.core.placement import NodeState, choose_gpus, gpu_rejection
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.extender.cache import ClusterCache
+from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
+from carpool.extender.service import Extender, Settings
+from carpool.extender.wire import BindingArgs, ExtenderArgs
+
+H200_MIB = 143771
+OWNER = {"apiVersion": names.API_VERSION, "kind": "GpuJob", "name": "train", "uid": "u",
+         "controller": True}
+
+
+@pytest.mark.parametrize(("refs", "owner"), [
+    ([OWNER], "train"),
+    ([], ""),
+    (None, ""),
+    ([{**OWNER, "controller": False}], ""),           # an owner, not the controller
+    ([{**OWNER, "kind": "Job"}], ""),
+    ([{**OWNER, "apiVersion": "evil.dev/v1alpha1"}], ""),
+    ([{"kind": "ReplicaSet", "name": "x", "controller": True}, OWNER], "train"),
+])
+def test_only_a_controlling_gpujob_owns_a_pod(refs: list[dict[str, Any]] | None,
+                                              owner: str) -> None:
+    assert gpujob_owner(refs) == owner
+
+
+def test_the_fence_names_gpus_by_uuid_and_reads_back() -> None:
+    assert ceiling_commands(50, [("GPU-a", H200_MIB), ("GPU-b", 81920)]) == [
+        "set_default_active_thread_percentage 50",
+        "set_default_device_pinned_mem_limit GPU-a 71885M",
+        "set_default_device_pinned_mem_limit GPU-b 40G"]
+    assert ceiling_mib(H200_MIB, 50) == 71885
+    with pytest.raises(ValueError, match="1..100"):
+        ceiling_commands(0, [])
+    # the daemon's answers as seen on an H200 (driver 580)
+    assert parse_percentage("50.0") == 50.0
+    assert parse_memory_limit("70G") == 70 * 1024
+    assert parse_memory_limit("71885M") == 71885
+    assert parse_memory_limit("") == 0
+
+
+def h200_node(ceiling: int | None) -> NodeState:
+    status: dict[str, Any] = {"sharingMode": "mps", "gpus": [
+        {"index": 0, "uuid": "GPU-0", "model": "H200", "memoryTotalMiB": H200_MIB}]}
+    if ceiling is not None:
+        status["mpsCeilingPercent"] = ceiling
+    return NodeState(inventory_from_gpunode("n", status, {}))
+
+
+def test_placement_grants_no_mps_client_more_than_the_ceiling() -> None:
+    fenced, open_ = h200_node(50), h200_node(None)
+    big = GpuRequest(count=1, memory_mib=80 * 1024, isolation=Isolation.MPS)
+    reason = gpu_rejection(fenced.free()[0], big)
+    assert reason is not None and "holds one MPS client to 70 GiB and 50% cores" in reason
+    assert "exclusive" in reason
+    assert gpu_rejection(open_.free()[0], big) is None  # nodes without a ceiling: as before
+    assert choose_gpus(fenced, dataclasses.replace(big, memory_mib=70 * 1024)) is not None
+    assert gpu_rejection(fenced.free()[0], GpuRequest(1, 8192, 60, Isolation.MPS)) is not None
+    # the ceiling is the MPS daemon's: other isolations on the node are not held to it
+    assert gpu_rejection(fenced.free()[0], dataclasses.replace(
+        big, isolation=Isolation.EXCLUSIVE)) is None
+    with pytest.raises(ValueError, match="mpsCeilingPercent"):
+        inventory_from_gpunode("n", {"sharingMode": "mps", "gpus": [],
+                                     "mpsCeilingPercent": 0}, {})
+
+
+def test_an_uncapped_grant_is_held_to_and_billed_for_its_memory_share() -> None:
+    assert sm_share_pct(25, 8192, H200_MIB) == 25
+    assert sm_share_pct(0, 8192, H200_MIB) == 6  # 5.7 % rounded up to the thread limit's unit
+    assert sm_share_pct(0, 1, H200_MIB) == 1
+    assert sm_share_pct(0, H200_MIB, H200_MIB) == 100
+    assert sm_share_pct(0, 8192, 0) == 100  # unknown GPU: no cap can be computed
+    billed = gpu_fraction(GpuGrant("GPU-0", 8192, 0), H200_MIB)
+    assert billed == pytest.approx(8192 / H200_MIB)
+    assert abs(billed - sm_share_pct(0, 8192, H200_MIB) / 100) < 0.01
+    assert gpu_fraction(GpuGrant("GPU-0", 8192, 50), H200_MIB) == 0.5
+
+
+def extender(serve_unowned: bool) -> tuple[Extender, FakeCluster]:
+    cache = ClusterCache()
+    for kind in ("nodes", "gpunodes", "pods"):
+        cache.mark_synced(kind)
+    cluster = FakeCluster(on_change=lambda event, pod: cache.apply_pod(event, pod, 0.0))
+    cache.apply_node("ADDED", node_object("n1"))
+    cache.apply_gpunode("ADDED", gpunode_object("n1", [{"uuid": "g0", "model": "A100"}]))
+    settings = Settings(serve_unowned=serve_unowned)
+    return Extender(cache, cluster, settings, clock=lambda: 0.0), cluster
+
+
+def test_the_extender_filters_and_never_binds_a_pod_no_gpujob_owns() -> None:
+    strict, cluster = extender(serve_unowned=False)
+    bare = pod_object("bare", memory_gib=10)
+    cluster.add_pod(bare)
+    result = strict.filter(ExtenderArgs(bare, ("n1",), None))
+    assert result["NodeNames"] == []
+    assert result["FailedAndUnresolvableNodes"] == {
+        "n1": f"carpool: {unowned_refusal('default/bare')}"}
+    bound = strict.bind(BindingArgs("bare", "default", "uid-bare", "n1"))
+    assert "is not owned by a GpuJob" in bound["Error"]
+    assert cluster.bindings == []
+    owned = pod_object("owned", memory_gib=10)
+    owned["metadata"]["ownerReferences"] = [OWNER]
+    cluster.add_pod(owned)
+    assert strict.filter(ExtenderArgs(owned, ("n1",), None))["NodeNames"] == ["n1"]
+    assert strict.bind(BindingArgs("owned", "default", "uid-owned", "n1")) == {"Error": ""}
+    plain = {"metadata": {"name": "web", "namespace": "default"},
+             "spec": {"containers": [{"name": "c"}]}}  # no GPUs: none of Carpool's business
+    assert strict.filter(ExtenderArgs(plain, ("n1",), None))["NodeNames"] == ["n1"]
+    permissive, cluster = extender(serve_unowned=True)  # benchmarks, test beds
+    cluster.add_pod(bare)
+    assert permissive.filter(ExtenderArgs(bare, ("n1",), None))["NodeNames"] == ["n1"]
