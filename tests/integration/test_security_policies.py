@@ -596,8 +596,9 @@ def test_only_the_node_agents_need_more_than_restricted(cluster: devcluster.Clus
                                                        rbac: Rbac) -> None:
     """Every pod the chart makes, dry-run created in a namespace enforcing the `restricted` Pod
     Security Standard: the operator, extender and scheduler pass; the device plugin and MPS
-    daemon are refused (hostPath, root, hostPID for time-slicing) and pass `privileged` level
-    without being privileged containers: no privileged flag, no capability but KILL."""
+    daemon are refused (hostPath, root, hostPID for the memory watchdog) and pass `privileged`
+    level without being privileged containers: no privileged flag, no capability but KILL; the
+    only privileged container is the MPS daemon's init container that sets EXCLUSIVE_PROCESS."""
     rendered = subprocess.run(
         [str(cluster.bin_dir / "helm"), "template", rbac.release, str(CHART), "--namespace",
          rbac.namespace], capture_output=True, text=True, timeout=120, check=True).stdout
@@ -617,6 +618,10 @@ def test_only_the_node_agents_need_more_than_restricted(cluster: devcluster.Clus
             for container in template["spec"]["containers"]:
                 security = container.get("securityContext") or {}
                 assert not security.get("privileged"), workload["metadata"]["name"]
+            for container in template["spec"].get("initContainers") or []:
+                # the one privileged container: sets EXCLUSIVE_PROCESS on MPS GPUs and exits
+                assert (component, container["name"]) == ("mps-daemon", "exclusive-process")
+                assert container["command"] == ["nvidia-smi", "-c", "EXCLUSIVE_PROCESS"]
                 added = set((security.get("capabilities") or {}).get("add") or [])
                 assert added <= {"KILL"}, (workload["metadata"]["name"], added)
             pod = {"apiVersion": "v1", "kind": "Pod",

@@ -51,7 +51,7 @@ def test_the_fence_names_gpus_by_uuid_and_reads_back() -> None:
         "set_default_device_pinned_mem_limit GPU-a 71885M",
         "set_default_device_pinned_mem_limit GPU-b 40G"]
     assert ceiling_mib(H200_MIB, 50) == 71885
-    with pytest.raises(ValueError, match="1..100"):
+    with pytest.raises(ValueError, match=r"1\.\.100"):
         ceiling_commands(0, [])
     # the daemon's answers as seen on an H200 (driver 580)
     assert parse_percentage("50.0") == 50.0

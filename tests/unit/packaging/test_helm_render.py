@@ -270,9 +270,12 @@ def test_device_plugin_per_sharing_label(default: list[Obj], mode: str) -> None:
     if mode == "mps":
         # the MPS daemon DaemonSet runs the control daemon; the plugin only points clients at it
         assert args.no_manage_mps
+        assert args.mps_ceiling == 50  # checked against the daemon's fence before serving
         assert str(args.mps_pipe_dir) == "/run/carpool/mps/pipe"
         assert "/run/carpool/mps" in mounts
-    assert spec["hostPID"] is (mode == "timeslice")
+    assert not args.allow_unowned_pods
+    # the memory watchdog maps GPU processes to pods through the host's /proc
+    assert spec["hostPID"] is (mode in ("timeslice", "mps"))
 
 
 def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
@@ -281,8 +284,15 @@ def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
     assert spec["nodeSelector"] == {names.LABEL_SHARING: "mps"}
     env = {e["name"]: e["value"] for e in container(daemonset)["env"]}
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/carpool/mps/pipe"
+    assert env["CARPOOL_MPS_CEILING_PERCENT"] == "50"  # the fence, set before any server
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"]}
     assert host_paths == {"/run/carpool/mps", "/run/carpool/mps/shm"}
+    # EXCLUSIVE_PROCESS by default, from a privileged init container that exits; the daemon
+    # itself stays unprivileged
+    [init] = spec["initContainers"]
+    assert init["command"] == ["nvidia-smi", "-c", "EXCLUSIVE_PROCESS"]
+    assert init["securityContext"] == {"privileged": True}
+    assert not (container(daemonset).get("securityContext") or {}).get("privileged")
     # upgrades never restart the daemon under running MPS clients
     assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
@@ -434,7 +444,7 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
     rendered = {(o["kind"], o["metadata"]["name"]): o
                 for o in objects(helm, "--show-only", "templates/policies.yaml")}
     sources = policy_sources()
-    assert len(rendered) == len(sources) == 10
+    assert len(rendered) == len(sources) == 14
     writers = [f"system:serviceaccount:{NAMESPACE}:carpool-{c}"
                for c in ("extender", "device-plugin")]
     operator = f"system:serviceaccount:{NAMESPACE}:carpool-operator"
@@ -450,6 +460,10 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
                 assert variable["expression"] == f"'{operator}'"
         strip = {k: v for k, v in got.items() if k != "metadata"}
         expected = {k: v for k, v in source.items() if k != "metadata"}
+        for expression in (expected["spec"].get("matchResources") or {}).get(
+                "namespaceSelector", {}).get("matchExpressions", []):
+            # the tenant-isolation binding: system namespaces and the release's own
+            expression["values"] = ["kube-system", "kube-public", "kube-node-lease", NAMESPACE]
         if source["kind"] == "ValidatingAdmissionPolicy":
             for variable in expected["spec"].get("variables", []):
                 if variable["name"] == "writers":
@@ -472,7 +486,27 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     assert bindings == {"team-carpool-gpunode-own-node": "team-carpool-gpunode-own-node",
                         "team-carpool-pod-annotations": "team-carpool-pod-annotations",
                         "team-carpool-operator-finalizer-only":
-                            "team-carpool-operator-finalizer-only"}
+                            "team-carpool-operator-finalizer-only",
+                        "team-carpool-gpujob-only": "team-carpool-gpujob-only",
+                        "team-carpool-tenant-isolation": "team-carpool-tenant-isolation"}
+    door = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-gpujob-only"
+                and o["kind"] == "ValidatingAdmissionPolicy")
+    (operator,) = [v for v in door["spec"]["variables"] if v["name"] == "operator"]
+    assert operator["expression"] == "'system:serviceaccount:gpu:team-carpool-operator'"
+    tenants = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-tenant-isolation"
+                   and o["kind"] == "ValidatingAdmissionPolicyBinding")
+    [exempt] = tenants["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert (exempt["operator"], exempt["values"]) == (
+        "NotIn", ["kube-system", "kube-public", "kube-node-lease", "gpu"])
+    extra = subprocess.run(
+        [str(helm), "template", "team", str(CHART), "--namespace", "gpu", "--kube-version",
+         "1.35.4", "--show-only", "templates/policies.yaml", "--set",
+         "policies.exemptNamespaces={gpu-operator,kube-system}"],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    [binding] = [o for o in yaml.safe_load_all(extra) if o and o["metadata"]["name"] ==
+                 "team-carpool-tenant-isolation" and o["kind"].endswith("Binding")]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0][
+        "values"] == ["kube-system", "kube-public", "kube-node-lease", "gpu", "gpu-operator"]
     annotations = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-pod-annotations"
                        and o["kind"] == "ValidatingAdmissionPolicy")
     (writers,) = [v for v in annotations["spec"]["variables"] if v["name"] == "writers"]
@@ -488,17 +522,20 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     def kinds(*args: str) -> list[str]:
         """The kinds of the policy objects rendered with these values."""
         ours = ("-platform-team", "-gpujob-edit", "-gpujob-view", "-cluster-view",
-                "-gpunode-own-node", "-pod-annotations", "-operator-finalizer-only")
+                "-gpunode-own-node", "-pod-annotations", "-operator-finalizer-only",
+                "-gpujob-only", "-tenant-isolation")
         return sorted(o["kind"] for o in objects(helm, *args)
                       if o["metadata"]["name"].endswith(ours))
 
-    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 3 + [
-        "ValidatingAdmissionPolicyBinding"] * 3  # on by default
+    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 5 + [
+        "ValidatingAdmissionPolicyBinding"] * 5  # on by default
     assert kinds("--set", "policies.gpuNodeOwnNode=false", "--set",
                  "policies.podAnnotations=false", "--set", "policies.userRoles=false",
-                 "--set", "policies.operatorFinalizerOnly=false") == []
+                 "--set", "policies.operatorFinalizerOnly=false", "--set",
+                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == []
     assert kinds("--set", "policies.userRoles=false") == [
-        "ValidatingAdmissionPolicy"] * 3 + ["ValidatingAdmissionPolicyBinding"] * 3
+        "ValidatingAdmissionPolicy"] * 5 + ["ValidatingAdmissionPolicyBinding"] * 5
     assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false",
-                 "--set", "policies.operatorFinalizerOnly=false") == [
+                 "--set", "policies.operatorFinalizerOnly=false", "--set",
+                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == [
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
