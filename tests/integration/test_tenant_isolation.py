@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from carpool import crds, devcluster, simnodes, stack
 from carpool.core import names
+from carpool_testbed import crds, devcluster, simnodes, stack
 
 pytestmark = pytest.mark.cluster
 

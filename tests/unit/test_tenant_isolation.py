@@ -8,12 +8,6 @@ import dataclasses
 from typing import Any
 
 import pytest
-from carpool.deviceplugin.mps import (
-    ceiling_commands,
-    ceiling_mib,
-    parse_memory_limit,
-    parse_percentage,
-)
 
 from carpool.core import names
 from carpool.core.gpuhours import gpu_fraction, sm_share_pct
@@ -21,6 +15,12 @@ from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.ownership import gpujob_owner, unowned_refusal
 from carpool.core.placement import NodeState, choose_gpus, gpu_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.deviceplugin.mps import (
+    ceiling_commands,
+    ceiling_mib,
+    parse_memory_limit,
+    parse_percentage,
+)
 from carpool.extender.cache import ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
 from carpool.extender.service import Extender, Settings
