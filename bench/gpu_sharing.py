@@ -621,7 +621,8 @@ def main() -> int:
     slice_requests = [(f"ts-{n}", "timeslice", 8 * GIB, 25) for n in range(4)]
     exclusive_request = [("exclusive", "exclusive", 0, 100)]
     # the same memory caps without an SM cap: what the 25 % thread limit costs in throughput
-    open_requests = [(f"mps-open-{n}", "mps", 8 * GIB, 0) for n in range(4)]
+    # (cores 100: a grant without cores is held to its memory share, see gpuhours.sm_share_pct)
+    open_requests = [(f"mps-open-{n}", "mps", 8 * GIB, 100) for n in range(4)]
 
     if args.dry_run:
         from carpool.deviceplugin.backends.fake import FakeBackend
