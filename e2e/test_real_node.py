@@ -7,6 +7,7 @@ sees against what the extender decided at bind (`carpool.dev/assignment`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -149,6 +150,32 @@ def test_pod_resources_api_reports_the_assigned_shares(
             g["uuid"] for g in assignment["gpus"]]
         assert set(held[name]) <= set(allocatable[names.RESOURCE_GPU])
     assert not set(held[first]) & set(held[second]), held
+
+
+def test_the_plugin_refuses_a_pod_no_gpujob_owns(pods: Any,
+                                                 real_node: realnode.RealNode) -> None:
+    """Defence in depth at the kubelet: with the plugin as the chart runs it (no
+    --allow-unowned-pods), a bare GPU pod that got a GPU assignment (here from the test bed's
+    permissive extender) is refused at Allocate, and the kubelet puts the reason on the pod."""
+    bed = real_node.settings
+    assert real_node.stop_plugin()
+    real_node.settings = dataclasses.replace(bed, serve_unowned=False)
+    try:
+        real_node.start_plugin()
+        real_node.wait_shares()
+        name = pods.create(pods.manifest("unowned", 1, 8, 25))
+        status = pods.wait_for("the kubelet to refuse the pod", lambda: (
+            s := pods.get(name).get("status") or {}).get("phase") == "Failed" and s,
+            timeout=90, interval=0.5)
+        assert status["reason"] == "UnexpectedAdmissionError", status
+        assert "PermissionDenied" in status["message"], status
+        assert f"pod default/{name} is not owned by a GpuJob" in status["message"], status
+        assert names.ANN_ALLOCATED not in (pods.get(name)["metadata"].get("annotations") or {})
+    finally:
+        real_node.stop_plugin()
+        real_node.settings = bed
+        real_node.start_plugin()
+        real_node.wait_shares()
 
 
 def test_plugin_reregisters_after_kubelet_restart_and_new_pods_start(
