@@ -5,13 +5,18 @@ billed for, and the extender refusing pods no GpuJob owns (over its real HTTP la
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import pytest
 
 from carpool.core import names
+from carpool.core.accounting import grants_fraction
+from carpool.core.assignment import parse_assignment
+from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_fraction, sm_share_pct
 from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.lifecycle import assignment_fraction
 from carpool.core.ownership import gpujob_owner, unowned_refusal
 from carpool.core.placement import NodeState, choose_gpus, gpu_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
@@ -95,6 +100,25 @@ def test_an_uncapped_grant_is_held_to_and_billed_for_its_memory_share() -> None:
     assert billed == pytest.approx(8192 / H200_MIB)
     assert abs(billed - sm_share_pct(0, 8192, H200_MIB) / 100) < 0.01
     assert gpu_fraction(GpuGrant("GPU-0", 8192, 50), H200_MIB) == 0.5
+
+
+def test_a_time_sliced_grant_is_billed_and_counted_as_the_gpu_it_can_take() -> None:
+    """Nothing caps a time-sliced job's SMs: GPU-hours, quota and the operator's records all
+    count it as whole GPUs, whatever memory it holds."""
+    grant = GpuGrant("GPU-0", 8192, 0)
+    assert gpu_fraction(grant, H200_MIB, isolation=Isolation.TIMESLICE) == 1.0
+    assert gpu_fraction(grant, H200_MIB, isolation=Isolation.MPS) == pytest.approx(
+        8192 / H200_MIB)
+    request = GpuRequest(count=2, memory_mib=8192, isolation=Isolation.TIMESLICE)
+    assert nominal_fraction(request, H200_MIB) == 2.0
+    assert nominal_fraction(dataclasses.replace(request, isolation=Isolation.MPS),
+                            H200_MIB) == pytest.approx(2 * 8192 / H200_MIB)
+    node = h200_node(None)
+    assert grants_fraction((grant,), node.inventory, Isolation.TIMESLICE) == 1.0
+    assignment = parse_assignment(json.dumps({"node": "n", "gpus": [
+        {"uuid": "GPU-0", "index": 0, "memoryMiB": 8192, "cores": 0}]}))
+    assert assignment_fraction(assignment, {"GPU-0": H200_MIB},
+                               isolation=Isolation.TIMESLICE) == 1.0
 
 
 def extender(serve_unowned: bool) -> tuple[Extender, FakeCluster]:

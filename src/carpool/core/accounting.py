@@ -15,18 +15,20 @@ from carpool.core.fairshare import decay_factor, decayed_gpu_hours
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.jobs import Job, ProjectQuota, ProjectUsage, RetiredUsage, RunRecord
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant, NodeInventory
+from carpool.core.resources import GpuGrant, Isolation, NodeInventory
 
 
-def grants_fraction(grants: Iterable[GpuGrant], inventory: NodeInventory) -> float:
-    """GPU equivalents held by `grants` on this node (sum of `gpuhours.gpu_fraction`)."""
+def grants_fraction(grants: Iterable[GpuGrant], inventory: NodeInventory,
+                    isolation: Isolation | None = None) -> float:
+    """GPU equivalents held by `grants` of a job with `isolation` on this node (sum of
+    `gpuhours.gpu_fraction`)."""
     total = 0.0
     for grant in grants:
         gpu = inventory.gpu(grant.gpu_uuid)
         if gpu is None:
             raise ValueError(f"grant names GPU {grant.gpu_uuid} that node {inventory.name} lacks")
         slices = next((m.slices for m in gpu.mig_instances if m.uuid == grant.mig_instance), 0)
-        total += gpu_fraction(grant, gpu.memory_total_mib, slices)
+        total += gpu_fraction(grant, gpu.memory_total_mib, slices, isolation)
     return total
 
 
@@ -36,7 +38,7 @@ def held_fraction(job: Job, nodes: Mapping[str, NodeState], fallback: float) -> 
     node = nodes.get(job.node)
     if job.grants and node is not None:
         try:
-            return grants_fraction(job.grants, node.inventory)
+            return grants_fraction(job.grants, node.inventory, job.request.isolation)
         except ValueError:
             pass  # the node's inventory changed under the job; use what was recorded
     run = job.current_run

@@ -57,11 +57,11 @@ def decayed_gpu_hours(fraction: float, start: float, end: float, now: float,
 def nominal_fraction(request: GpuRequest, reference_memory_mib: int) -> float:
     """GPU equivalents a request will hold before a GPU is chosen for it.
 
-    Exclusive: count; MIG: count * slices / 7 (one slice if unset); shared: count *
-    max(memory / reference memory, cores / 100), the `gpuhours` definition on a GPU with
-    `reference_memory_mib` of memory (the largest GPU in the cluster).
+    Exclusive and time-sliced (nothing caps its SMs): count; MIG: count * slices / 7 (one
+    slice if unset); MPS: count * max(memory / reference memory, cores / 100), the `gpuhours`
+    definition on a GPU with `reference_memory_mib` of memory (the largest GPU in the cluster).
     """
-    if request.isolation is Isolation.EXCLUSIVE:
+    if request.isolation in (Isolation.EXCLUSIVE, Isolation.TIMESLICE):
         per_gpu = 1.0
     elif request.isolation is Isolation.MIG:
         per_gpu = max(1, request.mig_slices) / MIG_SLICES_PER_GPU

@@ -20,7 +20,7 @@ from typing import Any
 
 from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
-from carpool.core.resources import GpuGrant, Phase
+from carpool.core.resources import GpuGrant, Isolation, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
 
 Obj = dict[str, Any]
@@ -103,13 +103,15 @@ def grants_from_status(gpus: object, exclusive: bool = False) -> tuple[GpuGrant,
 
 def assignment_fraction(assignment: Assignment | None,
                         memory_totals: Mapping[str, int], exclusive: bool = False,
-                        mig_slices: Mapping[str, int] | None = None) -> float:
-    """GPUs held by an assignment, by the one GPU-hour definition (core.gpuhours);
-    `mig_slices` maps MIG instance UUIDs to their compute slices (from the GpuNodes)."""
+                        mig_slices: Mapping[str, int] | None = None,
+                        isolation: Isolation | None = None) -> float:
+    """GPUs held by an assignment of a job with `isolation`, by the one GPU-hour definition
+    (core.gpuhours); `mig_slices` maps MIG instance UUIDs to their compute slices (from the
+    GpuNodes)."""
     total = 0.0
     for grant in grants_from_assignment(assignment, exclusive):
         slices = (mig_slices or {}).get(grant.mig_instance, 0)
-        total += gpu_fraction(grant, memory_totals.get(grant.gpu_uuid, 0), slices)
+        total += gpu_fraction(grant, memory_totals.get(grant.gpu_uuid, 0), slices, isolation)
     return total
 
 
@@ -147,8 +149,9 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             now: float, mig_slices: Mapping[str, int] | None = None) -> Observation:
     """Derive `job`'s phase and status from its pods (see the module docstring)."""
     status: Obj = job.get("status") or {}
-    exclusive = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
-        == "exclusive"
+    isolation_text = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", ""))
+    exclusive = isolation_text == "exclusive"
+    timeslice = Isolation.TIMESLICE if isolation_text == Isolation.TIMESLICE.value else None
     phase = Phase(status.get("phase", Phase.QUEUED.value))
     pods = sorted(pods, key=lambda p: p.attempt)
     attempts = max([int(status.get("attempts", 0))] + [p.attempt for p in pods])
@@ -177,7 +180,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                        f"attempt {attempts} ended ({reason}); back in the queue"))
         return Observation(Phase.QUEUED, attempts, patch, tuple(events))
 
-    fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices)
+    fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices,
+                                   timeslice)
     gpus = [{"index": g.index, "uuid": g.uuid, "memoryMiB": g.memory_mib, "cores": g.cores_pct}
             for g in (current.assignment.gpus if current.assignment is not None else ())]
     if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):

@@ -595,7 +595,8 @@ class _Walk:
             if slot is None:
                 cycle.now_fail[request] = duration
         if slot is not None:
-            fraction = grants_fraction(slot.grants, cycle.snapshot.nodes[slot.node].inventory)
+            fraction = grants_fraction(slot.grants, cycle.snapshot.nodes[slot.node].inventory,
+                                       request.isolation)
             return slot, fraction, _memory_of(request, slot.grants, cycle.reference_mib)
         return (None, nominal_fraction(request, cycle.reference_mib),
                 _memory_of(request, (), cycle.reference_mib))
