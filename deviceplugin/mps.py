@@ -24,17 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from carpool.core.resources import mps_ceiling_mib as ceiling_mib
+
 CONTROL = "nvidia-cuda-mps-control"
 
 
 def mps_memory_limit(mib: int) -> str:
     """MPS's memory-limit syntax: whole GiB as "8G", otherwise "1536M"."""
     return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
-
-
-def ceiling_mib(memory_total_mib: int, ceiling_pct: int) -> int:
-    """The pinned-memory ceiling of one MPS client on a GPU of `memory_total_mib`."""
-    return memory_total_mib * ceiling_pct // 100
 
 
 def ceiling_commands(ceiling_pct: int, gpus: Sequence[tuple[str, int]]) -> list[str]:

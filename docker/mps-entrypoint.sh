@@ -45,9 +45,9 @@ done
 echo "set_default_active_thread_percentage $ceiling" | nvidia-cuda-mps-control
 nvidia-smi --query-gpu=uuid,memory.total --format=csv,noheader,nounits |
   while IFS=', ' read -r uuid total; do
-    echo "set_default_device_pinned_mem_limit $uuid $((total * ceiling / 100))M" |
-      nvidia-cuda-mps-control
-    echo "GPU $uuid: each MPS client held to $((total * ceiling / 100)) MiB and $ceiling % of the SMs"
+    gib=$((total * ceiling / 100 / 1024))  # whole GiB, as carpool.core.resources.mps_ceiling_mib
+    echo "set_default_device_pinned_mem_limit $uuid ${gib}G" | nvidia-cuda-mps-control
+    echo "GPU $uuid: each MPS client held to $gib GiB and $ceiling % of the SMs"
   done
 # wait returns early when a trapped signal arrives; wait again for the daemon to exit.
 wait "$daemon" || true

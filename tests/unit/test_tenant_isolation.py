@@ -53,9 +53,9 @@ def test_only_a_controlling_gpujob_owns_a_pod(refs: list[dict[str, Any]] | None,
 def test_the_fence_names_gpus_by_uuid_and_reads_back() -> None:
     assert ceiling_commands(50, [("GPU-a", H200_MIB), ("GPU-b", 81920)]) == [
         "set_default_active_thread_percentage 50",
-        "set_default_device_pinned_mem_limit GPU-a 71885M",
+        "set_default_device_pinned_mem_limit GPU-a 70G",
         "set_default_device_pinned_mem_limit GPU-b 40G"]
-    assert ceiling_mib(H200_MIB, 50) == 71885
+    assert ceiling_mib(H200_MIB, 50) == 70 * 1024  # whole GiB, as the daemon keeps it
     with pytest.raises(ValueError, match=r"1\.\.100"):
         ceiling_commands(0, [])
     # the daemon's answers as seen on an H200 (driver 580)

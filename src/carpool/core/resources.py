@@ -72,6 +72,12 @@ class Phase(enum.Enum):
 MIG_SLICES_PER_GPU = 7
 
 
+def mps_ceiling_mib(memory_total_mib: int, ceiling_pct: int) -> int:
+    """The pinned memory one MPS client may hold on a GPU fenced at `ceiling_pct` %: whole GiB,
+    as the MPS control daemon keeps it (it reports 71,885 MiB back as "70G")."""
+    return memory_total_mib * ceiling_pct // 100 // 1024 * 1024
+
+
 @dataclass(frozen=True)
 class GpuRequest:
     """Per-job GPU demand: `count` GPUs, each with this memory and compute."""
@@ -124,7 +130,7 @@ class Gpu:
 
     @property
     def mps_ceiling_mib(self) -> int:
-        return self.memory_total_mib * self.mps_ceiling_pct // 100
+        return mps_ceiling_mib(self.memory_total_mib, self.mps_ceiling_pct)
 
 
 @dataclass(frozen=True)
