@@ -460,7 +460,7 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
                 assert variable["expression"] == f"'{operator}'"
         strip = {k: v for k, v in got.items() if k != "metadata"}
         expected = {k: v for k, v in source.items() if k != "metadata"}
-        for expression in (expected["spec"].get("matchResources") or {}).get(
+        for expression in (expected.get("spec", {}).get("matchResources") or {}).get(
                 "namespaceSelector", {}).get("matchExpressions", []):
             # the tenant-isolation binding: system namespaces and the release's own
             expression["values"] = ["kube-system", "kube-public", "kube-node-lease", NAMESPACE]
