@@ -27,6 +27,7 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
 from carpool.core.timestamps import epoch_of
 from carpool.extender.inventory import InventoryError, inventory_from_objects
+from carpool.extender.states import CachedState
 from carpool.extender.wire import pod_requests
 
 IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the handshake rule's last-resort timeout
@@ -349,7 +350,7 @@ class ClusterCache:
             keys = sorted(self._keys_on_node.get(node, ()))
             grants = tuple(g for k in keys for g in self._effective[k].grants)
             cpu, memory = self._node_usage.get(node, (0, 0))
-            state = self._states[node] = NodeState(inventory, grants, cpu, memory)
+            state = self._states[node] = CachedState(inventory, grants, cpu, memory)
         return state
 
     def _without(self, state: NodeState, node: str, exclude_key: str) -> NodeState:
@@ -358,8 +359,8 @@ class ClusterCache:
         own = self._usage.get(exclude_key)
         if own is not None and own[0] == node:
             cpu, memory = cpu - own[1], memory - own[2]
-        return NodeState(state.inventory, tuple(g for k in rest for g in self._effective[k].grants),
-                         cpu, memory)
+        return CachedState(state.inventory,
+                           tuple(g for k in rest for g in self._effective[k].grants), cpu, memory)
 
     def _in_flight(self, node: str, exclude_key: str, now: float) -> tuple[Hold, ...]:
         return tuple(h for k in sorted(self._keys_on_node.get(node, ()))

@@ -19,14 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from carpool.core.placement import (
-    GpuFree,
     NodeState,
     choose_gpus,
     gpu_rejection,
     grant_for,
     node_rejection,
 )
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation
 from carpool.core.scoring import (
     CARPOOL,
     Dataset,
@@ -36,6 +35,7 @@ from carpool.core.scoring import (
     Strategy,
 )
 from carpool.core.workload import Demand, TargetWorkload
+from carpool.extender.states import CachedState
 from carpool.extender.wire import PodDemand, Policy
 
 MAX_SCORE = 10  # the extender API's MaxExtenderPriority
@@ -104,21 +104,18 @@ def _grants_at(state: NodeState, request: GpuRequest, indices: tuple[int, ...]
                ) -> tuple[GpuGrant, ...]:
     """Grants on the scorer's GPUs, each checked against the filter's GPU rules (which the
     scorer's own fit implies; a disagreement falls back to the tightest GPUs)."""
-    frees = state.derived("ranking.frees", _frees_by_index)
+    cached = CachedState.of(state)
+    frees = cached.frees_by_index
     chosen = [frees.get(i) for i in indices]
     if any(f is None or gpu_rejection(f, request) is not None for f in chosen):
-        fallback = choose_gpus(state, request)
+        fallback = choose_gpus(cached, request)
         if fallback is None:
             raise RuntimeError(f"no GPUs fit on {state.name} although the scorer placed there")
         return fallback
     return tuple(grant_for(f, request) for f in chosen if f is not None)
 
 
-def _frees_by_index(state: NodeState) -> dict[int, GpuFree]:
-    return {f.gpu.index: f for f in state.free()}
-
-
-def _scored_choice(state: NodeState, request: GpuRequest, scorer: RequestScorer
+def _scored_choice(state: CachedState, request: GpuRequest, scorer: RequestScorer
                    ) -> tuple[tuple[int, ...], float] | None:
     """The scorer's GPUs (indices) for one container, and the score.
 
@@ -127,7 +124,7 @@ def _scored_choice(state: NodeState, request: GpuRequest, scorer: RequestScorer
     grants are built; MIG instances are not in the scorer's view and are checked here.
     """
     try:
-        scored = scorer.score(state)
+        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
     except AssertionError:  # the scorer's plan could not be mapped onto distinct GPUs
         return None
     if scored is None:
@@ -136,7 +133,7 @@ def _scored_choice(state: NodeState, request: GpuRequest, scorer: RequestScorer
     if len(indices) != request.count or (len(indices) > 1 and len(set(indices)) != len(indices)):
         return None
     if request.isolation is Isolation.MIG:
-        frees = state.derived("ranking.frees", _frees_by_index)
+        frees = state.frees_by_index
         for index in indices:
             free = frees.get(index)
             if free is None or gpu_rejection(free, request) is not None:
@@ -172,6 +169,7 @@ class ShapePlacer:
         filter enforces them, so a node short of CPU only loses its score here, not its fit.
         """
         demand = self.demand
+        state = CachedState.of(state)
         chosen: list[tuple[GpuGrant, ...]] = []
         total = 0.0
         inventory = state.inventory
@@ -203,9 +201,9 @@ class ShapePlacer:
             chosen.append(grants)
             total += score
             if not last:  # the next container sees this one's GPUs
-                state = NodeState(inventory, state.grants + grants,
-                                  state.cpu_used_milli + cpu_milli,
-                                  state.memory_used_mib + memory_mib)
+                state = CachedState(inventory, state.grants + grants,
+                                    state.cpu_used_milli + cpu_milli,
+                                    state.memory_used_mib + memory_mib)
             cpu_milli = memory_mib = 0
         return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
 
@@ -216,16 +214,17 @@ class ShapePlacer:
         if request is None:
             placement = self.place(state)
         else:  # `place` for one container, written out: this runs on every node
+            cached = CachedState.of(state)
             inventory = state.inventory
             if inventory.ready and request.isolation in inventory.sharing:
-                scored = _scored_choice(state, request, self._scorers[0])
+                scored = _scored_choice(cached, request, self._scorers[0])
                 if scored is not None:
                     return Evaluation(state, scored[1], request, scored[0])
-            reason = node_rejection(state, request)
+            reason = node_rejection(cached, request)
             if reason is not None:
                 placement = Misfit(reason)
             else:  # the filter's rules let it fit where the scorer did not (CPU, say)
-                grants = choose_gpus(state, request)
+                grants = choose_gpus(cached, request)
                 placement = (Placement(state.name, (grants,), 0.0) if grants is not None
                              else Misfit("no GPUs fit"))
         if isinstance(placement, Misfit):
@@ -343,7 +342,8 @@ class Evaluation:
     def resolvable(self) -> bool:
         """Whether the pod would fit the node with nothing on it (worked out only when
         filter reports reasons: most misfits are never asked)."""
-        return all(_fits_empty(self.state.inventory, r) for r in self._requests)
+        state = CachedState.of(self.state)
+        return all(state.fits_empty(r) for r in self._requests)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Evaluation) and (
@@ -354,22 +354,6 @@ class Evaluation:
 
     def __repr__(self) -> str:
         return f"Evaluation({self.state.name!r}, {self.placement!r}, {self.reason!r})"
-
-
-_EMPTY_FITS: dict[tuple[int, GpuRequest], tuple[NodeInventory, bool]] = {}
-
-
-def _fits_empty(inventory: NodeInventory, request: GpuRequest) -> bool:
-    """Memoised per inventory object (the cache keeps it while the node is unchanged)."""
-    key = (id(inventory), request)
-    entry = _EMPTY_FITS.get(key)
-    if entry is not None and entry[0] is inventory:
-        return entry[1]
-    if len(_EMPTY_FITS) > MAX_MEMO_ENTRIES:
-        _EMPTY_FITS.clear()
-    fits = node_rejection(NodeState(inventory), request) is None
-    _EMPTY_FITS[key] = (inventory, fits)
-    return fits
 
 
 DemandShape = tuple[object, ...]

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from carpool.core.derived import DerivedState
 from carpool.core.jobs import DurationEstimate, Job
 from carpool.core.placement import NodeState, choose_gpus, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
@@ -325,6 +326,7 @@ class TimelineMemo:
             GpuGrant, ...]] | None]] = {}
         self._hosts: dict[tuple[tuple[int, ...], GpuRequest],
                           tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
+        self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
 
     def bind(self, ranker: NodeRanker) -> None:
         if self.ranker is not ranker:
@@ -334,6 +336,14 @@ class TimelineMemo:
             self._states.clear()
             self._fits.clear()
             self._hosts.clear()
+            self._derived.clear()
+
+    def derived(self, base: NodeState) -> DerivedState:
+        """The `DerivedState` of `base`, the same one every cycle while `base` is passed in."""
+        entry = self._derived.get(id(base))
+        if entry is None or entry[0] is not base:
+            entry = self._derived[id(base)] = (base, DerivedState.of(base))
+        return entry[1]
 
     def state(self, base: NodeState, held: tuple[tuple[GpuGrant, ...], ...]) -> NodeState:
         """`base` with the grant tuples `held` added; keyed by the tuples' identities (cheap
@@ -383,7 +393,11 @@ class Timeline:
         self.memo = memo
         if memo is not None:
             memo.bind(ranker)
-        self._base = dict(nodes)  # inventory + grants of things that are not jobs
+        # inventory + grants of things that are not jobs; what-if states are asked the same
+        # questions again and again, so they keep their answers (DerivedState)
+        self._base: dict[str, NodeState] = {
+            name: memo.derived(state) if memo is not None else DerivedState.of(state)
+            for name, state in nodes.items()}
         self._names = sorted(nodes)
         self._bases = tuple(self._base[n] for n in self._names)
         self._occupancies: dict[str, list[Occupancy]] = {name: [] for name in nodes}

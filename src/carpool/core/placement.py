@@ -6,14 +6,12 @@ what some GPU can hold now) and the placement benchmark, so all three agree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar, cast
 
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
 
 TEMPERATURE_MARGIN_C = 5.0
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,26 +40,9 @@ class NodeState:
         return self.inventory.name
 
     def free(self) -> list[GpuFree]:
-        """What is left on each GPU; computed once per state (a NodeState never changes), as
-        fit, scoring and GPU choice each ask for it many times per scheduling cycle."""
-        cached: tuple[GpuFree, ...] | None = self.__dict__.get("_free_memo")
-        if cached is None:
-            cached = tuple(self._compute_free())
-            object.__setattr__(self, "_free_memo", cached)
-        return list(cached)
-
-    def derived(self, key: str, compute: Callable[[NodeState], T]) -> T:
-        """`compute(self)`, once per state and key: what scoring derives from a node (its
-        profile, its GPUs by slot) is asked for by every pod shape that meets this state."""
-        memos: dict[str, object] | None = self.__dict__.get("_derived")
-        if memos is None:
-            memos = {}
-            object.__setattr__(self, "_derived", memos)
-        try:
-            return cast(T, memos[key])
-        except KeyError:
-            value = memos[key] = compute(self)
-            return value
+        """What is left on each GPU (computed on every call; `core.derived.DerivedState`
+        keeps it for callers that ask again and again)."""
+        return self._compute_free()
 
     def _compute_free(self) -> list[GpuFree]:
         by_gpu: dict[str, list[GpuGrant]] = {}
@@ -84,8 +65,9 @@ class NodeState:
         return out
 
     def with_grants(self, grants: Iterable[GpuGrant]) -> NodeState:
-        return NodeState(self.inventory, self.grants + tuple(grants), self.cpu_used_milli,
-                         self.memory_used_mib)
+        """This state with `grants` added (a state of the same kind)."""
+        return type(self)(self.inventory, self.grants + tuple(grants), self.cpu_used_milli,
+                          self.memory_used_mib)
 
 
 def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:

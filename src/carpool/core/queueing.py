@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
+from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
     LearnKey,
@@ -83,7 +84,7 @@ from carpool.core.quota import (
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
-from carpool.core.scoring import Scorer, score_node
+from carpool.core.scoring import RequestScorer, Scorer
 
 
 def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
@@ -93,8 +94,11 @@ def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
     shared = scorer if scorer is not None else Scorer()
 
     def rank(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
-        scored = score_node(node, request, shared)
-        return scored.score if scored is not None else 0.0
+        # score_node's score, with the state's derived values kept (the timeline's states)
+        state = DerivedState.of(node)
+        scorer = RequestScorer(request, shared)
+        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
+        return scored[0] if scored is not None else 0.0
 
     return rank
 

@@ -162,12 +162,7 @@ def usable(gpu: Gpu) -> bool:
 
 
 def profile_of(node: NodeState) -> NodeProfile:
-    """The node's profile: its usable GPUs that are not held exclusively (memoised on the
-    state, which never changes: every demand shape scored against it needs the same)."""
-    return node.derived("scoring.profile", _profile_of)
-
-
-def _profile_of(node: NodeState) -> NodeProfile:
+    """The node's profile: its usable GPUs that are not held exclusively."""
     inv = node.inventory
     slots = []
     for free in node.free():
@@ -221,14 +216,19 @@ def fragmentation(profile: NodeProfile, workload: TargetWorkload) -> float:
 
     F_n(m) = the node's whole idle GPU if m cannot fit (CPU, memory, model or not enough GPUs
     that can each take m's share); otherwise sum of idle_g over the GPUs g that cannot take m.
+    (A `Scorer` compiles its workload once and memoises per profile; this compiles each call.)
     """
+    return _fragmentation(profile, _CompiledWorkload(workload))
+
+
+def _fragmentation(profile: NodeProfile, compiled: _CompiledWorkload) -> float:
+    """`fragmentation` against a compiled workload."""
     slots = profile.gpus
     idle_total = 0
     for s in slots:
         idle_total += s.idle_milli
-    if idle_total == 0 or not workload.shapes:
+    if idle_total == 0 or not compiled.gpu_parts:
         return 0.0
-    compiled = _compiled(workload)
     usable = compiled.usable.get(slots)
     if usable is None:
         usable = compiled.usable_idle(slots)
@@ -303,18 +303,6 @@ def _cpu_index(hosts: tuple[tuple[int, int, int], ...]
     for _, w in ordered:
         prefix.append(prefix[-1] + w)
     return tuple(cpu for cpu, _ in ordered), tuple(prefix)
-
-
-_COMPILED: dict[int, _CompiledWorkload] = {}
-
-
-def _compiled(workload: TargetWorkload) -> _CompiledWorkload:
-    entry = _COMPILED.get(id(workload))
-    if entry is None or entry.workload is not workload:
-        if len(_COMPILED) > 64:
-            _COMPILED.clear()
-        entry = _COMPILED[id(workload)] = _CompiledWorkload(workload)
-    return entry
 
 
 def _distinct_slots(slots: tuple[GpuSlot, ...]) -> list[tuple[GpuSlot, int]]:
@@ -479,6 +467,7 @@ class Scorer:
         self.workload = workload if workload is not None else TargetWorkload()
         self._cpu_per_gpu = self.workload.cpu_per_gpu_milli
         self._pressure = model_pressure(self.workload, supply or {})
+        self._compiled = _CompiledWorkload(self.workload)
         self._fragmentation: dict[NodeProfile, float] = {}
         self._plans: dict[tuple[NodeProfile, Demand], Plan | None] = {}
 
@@ -488,7 +477,7 @@ class Scorer:
         if value is None:
             if len(self._fragmentation) > MAX_MEMO_ENTRIES:
                 self._fragmentation.clear()
-            value = self._fragmentation[profile] = fragmentation(profile, self.workload)
+            value = self._fragmentation[profile] = _fragmentation(profile, self._compiled)
         return value
 
     def profile_score(self, before: NodeProfile, after: NodeProfile, demand: Demand,
@@ -602,8 +591,10 @@ class SlotGpu(NamedTuple):
     temperature: float
 
 
-def _gpus_by_slot(node: NodeState, exclusive: bool
-                  ) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
+GpusBySlot = dict[GpuSlot, tuple[SlotGpu, ...]]
+
+
+def gpus_by_slot(node: NodeState, exclusive: bool) -> GpusBySlot:
     """Usable GPUs per slot, coolest first, then lowest index;
     `exclusive` leaves out GPUs that already carry a grant."""
     candidates: list[tuple[float, int, GpuSlot]] = []
@@ -621,28 +612,6 @@ def _gpus_by_slot(node: NodeState, exclusive: bool
     return {slot: tuple(gpus) for slot, gpus in by_slot.items()}
 
 
-def _shared_gpus(node: NodeState) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
-    return _gpus_by_slot(node, exclusive=False)
-
-
-def _exclusive_gpus(node: NodeState) -> dict[GpuSlot, tuple[SlotGpu, ...]]:
-    return _gpus_by_slot(node, exclusive=True)
-
-
-_DEMANDS: dict[tuple[GpuRequest, int, int], Demand] = {}
-
-
-def _demand(request: GpuRequest, cpu_milli: int, memory_mib: int) -> Demand:
-    key = (request, cpu_milli, memory_mib)
-    demand = _DEMANDS.get(key)
-    if demand is None:
-        if len(_DEMANDS) > 10_000:
-            _DEMANDS.clear()
-        demand = _DEMANDS[key] = Demand.from_request(request, cpu_milli=cpu_milli,
-                                                     memory_mib=memory_mib)
-    return demand
-
-
 def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = None, *,
                cpu_milli: int = 0, memory_mib: int = 0,
                dataset: Dataset | None = None) -> NodeScore | None:
@@ -653,11 +622,14 @@ def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = Non
     first; this only ranks.
     """
     scorer = scorer if scorer is not None else Scorer()
-    scored = score_gpus(node, request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
-                        dataset=dataset)
+    request_scorer = RequestScorer(request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
+                                   dataset=dataset)
+    profile = profile_of(node)
+    scored = request_scorer.score_with(node, profile,
+                                       gpus_by_slot(node, request_scorer.exclusive))
     if scored is None:
         return None
-    plan = scorer.plan(profile_of(node), _demand(request, cpu_milli, memory_mib))
+    plan = scorer.plan(profile, request_scorer.demand)
     assert plan is not None
     return NodeScore(scored[0], scored[1], plan)
 
@@ -680,21 +652,19 @@ class RequestScorer:
     depend on the node (the scorer's demand, the weights, the dataset) is worked out here
     once, and `score` does only the per-node part: the profile's plan (memoised per
     profile: identical nodes share it), the plan's GPUs on this node, and the temperature
-    and locality terms.
+    and locality terms. `score_with` takes the node's profile and GPUs by slot from a caller
+    that keeps them per node state (the extender).
     """
 
-    __slots__ = ("_den", "_plans", "_scorer", "_slots_key", "_slots_of",
-                 "_w_locality", "_w_profile", "_w_temperature", "dataset", "demand")
+    __slots__ = ("_den", "_plans", "_scorer", "_w_locality", "_w_profile", "_w_temperature",
+                 "dataset", "demand", "exclusive")
 
     def __init__(self, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
                  memory_mib: int = 0, dataset: Dataset | None = None) -> None:
         self._scorer = scorer
-        self.demand = _demand(request, cpu_milli, memory_mib)
+        self.demand = Demand.from_request(request, cpu_milli=cpu_milli, memory_mib=memory_mib)
         self.dataset = dataset
-        if request.isolation is Isolation.EXCLUSIVE:
-            self._slots_key, self._slots_of = "scoring.gpus.exclusive", _exclusive_gpus
-        else:
-            self._slots_key, self._slots_of = "scoring.gpus.shared", _shared_gpus
+        self.exclusive = request.isolation is Isolation.EXCLUSIVE  # which `gpus_by_slot`
         policy = scorer.policy
         # combine() over (profile, temperature, locality), written out: a term of weight 0
         # adds exactly 0.0, so the sum is the same float as combine's
@@ -708,7 +678,11 @@ class RequestScorer:
         """The node's score in [0, 1] and the GPU indices, or None if the demand cannot fit.
 
         Raises AssertionError if the plan's GPUs are not on the node (a scorer bug)."""
-        profile = node.derived("scoring.profile", _profile_of)
+        return self.score_with(node, profile_of(node), gpus_by_slot(node, self.exclusive))
+
+    def score_with(self, node: NodeState, profile: NodeProfile, by_slot: GpusBySlot
+                   ) -> tuple[float, tuple[int, ...]] | None:
+        """`score`, given the node's `profile_of` and its `gpus_by_slot` for this request."""
         plans = self._plans
         plan = plans.get(profile, _NOT_PLANNED)
         if plan is _NOT_PLANNED:
@@ -718,7 +692,6 @@ class RequestScorer:
         if plan is None:
             return None
         slots = plan.slots
-        by_slot = node.derived(self._slots_key, self._slots_of)
         indices: tuple[int, ...]
         if len(slots) == 1:  # the common case, without the bookkeeping of repeated slots
             gpus = by_slot.get(slots[0])

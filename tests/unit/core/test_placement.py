@@ -88,17 +88,3 @@ def test_mig_instances_are_handed_out_smallest_first() -> None:
     assert grant_for(used.free()[0], request).mig_instance == "MIG-b"
     two_slices = GpuRequest(count=1, memory_mib=1, isolation=Isolation.MIG, mig_slices=4)
     assert "no free MIG instance" in (gpu_rejection(free, two_slices) or "")
-
-
-def test_derived_values_are_computed_once_per_state() -> None:
-    calls: list[NodeState] = []
-
-    def gpu_count(state: NodeState) -> int:
-        calls.append(state)
-        return len(state.free())
-
-    state = NodeState(NodeInventory("n", (Gpu(0, "g0", "A100", 40 * 1024),)))
-    assert state.derived("count", gpu_count) == state.derived("count", gpu_count) == 1
-    changed = state.with_grants([GpuGrant("g0", 1024, 10)])
-    assert changed.derived("count", gpu_count) == 1
-    assert calls == [state, changed]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.core.placement import NodeState
+from carpool.core.placement import NodeState, node_rejection
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
 from carpool.core.scoring import (
     BEST_FIT,
@@ -21,6 +21,7 @@ from carpool.core.scoring import (
     Scorer,
     ScoringPolicy,
     combine,
+    gpus_by_slot,
     locality_term,
     profile_of,
     temperature_term,
@@ -28,6 +29,7 @@ from carpool.core.scoring import (
 )
 from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.ranking import Evaluation, Misfit, ShapePlacer
+from carpool.extender.states import CachedState
 from carpool.extender.wire import ContainerDemand, PodDemand
 
 GIB = 1024
@@ -130,3 +132,38 @@ def test_one_container_evaluation_is_the_general_placement(
         assert evaluation.score == general.score
         assert evaluation.placement is not None
         assert evaluation.placement.grants == general.grants
+
+
+@settings(max_examples=150)
+@given(nodes(), requests)
+def test_a_cached_state_derives_what_the_core_computes(node: NodeState,
+                                                       request: GpuRequest) -> None:
+    """The extender keeps per node state what the core recomputes on every call."""
+    cached = CachedState.of(node)
+    assert cached == CachedState(node.inventory, node.grants, node.cpu_used_milli,
+                                 node.memory_used_mib) and CachedState.of(cached) is cached
+    assert type(cached.with_grants(())) is CachedState  # what-if states keep their answers too
+    for _ in range(2):  # computed once, then kept: the same answers
+        assert cached.free() == node.free()
+        assert cached.frees_by_index == {f.gpu.index: f for f in node.free()}
+        assert cached.profile == profile_of(node)
+        for exclusive in (False, True):
+            assert cached.gpus_by_slot(exclusive) == gpus_by_slot(node, exclusive)
+        assert cached.fits_empty(request) == (
+            node_rejection(NodeState(node.inventory), request) is None)
+        assert node_rejection(cached, request) == node_rejection(node, request)
+
+
+@settings(max_examples=150)
+@given(nodes(), requests, st.sampled_from(POLICIES), st.integers(0, 32_000))
+def test_placing_on_a_cached_state_is_placing_on_the_plain_one(
+        node: NodeState, request: GpuRequest, policy: ScoringPolicy, cpu_milli: int) -> None:
+    demand = PodDemand("ns", "p", "u", (ContainerDemand("a", request),
+                                        ContainerDemand("b", request)), cpu_milli=cpu_milli)
+    single = PodDemand("ns", "p", "u", (ContainerDemand("a", request),), cpu_milli=cpu_milli)
+    scorer = Scorer(policy, WORKLOAD, {"A100": 8})
+    for pod in (demand, single):
+        plain = ShapePlacer(pod, scorer).evaluate(node)
+        cached = ShapePlacer(pod, scorer).evaluate(CachedState.of(node))
+        assert (plain.score, plain.reason, plain.placement, plain.resolvable) == (
+            cached.score, cached.reason, cached.placement, cached.resolvable)

@@ -1,0 +1,55 @@
+"""A node state that keeps what placement and scoring derive from it.
+
+The core's functions recompute what they need from a plain `NodeState` on every call and
+keep nothing. A caller that asks many questions of one unchanging state opts into
+`DerivedState`: its free GPUs, scoring profile and GPUs per scoring slot are computed on first
+use and kept with the state, so they go when the state goes. The extender's watch cache hands
+these out (one per node until the node changes), and the admission cycle's timeline builds
+its what-if states from them; property tests check each value equals the pure function's.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Self
+
+from carpool.core.placement import GpuFree, NodeState
+from carpool.core.scoring import GpusBySlot, NodeProfile, gpus_by_slot, profile_of
+
+
+class DerivedState(NodeState):
+    """A `NodeState` whose derived values are kept (the state never changes: a change on the
+    node makes a new one; `with_grants` makes another of the same kind)."""
+
+    @classmethod
+    def of(cls, state: NodeState) -> Self:
+        """`state` itself when it already is one, else a copy that keeps what it derives."""
+        if isinstance(state, cls):
+            return state
+        return cls(state.inventory, state.grants, state.cpu_used_milli, state.memory_used_mib)
+
+    @cached_property
+    def frees(self) -> tuple[GpuFree, ...]:
+        return tuple(super().free())
+
+    def free(self) -> list[GpuFree]:
+        return list(self.frees)
+
+    @cached_property
+    def frees_by_index(self) -> dict[int, GpuFree]:
+        return {f.gpu.index: f for f in self.frees}
+
+    @cached_property
+    def profile(self) -> NodeProfile:
+        return profile_of(self)
+
+    @cached_property
+    def shared_gpus(self) -> GpusBySlot:
+        return gpus_by_slot(self, exclusive=False)
+
+    @cached_property
+    def exclusive_gpus(self) -> GpusBySlot:
+        return gpus_by_slot(self, exclusive=True)
+
+    def gpus_by_slot(self, exclusive: bool) -> GpusBySlot:
+        return self.exclusive_gpus if exclusive else self.shared_gpus
