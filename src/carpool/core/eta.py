@@ -253,10 +253,28 @@ def _sorted_quantile(values: Sequence[float], q: float) -> float:
 OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x its age more
 
 
+def progress_remaining(job: Job, now: float) -> float | None:
+    """Seconds a running job still needs by its own progress reports, or None without a rate.
+
+    The current attempt went from `resumed_progress` (where it started) to `progress` in
+    `progress_at - started` seconds; at that rate the rest, 1 - progress, takes
+    (1 - progress) * (progress_at - started) / (progress - resumed_progress) seconds from the
+    report, less the time since it.
+    """
+    started, progress, at = job.started_at, job.progress, job.progress_at
+    if started is None or progress is None or at is None:
+        return None
+    done, ran = progress - job.resumed_progress, at - started
+    if done <= 0 or ran <= 0:
+        return None
+    return (1.0 - progress) * ran / done - max(0.0, now - at)
+
+
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
     """Expected seconds until a GPU-holding job lets go of its GPUs.
 
-    What the expectation leaves. A job past its expectation is given `OVERRUN_FRACTION` of
+    What the job's reported progress leaves (`progress_remaining`), else what the expectation
+    leaves. A job past that is given `OVERRUN_FRACTION` of
     the time it has run so far (at least `min_remaining_s`): run times are heavy-tailed, so
     the longer a job has overrun the longer it is likely to go on; "any minute now" at every
     cycle made every estimate behind it too early. Never more than what its limit
@@ -266,7 +284,8 @@ def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s:
     """
     started = job.started_at
     elapsed = max(0.0, now - started) if started is not None else 0.0
-    expected = duration_s - elapsed
+    by_progress = progress_remaining(job, now)
+    expected = duration_s - elapsed if by_progress is None else by_progress
     limit_left = job.max_duration_s - elapsed if job.max_duration_s > 0 else math.inf
     if limit_left <= 0:
         return min_remaining_s

@@ -115,7 +115,10 @@ class Job:
     preemptible: bool = False
     checkpoint_grace_s: float = 30.0
     min_runtime_s: float = 0.0  # never preempted before running this long
-    last_checkpoint_at: float | None = None
+    last_checkpoint_at: float | None = None  # reported by the job (core.checkpointing)
+    progress: float | None = None  # fraction done, as the current attempt last reported it
+    progress_at: float | None = None  # when it reported it
+    resumed_progress: float = 0.0  # the fraction done the current attempt started from
     phase: Phase = Phase.QUEUED
     attempts: int = 0  # admissions so far
     node: str = ""
