@@ -10,6 +10,7 @@ from typing import Any
 
 from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.checkpointing import attempt_of_pod
 from carpool.core.lifecycle import PodView
 from carpool.core.timestamps import epoch_seconds as parse_time
 from carpool.core.timestamps import format_timestamp as format_time
@@ -21,8 +22,7 @@ __all__ = ["DISRUPTION_TARGET", "PodView", "attempt_of", "format_time", "parse_t
 
 
 def attempt_of(pod_name: str) -> int:
-    tail = pod_name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
+    return attempt_of_pod(pod_name)
 
 
 def view_pod(pod: Obj) -> PodView:

@@ -20,7 +20,12 @@ from typing import Any
 from carpool.core import names
 from carpool.kube.client import MERGE_PATCH, Api
 from carpool.kube.errors import Conflict, Forbidden, NotFound
-from carpool.kube.resources import EVENTS, PRIORITY_CLASSES, PROJECTQUOTAS
+from carpool.kube.resources import (
+    EVENTS,
+    PERSISTENTVOLUMECLAIMS,
+    PRIORITY_CLASSES,
+    PROJECTQUOTAS,
+)
 from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import PODS as POD_RESOURCE
 
@@ -72,6 +77,14 @@ class Kube:
         except Conflict:
             return False
         self._wrote(PODS, created)
+        return True
+
+    def ensure_claim(self, claim: Obj) -> bool:
+        """Create the PersistentVolumeClaim unless it exists; True if this call created it."""
+        try:
+            self.api.create(PERSISTENTVOLUMECLAIMS.path(claim["metadata"]["namespace"]), claim)
+        except Conflict:
+            return False
         return True
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:

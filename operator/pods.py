@@ -10,12 +10,14 @@ import copy
 import hashlib
 from typing import Any
 
-from carpool.core import names
+from carpool.core import checkpointing, names
 from carpool.core.durations import parse_duration
 from carpool.core.quantities import gib_ceil, quantity_mib
 from carpool.core.resources import GpuRequest
 
 MAX_NAME = 63
+CHECKPOINT_VOLUME = "carpool-checkpoint"
+DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds when a pod names none
 
 
 def pod_name(job_name: str, attempt: int) -> str:
@@ -25,6 +27,55 @@ def pod_name(job_name: str, attempt: int) -> str:
         return job_name + suffix
     digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
     return f"{job_name[: MAX_NAME - len(suffix) - 9]}-{digest}{suffix}"
+
+
+def checkpoint_claim_name(job_name: str) -> str:
+    """The PersistentVolumeClaim holding a job's checkpoints: `<job>-checkpoint`."""
+    return f"{job_name}-checkpoint"
+
+
+def build_checkpoint_claim(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's checkpoint claim from `spec.checkpoint.volumeClaimTemplate`, owned by the job
+    (deleted with it, kept across attempts), or None when the job names no template."""
+    template = (job["spec"].get("checkpoint") or {}).get("volumeClaimTemplate")
+    if not template:
+        return None
+    meta = job["metadata"]
+    tmeta = template.get("metadata") or {}
+    labels = dict(tmeta.get("labels") or {})
+    labels.update({names.LABEL_MANAGED: "true", names.LABEL_JOB: meta["name"]})
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": checkpoint_claim_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "annotations": dict(tmeta.get("annotations") or {}),
+            "ownerReferences": [{
+                "apiVersion": names.API_VERSION, "kind": "GpuJob", "name": meta["name"],
+                "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": copy.deepcopy(template["spec"]),
+    }
+
+
+def workload_env(job: dict[str, Any], attempt: int, grace_s: int) -> list[dict[str, str]]:
+    """What each container learns of its run (core.checkpointing): the job, the attempt, the
+    grace between SIGTERM and SIGKILL, where checkpoints live and which one to resume from."""
+    meta = job["metadata"]
+    env = [{"name": checkpointing.ENV_JOB, "value": f"{meta['namespace']}/{meta['name']}"},
+           {"name": checkpointing.ENV_ATTEMPT, "value": str(attempt)},
+           {"name": checkpointing.ENV_GRACE_PERIOD, "value": str(grace_s)}]
+    checkpoint = job["spec"].get("checkpoint") or {}
+    if checkpoint.get("volumeClaimTemplate"):
+        env.append({"name": checkpointing.ENV_CHECKPOINT_DIR,
+                    "value": checkpoint.get("mountPath") or checkpointing.DEFAULT_CHECKPOINT_MOUNT})
+    resume = checkpointing.resume_point(job.get("status") or {})
+    if resume is not None:
+        env.append({"name": checkpointing.ENV_RESUME_FROM, "value": resume[0]})
+    return env
 
 
 def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[str, Any]:
@@ -61,15 +112,34 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
     pod_spec.pop("preemptionPolicy", None)
     pod_spec.pop("priority", None)
     pod_spec.setdefault("restartPolicy", "Never")
-    grace = (spec.get("checkpoint") or {}).get("gracePeriod")
+    checkpoint = spec.get("checkpoint") or {}
+    grace = checkpoint.get("gracePeriod")
     if grace:
         pod_spec["terminationGracePeriodSeconds"] = int(parse_duration(grace))
+    grace_s = int(pod_spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
     if spec.get("maxDuration"):
         pod_spec["activeDeadlineSeconds"] = max(1, int(parse_duration(spec["maxDuration"])))
 
     containers = pod_spec.get("containers") or []
     if not containers:
         raise ValueError("spec.template.spec.containers must hold at least one container")
+    env = workload_env(job, attempt, grace_s)
+    ours = {e["name"] for e in env}
+    claim = build_checkpoint_claim(job)
+    if claim is not None:
+        volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != CHECKPOINT_VOLUME]
+        volumes.append({"name": CHECKPOINT_VOLUME,
+                        "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}})
+        pod_spec["volumes"] = volumes
+    for container in containers:
+        container["env"] = [e for e in container.get("env") or [] if e.get("name") not in ours]
+        container["env"].extend(env)
+        if claim is not None:
+            mounts = [m for m in container.get("volumeMounts") or []
+                      if m.get("name") != CHECKPOINT_VOLUME]
+            mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": checkpoint.get("mountPath")
+                           or checkpointing.DEFAULT_CHECKPOINT_MOUNT})
+            container["volumeMounts"] = mounts
     limits = containers[0].setdefault("resources", {}).setdefault("limits", {})
     limits[names.RESOURCE_GPU] = str(request.count)
     if request.memory_mib:

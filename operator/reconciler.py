@@ -18,7 +18,7 @@ from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from carpool.core import names
+from carpool.core import checkpointing, names
 from carpool.core.accounting import retire_job
 from carpool.core.decoding import (
     job_from_object,
@@ -53,7 +53,7 @@ from carpool.operator import metrics
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
-from carpool.operator.pods import build_pod, pod_name
+from carpool.operator.pods import build_checkpoint_claim, build_pod, pod_name
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less
@@ -656,6 +656,9 @@ class Reconciler:
         obj = state.objects[job.key]
         try:
             pod = build_pod(obj, job.request, admission.attempt)
+            claim = build_checkpoint_claim(obj)
+            if claim is not None:
+                self.kube.ensure_claim(claim)
             created = self.kube.create_pod(pod)
         except (ValueError, BadRequest, Forbidden, Invalid) as err:
             # (other API errors are transient: API down, throttled; the next pass tries again)
@@ -668,6 +671,7 @@ class Reconciler:
             self.kube.event(obj, "PodRejected", message, "Warning", "Admit")
             return
         inventory = state.inventories.get(admission.node)
+        resume = checkpointing.resume_point(obj.get("status") or {})
         patch = state.patches.setdefault(job.key, {})
         patch.update(state.initial.pop(job.key, {}))
         patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
@@ -676,7 +680,8 @@ class Reconciler:
                      podName=pod["metadata"]["name"], reason="Admitted",
                      message=admission.message, queuePosition=None, estimatedStart=None,
                      estimatedStartEarliest=None, estimatedStartLatest=None,
-                     preemptingAttempt=None)
+                     preemptingAttempt=None,
+                     resumedProgress=(resume or ("", 0.0))[1])
         if created:
             self.kube.event(obj, "Admitted", admission.message, "Normal", "Admit")
             cls = job.job_class.label

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
 from carpool.core.jobs import (
     BudgetPolicy,
@@ -94,6 +95,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
     job_class = JobClass.parse(str(spec.get("class", "batch")))
     submitted = (epoch_seconds(status.get("submitTime"))
                  or epoch_seconds(meta.get("creationTimestamp")))
+    reported = reported_state(status, attempts)
     return Job(
         key=f"{meta['namespace']}/{meta['name']}",
         project=str(spec.get("project", "")),
@@ -106,7 +108,10 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         preemptible=bool(spec.get("preemptible", False)),
         checkpoint_grace_s=_seconds(spec, "checkpoint.gracePeriod", 30.0),
         min_runtime_s=_seconds(spec, "checkpoint.minRuntime"),
-        last_checkpoint_at=epoch_seconds(status.get("lastCheckpointTime")),
+        last_checkpoint_at=reported.last_checkpoint_at,
+        progress=reported.progress,
+        progress_at=reported.progress_at,
+        resumed_progress=reported.resumed_progress,
         phase=phase,
         attempts=attempts,
         node=node,
