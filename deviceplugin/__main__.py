@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve pods that no GpuJob owns (test beds only)")
     p.add_argument("--dataset-dir", type=Path,
                    help="cache directory whose sub-folders are datasets")
+    p.add_argument("--reports-dir", type=Path, default=Path("/var/lib/carpool/reports"),
+                   help="host directory for the per-pod report directories jobs write "
+                        "checkpoints and progress into (the same path inside this container)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables the endpoint")
     p.add_argument("--publish-interval", type=float, default=30.0,
                    help="GpuNode heartbeat, seconds (changes past thresholds go out sooner)")
@@ -97,6 +100,7 @@ async def run(args: argparse.Namespace) -> None:
     from carpool.deviceplugin.kube import KubernetesCluster, load_config
     from carpool.deviceplugin.mps import MpsDaemon
     from carpool.deviceplugin.plugin import PluginServer, PluginState
+    from carpool.deviceplugin.reports import REPORT_INTERVAL_S, ReportReader
     from carpool.deviceplugin.sharing import MpsSettings
     from carpool.deviceplugin.telemetry import PublishThresholds
 
@@ -125,7 +129,8 @@ async def run(args: argparse.Namespace) -> None:
     config = PluginConfig(args.node_name, args.sharing_mode, args.shares_per_gpu,
                           MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir,
                                       args.mps_ceiling if args.sharing_mode == "mps" else 100),
-                          serve_unowned=args.allow_unowned_pods)
+                          serve_unowned=args.allow_unowned_pods,
+                          reports_root=args.reports_dir)
     state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=state.metrics.registry)
@@ -133,6 +138,8 @@ async def run(args: argparse.Namespace) -> None:
     telemetry = Telemetry(state, cluster, args.dataset_dir,
                           PublishThresholds(interval_s=args.publish_interval))
     watchdog = Watchdog(state, cluster, telemetry, max_strikes=args.watchdog_strikes)
+    reader = ReportReader(args.node_name, args.reports_dir,
+                          lambda: cluster.pods_on_node(args.node_name), cluster)
     tasks = [
         asyncio.create_task(server.supervise()),
         asyncio.create_task(run_every(0.0, lambda: health_step(state, args.health_interval),
@@ -140,6 +147,7 @@ async def run(args: argparse.Namespace) -> None:
         asyncio.create_task(run_every(min(5.0, args.publish_interval), telemetry.step,
                                       "GpuNode status")),
         asyncio.create_task(run_every(args.watchdog_interval, watchdog.step, "watchdog")),
+        asyncio.create_task(run_every(REPORT_INTERVAL_S, reader.step, "job reports")),
     ]
     stop = asyncio.Event()  # SIGTERM (the DaemonSet pod going away) and SIGINT end it cleanly
     loop = asyncio.get_running_loop()

@@ -12,9 +12,10 @@ from carpool.core.names import ANN_ALLOCATED, RESOURCE_GPU
 from carpool.core.ownership import gpujob_owner
 from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.reports import Refused
 from carpool.kube.client import Api
-from carpool.kube.errors import NotFound
-from carpool.kube.resources import CORE_EVENTS, GPUNODES, PODS
+from carpool.kube.errors import Forbidden, Invalid, NotFound
+from carpool.kube.resources import CORE_EVENTS, GPUJOBS, GPUNODES, PODS
 
 COMPONENT = "carpool-device-plugin"
 
@@ -74,6 +75,16 @@ class KubernetesCluster:
                        "metadata": {"name": node}}
             await asyncio.to_thread(self.api.create, GPUNODES.path(), gpunode)
             await asyncio.to_thread(self.api.patch, path, body)
+
+    async def patch_job_status(self, namespace: str, name: str,
+                               status: Mapping[str, Any]) -> None:
+        """Merge what a job reported into its GpuJob's status (reports.py); `Refused` when
+        the API server says no for good (the admission policy, a job gone)."""
+        try:
+            await asyncio.to_thread(self.api.patch, GPUJOBS.path(namespace, name, "status"),
+                                    {"status": dict(status)})
+        except (Forbidden, NotFound, Invalid) as err:
+            raise Refused(str(err)) from None
 
     async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
         now = format_timestamp(time.time())

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import grpc
 
+from carpool.core import checkpointing
 from carpool.core.assignment import AssignedGpu
 from carpool.core.gpunode import SHARING_MODES
 from carpool.core.names import RESOURCE_GPU
 from carpool.core.ownership import unowned_refusal
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
+from carpool.deviceplugin import reports
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.base import GpuBackend, GpuFacts
 from carpool.deviceplugin.devices import advertised_shares
@@ -64,6 +66,7 @@ class PluginConfig:
     resource_name: str = RESOURCE_GPU
     # Serve pods that no GpuJob owns (a test bed's bare pods); off: they get PERMISSION_DENIED.
     serve_unowned: bool = False
+    reports_root: Path | None = None  # per-pod report directories (reports.py); None: none
 
 
 MARK_WAIT_S = 2.0  # how long Allocate waits for the allocated mark before answering anyway
@@ -292,11 +295,22 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         state.metrics.allocations.labels(state.config.node, isolation.value, "OK").inc()
         log.info("allocated %s to %s/%s (%s)", assigned, match.pod.key, match.container,
                  isolation.value)
-        return api_pb2.ContainerAllocateResponse(
-            envs=setup.envs,
-            mounts=[api_pb2.Mount(container_path=m.container_path, host_path=m.host_path,
-                                  read_only=m.read_only) for m in setup.mounts],
-        )
+        envs = dict(setup.envs)
+        mounts = [api_pb2.Mount(container_path=m.container_path, host_path=m.host_path,
+                                read_only=m.read_only) for m in setup.mounts]
+        if state.config.reports_root is not None:
+            # where the job reports checkpoints and progress (reports.py); a failure here
+            # costs the job its reports, not its start
+            try:
+                host = await asyncio.to_thread(reports.prepare, state.config.reports_root,
+                                               match.pod.uid)
+            except (OSError, ValueError) as err:
+                log.error("no report directory for %s: %s", match.pod.key, err)
+            else:
+                envs[checkpointing.ENV_REPORT_DIR] = checkpointing.REPORT_MOUNT
+                mounts.append(api_pb2.Mount(container_path=checkpointing.REPORT_MOUNT,
+                                            host_path=str(host), read_only=False))
+        return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
 
     def _isolation(self, match: Match) -> Isolation:
         mode = self.state.config.sharing_mode

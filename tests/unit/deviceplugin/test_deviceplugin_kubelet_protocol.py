@@ -107,13 +107,14 @@ Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
 
 @asynccontextmanager
 async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
-                  pods: list[PodView] | None = None, source: StaticPodSource | None = None
-                  ) -> AsyncIterator[Running]:
+                  pods: list[PodView] | None = None, source: StaticPodSource | None = None,
+                  reports_root: Path | None = None) -> AsyncIterator[Running]:
     backend = FakeBackend.from_spec(spec)
     source = source or StaticPodSource(pods)
     state = PluginState(
         PluginConfig(NODE, sharing_mode=mode, shares_per_gpu=4,
-                     mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm")),
+                     mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm"),
+                     reports_root=reports_root),
         backend, source, health=HealthTracker(recover_after_s=0.0), clock=lambda: NOW,
     )
     kubelet = FakeKubelet(plugin_dir)
@@ -257,6 +258,26 @@ def test_a_pod_no_gpujob_owns_is_refused_and_an_uncapped_one_gets_its_memory_sha
                            isolation="mps"))
             envs = dict((await allocate(stub, f"{gpu0}::1")).container_responses[0].envs)
             assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(-(-8192 * 100 // total))
+    run(scenario())
+
+
+def test_allocate_hands_the_pod_its_report_directory(plugin_dir: Path) -> None:
+    """With a reports root, Allocate creates the pod's own report directory (any user in the
+    container may write it) and mounts it where the workload protocol says."""
+    async def scenario() -> None:
+        root = plugin_dir / "reports"
+        async with running(plugin_dir, TWO_H200, reports_root=root) as (kubelet, _s, backend,
+                                                                         source):
+            gpu0 = backend.inventory()[0].uuid
+            source.add(pod("train", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192,
+                                      "cores": 25}], isolation="mps"))
+            response = await allocate(kubelet.stub(), f"{gpu0}::0")
+            [container] = response.container_responses
+            uid = source.pods["lab/train"].uid
+            assert container.envs["CARPOOL_REPORT_DIR"] == "/var/run/carpool"
+            assert ("/var/run/carpool", str(root / uid), False) in [
+                (m.container_path, m.host_path, m.read_only) for m in container.mounts]
+            assert (root / uid).is_dir() and (root / uid).stat().st_mode & 0o7777 == 0o1777
     run(scenario())
 
 

@@ -1,0 +1,192 @@
+"""What jobs on this node report (checkpoints, progress), carried into their GpuJobs' status.
+
+Tenants' pods hold no credentials and tenants may not write GpuJob status, so a job reports by
+writing files (core.checkpointing) into a directory this agent made for its pod and handed to
+its GPU container in Allocate (`<reports root>/<pod uid>` on the host, CARPOOL_REPORT_DIR in
+the container). The agent reads them every second and patches the job's status with its
+node-bound identity; the `carpool-gpujob-reports` admission policy lets such an identity write
+only the reported fields, and only of a job whose status places it on the identity's node.
+
+The files are the tenant's: they are opened without following links, read only if regular
+and small, and parsed strictly. The acknowledgement is written aside and renamed over, so a
+link planted under its name is replaced, never written through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from carpool.core import checkpointing as protocol
+from carpool.core.names import ANN_JOB
+from carpool.deviceplugin.handshake import PodView
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPORTS_ROOT = Path("/var/lib/carpool/reports")
+REPORT_INTERVAL_S = 1.0  # how often the reports are read
+FORGET_AFTER_S = 60.0  # a pod's directory outlives the pod this long (its last report lands)
+
+
+class StatusWriter(Protocol):
+    async def patch_job_status(self, namespace: str, name: str,
+                               status: Mapping[str, Any]) -> None:
+        """Merge `status` into the GpuJob's status."""
+        ...
+
+
+class Refused(Exception):
+    """The API server refused a report for good (policy, job gone); do not retry it."""
+
+
+def pod_dir(root: Path, pod_uid: str) -> Path:
+    if not pod_uid or "/" in pod_uid or pod_uid in (".", ".."):
+        raise ValueError(f"not a pod UID: {pod_uid!r}")
+    return root / pod_uid
+
+
+def prepare(root: Path, pod_uid: str) -> Path:
+    """The pod's report directory, created writable for any user in the container (only this
+    pod's containers get it mounted)."""
+    path = pod_dir(root, pod_uid)
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir()
+    if path.is_symlink() or not path.is_dir():
+        raise ValueError(f"{path} is not a directory")
+    os.chmod(path, 0o1777)
+    return path
+
+
+def read_report(directory: Path, name: str) -> tuple[bytes, tuple[int, int, int]] | None:
+    """The file's bytes and (inode, size, mtime ns) to tell a new version from the last, or
+    None if absent; never follows a link, never reads more than the protocol allows."""
+    try:
+        fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno in (errno.ENOENT, errno.ELOOP):
+            return None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        data = os.read(fd, protocol.MAX_REPORT_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data, (info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def write_ack(directory: Path, text: str) -> None:
+    """Replace the acknowledgement file: written under a fresh name, then renamed over."""
+    tmp = directory / f".ack-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / protocol.ACK_FILE)
+
+
+@dataclass
+class ReportReader:
+    """Reads every job pod's reports on this node and records new ones in its GpuJob."""
+
+    node: str
+    root: Path
+    pods: Callable[[], Any]  # async () -> list[PodView]: the pods bound to this node
+    writer: StatusWriter
+    clock: Callable[[], float] = time.time
+    seen: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
+
+    async def step(self) -> list[str]:
+        """One round; returns what it recorded or refused, one line each."""
+        if not self.root.is_dir():
+            return []
+        pods: list[PodView] = await self.pods()
+        by_uid = {p.uid: p for p in pods if p.uid}
+        done: list[str] = []
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+            pod = by_uid.get(entry.name)
+            if pod is None:
+                self._forget(entry)
+                continue
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            for name in (protocol.CHECKPOINT_FILE, protocol.PROGRESS_FILE):
+                line = await self._carry(pod, Path(entry.path), name)
+                if line:
+                    done.append(line)
+        return done
+
+    async def _carry(self, pod: PodView, directory: Path, name: str) -> str:
+        read = read_report(directory, name)
+        key = (pod.uid, name)
+        if read is None or self.seen.get(key) == read[1]:
+            return ""
+        data, version = read
+        job = _job_of(pod)
+        attempt = protocol.attempt_of_pod(pod.name)
+        if job is None or attempt < 1:
+            self.seen[key] = version
+            return ""
+        now = self.clock()
+        try:
+            if name == protocol.CHECKPOINT_FILE:
+                report = protocol.parse_checkpoint(data, now)
+                status = protocol.checkpoint_status(report, attempt)
+                what = f"checkpoint {report.path!r} at {protocol.format_time(report.time)}"
+            else:
+                progress = protocol.parse_progress(data, now)
+                status = protocol.progress_status(progress, attempt)
+                what = f"progress {progress.value:.3f}"
+        except protocol.ReportError as err:
+            self.seen[key] = version
+            log.warning("pod %s: ignoring %s: %s", pod.key, name, err)
+            return f"{pod.key}: ignored {name}: {err}"
+        try:
+            await self.writer.patch_job_status(job[0], job[1], status)
+        except Refused as err:
+            self.seen[key] = version
+            log.warning("pod %s: could not record %s in GpuJob %s/%s: %s", pod.key, what,
+                        *job, err)
+            return f"{pod.key}: refused {what}: {err}"
+        self.seen[key] = version
+        if name == protocol.CHECKPOINT_FILE:
+            write_ack(directory, status[protocol.STATUS_LAST_CHECKPOINT_TIME])
+        log.info("pod %s: recorded %s in GpuJob %s/%s", pod.key, what, *job)
+        return f"{pod.key}: recorded {what}"
+
+    def _forget(self, entry: os.DirEntry[str]) -> None:
+        """Remove the directory of a pod gone from this node, once it has been quiet a while."""
+        try:
+            quiet = self.clock() - entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return
+        if quiet < FORGET_AFTER_S:
+            return
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+        self.seen = {k: v for k, v in self.seen.items() if k[0] != entry.name}
+
+
+def _job_of(pod: PodView) -> tuple[str, str] | None:
+    """The pod's GpuJob (namespace, name); only a job in the pod's own namespace."""
+    ref = pod.annotations.get(ANN_JOB, "")
+    namespace, _, name = ref.partition("/")
+    if namespace != pod.namespace or not name:
+        return None
+    return namespace, name
