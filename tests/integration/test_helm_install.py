@@ -207,7 +207,8 @@ def test_installed_policies_confine_the_device_plugin_to_its_node(
     policies = sorted(o["metadata"]["name"] for o in release.objects
                       if o["kind"].startswith("ValidatingAdmissionPolicy"))
     assert policies == sorted(f"{release.name}-{p}" for p in (
-        "gpunode-own-node", "pod-annotations", "operator-finalizer-only") for _ in "ab")
+        "gpunode-own-node", "gpujob-reports-own-node", "pod-annotations",
+        "operator-finalizer-only") for _ in "ab")
     suffix = uuid.uuid4().hex[:6]
     nodes = simnodes.parse_nodes({"nodes": [
         {"name": f"helm-vap-{x}-{suffix}", "gpus": [{"model": "H200", "count": 1}]}

@@ -9,18 +9,23 @@ go there, whatever else runs on the shared cluster. Durations are simulated
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes import client
 
-from carpool.core import names
+from carpool import workload
+from carpool.core import checkpointing, names
 from carpool.core.gpuhours import gpu_hours
+from carpool.deviceplugin import reports
+from carpool.deviceplugin.kube import KubernetesCluster
 from carpool_testbed import devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
@@ -441,3 +446,72 @@ def test_mps_borrowers_holding_every_gpu_are_preempted_for_an_in_quota_job(
         r.get("outcome") == "Preempted" for r in scenario.status(ns_bor, f"b{i}").get("history")
         or [])]
     assert len(preempted) == 1  # half a GPU was needed: one borrower went, not both
+
+
+def test_the_victim_is_the_job_that_loses_least_since_its_reported_checkpoint(
+        scenario: Scenario, tmp_path: Path) -> None:
+    """Two preemptible jobs of one project hold a node's two GPUs; `older` has run longer but
+    reports a checkpoint (through the node agent's reader, against this API server), `newer`
+    never does, so it would lose everything since its start. A short job of another project
+    needs one GPU: `older` goes, although by time since start it would lose more. Its next
+    attempt learns that it resumes and from where; each attempt is billed on its own."""
+    node = scenario.node(gpus=2)
+    ns_lo, ns_hi = scenario.namespace("lo"), scenario.namespace("hi")
+    lo = scenario.project("lo", [ns_lo], concurrent={"gpus": 2})
+    hi = scenario.project("hi", [ns_hi], concurrent={"gpus": 1})
+    for name in ("older", "newer"):
+        scenario.submit(ns_lo, name, lo, node=node, preemptible=True, estimatedDuration="10m",
+                        checkpoint={"gracePeriod": "1s"})
+        scenario.wait_phase(ns_lo, name, {"Running"})
+        time.sleep(4)  # older has run at least 4 s longer than newer
+
+    pod = scenario.pod(ns_lo, "older-1")
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert (env["CARPOOL_ATTEMPT"], env["CARPOOL_GRACE_PERIOD"]) == ("1", "1")
+    assert "CARPOOL_RESUME_FROM" not in env
+    root = tmp_path / "reports"
+    directory = reports.prepare(root, pod["metadata"]["uid"])
+    run = workload.Run.from_environment({**env, "CARPOOL_REPORT_DIR": str(directory)})
+    assert run.report_checkpoint("/checkpoint/step-7", progress=0.3)
+    agent_cluster = KubernetesCluster(scenario.api, node)
+    agent = reports.ReportReader(node, root, lambda: agent_cluster.pods_on_node(node),
+                                 agent_cluster)
+    assert asyncio.run(agent.step()) == [
+        f"{ns_lo}/older-1: recorded checkpoint '/checkpoint/step-7' at "
+        f"{checkpointing.format_time(_checkpoint_time(directory))}"]
+    recorded = scenario.status(ns_lo, "older")
+    assert recorded["lastCheckpoint"] == {"time": recorded["lastCheckpointTime"],
+                                          "path": "/checkpoint/step-7", "progress": 0.3,
+                                          "attempt": 1}
+
+    scenario.submit(ns_hi, "urgent", hi, cls="short", node=node, estimatedDuration="1m",
+                    simulatedDuration="3s")
+
+    def preempted() -> Obj | None:
+        status = scenario.status(ns_lo, "older")
+        return status if any(r.get("outcome") == "Preempted" for r in _history(status)) \
+            else None
+
+    wait_for("older preempted", preempted, timeout=45)
+    newer = scenario.status(ns_lo, "newer")
+    assert newer["phase"] == "Running" and newer["attempts"] == 1, newer
+    event = next(e for e in scenario.events(ns_lo, "older") if e["reason"] == "Preempted")
+    assert "urgent" in event["message"], event
+
+    second = wait_for("older's second attempt", lambda: (
+        s if (s := scenario.status(ns_lo, "older")).get("attempts") == 2
+        and s.get("phase") == "Running" else None), timeout=45)
+    assert second["resumedProgress"] == 0.3
+    pod2 = scenario.pod(ns_lo, "older-2")
+    env2 = {e["name"]: e["value"] for e in pod2["spec"]["containers"][0]["env"]}
+    assert env2["CARPOOL_ATTEMPT"] == "2"
+    assert env2["CARPOOL_RESUME_FROM"] == "/checkpoint/step-7"
+    first, current = _history(second)
+    assert first["outcome"] == "Preempted" and "end" not in current
+    assert second["gpuHours"] == pytest.approx(
+        gpu_hours(1.0, _parse(first["start"]), _parse(first["end"])), abs=1e-4)
+
+
+def _checkpoint_time(directory: Path) -> float:
+    report = json.loads((directory / checkpointing.CHECKPOINT_FILE).read_text())
+    return checkpointing.parse_time(report["time"])

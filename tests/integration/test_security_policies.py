@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from carpool.core import names
+from carpool.core import checkpointing, names
 from carpool_testbed import crds, devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
@@ -114,7 +114,7 @@ def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
     crds.apply_crds(cluster.api())
     objects = render(cluster, rbac.release, rbac.namespace, POLICY_KINDS)
     assert sorted(o["metadata"]["name"] for o in objects) == sorted(
-        rbac.named(p) for p in ("gpunode-own-node", "pod-annotations", "operator-finalizer-only",
+        rbac.named(p) for p in ("gpunode-own-node", "gpujob-reports-own-node", "pod-annotations", "operator-finalizer-only",
                                 "gpujob-only", "tenant-isolation")
         for _ in range(2))
     apply_manifests(cluster, objects)
@@ -420,6 +420,63 @@ def test_node_claims_cannot_be_forged_by_components(cluster: devcluster.Cluster,
         user = rbac.account(component)
         assert not can_i(cluster, user, "create", "serviceaccounts", rbac.namespace, "token")
         assert not can_i(cluster, user, "impersonate", "userextras", None, NODE_CLAIM)
+
+
+# --- the device plugin records jobs' reports only for its node's jobs -----------------------
+
+
+@pytest.fixture
+def jobs_on_two_nodes(cluster: devcluster.Cluster, rbac: Rbac,
+                      two_nodes: tuple[str, str]) -> Iterator[tuple[str, str, str]]:
+    """A namespace with GpuJob `on-a` placed on node A and `on-b` on node B (status.node, as
+    the operator writes it for a running job)."""
+    namespace = f"relrep-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", namespace)
+    try:
+        for job, node in (("on-a", two_nodes[0]), ("on-b", two_nodes[1])):
+            body = gpujob(namespace, job, "no-such-project")
+            cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
+            cluster.kubectl("patch", "gpujob", job, "-n", namespace, "--subresource=status",
+                            "--type=merge", "-p", json.dumps({"status": {"node": node}}))
+        yield namespace, "on-a", "on-b"
+    finally:
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_device_plugin_records_reports_only_of_its_nodes_jobs(
+        plugin_on_node_a: Writer, jobs_on_two_nodes: tuple[str, str, str],
+        cluster: devcluster.Cluster, rbac: Rbac) -> None:
+    """What deviceplugin/reports.py writes is accepted for a job on its node; the same write
+    for a job on another node, or any other status field, is refused with the policy's
+    message."""
+    namespace, on_a, on_b = jobs_on_two_nodes
+    report = checkpointing.checkpoint_status(
+        checkpointing.CheckpointReport(time.time(), "/checkpoint/step-9", 0.3), attempt=1)
+    body = json.dumps({"status": report})
+
+    def patch(job: str, text: str) -> subprocess.CompletedProcess[str]:
+        return plugin_on_node_a("patch", "gpujob", job, "-n", namespace,
+                                "--subresource=status", "--type=merge", "-p", text)
+
+    mine = patch(on_a, body)
+    assert mine.returncode == 0, mine.stderr
+    recorded = json.loads(cluster.kubectl("get", "gpujob", on_a, "-n", namespace,
+                                          "-o", "json").stdout)["status"]
+    assert recorded["lastCheckpoint"]["path"] == "/checkpoint/step-9"
+    assert recorded["progress"]["value"] == 0.3
+
+    theirs = patch(on_b, body)
+    assert theirs.returncode != 0
+    assert rbac.named("gpujob-reports-own-node") in theirs.stderr, theirs.stderr
+    assert "may record reports only of jobs on that node" in theirs.stderr, theirs.stderr
+    for forged in ({"phase": "Succeeded"}, {"node": "elsewhere"}, {"gpuHours": 0}):
+        refused = patch(on_a, json.dumps({"status": {**report, **forged}}))
+        assert refused.returncode != 0, forged
+        assert "may change only lastCheckpointTime, lastCheckpoint, progress" in \
+            refused.stderr, refused.stderr
+    spec = plugin_on_node_a("patch", "gpujob", on_a, "-n", namespace, "--type=merge",
+                            "-p", json.dumps({"metadata": {"labels": {"x": "y"}}}))
+    assert spec.returncode != 0  # the object itself: not even RBAC allows it
 
 
 # --- the extender over TLS -----------------------------------------------------------------

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from carpool.deviceplugin.handshake import PodView
-from carpool.deviceplugin.reports import Refused, ReportReader, prepare, write_ack
-from carpool.operator.decoding import job_from_object
-from carpool.operator.pods import build_checkpoint_claim, build_pod
 
 from carpool import workload
 from carpool.core import checkpointing as protocol
 from carpool.core.eta import expected_remaining, progress_remaining
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.reports import Refused, ReportReader, prepare, write_ack
+from carpool.operator.decoding import job_from_object
+from carpool.operator.pods import build_checkpoint_claim, build_pod
 
 NOW = 1_800_000_000.0
 

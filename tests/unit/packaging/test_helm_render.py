@@ -117,6 +117,7 @@ def test_operator_rbac(default: list[Obj]) -> None:
             assert (group, resource, verb) in rules
     assert {(group, "gpujobs/status", "patch"), (group, "projectquotas/status", "patch"),
             ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "watch"),
+            ("", "persistentvolumeclaims", "create"),  # checkpoint claims
             ("events.k8s.io", "events", "create")} <= rules
     # the specs belong to users and the platform team; the operator writes statuses, and
     # patches a GpuJob only for its accounting finalizer
@@ -136,6 +137,7 @@ def test_device_plugin_rbac_is_its_node_agent_work_only(default: list[Obj]) -> N
         (names.GROUP, "gpunodes", "get"), (names.GROUP, "gpunodes", "create"),
         (names.GROUP, "gpunodes/status", "get"), (names.GROUP, "gpunodes/status", "update"),
         (names.GROUP, "gpunodes/status", "patch"),
+        (names.GROUP, "gpujobs/status", "patch"),  # jobs' reports; narrowed by a policy
         ("", "events", "create"), ("", "events", "patch"),
     }
 
@@ -484,6 +486,8 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     bindings = {o["metadata"]["name"]: o["spec"]["policyName"] for o in renamed
                 if o["kind"] == "ValidatingAdmissionPolicyBinding"}
     assert bindings == {"team-carpool-gpunode-own-node": "team-carpool-gpunode-own-node",
+                        "team-carpool-gpujob-reports-own-node":
+                            "team-carpool-gpujob-reports-own-node",
                         "team-carpool-pod-annotations": "team-carpool-pod-annotations",
                         "team-carpool-operator-finalizer-only":
                             "team-carpool-operator-finalizer-only",
@@ -522,20 +526,22 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     def kinds(*args: str) -> list[str]:
         """The kinds of the policy objects rendered with these values."""
         ours = ("-platform-team", "-gpujob-edit", "-gpujob-view", "-cluster-view",
-                "-gpunode-own-node", "-pod-annotations", "-operator-finalizer-only",
-                "-gpujob-only", "-tenant-isolation")
+                "-gpunode-own-node", "-gpujob-reports-own-node", "-pod-annotations",
+                "-operator-finalizer-only", "-gpujob-only", "-tenant-isolation")
         return sorted(o["kind"] for o in objects(helm, *args)
                       if o["metadata"]["name"].endswith(ours))
 
-    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 5 + [
-        "ValidatingAdmissionPolicyBinding"] * 5  # on by default
+    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 6 + [
+        "ValidatingAdmissionPolicyBinding"] * 6  # on by default
     assert kinds("--set", "policies.gpuNodeOwnNode=false", "--set",
+                 "policies.gpuJobReports=false", "--set",
                  "policies.podAnnotations=false", "--set", "policies.userRoles=false",
                  "--set", "policies.operatorFinalizerOnly=false", "--set",
                  "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == []
     assert kinds("--set", "policies.userRoles=false") == [
-        "ValidatingAdmissionPolicy"] * 5 + ["ValidatingAdmissionPolicyBinding"] * 5
+        "ValidatingAdmissionPolicy"] * 6 + ["ValidatingAdmissionPolicyBinding"] * 6
     assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false",
+                 "--set", "policies.gpuJobReports=false",
                  "--set", "policies.operatorFinalizerOnly=false", "--set",
                  "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == [
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
