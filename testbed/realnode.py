@@ -153,6 +153,11 @@ class NodePaths:
         return self.base / "images"
 
     @property
+    def reports(self) -> Path:
+        """The device plugin's per-pod report directories (jobs' checkpoints, progress)."""
+        return self.base / "reports"
+
+    @property
     def fake_gpus(self) -> Path:
         return self.etc / "fake-gpus.yaml"
 
@@ -683,6 +688,26 @@ class RealNode:
             raise NodeError(f"ctr images import did not produce {missing}; have {listed}")
         return sorted(archives)
 
+    def import_layout(self, layout: Path, base_name: str) -> str:
+        """Import an OCI image layout directory (e.g. `make images`' build/images/carpool) as
+        `<base_name>:<its tag>`; returns that reference."""
+        index = json.loads((layout / "index.json").read_text())
+        tags = [m.get("annotations", {}).get("org.opencontainers.image.ref.name")
+                for m in index.get("manifests", [])]
+        if len(tags) != 1 or not tags[0]:
+            raise NodeError(f"{layout}/index.json must name exactly one tagged image: {tags}")
+        reference = f"{base_name}:{tags[0]}"
+        self.paths.images.mkdir(parents=True, exist_ok=True)
+        archive = self.paths.images / f"{layout.name}.layout.tar"
+        with tarfile.open(archive, "w") as tar:
+            for path in sorted(layout.rglob("*")):
+                tar.add(path, arcname=str(path.relative_to(layout)), recursive=False)
+        ctr(self.paths, "images", "import", "--base-name", base_name, "--snapshotter",
+            self.settings.snapshotter, str(archive), timeout=600)
+        if reference not in ctr(self.paths, "images", "ls", "-q").stdout.split():
+            raise NodeError(f"ctr images import of {layout} did not produce {reference}")
+        return reference
+
     # --- kubelet ------------------------------------------------------------------------
 
     def write_kubelet_files(self) -> None:
@@ -741,6 +766,7 @@ class RealNode:
             "--mps-log-dir", str(p.mps_dir / "log"),
             "--metrics-port", "0",
             "--publish-interval", "5",
+            "--reports-dir", str(p.reports),
             "--kubeconfig", str(self.cluster.kubeconfig),
         ] + (["--allow-unowned-pods"] if self.settings.serve_unowned else [])
 
