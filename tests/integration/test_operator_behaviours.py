@@ -472,7 +472,7 @@ def test_the_victim_is_the_job_that_loses_least_since_its_reported_checkpoint(
     root = tmp_path / "reports"
     directory = reports.prepare(root, pod["metadata"]["uid"])
     run = workload.Run.from_environment({**env, "CARPOOL_REPORT_DIR": str(directory)})
-    assert run.report_checkpoint("/checkpoint/step-7", progress=0.3)
+    run.report_checkpoint("/checkpoint/step-7", progress=0.3, wait_s=0)
     agent_cluster = KubernetesCluster(scenario.api, node)
     agent = reports.ReportReader(node, root, lambda: agent_cluster.pods_on_node(node),
                                  agent_cluster)
@@ -480,6 +480,7 @@ def test_the_victim_is_the_job_that_loses_least_since_its_reported_checkpoint(
         f"{ns_lo}/older-1: recorded checkpoint '/checkpoint/step-7' at "
         f"{checkpointing.format_time(_checkpoint_time(directory))}"]
     recorded = scenario.status(ns_lo, "older")
+    assert (directory / checkpointing.ACK_FILE).read_text() == recorded["lastCheckpointTime"]
     assert recorded["lastCheckpoint"] == {"time": recorded["lastCheckpointTime"],
                                           "path": "/checkpoint/step-7", "progress": 0.3,
                                           "attempt": 1}
