@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from carpool import realnode, stack
 from carpool.core import checkpointing, names
 from carpool.core.gpuhours import gpu_hours
+from carpool_testbed import realnode, stack
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUT = REPO / "build" / "images" / "carpool"

@@ -21,12 +21,13 @@ a checkpoint it did not make only makes the job a cheaper victim, never a safer 
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
+
+from carpool.core.timestamps import format_timestamp_micro, parse_timestamp
 
 # Environment of every container of an attempt's pod (set by the operator).
 ENV_JOB: Final = "CARPOOL_JOB"  # "<namespace>/<name>"
@@ -80,20 +81,15 @@ class ProgressReport:
 
 
 def format_time(epoch: float) -> str:
-    """RFC 3339 in UTC with the second's fraction kept to milliseconds."""
-    stamp = dt.datetime.fromtimestamp(epoch, dt.UTC)
-    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+    """Report and status times: RFC 3339 in UTC to the microsecond."""
+    return format_timestamp_micro(epoch)
 
 
 def parse_time(text: str) -> float:
     try:
-        stamp = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise ReportError(f"time must be RFC 3339 (e.g. 2026-12-01T15:04:05Z), got {text!r}") \
-            from None
-    if stamp.tzinfo is None:
-        raise ReportError(f"time must name its zone (e.g. a trailing Z), got {text!r}")
-    return stamp.timestamp()
+        return parse_timestamp(text).timestamp()
+    except ValueError as err:
+        raise ReportError(str(err)) from None
 
 
 def _fields(text: str | bytes, what: str) -> Mapping[str, Any]:

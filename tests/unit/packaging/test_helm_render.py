@@ -446,7 +446,7 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
     rendered = {(o["kind"], o["metadata"]["name"]): o
                 for o in objects(helm, "--show-only", "templates/policies.yaml")}
     sources = policy_sources()
-    assert len(rendered) == len(sources) == 14
+    assert len(rendered) == len(sources) == 16
     writers = [f"system:serviceaccount:{NAMESPACE}:carpool-{c}"
                for c in ("extender", "device-plugin")]
     operator = f"system:serviceaccount:{NAMESPACE}:carpool-operator"

@@ -72,7 +72,7 @@ def test_reports_are_checked_strictly() -> None:
         (b"[1]", "JSON object"),
         (b'{"path": "x"}', "'time'"),
         (b'{"time": "yesterday"}', "RFC 3339"),
-        (b'{"time": "2027-01-15T08:00:00"}', "zone"),
+        (b'{"time": "2027-01-15T08:00:00"}', "UTC offset"),
         (b'{"time": "2027-01-15T08:00:00Z", "progress": 1.5}', "0 to 1"),
         (b'{"time": "2027-01-15T08:00:00Z", "progress": true}', "0 to 1"),
         (b'{"time": "2027-01-15T08:00:00Z", "path": 7}', "'path'"),
