@@ -186,7 +186,8 @@ DENIED_TO: dict[str, list[tuple[str, str, str]]] = {
                       ("create", "pods", "binding"), ("create", "pods", "eviction"),
                       ("delete", "gpunodes.carpool.dev", ""),
                       ("update", "gpunodes.carpool.dev", ""),
-                      ("patch", "gpujobs.carpool.dev", "status"), ("list", "nodes", "")],
+                      # its status it may patch: only jobs' reports, see the reports policy
+                      ("patch", "gpujobs.carpool.dev", ""), ("list", "nodes", "")],
 }
 
 
