@@ -25,7 +25,7 @@ from carpool import workload
 from carpool.core import checkpointing, names
 from carpool.core.gpuhours import gpu_hours
 from carpool.deviceplugin import reports
-from carpool.deviceplugin.kube import KubernetesCluster
+from carpool.deviceplugin.kube import KubernetesCluster, load_config
 from carpool_testbed import devcluster, simnodes
 
 pytestmark = pytest.mark.cluster
@@ -473,7 +473,7 @@ def test_the_victim_is_the_job_that_loses_least_since_its_reported_checkpoint(
     directory = reports.prepare(root, pod["metadata"]["uid"])
     run = workload.Run.from_environment({**env, "CARPOOL_REPORT_DIR": str(directory)})
     run.report_checkpoint("/checkpoint/step-7", progress=0.3, wait_s=0)
-    agent_cluster = KubernetesCluster(scenario.api, node)
+    agent_cluster = KubernetesCluster(load_config(str(scenario.cluster.kubeconfig)), node)
     agent = reports.ReportReader(node, root, lambda: agent_cluster.pods_on_node(node),
                                  agent_cluster)
     assert asyncio.run(agent.step()) == [

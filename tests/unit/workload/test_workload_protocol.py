@@ -18,12 +18,12 @@ import pytest
 
 from carpool import workload
 from carpool.core import checkpointing as protocol
+from carpool.core.decoding import job_from_object
 from carpool.core.eta import expected_remaining, progress_remaining
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.reports import Refused, ReportReader, prepare, write_ack
-from carpool.operator.decoding import job_from_object
 from carpool.operator.pods import build_checkpoint_claim, build_pod
 
 NOW = 1_800_000_000.0
@@ -278,7 +278,8 @@ def test_the_expected_end_follows_reported_progress() -> None:
     # no progress since the resume: no rate, the estimate decides (10,000 - 1,500 run)
     assert progress_remaining(running(0.4, 2000.0, resumed=0.4), 2500.0) is None
     assert expected_remaining(running(None, None), 2500.0, 10_000.0, 60.0) == 8500.0
-    # past what its progress promised: a minute more; never beyond the limit's end
-    assert expected_remaining(job, 9000.0, 10_000.0, 60.0) == 60.0
+    # past what its progress promised: half its age more, as any overrunning job; never
+    # beyond the limit's end
+    assert expected_remaining(job, 9000.0, 10_000.0, 60.0) == 4000.0
     slow = running(0.01, 2000.0)
     assert expected_remaining(slow, 2000.0, 10_000.0, 60.0) == 19_000.0
