@@ -40,6 +40,7 @@ from carpool.core import checkpointing as protocol
 DEFAULT_GRACE_S = 30.0
 ACK_POLL_S = 0.1
 MAX_ACK_WAIT_S = 30.0
+ACK_TOLERANCE_S = 0.002  # times travel as RFC 3339 text, to the microsecond
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Run:
         if wait_s is None:
             left = self.seconds_left()
             wait_s = 0.0 if left is None else min(MAX_ACK_WAIT_S, max(0.0, left - 1.0))
-        return self._acked(protocol.format_time(report.time), wait_s)
+        return self._acked(report.time, wait_s)
 
     def report_progress(self, value: float) -> bool:
         """Tell Carpool the fraction of the whole job done (0..1); it sharpens the job's
@@ -156,13 +157,15 @@ class Run:
             raise
         return True
 
-    def _acked(self, stamp: str, wait_s: float) -> bool:
+    def _acked(self, saved_at: float, wait_s: float) -> bool:
+        """Whether the agent acknowledged the report saved at `saved_at` (it writes back the
+        time it recorded; compared as a time, not as text)."""
         assert self.report_dir is not None
         ack = self.report_dir / protocol.ACK_FILE
         end = time.monotonic() + wait_s
         while True:
-            with contextlib.suppress(OSError):
-                if ack.read_text().strip() == stamp:
+            with contextlib.suppress(OSError, ValueError):
+                if abs(protocol.parse_time(ack.read_text().strip()) - saved_at) < ACK_TOLERANCE_S:
                     return True
             if time.monotonic() >= end:
                 return False
