@@ -114,8 +114,9 @@ def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
     crds.apply_crds(cluster.api())
     objects = render(cluster, rbac.release, rbac.namespace, POLICY_KINDS)
     assert sorted(o["metadata"]["name"] for o in objects) == sorted(
-        rbac.named(p) for p in ("gpunode-own-node", "gpujob-reports-own-node", "pod-annotations", "operator-finalizer-only",
-                                "gpujob-only", "tenant-isolation")
+        rbac.named(p) for p in ("gpunode-own-node", "gpujob-reports-own-node",
+                                "pod-annotations", "operator-finalizer-only", "gpujob-only",
+                                "tenant-isolation")
         for _ in range(2))
     apply_manifests(cluster, objects)
     try:
