@@ -212,20 +212,22 @@ def _job_manifest(namespace: str, name: str, seconds: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def kueue_running(cluster: devcluster.Cluster, home: Path, port: int, qps: int, burst: int,
-                  log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Webhook configurations applied, Kueue started; both gone after the block."""
+                  log: Path) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """Webhook configurations applied, Kueue started (the process and its start time);
+    both gone after the block."""
     config_dir = Path(tempfile.mkdtemp(prefix="carpool-bench-kueue-"))
     config = config_dir / "config.yaml"
     config.write_text(yaml.safe_dump(kueue_config(port, qps, burst, config_dir / "certs")))
     _kubectl_apply(cluster, webhook_configurations(home, port))
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    started = time.time()
     with log.open("wb") as out:
         process = subprocess.Popen([str(home / "kueue"), f"--config={config}",
                                     "--zap-log-level=2"], stdout=out, stderr=subprocess.STDOUT,
                                    env=env)
     try:
         mount_certificates(cluster, config_dir / "certs", process)
-        yield process
+        yield process, started
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -327,11 +329,12 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
     admission._signal_scheduler(paused, signal.SIGSTOP)
     log = Path(tempfile.mkdtemp(prefix="carpool-bench-peers-")) / f"kueue-{round_no}.log"
     try:
-        with kueue_running(cluster, home, args.kueue_port, qps, burst, log) as process:
-            t0 = time.time()
+        with kueue_running(cluster, home, args.kueue_port, qps, burst, log) as running:
+            process, t0 = running  # t0: the process's start, as for Carpool's operator
             pids = {**admission._component_pids(args.cluster), "kueue": process.pid,
                     "bench (this client)": os.getpid()}
             cpu_before = {name: admission._cpu_seconds(pid) for name, pid in pids.items()}
+            cpu_before["kueue"] = 0.0  # from its start, certificates included
             requests_before = admission._api_requests(api)
             tracker = WorkloadTracker(cluster.api())
             tracker.thread.start()
