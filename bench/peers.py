@@ -394,12 +394,14 @@ def cleanup_kueue(cluster: devcluster.Cluster, projects: list[str], flavor: str,
     custom = client.CustomObjectsApi(api)
     core = client.CoreV1Api(api)
 
+    pool = api.rest_client.pool_manager
+    headers = {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
+
     def unfinalize(item: tuple[str, str]) -> None:
-        namespace, name = item
-        with contextlib.suppress(client.ApiException):
-            custom.patch_namespaced_custom_object(KUEUE_GROUP, KUEUE_VERSION, namespace,
-                                                  "workloads", name,
-                                                  {"metadata": {"finalizers": None}})
+        namespace, name = item  # through the pool: the generated client costs ~10 ms a call
+        pool.request("PATCH", f"{api.configuration.host}/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/"
+                     f"namespaces/{namespace}/workloads/{name}",
+                     body=b'{"metadata":{"finalizers":null}}', headers=headers, retries=False)
 
     for project in projects:
         with contextlib.suppress(client.ApiException):
