@@ -418,6 +418,14 @@ def cleanup_kueue(cluster: devcluster.Cluster, projects: list[str], flavor: str,
                                                {"metadata": {"finalizers": None}})
             custom.delete_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, plural, name)
     simnodes.delete_nodes(api, node_names)
+    # the next round's window must not pay for this one's deletions
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        left = {n.metadata.name for n in core.list_namespace().items} & set(projects)
+        if not left:
+            break
+        time.sleep(2)
+    settle(api)
 
 
 def summarize(system: str, admitted: dict[str, float], t0: float, window: float,
