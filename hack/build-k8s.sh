@@ -12,6 +12,9 @@ HELM_VERSION="${HELM_VERSION:-v3.19.0}"
 CACHE="${CARPOOL_CACHE:-$HOME/.cache/carpool}"
 BIN="$CACHE/bin/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
 WANT=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet etcd kwok kwokctl helm)
+# kube-proxy only for the real node running Carpool's chart as pods (testbed realnode --kube-proxy).
+K8S_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
+if [ "${CARPOOL_KUBE_PROXY:-0}" != 0 ]; then WANT+=(kube-proxy); K8S_CMDS+=(kube-proxy); fi
 export GOFLAGS=-mod=mod CGO_ENABLED=0
 
 stage() { STAGE_START=$(date +%s); echo "==> [build] $*"; }
@@ -43,7 +46,8 @@ minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
 staging_version="v0.${K8S_VERSION#v1.}"
 has() { [ -x "$BIN/$1" ]; }
 
-if ! (has kube-apiserver && has kube-controller-manager && has kube-scheduler && has kubectl && has kubelet); then
+k8s_missing=0; for c in "${K8S_CMDS[@]}"; do has "$c" || k8s_missing=1; done
+if [ "$k8s_missing" = 1 ]; then
   stage "kubernetes $K8S_VERSION: resolving staging modules"
   mod="$CACHE/src/k8s-$K8S_VERSION"; mkdir -p "$mod"
   gomod=$(cd "$mod" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
@@ -65,6 +69,7 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
   echo "    $(echo "$staging" | wc -w) staging modules pinned at $staging_version"
@@ -73,7 +78,7 @@ GO
   (cd "$mod" && go mod tidy -e >/dev/null 2>&1 || true; go mod download -x 2>&1 | grep -c '^# get' || true)
   done_stage
   LDF="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor"
-  for c in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet; do
+  for c in "${K8S_CMDS[@]}"; do
     has "$c" && continue
     stage "kubernetes $K8S_VERSION: compiling $c"
     (cd "$mod" && go build -trimpath -ldflags "$LDF" -o "$BIN/$c" "k8s.io/kubernetes/cmd/$c")

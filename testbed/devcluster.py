@@ -15,6 +15,14 @@ Deviations from kwokctl's defaults, and why:
 - admission is on (kwokctl's default with the secure port), except the ServiceAccount plugin:
   simulated pods mount nothing, and with it a pod created right after its namespace races the
   controller that creates the namespace's `default` ServiceAccount.
+- `CARPOOL_CLUSTER_PODS=1` (`up --pods`) makes a cluster whose pods on the real node can run
+  Carpool itself (the Helm chart): the ServiceAccount plugin is on, so pods get tokens; the API
+  server also listens on the real node's bridge address (`POD_API_ADDRESS`) and advertises it,
+  so the `kubernetes` Service's endpoint is reachable from the pod bridge (kube-proxy on the
+  real node routes the ClusterIP there); its certificate also names that address and the
+  Service's ClusterIP. It listens on every address then: the port is TLS with client
+  certificates or tokens, as on any node. Its kube-scheduler keeps only the default profile:
+  the chart's carpool-scheduler schedules Carpool's pods.
 - the kwok controller manages only nodes annotated `kwok.x-k8s.io/node: fake`, so a real kubelet
   can join the same cluster later without kwok taking its node over; more kwok workers.
 - Node and Pod lifecycles come from `hack/kwok/stages.yaml`: nodes Ready with the capacity they
@@ -78,6 +86,12 @@ COMPONENTS: Final = (
 )
 STATE_FILE: Final = "carpool-cluster.json"
 BIND_ADDRESS: Final = "127.0.0.1"
+PODS_ENV: Final = "CARPOOL_CLUSTER_PODS"
+# The real node's bridge address (carpool_testbed.realnode), where pods reach the API server.
+POD_API_ADDRESS: Final = "10.88.77.1"
+# The `kubernetes` Service's ClusterIP: the first address of the API server's default
+# service-cluster-ip-range (10.0.0.0/24), which kwokctl leaves as it is.
+KUBERNETES_SERVICE_IP: Final = "10.0.0.1"
 EXTENDER_RESOURCES: Final = (
     names.RESOURCE_GPU,
     names.RESOURCE_GPU_MEMORY,
@@ -289,7 +303,28 @@ def stages_file() -> Path:
     return repo_root() / "hack" / "kwok" / "stages.yaml"
 
 
-def kwokctl_create_args(paths: ClusterPaths, bin_dir: Path, scheduler_config: Path) -> list[str]:
+def pods_enabled() -> bool:
+    """Whether clusters are made for pods that talk to the API server (see the docstring)."""
+    return os.environ.get(PODS_ENV, "") not in ("", "0")
+
+
+def apiserver_args(pods: bool) -> list[str]:
+    if pods:
+        return ["bind-address=0.0.0.0", f"advertise-address={POD_API_ADDRESS}"]
+    return ["disable-admission-plugins=ServiceAccount"]
+
+
+def _extra_args(*per_component: list[str]) -> list[str]:
+    """`--extra-args` flags, the components' first args first: kwokctl 0.7.0 indexes a
+    component's patch by the position of its first arg among all of them, so any other order
+    with a repeated component panics (index out of range)."""
+    ordered = [group[0] for group in per_component if group]
+    ordered += [arg for group in per_component for arg in group[1:]]
+    return [flag for arg in ordered for flag in ("--extra-args", arg)]
+
+
+def kwokctl_create_args(paths: ClusterPaths, bin_dir: Path, scheduler_config: Path,
+                        pods: bool = False) -> list[str]:
     """The `kwokctl create cluster` command line (also printed by `up`).
 
     The first `-c` file (written by `_write_kwokctl_options`) holds the loopback address and
@@ -321,12 +356,14 @@ def kwokctl_create_args(paths: ClusterPaths, bin_dir: Path, scheduler_config: Pa
         str(scheduler_config),
         "--secure-port=true",
         "--kube-admission=true",
-        "--extra-args",
-        "kube-apiserver=disable-admission-plugins=ServiceAccount",
-        "--extra-args",
-        "kwok-controller=manage-all-nodes=false",
-        "--extra-args",
-        "kwok-controller=manage-nodes-with-annotation-selector=" + "=".join(KWOK_NODE_ANNOTATION),
+        *_extra_args(
+            [f"kube-apiserver={a}" for a in apiserver_args(pods)],
+            [
+                "kwok-controller=manage-all-nodes=false",
+                "kwok-controller=manage-nodes-with-annotation-selector="
+                + "=".join(KWOK_NODE_ANNOTATION),
+            ],
+        ),
         "--kubeconfig=",  # leave ~/.kube/config alone; ours is in the workdir
         "--quiet-pull",
     ]
@@ -402,12 +439,14 @@ def allocate_ports(name: str) -> dict[str, int]:
     raise ClusterError(f"no {len(PORT_OPTIONS)} free ports in {PORT_RANGE}")
 
 
-def _write_kwokctl_options(paths: ClusterPaths, ports: Mapping[str, int]) -> None:
+def _write_kwokctl_options(paths: ClusterPaths, ports: Mapping[str, int], pods: bool) -> None:
     documents = [
         {
             "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
             "kind": "KwokctlConfiguration",
-            "options": {"bindAddress": BIND_ADDRESS, **ports},
+            "options": {"bindAddress": BIND_ADDRESS, **ports, **(
+                {"kubeApiserverCertSANs": [POD_API_ADDRESS, KUBERNETES_SERVICE_IP]}
+                if pods else {})},
         },
         {
             "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
@@ -629,9 +668,14 @@ def up(
     port: int | None = None,
     progress: Progress | None = None,
     start_extender_if_available: bool = False,
+    pods: bool | None = None,
 ) -> Cluster:
-    """Starts the cluster, or reuses it when it is healthy and made from the same inputs."""
+    """Starts the cluster, or reuses it when it is healthy and made from the same inputs.
+
+    `pods` (default: `$CARPOOL_CLUSTER_PODS`): a cluster for Carpool's own pods (docstring).
+    """
     progress = progress or Progress()
+    pods = pods_enabled() if pods is None else pods
     paths = ClusterPaths.for_name(name)
     port = port if port is not None else extender_port()
 
@@ -639,11 +683,15 @@ def up(
         bin_dir = binaries_dir(progress)
 
     with progress.stage("scheduler configuration and KWOK stages"):
-        scheduler_yaml = yaml.safe_dump(scheduler_configuration(port), sort_keys=False)
+        configuration = scheduler_configuration(port)
+        if pods:  # the chart's own carpool-scheduler, a pod, serves Carpool's pods
+            configuration = {**configuration, "profiles": configuration["profiles"][:1],
+                             "extenders": []}
+        scheduler_yaml = yaml.safe_dump(configuration, sort_keys=False)
         paths.inputs_dir.mkdir(parents=True, exist_ok=True)
         scheduler_input = paths.inputs_dir / "scheduler-config.yaml"
         scheduler_input.write_text(scheduler_yaml)
-        args = kwokctl_create_args(paths, bin_dir, scheduler_input)
+        args = kwokctl_create_args(paths, bin_dir, scheduler_input, pods)
         wanted = _fingerprint(args, scheduler_yaml)
         progress.note(f"extender http://127.0.0.1:{port}/ ; stages {stages_file()}")
 
@@ -656,7 +704,7 @@ def up(
 
     for attempt in (1, 2):
         try:
-            _create(paths, bin_dir, args, wanted, progress)
+            _create(paths, bin_dir, args, wanted, progress, pods)
             break
         except ClusterError as error:
             if attempt == 2:
@@ -676,11 +724,12 @@ def _create(
     args: Sequence[str],
     wanted: Mapping[str, str],
     progress: Progress,
+    pods: bool = False,
 ) -> None:
     # The ports lock is machine-wide: chosen ports are recorded in kwok.yaml before release.
     with _locked(cache_dir() / "cluster-inputs" / "ports.lock"):
         ports = allocate_ports(paths.name)
-        _write_kwokctl_options(paths, ports)
+        _write_kwokctl_options(paths, ports, pods)
         with progress.stage("kwokctl create cluster (etcd, apiserver, controller-manager, ...)"):
             progress.note(" ".join(args))
             progress.note("ports " + ", ".join(f"{k}={v}" for k, v in ports.items()))
@@ -1083,11 +1132,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also run `python -m carpool.extender` in the background",
     )
+    up_parser.add_argument(
+        "--pods",
+        action="store_true",
+        help=f"a cluster for Carpool's own pods on the real node (as ${PODS_ENV}=1)",
+    )
     sub.add_parser("down", help="stop the cluster and delete its state")
     sub.add_parser("status", help="components, ports, health; exit 1 unless healthy")
     sub.add_parser("kubeconfig", help="print the kubeconfig path")
     args = parser.parse_args(argv)
     paths = ClusterPaths.for_name(args.name)
+    if getattr(args, "pods", False):
+        os.environ[PODS_ENV] = "1"
     try:
         if args.command == "up":
             progress = Progress()

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,8 @@ POD_SUBNET: Final = "10.88.77.0/24"
 BRIDGE: Final = "carpool0"
 # The node's InternalIP: the bridge's gateway address. The kubelet refuses a loopback node IP,
 # this kernel has no dummy links, and the bridge keeps the kubelet off the machine's real NIC.
-NODE_IP: Final = "10.88.77.1"
+NODE_IP: Final = devcluster.POD_API_ADDRESS
+KUBE_PROXY_ENV: Final = "CARPOOL_KUBE_PROXY"
 
 # The sandbox's process: sleep until told to stop, exit 0 on SIGTERM, reap children (`wait`).
 PAUSE_COMMAND: Final = ("/bin/sh", "-c",
@@ -465,6 +467,33 @@ def kubelet_configuration(paths: NodePaths, port: int) -> dict[str, Any]:
     }
 
 
+def kube_proxy_binary() -> Path:
+    """kube-proxy, built by hack/build-k8s.sh beside the other binaries only when asked for
+    (CARPOOL_KUBE_PROXY=1): the real node is its only user."""
+    os.environ[KUBE_PROXY_ENV] = "1"
+    return devcluster.binaries_dir() / "kube-proxy"
+
+
+def kube_proxy_configuration(paths: NodePaths, node: str, kubeconfig: Path) -> dict[str, Any]:
+    """iptables mode for the pod subnet; it changes no sysctl it can avoid (conntrack sizes,
+    timeouts, route_localnet): the machine is shared and not ours to tune."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "hostnameOverride": node,
+        "mode": "iptables",
+        "clusterCIDR": POD_SUBNET,
+        "bindAddress": NODE_IP,
+        "healthzBindAddress": "127.0.0.1:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
+        "nodePortAddresses": [f"{NODE_IP}/32"],
+        "iptables": {"localhostNodePorts": False},
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                      "tcpCloseWaitTimeout": "0s"},
+    }
+
+
 def fake_gpu_spec(node: str) -> dict[str, Any]:
     return {"node": node, "gpus": [{"model": FAKE_GPU_MODEL, "count": FAKE_GPU_COUNT}]}
 
@@ -583,6 +612,14 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, log: Path | None
         time.sleep(interval)
 
 
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
 def _socket_answers(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
@@ -619,6 +656,9 @@ class NodeSettings:
     registry: str = field(default_factory=registry_address)
     # The e2e tests hand bare pods to the plugin; a product plugin serves only GpuJobs' pods.
     serve_unowned: bool = True
+    # True: kube-proxy (iptables mode) routes ClusterIPs for pods on this node; for Carpool's
+    # own pods (the Helm chart) in a cluster made with devcluster's pods option.
+    kube_proxy: bool = False
 
 
 @dataclass
@@ -751,6 +791,22 @@ class RealNode:
         _wait(f"node {self.name} to be Ready", ready, timeout, self.paths.log("kubelet"),
               interval=1.0)
 
+    # --- kube-proxy ----------------------------------------------------------------------
+
+    def kube_proxy_config_path(self) -> Path:
+        return self.paths.etc / "kube-proxy.yaml"
+
+    def start_kube_proxy(self) -> None:
+        path = self.kube_proxy_config_path()
+        path.write_text(yaml.safe_dump(kube_proxy_configuration(
+            self.paths, self.name, self.paths.kubelet_kubeconfig), sort_keys=False))
+        binary = kube_proxy_binary()
+        (self.paths.etc / "kube-proxy.binary").write_text(str(binary))  # for `down`
+        if _pid_alive(self.paths, "kube-proxy", str(path)) is None:
+            _spawn(self.paths, "kube-proxy", [str(binary), "--config", str(path), "--v", "2"])
+        _wait("kube-proxy to sync its rules", lambda: _http_ok("http://127.0.0.1:10256/healthz"),
+              60, self.paths.log("kube-proxy"), interval=0.5)
+
     # --- device plugin ------------------------------------------------------------------
 
     def plugin_command(self) -> list[str]:
@@ -815,6 +871,9 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
         set_hosts_entry(node.name, present=True)
         node.start_kubelet()
         node.wait_ready()
+    if node.settings.kube_proxy:
+        with t.stage("kube-proxy (iptables) synced"):
+            node.start_kube_proxy()
     if node.settings.device_plugin:
         with t.stage("device plugin (fake backend) registered; node advertises shares"):
             crds.apply_crds(cluster.api())  # the plugin publishes the node's GpuNode
@@ -868,6 +927,18 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
         done.append("device plugin stopped")
     if _stop(p, "kubelet", str(p.kubelet_config)):
         done.append("kubelet stopped")
+    proxy_config = p.etc / "kube-proxy.yaml"
+    if _stop(p, "kube-proxy", str(proxy_config)):
+        done.append("kube-proxy stopped")
+    proxy_binary = p.etc / "kube-proxy.binary"
+    if proxy_binary.is_file():
+        # Its chains in the machine's iptables go with it.
+        binary = proxy_binary.read_text().strip()
+        if Path(binary).is_file():
+            subprocess.run([binary, "--cleanup"], capture_output=True, check=False, timeout=60)
+            done.append("kube-proxy rules removed")
+        proxy_binary.unlink()
+    proxy_config.unlink(missing_ok=True)
     if _socket_answers(p.containerd_socket):
         for task in ctr(p, "tasks", "ls", "-q", check=False).stdout.split():
             ctr(p, "tasks", "kill", "-s", "SIGKILL", task, check=False)
@@ -969,6 +1040,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--snapshotter", default="overlayfs", choices=("overlayfs", "native"))
     parser.add_argument("--no-device-plugin", action="store_true",
                         help="start no device plugin on the host (the chart's DaemonSet will)")
+    parser.add_argument("--kube-proxy", action="store_true",
+                        default=os.environ.get(KUBE_PROXY_ENV, "") not in ("", "0"),
+                        help="run kube-proxy for the node (Carpool's chart as pods; needs a "
+                             "cluster made with `devcluster up --pods`)")
     parser.add_argument("--registry", default=registry_address(),
                         help="the registry containerd pulls from over HTTP (hosts.toml); "
                              "default $CARPOOL_REGISTRY or " + DEFAULT_REGISTRY)
@@ -1009,6 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with exclusive(paths):
             node = start(cluster, NodeSettings(name=args.name, snapshotter=args.snapshotter,
                                                device_plugin=not args.no_device_plugin,
+                                               kube_proxy=args.kube_proxy,
                                                registry=args.registry), paths)
         print(node.timings.table())
         print(f"node {node.name} is Ready; logs in {paths.logs}")

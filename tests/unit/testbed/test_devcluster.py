@@ -148,3 +148,21 @@ def test_new_stages_and_scheduler_config_replace_the_old_ones_in_place(cache: Pa
     scheduler = yaml.safe_load(paths.scheduler_config.read_text())
     assert scheduler["clientConnection"] == connection
     assert scheduler["extenders"][0]["urlPrefix"] == "http://127.0.0.1:2222/"
+
+
+def test_a_cluster_for_pods_gives_tokens_and_a_reachable_api_server(cache: Path) -> None:
+    """The pods option turns the ServiceAccount plugin on and serves the API on the real
+    node's bridge address (advertised: the `kubernetes` Service's endpoint)."""
+    paths = devcluster.ClusterPaths.for_name("pods")
+    plain = devcluster.kwokctl_create_args(paths, Path("/bin"), Path("/s.yaml"))
+    pods = devcluster.kwokctl_create_args(paths, Path("/bin"), Path("/s.yaml"), pods=True)
+    assert "kube-apiserver=disable-admission-plugins=ServiceAccount" in plain
+    assert not any("ServiceAccount" in a for a in pods)
+    assert "kube-apiserver=bind-address=0.0.0.0" in pods
+    assert f"kube-apiserver=advertise-address={devcluster.POD_API_ADDRESS}" in pods
+    paths.workdir.mkdir(parents=True)
+    paths.inputs_dir.mkdir(parents=True)
+    devcluster._write_kwokctl_options(paths, {"kubeApiserverPort": 1}, pods=True)
+    options = next(yaml.safe_load_all(paths.kwokctl_options.read_text()))["options"]
+    assert options["kubeApiserverCertSANs"] == [devcluster.POD_API_ADDRESS,
+                                                devcluster.KUBERNETES_SERVICE_IP]

@@ -137,3 +137,13 @@ def test_tag_is_taken_after_the_last_colon(tmp_path: Path, reference: str, tag: 
     realnode.write_oci_archive(tmp_path / "t.tar", reference, _tar({"f": b""}), ("/f",))
     index = json.loads(_read_archive(tmp_path / "t.tar")["index.json"])
     assert index["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"] == tag
+
+
+def test_kube_proxy_serves_the_pod_subnet_and_leaves_sysctls_alone(tmp_path: Path) -> None:
+    config = realnode.kube_proxy_configuration(realnode.NodePaths(tmp_path), "n1",
+                                               tmp_path / "kubeconfig")
+    assert config["mode"] == "iptables" and config["hostnameOverride"] == "n1"
+    assert config["clusterCIDR"] == realnode.POD_SUBNET
+    assert config["conntrack"]["maxPerCore"] == 0
+    assert config["iptables"] == {"localhostNodePorts": False}
+    assert config["nodePortAddresses"] == [f"{realnode.NODE_IP}/32"]
