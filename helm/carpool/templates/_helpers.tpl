@@ -36,9 +36,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-extender" (include "carpool.fullname" .) -}}
 {{- end -}}
 
-{{/* The extender's URL as kube-scheduler calls it (verbs are appended). */}}
+{{/* The extender's URL as kube-scheduler calls it (verbs are appended): the pinned ClusterIP
+when extender.serviceClusterIP is set (no cluster DNS needed), else the Service's DNS name. */}}
 {{- define "carpool.extenderURL" -}}
+{{- if .Values.extender.serviceClusterIP -}}
+{{- printf "http://%s:%d/" .Values.extender.serviceClusterIP (int .Values.extender.port) -}}
+{{- else -}}
 {{- printf "http://%s.%s.svc:%d/" (include "carpool.extenderService" .) .Release.Namespace (int .Values.extender.port) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "carpool.podSecurity" -}}

@@ -218,6 +218,27 @@ def test_scheduler_restarts_when_its_configuration_changes(helm: Path) -> None:
     assert checksum() != checksum("--set", "scheduler.extenderTimeout=30s")
 
 
+def test_a_pinned_extender_ip_is_what_the_scheduler_calls(helm: Path) -> None:
+    """No cluster DNS needed: carpool-scheduler calls the Service's pinned ClusterIP."""
+    objs = objects(helm, "--set", "extender.serviceClusterIP=10.0.0.155",
+                   "--set", "extender.port=18099")
+    (extender,) = scheduler_config(objs)["extenders"]
+    assert extender["urlPrefix"] == "http://10.0.0.155:18099/"
+    assert find(objs, "Service", "carpool-extender")["spec"]["clusterIP"] == "10.0.0.155"
+
+
+def test_pod_annotations_reach_every_carpool_pod(helm: Path) -> None:
+    """One value rolls every component on `helm upgrade` (the MPS daemon too, on delete)."""
+    objs = objects(helm, "--set-string", "podAnnotations.example\\.com/rollout=2")
+    templates = [o for o in objs if o["kind"] in ("Deployment", "DaemonSet")]
+    assert len(templates) == 8
+    for obj in templates:
+        annotations = obj["spec"]["template"]["metadata"].get("annotations") or {}
+        assert annotations.get("example.com/rollout") == "2", obj["metadata"]["name"]
+    scheduler = find(objs, "Deployment", "carpool-scheduler")["spec"]["template"]["metadata"]
+    assert "checksum/config" in scheduler["annotations"]
+
+
 def container(obj: Obj) -> Obj:
     (c,) = obj["spec"]["template"]["spec"]["containers"]
     return dict(c)
