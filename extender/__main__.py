@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         api = api_client(args.kubeconfig)
-    except ValueError as exc:  # no kubeconfig, no service account
+    except ValueError as exc:  # no kubeconfig or service account, or one that does not load
         print(f"error: cannot load the cluster configuration "
               f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
         return 2

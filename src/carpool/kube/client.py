@@ -46,7 +46,7 @@ def load_configuration(kubeconfig: str | Path | None = None,
             config.load_incluster_config(client_configuration=configuration)
         except config.ConfigException:
             config.load_kube_config(client_configuration=configuration)
-    except (config.ConfigException, OSError) as err:
+    except Exception as err:  # ConfigException, OSError, a kubeconfig that is not YAML, ...
         raise ValueError(f"no cluster to talk to: {err} (pass a kubeconfig or set "
                          f"KUBECONFIG)") from None
     return configuration
