@@ -525,6 +525,7 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "carpool.extender", "--port", str(port), "--host",
              "127.0.0.1", "--kubeconfig", str(paths.kubeconfig), "--log-level", "INFO",
+             "--allow-unowned-pods",  # the load is bare pods, not GpuJobs
              *args.extender_arg],
             stdout=log, stderr=subprocess.STDOUT))
 

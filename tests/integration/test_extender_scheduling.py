@@ -65,8 +65,11 @@ class ExtenderProcess:
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
+                # These tests place bare pods: no GpuJob owns them, which the shipped
+                # extender refuses (tests/integration/test_security_policies.py covers that).
                 [sys.executable, "-m", "carpool.extender", "--port", str(self.port),
-                 "--host", "127.0.0.1", "--kubeconfig", str(self.kubeconfig)],
+                 "--host", "127.0.0.1", "--kubeconfig", str(self.kubeconfig),
+                 "--allow-unowned-pods"],
                 stdout=out, stderr=subprocess.STDOUT)
         eventually(self.healthy, 60, "the extender to sync its cache")
 
