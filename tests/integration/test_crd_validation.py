@@ -395,7 +395,7 @@ def test_kubectl_get_gpujobs_wide(
     header, *rows = out.splitlines()
     assert header.split() == ["NAME", "PROJECT", "CLASS", "PHASE", "GPUS", "MEMORY", "ISOLATION",
                               "NODE", "EST-START", "EST-P10", "EST-P90", "QUEUE", "REASON",
-                              "GPU-HOURS", "AGE"]
+                              "GPU-HOURS", "PROGRESS", "CHECKPOINT", "AGE"]
     shown = next(r for r in rows if r.startswith("shown "))
     assert shown.split()[1:6] == ["vision", "batch", "1", "8Gi", "mps"]
 
