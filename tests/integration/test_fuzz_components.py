@@ -116,7 +116,8 @@ def world(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
              "--backend", "fake", "--fake-spec", str(logs / "node.yaml"),
              "--plugin-dir", str(plugin_dir), "--shares-per-gpu", str(SHARES),
              "--sharing-mode", "mps", "--no-manage-mps", "--metrics-port", "0",
-             "--publish-interval", "5", "--kubeconfig", str(cluster.kubeconfig)],
+             "--publish-interval", "5", "--kubeconfig", str(cluster.kubeconfig),
+             "--allow-unowned-pods"],  # the fuzzed pods are bare, as the extender's are
             stdout=out, stderr=subprocess.STDOUT)
     socket_path = plugin_dir / "carpool-gpu.sock"
     try:
