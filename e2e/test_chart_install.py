@@ -312,7 +312,13 @@ def test_a_gpujob_runs_through_the_in_cluster_components(release: Release) -> No
             phases.append(current)
         return current
 
-    wait_for("the GpuJob to be Queued", lambda: phase() == "Queued", timeout=60, interval=0.5)
+    try:
+        wait_for("the GpuJob to be Queued", lambda: phase() == "Queued", timeout=60,
+                 interval=0.5)
+    except AssertionError as error:
+        job = release.json("get", "gpujob", "print-env", "-n", namespace)
+        raise AssertionError(f"{error}\njob: {json.dumps(job)[-2000:]}\n"
+                             f"{_diagnose(release)}") from None
     why = kubectl_carpool(release, "why", "print-env", "-n", namespace)
     assert "BLOCKING" in why, why  # the quota holds it, and `why` says which rule
     queue = kubectl_carpool(release, "queue", "-A")
