@@ -481,6 +481,20 @@ def test_device_plugin_records_reports_only_of_its_nodes_jobs(
     assert spec.returncode != 0  # the object itself: not even RBAC allows it
 
 
+def test_the_operator_running_on_a_node_still_writes_any_jobs_status(
+        jobs_on_two_nodes: tuple[str, str, str], cluster: devcluster.Cluster, rbac: Rbac,
+        policies: None, two_nodes: tuple[str, str]) -> None:
+    """In a pod, the operator's token is node-bound too; the reports policy must not take it
+    for a node agent: it writes the status of a job on another node, any field."""
+    namespace, _, on_b = jobs_on_two_nodes
+    written = cluster.kubectl(
+        "patch", "gpujob", on_b, "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"reason": "Checked", "gpuHours": 0.5}}),
+        f"--as={rbac.account('operator')}", f"--as-user-extra={NODE_CLAIM}={two_nodes[0]}",
+        check=False)
+    assert written.returncode == 0, written.stderr
+
+
 # --- the extender over TLS -----------------------------------------------------------------
 
 
