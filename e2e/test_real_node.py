@@ -158,11 +158,8 @@ def test_the_plugin_refuses_a_pod_no_gpujob_owns(pods: Any,
     --allow-unowned-pods), a bare GPU pod that got a GPU assignment (here from the test bed's
     permissive extender) is refused at Allocate, and the kubelet puts the reason on the pod."""
     bed = real_node.settings
-    assert real_node.stop_plugin()
-    real_node.settings = dataclasses.replace(bed, serve_unowned=False)
     try:
-        real_node.start_plugin()
-        real_node.wait_shares()
+        real_node.restart_plugin(dataclasses.replace(bed, serve_unowned=False))
         name = pods.create(pods.manifest("unowned", 1, 8, 25))
         status = pods.wait_for("the kubelet to refuse the pod", lambda: (
             s := pods.get(name).get("status") or {}).get("phase") == "Failed" and s,
@@ -172,10 +169,7 @@ def test_the_plugin_refuses_a_pod_no_gpujob_owns(pods: Any,
         assert f"pod default/{name} is not owned by a GpuJob" in status["message"], status
         assert names.ANN_ALLOCATED not in (pods.get(name)["metadata"].get("annotations") or {})
     finally:
-        real_node.stop_plugin()
-        real_node.settings = bed
-        real_node.start_plugin()
-        real_node.wait_shares()
+        real_node.restart_plugin(bed)
 
 
 def test_plugin_reregisters_after_kubelet_restart_and_new_pods_start(

@@ -843,6 +843,23 @@ class RealNode:
               lambda: self.allocatable_shares() == want, timeout,
               self.paths.log("deviceplugin"), interval=0.5)
 
+    def restart_plugin(self, settings: NodeSettings | None = None) -> None:
+        """Restarts the plugin (with `settings`, if given) and returns once the kubelet serves
+        the new plugin's devices.
+
+        The node's allocatable lags the kubelet's device manager by a status report, so a pod
+        created as soon as the shares show could still meet the stopped plugin's devices,
+        which the kubelet marked unhealthy. Seeing the shares drop to 0 first, then come
+        back, means the kubelet has taken the new plugin's healthy devices."""
+        assert self.stop_plugin(), "the device plugin was not running"
+        _wait(f"node {self.name} to drop its {names.RESOURCE_GPU} shares",
+              lambda: self.allocatable_shares() == 0, 60, self.paths.log("deviceplugin"),
+              interval=0.5)
+        if settings is not None:
+            self.settings = settings
+        self.start_plugin()
+        self.wait_shares()
+
     def registrations(self) -> int:
         """How many times the plugin has registered with a kubelet (from its log)."""
         log = self.paths.log("deviceplugin")
