@@ -304,11 +304,15 @@ def test_a_tenant_cannot_ask_for_carpool_gpus_outside_a_gpujob(tenancy: Tenancy)
 
 def test_the_operators_account_may_create_gpu_pods(tenancy: Tenancy) -> None:
     """The door is the requester's identity: the release's operator account (whose RBAC the
-    fixture applied) is let through; anyone else is not."""
+    fixture applied) is let through, with the workload protocol's CARPOOL_* variables it sets
+    in each attempt's pod; anyone else is not."""
     dry = ["--dry-run=server"]
+    made = gpu_pod("by-operator")
+    made["spec"]["containers"][0]["env"] = [{"name": "CARPOOL_JOB", "value": "real-job"},
+                                            {"name": "CARPOOL_ATTEMPT", "value": "1"}]
     as_operator = tenancy.cluster.kubectl(
         "create", *dry, f"--as={tenancy.operator()}", "-n", tenancy.team, "-f", "-",
-        stdin=yaml.safe_dump(gpu_pod("by-operator")), check=False)
+        stdin=yaml.safe_dump(made), check=False)
     assert as_operator.returncode == 0, as_operator.stderr
     other = f"system:serviceaccount:{tenancy.system_ns}:{tenancy.release}-extender"
     as_other = tenancy.cluster.kubectl(
