@@ -501,8 +501,8 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
             end = epoch_of(record.get("end"))
             end = now if end is None else end
             clipped_start, clipped_end = max(start, since), min(end, now)
-            if clipped_end <= clipped_start:
-                continue
+            if clipped_end < clipped_start:  # outside the window; a run shorter than the
+                continue                     # timestamps' one second still counts as a run
             fraction = _number(record.get("fraction")) or 0.0
             hours[key] = hours.get(key, 0.0) + gpu_hours(fraction, clipped_start, clipped_end)
             runs[key] = runs.get(key, 0) + 1

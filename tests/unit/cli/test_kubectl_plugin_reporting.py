@@ -166,3 +166,12 @@ def test_why_budget_uses_the_operators_budget_rules(policy: str, preemptible: bo
     assert budget.blocking is blocking, budget
     assert "this job may use 10 (1 GPU x 10h)" in budget.text
     assert ("once spent, only preemptible" in budget.text) is (policy == "PreemptibleOnly")
+
+
+def test_a_run_shorter_than_a_second_is_still_a_run() -> None:
+    """Status times have one-second resolution: a job that printed and exited within one has
+    start == end. It held its GPUs for (nearly) no time, but it ran and belongs in the bill."""
+    instant = {"fraction": 1.0, "start": format_time(NOW - 60), "end": format_time(NOW - 60)}
+    (row,) = reporting.usage_report([job([instant], project="quick")], NOW - 3600, NOW).rows
+    assert (row.key, row.runs, row.jobs, row.gpu_hours) == ("quick", 1, 1, 0.0)
+    assert reporting.usage_report([job([instant])], NOW - 30, NOW).rows == ()  # before the window
