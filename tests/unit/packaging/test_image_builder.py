@@ -3,10 +3,8 @@ times, owners and creation order; the version is the chart's appVersion."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -15,16 +13,6 @@ from types import ModuleType
 import yaml
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-def builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("carpool_image_build",
-                                                  REPO / "hack" / "images" / "build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_tree(root: Path, order: list[str], mtime: float) -> None:
@@ -37,8 +25,9 @@ def make_tree(root: Path, order: list[str], mtime: float) -> None:
     (root / "bin" / "sh").symlink_to("dash")
 
 
-def test_layers_do_not_depend_on_times_or_creation_order(tmp_path: Path) -> None:
-    build = builder()
+def test_layers_do_not_depend_on_times_or_creation_order(tmp_path: Path,
+                                                         image_builder: ModuleType) -> None:
+    build = image_builder
     first, second = tmp_path / "a", tmp_path / "b"
     make_tree(first, ["usr/b.txt", "usr/a.txt", "etc/x"], time.time())
     make_tree(second, ["etc/x", "usr/a.txt", "usr/b.txt"], 1000.0)
@@ -54,8 +43,8 @@ def test_layers_do_not_depend_on_times_or_creation_order(tmp_path: Path) -> None
     assert build.Layer.of(build.layer_tar(second), "t").gz != layer_a.gz
 
 
-def test_layout_digest_is_the_manifest(tmp_path: Path) -> None:
-    build = builder()
+def test_layout_digest_is_the_manifest(tmp_path: Path, image_builder: ModuleType) -> None:
+    build = image_builder
     make_tree(tmp_path / "root", ["etc/x"], 0)
     layer = build.Layer.of(build.layer_tar(tmp_path / "root", {"etc/x": 65532}), "t")
     image = build.Image("x", (layer,), {"User": "65532:65532"},
@@ -68,6 +57,6 @@ def test_layout_digest_is_the_manifest(tmp_path: Path) -> None:
     assert (member.uid, member.gid) == (65532, 65532)
 
 
-def test_one_version_for_package_chart_and_images() -> None:
+def test_one_version_for_package_chart_and_images(image_builder: ModuleType) -> None:
     chart = yaml.safe_load((REPO / "helm" / "carpool" / "Chart.yaml").read_text())
-    assert builder().version() == str(chart["appVersion"]) == str(chart["version"])
+    assert image_builder.version() == str(chart["appVersion"]) == str(chart["version"])

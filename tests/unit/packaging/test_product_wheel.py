@@ -4,7 +4,6 @@ and imported from there."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -17,19 +16,9 @@ REPO = Path(__file__).resolve().parents[3]
 TESTBED_MODULES = {p.stem for p in (REPO / "testbed").glob("*.py")} - {"__init__", "__main__"}
 
 
-def image_builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("carpool_image_build_for_wheel",
-                                                  REPO / "hack" / "images" / "build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    built: Path = image_builder().project_wheel(tmp_path_factory.mktemp("wheel"))
+def wheel(tmp_path_factory: pytest.TempPathFactory, image_builder: ModuleType) -> Path:
+    built: Path = image_builder.project_wheel(tmp_path_factory.mktemp("wheel"))
     return built
 
 
