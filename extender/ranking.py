@@ -2,11 +2,12 @@
 the placement core.
 
 Filter, prioritize and bind all go through `ShapePlacer` (one per demand shape), so the GPUs
-bind records are the ones filter and prioritize scored. Fit is `placement.node_rejection`
-(its reasons are what users read); the score and the GPU choice are `scoring.score_node`'s,
-through its per-request form `scoring.RequestScorer` (the plans are `Scorer.plan`, the code
-the placement benchmark replays), with fragmentation measured against the workload this
-extender has actually seen (`WorkloadTracker`).
+bind records are the ones filter and prioritize scored. The GPU choice and the score are
+`gpu_choice.choose_gpus`'s (the operator's timeline uses the same), through the per-request
+`scoring.RequestScorer` (the plans are `Scorer.plan`, the code the placement benchmark
+replays), with fragmentation measured against the workload this extender has actually seen
+(`WorkloadTracker`); where a node does not fit, `placement.node_rejection` says why (its
+reasons are what users read).
 """
 
 from __future__ import annotations
@@ -18,14 +19,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from carpool.core.placement import (
-    NodeState,
-    choose_gpus,
-    gpu_rejection,
-    grant_for,
-    node_rejection,
-)
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.core.gpu_choice import choose_gpus, grants_for
+from carpool.core.placement import NodeState, node_rejection
+from carpool.core.resources import GpuGrant, GpuRequest
 from carpool.core.scoring import (
     CARPOOL,
     Dataset,
@@ -80,7 +76,7 @@ class Placement:
     @property
     def per_container(self) -> tuple[tuple[GpuGrant, ...], ...]:
         if self._state is not None and self._request is not None:
-            grants = _grants_at(self._state, self._request, self._indices)
+            grants = grants_for(self._state, self._request, self._indices)
             self._done = (*self._done, grants)
             self._state = self._request = None
         return self._done
@@ -100,47 +96,6 @@ class Placement:
         return f"Placement({self.node!r}, {self.per_container!r}, {self.score!r})"
 
 
-def _grants_at(state: NodeState, request: GpuRequest, indices: tuple[int, ...]
-               ) -> tuple[GpuGrant, ...]:
-    """Grants on the scorer's GPUs, each checked against the filter's GPU rules (which the
-    scorer's own fit implies; a disagreement falls back to the tightest GPUs)."""
-    cached = CachedState.of(state)
-    frees = cached.frees_by_index
-    chosen = [frees.get(i) for i in indices]
-    if any(f is None or gpu_rejection(f, request) is not None for f in chosen):
-        fallback = choose_gpus(cached, request)
-        if fallback is None:
-            raise RuntimeError(f"no GPUs fit on {state.name} although the scorer placed there")
-        return fallback
-    return tuple(grant_for(f, request) for f in chosen if f is not None)
-
-
-def _scored_choice(state: CachedState, request: GpuRequest, scorer: RequestScorer
-                   ) -> tuple[tuple[int, ...], float] | None:
-    """The scorer's GPUs (indices) for one container, and the score.
-
-    The scorer's fit implies the filter's per-GPU rules for shared and exclusive requests
-    (free memory and cores, health, temperature, exclusivity), so those are checked when the
-    grants are built; MIG instances are not in the scorer's view and are checked here.
-    """
-    try:
-        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
-    except AssertionError:  # the scorer's plan could not be mapped onto distinct GPUs
-        return None
-    if scored is None:
-        return None
-    score, indices = scored
-    if len(indices) != request.count or (len(indices) > 1 and len(set(indices)) != len(indices)):
-        return None
-    if request.isolation is Isolation.MIG:
-        frees = state.frees_by_index
-        for index in indices:
-            free = frees.get(index)
-            if free is None or gpu_rejection(free, request) is not None:
-                return None
-    return indices, score
-
-
 class ShapePlacer:
     """`place` for one demand shape under one scorer, with the scorers' per-request work done
     once: a new shape is placed on every candidate node, so only the per-node part should be
@@ -156,9 +111,7 @@ class ShapePlacer:
             RequestScorer(c.request, scorer, cpu_milli=demand.cpu_milli if i == 0 else 0,
                           memory_mib=demand.memory_mib if i == 0 else 0, dataset=dataset)
             for i, c in enumerate(demand.containers))
-        only = demand.containers[0].request if len(demand.containers) == 1 else None
-        # MIG instances are not in the scorer's view: those go the long way (`place`)
-        self._single = only if only is not None and only.isolation is not Isolation.MIG else None
+        self._single = demand.containers[0].request if len(demand.containers) == 1 else None
         self._requests = tuple(c.request for c in demand.containers)
 
     def place(self, state: NodeState) -> Placement | Misfit:
@@ -176,60 +129,38 @@ class ShapePlacer:
         cpu_milli, memory_mib = demand.cpu_milli, demand.memory_mib
         for container, scorer in zip(demand.containers, self._scorers, strict=True):
             request = container.request
-            # The scorer's choice is checked GPU by GPU against the filter's rules, so when
-            # it succeeds (on a ready node offering the isolation) the node fits: the reasons
-            # are only worked out for nodes where it does not.
-            scored = None
-            if inventory.ready and request.isolation in inventory.sharing:
-                scored = _scored_choice(state, request, scorer)
-            last = len(chosen) + 1 == len(demand.containers)
-            if scored is None:
-                reason = node_rejection(state, request)
-                if reason is not None:
-                    return Misfit(reason)
-                grants = choose_gpus(state, request)
-                if grants is None:  # node_rejection said it fits; kept for safety
-                    return Misfit("no GPUs fit")
-                score = 0.0
-            else:
-                indices, score = scored
-                if last:  # grants when asked for (see Placement)
-                    return Placement(state.name, tuple(chosen),
-                                     (total + score) / (len(chosen) + 1),
-                                     state, request, indices)
-                grants = _grants_at(state, request, indices)
+            choice = choose_gpus(state, scorer)
+            if choice is None:
+                return Misfit(node_rejection(state, request) or "no GPUs fit")
+            if len(chosen) + 1 == len(demand.containers):  # grants when asked for (Placement)
+                return Placement(state.name, tuple(chosen),
+                                 (total + choice.score) / (len(chosen) + 1),
+                                 state, request, choice.indices)
+            grants = grants_for(state, request, choice.indices)
             chosen.append(grants)
-            total += score
-            if not last:  # the next container sees this one's GPUs
-                state = CachedState(inventory, state.grants + grants,
-                                    state.cpu_used_milli + cpu_milli,
-                                    state.memory_used_mib + memory_mib)
+            total += choice.score
+            # the next container sees this one's GPUs
+            state = CachedState(inventory, state.grants + grants,
+                                state.cpu_used_milli + cpu_milli,
+                                state.memory_used_mib + memory_mib)
             cpu_milli = memory_mib = 0
         return Placement(state.name, tuple(chosen), total / max(1, len(chosen)))
 
     def evaluate(self, state: NodeState) -> Evaluation:
         """`place`'s answer as an Evaluation."""
         request = self._single
-        placement: Placement | Misfit
         if request is None:
             placement = self.place(state)
-        else:  # `place` for one container, written out: this runs on every node
-            cached = CachedState.of(state)
-            inventory = state.inventory
-            if inventory.ready and request.isolation in inventory.sharing:
-                scored = _scored_choice(cached, request, self._scorers[0])
-                if scored is not None:
-                    return Evaluation(state, scored[1], request, scored[0])
-            reason = node_rejection(cached, request)
-            if reason is not None:
-                placement = Misfit(reason)
-            else:  # the filter's rules let it fit where the scorer did not (CPU, say)
-                grants = choose_gpus(cached, request)
-                placement = (Placement(state.name, (grants,), 0.0) if grants is not None
-                             else Misfit("no GPUs fit"))
-        if isinstance(placement, Misfit):
-            return Evaluation(state, None, reason=placement.reason, requests=self._requests)
-        return Evaluation(state, placement.score, placement=placement)
+            if isinstance(placement, Misfit):
+                return Evaluation(state, None, reason=placement.reason, requests=self._requests)
+            return Evaluation(state, placement.score, placement=placement)
+        # `place` for one container, written out: this runs on every node
+        cached = CachedState.of(state)
+        choice = choose_gpus(cached, self._scorers[0])
+        if choice is not None:
+            return Evaluation(state, choice.score, request, choice.indices)
+        return Evaluation(state, None, reason=node_rejection(cached, request) or "no GPUs fit",
+                          requests=self._requests)
 
 
 def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | Misfit:

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from carpool.core.accounting import job_gpu_hours
+from carpool.core.gpu_choice import choose_gpus, grants_for
 from carpool.core.jobs import Job, ProjectQuota
 from carpool.core.placement import NodeState
 from carpool.core.resources import (
@@ -18,9 +19,11 @@ from carpool.core.resources import (
     JobClass,
     NodeInventory,
 )
+from carpool.core.scoring import RequestScorer, Scorer
 
 GIB = 1024  # MiB
 HOUR = 3600.0  # seconds
+_DEFAULT_SCORER = Scorer()  # the scorer `packing_placer` chooses GPUs with (empty workload)
 
 
 def gpu_node(name: str = "n1", gpus: int = 2, model: str = "H100",
@@ -45,13 +48,25 @@ def project_quota(name: str = "a", **fields: Any) -> ProjectQuota:
     return ProjectQuota(name, frozenset({name}), **fields)
 
 
-def packing_score(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
-    """A node ranker (`carpool.core.eta.NodeRanker`) independent of the extender's scoring:
-    prefer the node that ends up fullest.
+def packing_placer(node: NodeState, request: GpuRequest
+                   ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+    """A node placer (`carpool.core.eta.NodePlacer`) ranking independently of the extender's
+    scoring: the GPUs are the extender's choice (`gpu_choice.choose_gpus` under a default
+    scorer), the score prefers the node that ends up fullest.
 
     score = (GPU memory granted on the node after placement) / (node's total GPU memory), in
     [0, 1]; a node without GPUs scores 0.
     """
+    choice = choose_gpus(node, RequestScorer(request, _DEFAULT_SCORER))
+    if choice is None:
+        return None
+    grants = grants_for(node, request, choice.indices)
+    return packing_score(node, grants), grants
+
+
+
+def packing_score(node: NodeState, grants: tuple[GpuGrant, ...]) -> float:
+    """`packing_placer`'s score for `grants` added to `node`."""
     total = sum(g.memory_total_mib for g in node.inventory.gpus)
     if total <= 0:
         return 0.0

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from carpool.core import job_traces, peers, queue_replay, scoring, simulation
-from carpool.core.queueing import AdmissionConfig, extender_ranker
+from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool.core.workload import TargetWorkload
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
@@ -240,15 +240,15 @@ class QueueRun:
 
 
 def queue_policy(name: str, arrival_window_s: float = 0.0) -> queue_replay.Policy:
-    ranker = extender_ranker()
+    placer = extender_placer()
     if name == "carpool":
         return queue_replay.carpool_policy(AdmissionConfig(
-            node_ranker=ranker, arrival_window_s=arrival_window_s))
+            node_placer=placer, arrival_window_s=arrival_window_s))
     if name == "fifo":
-        return queue_replay.fifo_policy(ranker)
+        return queue_replay.fifo_policy(placer)
     if name == "slurm":
-        return queue_replay.slurm_policy(ranker)
-    return queue_replay.kueue_policy(ranker)
+        return queue_replay.slurm_policy(placer)
+    return queue_replay.kueue_policy(placer)
 
 
 def replay_queue(run: QueueRun) -> tuple[dict[str, object], float]:

@@ -14,12 +14,14 @@ from carpool.core import names
 from carpool.core.accounting import grants_fraction
 from carpool.core.assignment import parse_assignment
 from carpool.core.fairshare import nominal_fraction
+from carpool.core.gpu_choice import choose_gpus
 from carpool.core.gpuhours import gpu_fraction, sm_share_pct
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.lifecycle import assignment_fraction
 from carpool.core.ownership import gpujob_owner, unowned_refusal
-from carpool.core.placement import NodeState, choose_gpus, gpu_rejection
+from carpool.core.placement import NodeState, gpu_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.core.scoring import RequestScorer, Scorer
 from carpool.deviceplugin.mps import (
     ceiling_commands,
     ceiling_mib,
@@ -80,7 +82,8 @@ def test_placement_grants_no_mps_client_more_than_the_ceiling() -> None:
     assert reason is not None and "holds one MPS client to 70 GiB and 50% cores" in reason
     assert "exclusive" in reason
     assert gpu_rejection(open_.free()[0], big) is None  # nodes without a ceiling: as before
-    assert choose_gpus(fenced, dataclasses.replace(big, memory_mib=70 * 1024)) is not None
+    at_ceiling = dataclasses.replace(big, memory_mib=70 * 1024)
+    assert choose_gpus(fenced, RequestScorer(at_ceiling, Scorer())) is not None
     assert gpu_rejection(fenced.free()[0], GpuRequest(1, 8192, 60, Isolation.MPS)) is not None
     # the ceiling is the MPS daemon's: other isolations on the node are not held to it
     assert gpu_rejection(fenced.free()[0], dataclasses.replace(

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from carpool.core.derived import DerivedState
 from carpool.core.jobs import DurationEstimate, Job
-from carpool.core.placement import NodeState, choose_gpus, node_rejection
+from carpool.core.placement import NodeState, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
 
-# Scores a node for a request that fits it (grants = what choose_gpus picked); in [0, 1],
-# higher is better. The single seam where the extender's scoring plugs into admission.
-NodeRanker = Callable[[NodeState, GpuRequest, tuple[GpuGrant, ...]], float]
+# Places a request on a node as it is: (score in [0, 1], higher is better; the grants), or
+# None if it does not fit. The single seam where the extender's GPU choice and scoring
+# (`queueing.extender_placer`) plug into admission.
+NodePlacer = Callable[[NodeState, GpuRequest], tuple[float, tuple[GpuGrant, ...]] | None]
 
 
 # ---------------------------------------------------------------- learned durations
@@ -338,7 +339,7 @@ class TimelineMemo:
 
     def __init__(self, limit: int = 100_000) -> None:
         self.limit = limit
-        self.ranker: NodeRanker | None = None
+        self.placer: NodePlacer | None = None
         self._states: dict[tuple[int, tuple[int, ...]],
                            tuple[NodeState, tuple[tuple[GpuGrant, ...], ...], NodeState]] = {}
         self._fits: dict[tuple[int, GpuRequest], tuple[NodeState, tuple[float, tuple[
@@ -347,9 +348,9 @@ class TimelineMemo:
                           tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
         self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
 
-    def bind(self, ranker: NodeRanker) -> None:
-        if self.ranker is not ranker:
-            self.ranker = ranker
+    def bind(self, placer: NodePlacer) -> None:
+        if self.placer is not placer:
+            self.placer = placer
             self._fits.clear()
         if len(self._states) + len(self._fits) > self.limit:
             self._states.clear()
@@ -375,14 +376,12 @@ class TimelineMemo:
             entry = self._states[key] = (base, held, base.with_grants(grants) if grants else base)
         return entry[2]
 
-    def fit(self, state: NodeState, request: GpuRequest, ranker: NodeRanker
+    def fit(self, state: NodeState, request: GpuRequest, placer: NodePlacer
             ) -> tuple[float, tuple[GpuGrant, ...]] | None:
         key = (id(state), request)
         entry = self._fits.get(key)
         if entry is None or entry[0] is not state:
-            grants = choose_gpus(state, request)
-            entry = self._fits[key] = (
-                state, None if grants is None else (ranker(state, request, grants), grants))
+            entry = self._fits[key] = (state, placer(state, request))
         return entry[1]
 
     def hosts(self, bases: tuple[NodeState, ...], names: tuple[str, ...],
@@ -405,13 +404,13 @@ class Timeline:
     placement core only once per distinct situation.
     """
 
-    def __init__(self, nodes: Mapping[str, NodeState], now: float, ranker: NodeRanker,
+    def __init__(self, nodes: Mapping[str, NodeState], now: float, placer: NodePlacer,
                  memo: TimelineMemo | None = None) -> None:
         self.now = now
-        self.ranker = ranker
+        self.placer = placer
         self.memo = memo
         if memo is not None:
-            memo.bind(ranker)
+            memo.bind(placer)
         # inventory + grants of things that are not jobs; what-if states are asked the same
         # questions again and again, so they keep their answers (DerivedState)
         self._base: dict[str, NodeState] = {
@@ -495,7 +494,7 @@ class Timeline:
     def fit_during(self, node: str, request: GpuRequest, start: float, end: float,
                    without: frozenset[str] = frozenset()
                    ) -> tuple[float, tuple[GpuGrant, ...]] | None:
-        """(ranker score, grants) if `request` fits the node over [start, end), else None."""
+        """(placer's score, grants) if `request` fits the node over [start, end), else None."""
         return self._fit(node, request, self._request_id(request), start, end, without)
 
     def _ids_from_now(self, node: str, end: float) -> tuple[int, ...]:
@@ -517,12 +516,9 @@ class Timeline:
             ids = self._overlapping(node, start, end, without)
         key = (node, ids, rid)
         if key not in self._fits and self.memo is not None:
-            self._fits[key] = self.memo.fit(self._state(node, ids), request, self.ranker)
+            self._fits[key] = self.memo.fit(self._state(node, ids), request, self.placer)
         elif key not in self._fits:
-            state = self._state(node, ids)
-            grants = choose_gpus(state, request)
-            self._fits[key] = (None if grants is None
-                               else (self.ranker(state, request, grants), grants))
+            self._fits[key] = self.placer(self._state(node, ids), request)
         return self._fits[key]
 
     def never_fits(self, node: str, request: GpuRequest) -> bool:

@@ -1,7 +1,8 @@
-"""Where a GPU request can go: fit checks and GPU choice on one node, from a snapshot.
+"""Where a GPU request can go: the fit checks on one node, from a snapshot.
 
 Shared by the extender (filter, prioritize, bind), the operator's admission check (admit only
-what some GPU can hold now) and the placement benchmark, so all three agree.
+what some GPU can hold now) and the GPU choice (`gpu_choice`), so they agree. Which GPUs a
+request gets is `gpu_choice.choose_gpus`; which MIG instance of a chosen GPU, `grant_for`.
 """
 
 from __future__ import annotations
@@ -138,16 +139,3 @@ def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
         chosen = fitting[0]
         return GpuGrant(gpu.uuid, chosen.memory_mib, 0, mig_instance=chosen.uuid)
     return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct)
-
-
-def choose_gpus(node: NodeState, request: GpuRequest) -> tuple[GpuGrant, ...] | None:
-    """Grants for `request` on `node`, tightest-fitting GPUs first; None if it does not fit.
-
-    The GPU choice wherever no score is asked for: the operator's what-if timeline, and the
-    extender's bind when the scorer cannot plan the request (MIG instances, a node the
-    scorer's CPU and memory view rejects but the filter's rules accept)."""
-    usable = [f for f in node.free() if gpu_rejection(f, request) is None]
-    if len(usable) < request.count:
-        return None
-    usable.sort(key=lambda f: (f.memory_mib - request.memory_mib, f.cores_pct, f.gpu.index))
-    return tuple(grant_for(f, request) for f in usable[: request.count])

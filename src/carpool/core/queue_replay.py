@@ -7,8 +7,8 @@ time (the trace's), a preempted job resumes where it stopped (it checkpoints in 
 period). The estimates a policy gives waiting jobs are recorded and compared with the starts
 that happened.
 
-Policies, all placing through the same ranker (`queueing.extender_ranker`, the extender's
-score) so that only queueing differs:
+Policies, all placing through the same placer (`queueing.extender_placer`, the extender's
+GPU choice and score) so that only queueing differs:
 
 - `carpool`: the operator's own `queueing.admission_cycle` on a `ClusterSnapshot` built from
   the replay's state: fair share, classes and aging, quotas and borrowing, preemption,
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.eta import (
     LearnKey,
-    NodeRanker,
+    NodePlacer,
     Occupancy,
     Timeline,
     TimelineMemo,
@@ -198,9 +198,9 @@ def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
     return decide
 
 
-def _timeline(state: State, ranker: NodeRanker, planned_end: Callable[[Job], float],
+def _timeline(state: State, placer: NodePlacer, planned_end: Callable[[Job], float],
               memo: TimelineMemo) -> Timeline:
-    timeline = Timeline(state.nodes, state.now, ranker, memo)
+    timeline = Timeline(state.nodes, state.now, placer, memo)
     for job in state.jobs.values():
         if job.holds_gpus and job.grants:
             end = max(planned_end(job), math.nextafter(state.now, math.inf))
@@ -212,11 +212,11 @@ def _waiting(state: State) -> list[Job]:
     return [j for j in state.jobs.values() if j.waiting]
 
 
-def fifo_policy(ranker: NodeRanker) -> Policy:
+def fifo_policy(placer: NodePlacer) -> Policy:
     memo = TimelineMemo()
 
     def decide(state: State) -> Decisions:
-        timeline = _timeline(state, ranker, lambda j: math.inf, memo)
+        timeline = _timeline(state, placer, lambda j: math.inf, memo)
         starts: list[Start] = []
         for job in sorted(_waiting(state), key=lambda j: (j.submitted_at, j.key)):
             slot = timeline.best_now(job.request, 1.0, respect_reservations=False)
@@ -247,7 +247,7 @@ def slurm_priority(job: Job, now: float, usage_share: float, shares: float) -> f
     return 1000.0 * age + 10000.0 * fairshare + 10000.0 * qos
 
 
-def slurm_policy(ranker: NodeRanker, estimate_depth: int = 64, min_remaining_s: float = 60.0
+def slurm_policy(placer: NodePlacer, estimate_depth: int = 64, min_remaining_s: float = 60.0
                  ) -> Policy:
     """EASY backfill on user estimates: the top waiting job that cannot start reserves its
     earliest slot; later jobs start only where they leave that reservation in place. Then
@@ -270,7 +270,7 @@ def slurm_policy(ranker: NodeRanker, estimate_depth: int = 64, min_remaining_s: 
             started = job.started_at if job.started_at is not None else now
             return max(started + job.estimated_duration_s, now + min_remaining_s)
 
-        timeline = _timeline(state, ranker, planned_end, memo)
+        timeline = _timeline(state, placer, planned_end, memo)
         starts: list[Start] = []
         blocked: list[Job] = []
         reserved = False
@@ -289,7 +289,7 @@ def slurm_policy(ranker: NodeRanker, estimate_depth: int = 64, min_remaining_s: 
                                                        found.start + duration, found.grants))
                     reserved = True
         estimates: dict[str, Estimate] = {}
-        plan = _timeline(state, ranker, planned_end, memo)
+        plan = _timeline(state, placer, planned_end, memo)
         for start in starts:
             plan.add(start.node, Occupancy(start.job_key, now,
                                            now + state.jobs[start.job_key].estimated_duration_s,
@@ -306,7 +306,7 @@ def slurm_policy(ranker: NodeRanker, estimate_depth: int = 64, min_remaining_s: 
     return decide
 
 
-def kueue_policy(ranker: NodeRanker) -> Policy:
+def kueue_policy(placer: NodePlacer) -> Policy:
     """Per project a ClusterQueue with its guarantee as nominal quota, all in one cohort:
     workloads within quota first, then those that borrow the cohort's unused quota; within
     each, by class then creation time; one that does not fit is skipped (BestEffortFIFO)."""
@@ -323,7 +323,7 @@ def kueue_policy(ranker: NodeRanker) -> Policy:
                     job.request, reference)
         nominal = {p: (q.guaranteed_gpus if q.guaranteed_gpus is not None else math.inf)
                    for p, q in state.quotas.items()}
-        timeline = _timeline(state, ranker, lambda j: math.inf, memo)
+        timeline = _timeline(state, placer, lambda j: math.inf, memo)
         ordered = sorted(_waiting(state), key=lambda j: (j.job_class, j.submitted_at, j.key))
         starts: list[Start] = []
         for borrowing in (False, True):

@@ -42,7 +42,7 @@ from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
     LearnKey,
-    NodeRanker,
+    NodePlacer,
     Occupancy,
     Slot,
     Timeline,
@@ -62,6 +62,7 @@ from carpool.core.fairshare import (
     nominal_fraction,
     rank_queue,
 )
+from carpool.core.gpu_choice import choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
@@ -87,20 +88,21 @@ from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
 from carpool.core.scoring import RequestScorer, Scorer
 
 
-def extender_ranker(scorer: Scorer | None = None) -> NodeRanker:
-    """Rank nodes with the extender's own score (`scoring.score_node`), so the node the
-    operator admits a job for is the one the extender would pick. Nodes the scorer cannot
-    plan for (it is stricter on CPU and memory) score 0 but stay usable."""
+def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
+    """Place with the extender's own GPU choice and score (`gpu_choice.choose_gpus`), so the
+    GPUs the operator reserves for a job are the ones the extender would pin, on the node it
+    would pick. Nodes the scorer's CPU and memory view rejects score 0 but stay usable."""
     shared = scorer if scorer is not None else Scorer()
 
-    def rank(node: NodeState, request: GpuRequest, grants: tuple[GpuGrant, ...]) -> float:
-        # score_node's score, with the state's derived values kept (the timeline's states)
-        state = DerivedState.of(node)
-        scorer = RequestScorer(request, shared)
-        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
-        return scored[0] if scored is not None else 0.0
+    def place(node: NodeState, request: GpuRequest
+              ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+        state = DerivedState.of(node)  # the timeline's states keep what they derive
+        choice = choose_gpus(state, RequestScorer(request, shared))
+        if choice is None:
+            return None
+        return choice.score, grants_for(state, request, choice.indices)
 
-    return rank
+    return place
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class AdmissionConfig:
     # higher_class_stretch); 0: off, the default: on replayed traces it made them worse
     arrival_window_s: float = 0.0
     duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
-    node_ranker: NodeRanker = field(default_factory=extender_ranker)
+    node_placer: NodePlacer = field(default_factory=extender_placer)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
     timeline_memo: TimelineMemo | None = field(default=None, compare=False)
 
@@ -301,7 +303,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         for name, quota in snapshot.quotas.items()}
     memories = [g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus]
     reference_mib = max(memories, default=DEFAULT_REFERENCE_MEMORY_MIB)
-    timeline = Timeline(nodes, now, config.node_ranker, config.timeline_memo)
+    timeline = Timeline(nodes, now, config.node_placer, config.timeline_memo)
     ledgers = {name: ProjectLedger(q, used_gpu_hours=usage[name].gpu_hours_used, now=now)
                for name, q in snapshot.quotas.items()}
     holders: list[_Holder] = []

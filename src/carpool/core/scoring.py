@@ -538,7 +538,20 @@ class Scorer:
         """`plan` without its memo, for callers that memoise by their own keys."""
         return self._plan(profile, demand) if fits(profile, demand) else None
 
-    def _plan(self, profile: NodeProfile, demand: Demand) -> Plan:
+    def plan_among(self, profile: NodeProfile, demand: Demand,
+                   allowed: Mapping[GpuSlot, int]) -> Plan | None:
+        """`plan` with the GPUs limited to `allowed` (slots of `profile`, and how many GPUs of
+        each may be taken), without checking CPU and memory; None if fewer than the demand's
+        GPUs are allowed. The GPU choice where the filter's rules accept fewer GPUs than the
+        scorer's view (`gpu_choice`); not memoised (it is the rare path)."""
+        if sum(n for n in allowed.values() if n > 0) < demand.gpu_count:
+            return None
+        return self._plan(profile, demand, dict(allowed))
+
+    def _plan(self, profile: NodeProfile, demand: Demand,
+              allowed: dict[GpuSlot, int] | None = None) -> Plan:
+        """The greedy behind `plan` and `plan_among`: `allowed` None = every slot that fits
+        the demand (`slot_fits`), as many of each as the profile has."""
         use_fragmentation = self.policy.fragmentation > 0
         before_f = self.fragmentation(profile) if use_fragmentation else 0.0
         if demand.gpu_count == 0:
@@ -553,7 +566,10 @@ class Scorer:
         stranded_before = (stranded_gpu(profile, self._cpu_per_gpu)
                            if self.policy.balance > 0 else 0.0)
         for _ in range(demand.gpu_count):
-            candidates = sorted({s for s in remaining if slot_fits(s, demand)})
+            if allowed is None:
+                candidates = sorted({s for s in remaining if slot_fits(s, demand)})
+            else:
+                candidates = sorted(s for s, n in allowed.items() if n > 0)
             best_slot: GpuSlot | None = None
             for slot in candidates:
                 after = take(profile, demand, (*chosen, slot))
@@ -567,6 +583,8 @@ class Scorer:
                 raise AssertionError("no GPU fits a demand that fits")
             chosen.append(best_slot)
             remaining.remove(best_slot)
+            if allowed is not None:
+                allowed[best_slot] -= 1
         return Plan(best[0], tuple(chosen), best_after, best_delta)
 
 
@@ -656,18 +674,17 @@ class RequestScorer:
     that keeps them per node state (the extender).
     """
 
-    __slots__ = ("_den", "_plans", "_scorer", "_w_locality", "_w_profile", "_w_temperature",
-                 "dataset", "demand", "exclusive")
+    __slots__ = ("_den", "_plans", "_w_locality", "_w_profile", "_w_temperature", "dataset",
+                 "demand", "exclusive", "request", "scorer")
 
     def __init__(self, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
                  memory_mib: int = 0, dataset: Dataset | None = None) -> None:
-        self._scorer = scorer
+        self.scorer = scorer
+        self.request = request
         self.demand = Demand.from_request(request, cpu_milli=cpu_milli, memory_mib=memory_mib)
         self.dataset = dataset
         self.exclusive = request.isolation is Isolation.EXCLUSIVE  # which `gpus_by_slot`
         policy = scorer.policy
-        # combine() over (profile, temperature, locality), written out: a term of weight 0
-        # adds exactly 0.0, so the sum is the same float as combine's
         self._w_profile = policy.profile_weight
         self._w_temperature = policy.temperature
         self._w_locality = policy.locality
@@ -688,7 +705,7 @@ class RequestScorer:
         if plan is _NOT_PLANNED:
             if len(plans) > MAX_MEMO_ENTRIES:
                 plans.clear()
-            plan = plans[profile] = self._scorer.plan(profile, self.demand)
+            plan = plans[profile] = self.scorer.plan(profile, self.demand)
         if plan is None:
             return None
         slots = plan.slots
@@ -699,8 +716,14 @@ class RequestScorer:
                 raise AssertionError(f"plan slot {slots[0]} has no GPU on node {node.name}")
             _, indices, temperature = gpus[0]
         else:
-            indices, temperature = _gpus_for(node, by_slot, slots)
-        num = self._w_profile * plan.score + self._w_temperature * temperature
+            indices, temperature = gpus_for(node, by_slot, slots)
+        return self.combine(node, plan.score, temperature), indices
+
+    def combine(self, node: NodeState, plan_score: float, temperature: float) -> float:
+        """The node's score from its plan's score and its GPUs' mean temperature term:
+        `combine` over (profile terms, temperature, locality), written out: a term of weight 0
+        adds exactly 0.0, so the sum is the same float as `combine`'s."""
+        num = self._w_profile * plan_score + self._w_temperature * temperature
         if self.dataset is None:
             num += self._w_locality  # the locality term is 1 without a dataset
         else:
@@ -708,10 +731,10 @@ class RequestScorer:
             num += self._w_locality * locality_term(
                 dataset.name in node.inventory.datasets, dataset.size_gib,
                 zone_hops(node.inventory.zone, dataset.zones))
-        return (num / self._den if self._den > 0 else 0.0), indices
+        return num / self._den if self._den > 0 else 0.0
 
 
-def _gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
+def gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
               slots: Sequence[GpuSlot]) -> tuple[tuple[int, ...], float]:
     """Concrete GPU indices for the plan's slots (among equal slots the coolest, then the
     lowest index) and their mean temperature term (1 without GPUs)."""

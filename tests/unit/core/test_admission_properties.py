@@ -33,7 +33,7 @@ from carpool.core.jobs import BudgetPolicy, ClusterSnapshot, Job, ProjectQuota, 
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
 from carpool.core.resources import Gpu, GpuRequest, Isolation, JobClass, NodeInventory, Phase
-from carpool_testbed.builders import GIB, HOUR, packing_score, project_gpu_hours
+from carpool_testbed.builders import GIB, HOUR, packing_placer, project_gpu_hours
 
 EPS = 1e-6
 EPOCH = 1_780_000_000.0  # times as the operator passes them: float steps are ~2.4e-7 s
@@ -102,7 +102,7 @@ def worlds(draw: st.DrawFn, contended: bool = False) -> World:
             min_runtime_s=draw(st.sampled_from([0.0, 600.0]))))
         actual[key] = estimate * draw(st.sampled_from([0.3, 1.0, 1.5]))
     steps = draw(st.lists(st.sampled_from([60.0, 600.0, 1800.0]), min_size=3, max_size=8))
-    config = AdmissionConfig(node_ranker=packing_score,
+    config = AdmissionConfig(node_placer=packing_placer,
                              aging_step_s=draw(st.sampled_from([0.0, 3600.0])),
                              reservation_depth=draw(st.sampled_from([1, 64])))
     return World(nodes, quotas, jobs, actual, steps, config, base)

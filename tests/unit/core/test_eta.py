@@ -29,7 +29,7 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
-from carpool_testbed.builders import GIB, HOUR, gpu_node, packing_score
+from carpool_testbed.builders import GIB, HOUR, gpu_node, packing_placer, packing_score
 
 WHOLE = GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE)
 
@@ -99,7 +99,7 @@ def test_expected_remaining() -> None:
 
 
 def test_earliest_slot_waits_for_the_first_gpu_to_free() -> None:
-    timeline = Timeline({"n1": node("n1"), "n2": node("n2")}, 0.0, packing_score)
+    timeline = Timeline({"n1": node("n1"), "n2": node("n2")}, 0.0, packing_placer)
     timeline.add("n1", Occupancy("x", 0, 500, whole("n1", 0)))
     timeline.add("n1", Occupancy("y", 0, 900, whole("n1", 1)))
     timeline.add("n2", Occupancy("z", 0, 700, whole("n2", 0) + whole("n2", 1)))
@@ -114,7 +114,7 @@ def test_earliest_slot_waits_for_the_first_gpu_to_free() -> None:
 
 
 def test_a_reservation_blocks_overlapping_spans_but_not_earlier_holes() -> None:
-    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_placer)
     timeline.add("n1", Occupancy("big", 1000, 2000, whole("n1", 0)))
     short = timeline.best_now(WHOLE, 900)
     assert short is not None and short.start == 0  # finishes before the reservation
@@ -125,7 +125,7 @@ def test_a_reservation_blocks_overlapping_spans_but_not_earlier_holes() -> None:
 
 
 def test_end_at_shortens_a_job_and_without_ignores_it() -> None:
-    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_placer)
     timeline.add("n1", Occupancy("victim", 0, 5000, whole("n1", 0)))
     assert timeline.best_now(WHOLE, 10) is None
     assert timeline.best_now(WHOLE, 10, without=frozenset({"victim"})) is not None
@@ -135,7 +135,7 @@ def test_end_at_shortens_a_job_and_without_ignores_it() -> None:
 
 
 def test_never_fits_and_unknown_nodes() -> None:
-    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_score)
+    timeline = Timeline({"n1": node("n1", gpus=1)}, 0.0, packing_placer)
     four = GpuRequest(4, 0, isolation=Isolation.EXCLUSIVE)
     assert timeline.never_fits("n1", four) and not timeline.fits_anywhere_ever(four)
     assert timeline.earliest(four, 10, 0.0) is None
@@ -145,9 +145,9 @@ def test_never_fits_and_unknown_nodes() -> None:
 
 def test_packing_score_prefers_the_fuller_node() -> None:
     empty, half = node("a"), node("b").with_grants(whole("b", 0))
-    assert packing_score(half, WHOLE, whole("b", 1)) == 1.0
-    assert packing_score(empty, WHOLE, whole("a", 0)) == 0.5
-    assert packing_score(NodeState(NodeInventory("c", ())), WHOLE, ()) == 0.0
+    assert packing_score(half, whole("b", 1)) == 1.0
+    assert packing_score(empty, whole("a", 0)) == 0.5
+    assert packing_score(NodeState(NodeInventory("c", ())), ()) == 0.0
 
 
 def test_fluid_start_drains_at_cluster_rate() -> None:
@@ -183,7 +183,7 @@ def test_best_now_equals_a_scan_of_every_node(ops: list[tuple[str, int, int, int
     at every node gives, through admissions, future reservations and shortened jobs."""
     now = 1000.0
     nodes = {f"n{i}": node(f"n{i}", gpus=2) for i in range(6)}
-    timeline = Timeline(nodes, now, packing_score)
+    timeline = Timeline(nodes, now, packing_placer)
     keys: list[str] = []
     for op, n, r, offset, length, respect in ops:
         request = SHARED[r]

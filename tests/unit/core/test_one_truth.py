@@ -14,11 +14,11 @@ from carpool.core.jobs import ClusterSnapshot, Job, job_template
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import format_timestamp
-from carpool_testbed.builders import packing_score
+from carpool_testbed.builders import packing_placer
 
 T0 = 1_800_000_000
 IMAGE = "lab/train:1"
-CONFIG = AdmissionConfig(node_ranker=packing_score)
+CONFIG = AdmissionConfig(node_placer=packing_placer)
 
 
 def trace() -> list[TraceJob]:

@@ -22,7 +22,7 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
-from carpool_testbed.builders import packing_score
+from carpool_testbed.builders import packing_placer
 
 GIB = 1024
 EPOCH = 1_780_000_000.0  # a late-2026 wall-clock time, as the operator passes it
@@ -42,7 +42,7 @@ def _borrowed_runner(key: str, gpu: int, now: float) -> Job:
 
 @pytest.mark.parametrize("now", [1000.0, EPOCH])
 def test_raw_capacity_check_sees_what_is_held_at_epoch_times(now: float) -> None:
-    timeline = Timeline({"n1": _node(gpus=1)}, now, packing_score)
+    timeline = Timeline({"n1": _node(gpus=1)}, now, packing_placer)
     whole = GpuRequest(1, 100 * GIB, isolation=Isolation.EXCLUSIVE)
     timeline.add("n1", Occupancy("a/held", now, now + 600,
                                  (GpuGrant("n1-g0", 141 * GIB, 100, exclusive=True),)))
@@ -61,7 +61,7 @@ def test_in_quota_job_preempts_borrowed_mps_jobs_when_every_gpu_is_held(now: flo
                                   borrowing=True),
               "vision": ProjectQuota("vision", frozenset({"vision"}), guaranteed_gpus=2.0)}
     snapshot = ClusterSnapshot(now, (*runners, waiting), quotas, {"n1": _node()})
-    result = admission_cycle(snapshot, AdmissionConfig(node_ranker=packing_score))
+    result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer))
     wait = result.wait_for("vision/w")
     assert wait is not None and wait.reason is WaitReason.PREEMPTING, wait
     assert result.preemptions and all(p.victim_key.startswith("nlp/")

@@ -1,11 +1,11 @@
-"""The shared fit checks and GPU choice (`carpool.core.placement`): what the extender's filter,
-the operator's admission check and scoring's GPU mapping rely on."""
+"""The shared fit checks (`carpool.core.placement`): what the extender's filter, the
+operator's admission check and the GPU choice rely on."""
 
 from __future__ import annotations
 
+from carpool.core.gpu_choice import choose_gpus, grants_for
 from carpool.core.placement import (
     NodeState,
-    choose_gpus,
     gpu_rejection,
     grant_for,
     node_rejection,
@@ -18,6 +18,7 @@ from carpool.core.resources import (
     MigInstance,
     NodeInventory,
 )
+from carpool.core.scoring import RequestScorer, Scorer
 
 
 def gpu(index: int, model: str = "A100", **kwargs: object) -> Gpu:
@@ -57,8 +58,9 @@ def test_rejection_reasons_are_readable() -> None:
 def test_exclusive_needs_untouched_gpus_and_blocks_sharing() -> None:
     exclusive = GpuRequest(count=2, memory_mib=0, isolation=Isolation.EXCLUSIVE)
     state = node(gpu(0), gpu(1), gpu(2), grants=(GpuGrant("GPU-1", 1024, 10),))
-    grants = choose_gpus(state, exclusive)
-    assert grants is not None
+    choice = choose_gpus(state, RequestScorer(exclusive, Scorer()))
+    assert choice is not None
+    grants = grants_for(state, exclusive, choice.indices)
     assert {g.gpu_uuid for g in grants} == {"GPU-0", "GPU-2"}
     assert all(g.exclusive and g.cores_pct == 100 and g.memory_mib == 40_960 for g in grants)
     taken = state.with_grants(grants)
@@ -66,13 +68,6 @@ def test_exclusive_needs_untouched_gpus_and_blocks_sharing() -> None:
     assert reason is None  # GPU-1 is still shared
     reason = node_rejection(taken, GpuRequest(count=2, memory_mib=1024))
     assert reason is not None and "held exclusively" in reason
-
-
-def test_choose_gpus_prefers_the_tightest_fit() -> None:
-    state = node(gpu(0), gpu(1), grants=(GpuGrant("GPU-1", 30_720, 20),))
-    grants = choose_gpus(state, GpuRequest(count=1, memory_mib=8192, cores_pct=10))
-    assert grants == (GpuGrant("GPU-1", 8192, 10),)
-    assert choose_gpus(state, GpuRequest(count=1, memory_mib=50_000)) is None
 
 
 def test_mig_instances_are_handed_out_smallest_first() -> None:

@@ -28,9 +28,9 @@ from carpool.core.resources import (
     JobClass,
     Phase,
 )
-from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
-CONFIG = AdmissionConfig(node_ranker=packing_score)
+CONFIG = AdmissionConfig(node_placer=packing_placer)
 
 node = gpu_node
 job = partial(gpu_job, preemptible=True, estimate=10 * HOUR)
@@ -117,7 +117,7 @@ def test_lost_work_counts_from_the_last_checkpoint() -> None:
 
 
 def _timeline(jobs: list[Job], nodes: list[NodeState], now: float) -> Timeline:
-    timeline = Timeline({n.name: n for n in nodes}, now, packing_score)
+    timeline = Timeline({n.name: n for n in nodes}, now, packing_placer)
     for j in jobs:
         timeline.add(j.node, Occupancy(j.key, now, now + HOUR, j.grants))
     return timeline
@@ -209,7 +209,7 @@ def test_in_quota_job_reclaims_borrowed_capacity() -> None:
 
 def test_a_job_that_waited_long_is_not_thrown_back_by_a_newer_higher_class_job() -> None:
     now = 5 * HOUR
-    step = AdmissionConfig(node_ranker=packing_score).aging_step_s
+    step = AdmissionConfig(node_placer=packing_placer).aging_step_s
     waited = run_on(job("b/old", "b", JobClass.BATCH), [0, 1], now - 60, submitted=0)
     short = job("a/s", "a", JobClass.SHORT, submitted=now)
     assert victim_cause(short, True, waited, now, step) is None
@@ -234,7 +234,7 @@ def test_preemption_waits_out_a_short_remaining_time_when_asked() -> None:
     victim = run_on(replace(job("b/b", "b", JobClass.BATCH), estimated_duration_s=HOUR + 60),
                     [0, 1], now - HOUR)
     short = job("a/s", "a", JobClass.SHORT, submitted=now)
-    patient = AdmissionConfig(node_ranker=packing_score, preempt_after_wait_s=600)
+    patient = AdmissionConfig(node_placer=packing_placer, preempt_after_wait_s=600)
     assert not cycle([victim, short], quotas("a", "b"), now, config=patient).preemptions
     assert cycle([victim, short], quotas("a", "b"), now).preemptions
 
@@ -243,7 +243,7 @@ def test_preemptions_per_cycle_are_capped() -> None:
     now = 5 * HOUR
     victims = [run_on(job(f"b/b{i}", "b", JobClass.BATCH), [i], now - 600) for i in range(2)]
     shorts = [job(f"a/s{i}", "a", JobClass.SHORT, submitted=now + i) for i in range(2)]
-    capped = AdmissionConfig(node_ranker=packing_score, max_preemptions_per_cycle=1)
+    capped = AdmissionConfig(node_placer=packing_placer, max_preemptions_per_cycle=1)
     assert len(cycle(victims + shorts, quotas("a", "b"), now, config=capped).preemptions) == 1
     assert len(cycle(victims + shorts, quotas("a", "b"), now).preemptions) == 2
 

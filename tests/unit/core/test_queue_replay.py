@@ -14,7 +14,7 @@ from carpool.core import queue_replay as qr
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass
 from carpool_testbed.__main__ import main as carpool_testbed
-from carpool_testbed.builders import packing_score
+from carpool_testbed.builders import packing_placer
 
 NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\nn1,64000,262144,2,T4\n"
 
@@ -28,9 +28,9 @@ def job(name: str, arrival: float, run_s: float, estimate_s: float, gpus: int = 
 
 
 def policies() -> dict[str, qr.Policy]:
-    return {"fifo": qr.fifo_policy(packing_score), "slurm": qr.slurm_policy(packing_score),
-            "kueue": qr.kueue_policy(packing_score),
-            "carpool": qr.carpool_policy(AdmissionConfig(node_ranker=packing_score))}
+    return {"fifo": qr.fifo_policy(packing_placer), "slurm": qr.slurm_policy(packing_placer),
+            "kueue": qr.kueue_policy(packing_placer),
+            "carpool": qr.carpool_policy(AdmissionConfig(node_placer=packing_placer))}
 
 
 def starts(outcome: qr.Outcome) -> dict[str, float | None]:

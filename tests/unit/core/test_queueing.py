@@ -14,7 +14,7 @@ from carpool.core.queueing import (
     CycleResult,
     WaitReason,
     admission_cycle,
-    extender_ranker,
+    extender_placer,
 )
 from carpool.core.resources import (
     GpuGrant,
@@ -22,9 +22,9 @@ from carpool.core.resources import (
     JobClass,
     Phase,
 )
-from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
-CONFIG = AdmissionConfig(node_ranker=packing_score)
+CONFIG = AdmissionConfig(node_placer=packing_placer)
 
 node = gpu_node
 job = gpu_job
@@ -177,7 +177,7 @@ def test_project_status_summarises_usage_and_queue() -> None:
 
 def test_deep_queue_gets_coarse_estimates() -> None:
     jobs = [job(f"a/j{i}", submitted=i) for i in range(6)]
-    shallow = AdmissionConfig(node_ranker=packing_score, reservation_depth=1)
+    shallow = AdmissionConfig(node_placer=packing_placer, reservation_depth=1)
     result = cycle(jobs, config=shallow)
     coarse = [w.coarse_estimate for w in result.waits]
     assert coarse == [False, True, True, True]
@@ -186,12 +186,13 @@ def test_deep_queue_gets_coarse_estimates() -> None:
     assert starts == sorted(starts)  # type: ignore[type-var]
 
 
-def test_the_extender_ranker_scores_in_unit_range() -> None:
-    rank = extender_ranker()
+def test_the_extender_placer_scores_in_unit_range() -> None:
+    place = extender_placer()
     request = GpuRequest(1, 10 * GIB)
-    empty = node("n1")
-    score = rank(empty, request, ())
-    assert 0.0 <= score <= 1.0
+    placed = place(node("n1"), request)
+    assert placed is not None
+    score, grants = placed
+    assert 0.0 <= score <= 1.0 and len(grants) == 1
     result = cycle([job("a/j", exclusive=False)], config=AdmissionConfig())
     assert admitted(result) == ["a/j"]
 
@@ -210,7 +211,7 @@ def test_jobs_held_by_limits_do_not_use_up_the_exact_estimates() -> None:
           "b": ProjectQuota("b", frozenset({"b"}))}
     jobs = [run_on(job("a/r"), [0], started=0), job("a/q", submitted=0),
             job("b/c", "b", count=2, submitted=5)]
-    shallow = AdmissionConfig(node_ranker=packing_score, reservation_depth=1)
+    shallow = AdmissionConfig(node_placer=packing_placer, reservation_depth=1)
     result = cycle(jobs, now=60, quota_map=qs, config=shallow)
     quota_wait, capacity_wait = result.wait_for("a/q"), result.wait_for("b/c")
     assert quota_wait is not None and quota_wait.reason is WaitReason.QUOTA

@@ -16,9 +16,9 @@ from carpool.core.resources import (
     JobClass,
     Phase,
 )
-from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_score, project_quota
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer, project_quota
 
-CONFIG = AdmissionConfig(node_ranker=packing_score)
+CONFIG = AdmissionConfig(node_placer=packing_placer)
 
 node = partial(gpu_node, gpus=4)
 job = gpu_job

@@ -1,0 +1,106 @@
+"""Which GPUs of a node a request gets: one rule for the extender's filter, prioritize and
+bind and for the operator's what-if timeline, so the GPUs the operator reserves are the ones
+the extender pins.
+
+The rule: the scorer's plan (`Scorer.plan`: GPUs taken one at a time by the same score as
+nodes) among the GPUs the filter's rules accept (`placement.gpu_rejection`), each planned
+slot given to the coolest, then lowest-numbered, accepted GPU behind it. The scorer sees a
+GPU as a slot (model, idle compute, free memory); the filter also knows MIG instances, MPS
+ceilings and over-booked GPUs, so the two can disagree on a GPU, and the filter's rules win.
+Which MIG instance of a chosen GPU is used is `placement.grant_for`'s (the smallest that fits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from carpool.core.derived import DerivedState
+from carpool.core.placement import NodeState, gpu_rejection, grant_for
+from carpool.core.resources import GpuGrant, GpuRequest
+from carpool.core.scoring import GpusBySlot, RequestScorer, gpus_for, slot_fits
+
+
+class GpuChoice(NamedTuple):
+    """The GPUs a request gets on a node (indices, one per GPU asked for) and the node's score
+    in [0, 1] (0 where the scorer's own view cannot hold the request)."""
+
+    score: float
+    indices: tuple[int, ...]
+
+
+def choose_gpus(node: NodeState, scorer: RequestScorer) -> GpuChoice | None:
+    """The GPUs `scorer`'s request gets on `node`, and the node's score; None where the node
+    cannot take it (`placement.node_rejection` says why).
+
+    Plain definition (`choose_gpus_plainly`): the plan among the accepted GPUs that the
+    scorer's view also fits, or, where those are too few, among every accepted GPU; with the
+    pod's CPU and memory left out of the plan where the node's free CPU and memory cannot hold
+    them (kube-scheduler enforces those: the node stays usable, ranked last with score 0, as
+    it is in the too-few case). Fast path: the scorer's memoised plan over every GPU it sees,
+    kept when the GPUs it maps to are all accepted. Then the plain plan is the same one: each
+    greedy step picks the best candidate slot, and the fast path's pick is among the plain
+    path's candidates, which are a subset of its own (tests/unit/core/test_gpu_choice.py).
+    """
+    state = DerivedState.of(node)
+    request = scorer.request
+    inventory = state.inventory
+    if not inventory.ready or request.isolation not in inventory.sharing:
+        return None
+    try:
+        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
+    except AssertionError:  # a plan slot without a GPU behind it: the plain path decides
+        scored = None
+    if scored is not None:
+        frees = state.frees_by_index
+        score, indices = scored
+        for index in indices:
+            free = frees.get(index)
+            if free is None or gpu_rejection(free, request) is not None:
+                break
+        else:
+            return GpuChoice(score, indices)
+    return choose_gpus_plainly(state, scorer)
+
+
+def choose_gpus_plainly(node: NodeState, scorer: RequestScorer) -> GpuChoice | None:
+    """`choose_gpus` by its definition, without the fast path."""
+    state = DerivedState.of(node)
+    request = scorer.request
+    inventory = state.inventory
+    if not inventory.ready or request.isolation not in inventory.sharing:
+        return None
+    accepted = {f.gpu.index for f in state.frees if gpu_rejection(f, request) is None}
+    if len(accepted) < request.count:
+        return None
+    demand = scorer.demand
+    # every accepted GPU is usable, not held exclusively and (for an exclusive request)
+    # untouched, so it has a slot in the scorer's view
+    among: GpusBySlot = {}
+    for slot, gpus in state.gpus_by_slot(scorer.exclusive).items():
+        kept = tuple(g for g in gpus if g.gpu_index in accepted)
+        if kept:
+            among[slot] = kept
+    fitting = {slot: gpus for slot, gpus in among.items() if slot_fits(slot, demand)}
+    profile = state.profile
+    host_fits = (profile.cpu_free_milli >= demand.cpu_milli
+                 and profile.memory_free_mib >= demand.memory_mib)
+    in_view = sum(len(gpus) for gpus in fitting.values()) >= request.count
+    if in_view:
+        among = fitting
+    if not host_fits:
+        demand = replace(demand, cpu_milli=0, memory_mib=0)
+    plan = scorer.scorer.plan_among(profile, demand,
+                                    {slot: len(gpus) for slot, gpus in among.items()})
+    if plan is None:  # accepted GPUs all have a slot; unreachable
+        raise AssertionError(f"no plan for {request} among {len(accepted)} accepted GPUs")
+    indices, temperature = gpus_for(state, among, plan.slots)
+    score = scorer.combine(state, plan.score, temperature) if in_view and host_fits else 0.0
+    return GpuChoice(score, indices)
+
+
+def grants_for(node: NodeState, request: GpuRequest, indices: tuple[int, ...]
+               ) -> tuple[GpuGrant, ...]:
+    """The grants of `request` on the GPUs `choose_gpus` chose (`placement.grant_for` each)."""
+    frees = DerivedState.of(node).frees_by_index
+    return tuple(grant_for(frees[i], request) for i in indices)
