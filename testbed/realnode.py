@@ -46,6 +46,7 @@ from carpool.core import names
 from carpool_testbed import crds, devcluster
 
 DEFAULT_NODE_NAME: Final = "carpool-real-0"
+DEFAULT_MAX_PODS: Final = 16
 # Pods for the real node tolerate this; everything else (other tests' pods) stays off it.
 REAL_NODE_TAINT: Final = {"key": f"{names.GROUP}/real-node", "value": "true",
                           "effect": "NoSchedule"}
@@ -431,7 +432,8 @@ def cni_config(paths: NodePaths) -> dict[str, Any]:
     }
 
 
-def kubelet_configuration(paths: NodePaths, port: int) -> dict[str, Any]:
+def kubelet_configuration(paths: NodePaths, port: int,
+                          max_pods: int = DEFAULT_MAX_PODS) -> dict[str, Any]:
     """KubeletConfiguration for this sandbox; each departure from the defaults says why."""
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
@@ -454,7 +456,9 @@ def kubelet_configuration(paths: NodePaths, port: int) -> dict[str, Any]:
         "registerNode": True,
         "registerWithTaints": [dict(REAL_NODE_TAINT)],
         "podLogsDir": str(paths.pod_logs),
-        "maxPods": 16,
+        # Small by default (a shared 2-core machine); the chart test's node holds Carpool's six
+        # pods, a rolling update's surge, 20 running jobs and probes at once.
+        "maxPods": max_pods,
         # The shared disk is not ours to police: evict only when it is really full.
         "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
                          "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
@@ -659,6 +663,8 @@ class NodeSettings:
     # True: kube-proxy (iptables mode) routes ClusterIPs for pods on this node; for Carpool's
     # own pods (the Helm chart) in a cluster made with devcluster's pods option.
     kube_proxy: bool = False
+    # The kubelet's maxPods; the scheduler leaves pods Pending ("Too many pods") beyond it.
+    max_pods: int = DEFAULT_MAX_PODS
 
 
 @dataclass
@@ -755,7 +761,8 @@ class RealNode:
         p.kubelet_root.mkdir(parents=True, exist_ok=True)
         p.pod_logs.mkdir(parents=True, exist_ok=True)
         p.kubelet_config.write_text(yaml.safe_dump(
-            kubelet_configuration(p, self.settings.kubelet_port), sort_keys=False))
+            kubelet_configuration(p, self.settings.kubelet_port, self.settings.max_pods),
+            sort_keys=False))
         shutil.copyfile(self.cluster.kubeconfig, p.kubelet_kubeconfig)
 
     def kubelet_command(self) -> list[str]:
@@ -1084,7 +1091,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# {paths.cni_conf_dir}/10-carpool.conflist\n"
                   f"{json.dumps(cni_config(paths), indent=2)}\n")
             print(f"# {paths.kubelet_config}\n" + yaml.safe_dump(
-                kubelet_configuration(paths, settings.kubelet_port), sort_keys=False))
+                kubelet_configuration(paths, settings.kubelet_port, settings.max_pods),
+                sort_keys=False))
             return 0
         cluster_paths = devcluster.ClusterPaths.for_name()
         bin_dir = devcluster.known_bin_dir(cluster_paths)

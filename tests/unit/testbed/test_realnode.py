@@ -117,6 +117,8 @@ def test_kubelet_configuration_matches_the_runtime_and_the_sandbox(tmp_path: Pat
     assert config["address"] == realnode.NODE_IP
     assert config["podLogsDir"] == str(paths.pod_logs)
     assert config["registerWithTaints"] == [realnode.REAL_NODE_TAINT]
+    assert config["maxPods"] == realnode.DEFAULT_MAX_PODS
+    assert realnode.kubelet_configuration(paths, 10250, max_pods=48)["maxPods"] == 48
 
 
 def test_hosts_entry_is_added_once_and_removed_cleanly(tmp_path: Path) -> None:
