@@ -437,6 +437,17 @@ def _job_pods(release: Release, namespace: str) -> dict[str, list[dict[str, Any]
     return by_job
 
 
+def _why_not(release: Release, namespace: str, job: dict[str, Any]) -> str:
+    """A job's status, its pods' and its events, for a failed assertion."""
+    name = job["metadata"]["name"]
+    pods = [{"name": p["metadata"]["name"], "phase": p["status"].get("phase"),
+             "reason": p["status"].get("reason"), "message": p["status"].get("message")}
+            for p in _job_pods(release, namespace).get(name, [])]
+    events = release.kubectl("get", "events", "-n", namespace, "--field-selector",
+                             f"involvedObject.name={name}", check=False).stdout
+    return f"{name}: {json.dumps(job['status'])}\npods: {json.dumps(pods)}\n{events}"
+
+
 def _restarts(pod: dict[str, Any]) -> int:
     return sum(int(s.get("restartCount", 0)) for s in pod["status"].get("containerStatuses", []))
 
@@ -580,7 +591,7 @@ def test_helm_upgrade_under_load_rolls_every_component_and_loses_no_job(
     retried = []
     for job in jobs:
         status, name = job["status"], job["metadata"]["name"]
-        assert status["phase"] == "Succeeded", (name, status)
+        assert status["phase"] == "Succeeded", _why_not(release, namespace, job)
         # One history record and at most one pod per attempt.
         assert len(status.get("history", [])) == status.get("attempts"), (name, status)
         assert 1 <= len(pods.get(name, [])) <= status["attempts"], (name, pods.get(name))
