@@ -22,6 +22,7 @@ from carpool.core.jobs import (
     RunRecord,
     job_template,
 )
+from carpool.core.lifecycle import requeue_not_before
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import epoch_of, epoch_seconds, format_timestamp
@@ -121,6 +122,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         peak_memory_mib=status.get("peakMemoryMiB"),
         template=job_template(str(meta["name"]), _image(spec)),
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
+        not_before=requeue_not_before(history),
     )
 
 

@@ -128,6 +128,9 @@ class Job:
     peak_memory_mib: int | None = None  # per GPU, as the device plugin saw it
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
     first_estimated_start: float | None = None  # the first estimate it was shown
+    # requeued after a failure not by its code: not admitted before this (lifecycle.
+    # requeue_not_before); 0.0: no wait
+    not_before: float = 0.0
 
     def __post_init__(self) -> None:
         if self.key.count("/") != 1 or not all(self.key.split("/")):

@@ -60,8 +60,34 @@ DISRUPTED = "Disrupted"  # the outcome recorded for a disrupted attempt
 MAX_REQUEUES_AFTER_FAILURE = 3
 
 
+# A job requeued that way waits before its next attempt, 10 s after its first such failure,
+# doubling after each (as Kubernetes' Job controller backs off failed pods). A node whose device
+# plugin is being replaced (a rolling update) refuses pods for seconds: without the pause every
+# retry lands in that window and the job fails within a second.
+REQUEUE_BACKOFF_S = 10.0
+
+
 def is_node_rejection(reason: str) -> bool:
     return reason in NODE_REJECTIONS or reason.startswith("OutOf")
+
+
+def _not_by_the_job(outcome: str) -> bool:
+    """A recorded outcome that requeues the job (its code was not at fault)."""
+    return outcome == DISRUPTED or is_node_rejection(outcome)
+
+
+def requeue_not_before(history: Iterable[Mapping[str, Any]]) -> float:
+    """When a job whose latest attempt failed through no fault of its own may be admitted
+    again: that attempt's end plus REQUEUE_BACKOFF_S, doubled for each earlier such failure.
+    0.0 when its latest attempt did not end that way."""
+    records = sorted(history, key=lambda r: int(r.get("attempt") or 0))
+    if not records or not _not_by_the_job(str(records[-1].get("outcome") or "")):
+        return 0.0
+    end = epoch_seconds(records[-1].get("end"))
+    if end is None:
+        return 0.0
+    failures = sum(1 for r in records if _not_by_the_job(str(r.get("outcome") or "")))
+    return end + REQUEUE_BACKOFF_S * 2.0 ** (failures - 1)
 
 
 def failed_not_by_the_job(pod: PodView) -> str:
@@ -242,8 +268,7 @@ def _requeue_failed(phase: Phase, history: list[Obj], pod: PodView, outcome: str
     if pod.started is None:  # the record needs a start; the attempt held GPUs for no time
         pod = dataclasses.replace(pod, started=pod.finished or now)
     history = _record(history, pod, fraction, now, outcome)
-    failures = sum(1 for r in history if (o := str(r.get("outcome") or "")) == DISRUPTED
-                   or is_node_rejection(o))
+    failures = sum(1 for r in history if _not_by_the_job(str(r.get("outcome") or "")))
     if failures > MAX_REQUEUES_AFTER_FAILURE:
         return None
     if phase is Phase.QUEUED:

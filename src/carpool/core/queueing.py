@@ -145,6 +145,7 @@ class WaitReason(enum.Enum):
     CAPACITY = "Capacity"
     BEHIND_HIGHER_RANKED = "BehindHigherRanked"
     PREEMPTING = "Preempting"  # victims were told to stop; waiting for them to leave
+    REQUEUE_BACKOFF = "RequeueBackoff"  # its last pod failed through no fault of its own
 
     @property
     def refused(self) -> bool:
@@ -472,6 +473,13 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             walk.waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
             continue
         position += 1
+        if job.not_before > now:
+            walk.waits.append(Wait(
+                job.key, WaitReason.REQUEUE_BACKOFF,
+                f"its last attempt failed through no fault of its own (a node refused or "
+                f"disrupted its pod); next attempt in {_fmt_time(job.not_before - now)}",
+                position, 0, job.not_before))
+            continue
         if not walk.consider(job, position, borrowers_allowed=False):
             borrowers.append((position, job))
     for position, job in borrowers:

@@ -10,6 +10,7 @@ import pytest
 from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.decoding import gpu_request_from_spec, job_from_object, quota_from_object
+from carpool.core.jobs import ClusterSnapshot, ProjectQuota
 from carpool.core.lifecycle import (
     admission_to_start_s,
     assignment_fraction,
@@ -17,11 +18,15 @@ from carpool.core.lifecycle import (
     history_gpu_hours,
     job_conditions,
     observe,
+    requeue_not_before,
 )
+from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
+from carpool.core.timestamps import epoch_seconds
 from carpool.operator.following import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciler import PassState, Reconciler
+from carpool_testbed.builders import gpu_node
 
 UUID = "GPU-aaaa"
 
@@ -194,6 +199,41 @@ def test_a_pod_the_node_refused_requeues_the_job_once_per_refusal() -> None:
     again = observe(_job({**obs.status, "phase": "Queued"}), [view_pod(_refused(1))],
                     {UUID: 143771}, now=1_800_000_100)
     assert again.phase is Phase.QUEUED and again.status == {} and again.events == ()
+
+
+def test_a_requeued_job_waits_10_s_doubling_before_its_next_attempt() -> None:
+    """A node whose device plugin is being replaced refuses pods for seconds: a job requeued
+    at once would spend its three retries inside that window (they all failed within 2 s
+    during `helm upgrade`). It is admitted again only 10 s after a refusal, 20 s after the
+    second, and says why it waits meanwhile."""
+    refused_at = 1_800_000_000.0
+    obs = observe(_job({"phase": "Admitted", "attempts": 1}), [view_pod(_refused(1))],
+                  {UUID: 143771}, now=refused_at)
+    history = obs.status["history"]
+    end = epoch_seconds(history[0]["end"])
+    assert end is not None and requeue_not_before(history) == end + 10
+
+    def decision(now: float, records: list[dict[str, Any]]) -> CycleResult:
+        job = job_from_object(_job({"phase": "Queued", "attempts": len(records),
+                                    "history": records}), Phase.QUEUED, len(records), (), "",
+                              records)
+        quota = ProjectQuota("vision", frozenset({"team"}))
+        return admission_cycle(ClusterSnapshot(now, (job,), {"vision": quota},
+                                               {"n1": gpu_node("n1")}))
+
+    soon = decision(end + 9, history)
+    assert soon.admissions == ()
+    wait = soon.wait_for("team/train")
+    assert wait is not None and wait.reason is WaitReason.REQUEUE_BACKOFF
+    assert wait.estimated_start == end + 10 and "next attempt in 1s" in wait.message
+    assert [a.attempt for a in decision(end + 10, history).admissions] == [2]
+    second = [*history, {**history[0], "attempt": 2}]
+    assert requeue_not_before(second) == end + 20
+    assert decision(end + 19, second).admissions == ()
+    assert [a.attempt for a in decision(end + 20, second).admissions] == [3]
+    # a run that ended any other way (or one still running) waits for nothing
+    assert requeue_not_before([{**history[0], "outcome": "Succeeded"}]) == 0.0
+    assert requeue_not_before([{**history[0], "end": None, "outcome": None}]) == 0.0
 
 
 def test_a_job_refused_more_than_three_times_fails() -> None:
