@@ -22,8 +22,9 @@ import pytest
 from kubernetes import client
 
 from carpool import workload
-from carpool.core import checkpointing, names
+from carpool.core import checkpointing, lifecycle, names
 from carpool.core.gpuhours import gpu_hours
+from carpool.core.timestamps import epoch_seconds
 from carpool.deviceplugin import reports
 from carpool.deviceplugin.kube import KubernetesCluster, load_config
 from carpool_testbed import devcluster, simnodes
@@ -375,12 +376,17 @@ def test_a_pod_that_fails_through_no_fault_of_the_job_sends_it_back_to_the_queue
         ops = [{"op": "add", "path": "/status/conditions", "value": [*conditions, {
             "type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
             "lastTransitionTime": _rfc3339(time.time())}]}]
+    failed_at = time.time()
     scenario.core.patch_namespaced_pod_status(f"{how}-1", ns, [
         {"op": "replace", "path": "/status/phase", "value": "Failed"},
         {"op": "add", "path": "/status/reason", "value": reason},
         {"op": "add", "path": "/status/message", "value": f"Pod was {how} (test)"}, *ops])
 
     wait_for("attempt 2's pod running", lambda: pod_running(f"{how}-2"), timeout=30)
+    # Not at once: the requeue backoff (10 s after a first failure; the record's end and
+    # creationTimestamp are whole seconds).
+    created = scenario.pod(ns, f"{how}-2")["metadata"]["creationTimestamp"]
+    assert (epoch_seconds(created) or 0) >= failed_at - 2 + lifecycle.REQUEUE_BACKOFF_S, created
     status = scenario.wait_phase(ns, how, {"Running"}, timeout=15)
     assert status["attempts"] == 2, status
     (first, second) = _history(status)
