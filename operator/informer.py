@@ -1,11 +1,11 @@
 """Watch caches: one list+watch per kind (`carpool.kube.watching.Store`), feeding the local
 view the reconcile pass reads.
 
-A pass used to list every GpuJob, pod and node (thousands of objects, most unchanged) and
-kopf ran its per-event machinery for each watch event; here each kind has one thread that
-lists once, then follows a watch and keeps the newest object per key. The pass still
-re-derives everything from a complete view each time (level-triggered), only the view is
-kept current by the watch instead of re-read.
+Each kind has a thread that lists once, then follows a watch and keeps the newest object per
+key (of a pod, only what the pass reads: see `trimmed`). The pass re-derives everything from
+this complete view each time (level-triggered), so a missed event or a restart changes
+nothing; the watch only keeps the view current without reading thousands of unchanged
+objects again. Why these are not kopf's watches: docs/architecture.md.
 
 Read-your-writes: a pass must see what the previous pass wrote (a pod it created, a status
 it patched), or it would decide on a stale view (e.g. take a created pod for a lost one).

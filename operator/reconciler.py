@@ -74,12 +74,13 @@ class ReconcilerConfig:
     wait_refresh_s: float = 60.0
     estimate_jump_s: float = 60.0
     # ... and those refreshes together stay under this many writes per second: every queued
-    # job's position moves whenever a job ahead starts, so a queue of N rewrote N statuses a
-    # minute (921 waiting jobs: up to 15 writes/s, next to ~30 GpuJob status writes/s in
-    # all in a 5,000-job burst); a longer queue is refreshed less often (N / this many s)
+    # job's position moves whenever a job ahead starts, so a queue of N would rewrite N
+    # statuses a minute (921 waiting jobs: up to 15 writes/s, next to ~30 GpuJob status
+    # writes/s in all in a 5,000-job burst); a longer queue is refreshed less often
+    # (N / this many s)
     wait_refresh_per_s: float = 5.0
-    # 0: act on every admission a pass decides (a pass is cheap now that it reads watch
-    # caches; deferring admissions only left capacity idle until the next pass)
+    # 0: act on every admission a pass decides (a pass reads watch caches, so it is cheap;
+    # deferring admissions only leaves capacity idle until the next pass)
     max_admissions_per_pass: int = 0
     # A pass starts no new admission after this many seconds of acting, or three times what
     # reading and deciding took if that is longer (so they stay a quarter of a pass), once a
@@ -88,7 +89,7 @@ class ReconcilerConfig:
     admission_budget_s: float = 10.0
     # ... and, while no such job arrives, after this many seconds at the latest: a burst of
     # thousands of admissions is carried out without stopping to decide again (each stop
-    # left the API server idle for the next pass's read and decide, a fifth of a burst),
+    # leaves the API server idle for the next pass's read and decide, a fifth of a burst),
     # and what finished meanwhile is seen within this long.
     admission_budget_max_s: float = 60.0
 
