@@ -3,10 +3,10 @@
 kopf hosts the operator's lifecycle (startup, cleanup, the liveness probe); the operator
 follows GpuJobs, ProjectQuotas, GpuNodes, Nodes and Carpool's pods with its own watch caches
 (informer.py), whose events only wake the reconcile loop, which (on the leader only)
-re-derives state from the caches and acts. kopf's per-event handler machinery is not used
-for these kinds: at thousands of events per second it cost more CPU than the operator's
-own work. Writes never happen on events, so a non-leader replica, a missed event or a
-restart cannot make two replicas act or leave state half-applied.
+re-derives state from the caches and acts. Its Events and its accounting finalizer are its
+own too (docs/architecture.md says why, with kopf's watches, Event queue and finalizer
+tried and measured). Writes never happen on events, so a non-leader replica, a missed event
+or a restart cannot make two replicas act or leave state half-applied.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ RUNTIME_KEY = "carpool_runtime"
 
 @kopf.on.startup()
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    settings.posting.enabled = False  # we post our own Events, with our own reasons
+    # the operator posts its own Events (kopf's queue is reachable only from handlers of
+    # objects kopf watches); kopf's about its own handling would only add noise
+    settings.posting.enabled = False
     runtime = OperatorRuntime.from_environment(os.environ)
     memo[RUNTIME_KEY] = runtime
     runtime.start()

@@ -126,7 +126,9 @@ class Kube:
               action: str = "Reconcile") -> None:
         """Record a Kubernetes Event on `regarding` in the background (events are best effort
         and must not slow a pass down); failures are logged, never raised. Only a reference
-        to the object waits in the queue, not the object (a burst queues thousands)."""
+        to the object waits in the queue, not the object (a burst queues thousands). Not
+        kopf's Event queue: it is reachable only from handlers of objects kopf watches
+        (docs/architecture.md)."""
         meta = regarding.get("metadata", {})
         reference = {"apiVersion": regarding.get("apiVersion"), "kind": regarding.get("kind"),
                      "name": meta.get("name"), "namespace": meta.get("namespace"),
