@@ -26,6 +26,7 @@ Pure: jobs and nodes in, numbers out.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 import statistics
@@ -381,99 +382,135 @@ class Outcome:
 ARRIVE, LEAVE, END = 0, 1, 2  # at one instant: leaving GPUs before ends, then arrivals
 
 
-def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
-           quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-           learning_rate: float = 0.3,
-           observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
-    """Run the trace through `policy`; every instant with an event is one cycle. `observe`
-    sees each cycle's state and decisions before they are carried out."""
-    trace = {j.key: j for j in jobs}
-    if len(trace) != len(jobs):
-        raise ValueError("trace job keys repeat")
-    state = State(jobs[0].arrival if jobs else 0.0, nodes, quotas, trace)
-    events: list[tuple[float, int, str, int]] = [(j.arrival, ARRIVE, j.key, 0) for j in jobs]
-    heapq.heapify(events)
-    records: dict[str, _Record] = {}
-    done_s: dict[str, float] = {}  # seconds of work done by earlier runs
-    gpu_seconds = 0.0
-    preemptions = cycles = 0
-    hours: dict[str, float] = {}
-    last_end = state.now
-    reference = max((g.memory_total_mib for n in nodes.values() for g in n.inventory.gpus),
-                    default=1)
+class Replay:
+    """One replay in progress: the trace's events, the state a policy decides from, what was
+    recorded. `step` runs one instant (one cycle); `fork` copies the replay as it stands, so
+    a what-if (no more arrivals, say) can run on from here without touching this one."""
 
-    def close_run(job: Job, now: float) -> Job:
-        nonlocal gpu_seconds
+    def __init__(self, jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
+                 quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
+                 learning_rate: float = 0.3,
+                 observe: Callable[[State, Decisions], None] | None = None) -> None:
+        trace = {j.key: j for j in jobs}
+        if len(trace) != len(jobs):
+            raise ValueError("trace job keys repeat")
+        self.jobs = jobs
+        self.nodes = nodes
+        self.quotas = quotas
+        self.policy = policy
+        self.name = name
+        self.learning_rate = learning_rate
+        self.observe = observe
+        self.trace = trace
+        self.state = State(jobs[0].arrival if jobs else 0.0, nodes, quotas, trace)
+        self.events: list[tuple[float, int, str, int]] = [
+            (j.arrival, ARRIVE, j.key, 0) for j in jobs]
+        heapq.heapify(self.events)
+        self.records: dict[str, _Record] = {}
+        self.done_s: dict[str, float] = {}  # seconds of work done by earlier runs
+        self.gpu_seconds = 0.0
+        self.preemptions = self.cycles = 0
+        self.hours: dict[str, float] = {}
+        self.last_end = self.state.now
+        self.reference = max((g.memory_total_mib for n in nodes.values()
+                              for g in n.inventory.gpus), default=1)
+
+    def fork(self, arrivals: bool = True) -> Replay:
+        """A copy that runs on independently; without `arrivals`, no job arrives any more."""
+        other = copy.copy(self)
+        state = self.state
+        other.state = replace(state, jobs=dict(state.jobs), retired=dict(state.retired),
+                              learned=dict(state.learned),
+                              wait_misses=deque(state.wait_misses, maxlen=RECENT_MISSES),
+                              arrivals=deque(state.arrivals))
+        other.events = [e for e in self.events if arrivals or e[1] != ARRIVE]
+        heapq.heapify(other.events)
+        other.records = {k: replace(r, refreshed=list(r.refreshed))
+                         for k, r in self.records.items()}
+        other.done_s = dict(self.done_s)
+        other.hours = dict(self.hours)
+        return other
+
+    def _close_run(self, job: Job, now: float) -> Job:
         run = job.current_run
         if run is None:
             return job
-        gpu_seconds += run.fraction * (now - run.start)
-        hours[job.project] = hours.get(job.project, 0.0) + run.fraction * (now - run.start) / 3600
-        done_s[job.key] = done_s.get(job.key, 0.0) + (now - run.start)
+        held = run.fraction * (now - run.start)
+        self.gpu_seconds += held
+        self.hours[job.project] = self.hours.get(job.project, 0.0) + held / 3600
+        self.done_s[job.key] = self.done_s.get(job.key, 0.0) + (now - run.start)
         runs = tuple(replace(r, end=now) if r.attempt == run.attempt else r for r in job.runs)
         return replace(job, runs=runs)
 
-    while events:
+    def _event(self, now: float, kind: int, key: str, attempt: int) -> None:
+        state, trace = self.state, self.trace
+        if kind == ARRIVE:
+            t = trace[key]
+            state.jobs[key] = Job(key, t.project, t.job_class, t.request, t.arrival,
+                                  t.user_estimate_s, preemptible=t.preemptible,
+                                  checkpoint_grace_s=30.0, template=t.template)
+            self.records[key] = _Record(t.arrival)
+        elif kind == END:
+            job = state.jobs.get(key)
+            if job is None or job.attempts != attempt or job.phase is not Phase.RUNNING:
+                return  # a run that was preempted meanwhile
+            job = replace(self._close_run(job, now), phase=Phase.SUCCEEDED, grants=(), node="")
+            del state.jobs[key]
+            self.last_end = max(self.last_end, now)
+            quota = self.quotas.get(job.project)
+            if quota is not None:
+                state.retired[job.project] = retire_job(
+                    state.retired.get(job.project), job, quota, now, HALF_LIFE_S)
+            fold_finished(state.learned, job, trace[key].runtime_s, self.learning_rate)
+            miss = wait_miss(job)
+            if miss is not None:
+                state.wait_misses.append(miss)
+            state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
+                job, nominal_fraction(job.request, self.reference), state.learned)))
+            while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
+                state.arrivals.popleft()
+        else:  # LEAVE: a preempted job is off its GPUs and queued again
+            job = state.jobs.get(key)
+            if job is None or job.attempts != attempt or not job.terminating:
+                return
+            state.jobs[key] = replace(self._close_run(job, now), grants=(), node="")
+
+    def step(self) -> bool:
+        """Run the next instant with an event (one cycle); False when none is left."""
+        events, state = self.events, self.state
+        if not events:
+            return False
         now = events[0][0]
         state.now = now
         while events and events[0][0] == now:
             _, kind, key, attempt = heapq.heappop(events)
-            if kind == ARRIVE:
-                t = trace[key]
-                state.jobs[key] = Job(key, t.project, t.job_class, t.request, t.arrival,
-                                      t.user_estimate_s, preemptible=t.preemptible,
-                                      checkpoint_grace_s=30.0, template=t.template)
-                records[key] = _Record(t.arrival)
-            elif kind == END:
-                job = state.jobs.get(key)
-                if job is None or job.attempts != attempt or job.phase is not Phase.RUNNING:
-                    continue  # a run that was preempted meanwhile
-                job = replace(close_run(job, now), phase=Phase.SUCCEEDED, grants=(), node="")
-                del state.jobs[key]
-                last_end = max(last_end, now)
-                quota = quotas.get(job.project)
-                if quota is not None:
-                    state.retired[job.project] = retire_job(
-                        state.retired.get(job.project), job, quota, now, HALF_LIFE_S)
-                fold_finished(state.learned, job, trace[key].runtime_s, learning_rate)
-                miss = wait_miss(job)
-                if miss is not None:
-                    state.wait_misses.append(miss)
-                state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
-                    job, nominal_fraction(job.request, reference), state.learned)))
-                while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
-                    state.arrivals.popleft()
-            else:  # LEAVE: a preempted job is off its GPUs and queued again
-                job = state.jobs.get(key)
-                if job is None or job.attempts != attempt or not job.terminating:
-                    continue
-                state.jobs[key] = replace(close_run(job, now), grants=(), node="")
-        decisions = policy(state)
-        if observe is not None:
-            observe(state, decisions)
-        cycles += 1
+            self._event(now, kind, key, attempt)
+        decisions = self.policy(state)
+        if self.observe is not None:
+            self.observe(state, decisions)
+        self.cycles += 1
         for stop in decisions.stops:
             job = state.jobs[stop.job_key]
-            preemptions += 1
+            self.preemptions += 1
             state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
             heapq.heappush(events, (now + max(stop.grace_s, 1.0), LEAVE, job.key, job.attempts))
         for start in decisions.starts:
             job = state.jobs[start.job_key]
-            inventory = nodes[start.node].inventory
+            inventory = self.nodes[start.node].inventory
             fraction = (grants_fraction(start.grants, inventory) if start.grants
-                        else nominal_fraction(job.request, reference))
+                        else nominal_fraction(job.request, self.reference))
             attempt = job.attempts + 1
             state.jobs[job.key] = replace(
                 job, phase=Phase.RUNNING, attempts=attempt, node=start.node,
                 grants=start.grants, borrowed=start.borrowed,
                 runs=(*job.runs, RunRecord(attempt, now, None, fraction, start.node)))
-            record = records[job.key]
+            record = self.records[job.key]
             if record.first_start is None:
                 record.first_start = now
-            remaining = max(1.0, trace[job.key].runtime_s - done_s.get(job.key, 0.0))
+            remaining = max(1.0, self.trace[job.key].runtime_s - self.done_s.get(job.key, 0.0))
             heapq.heappush(events, (now + remaining, END, job.key, attempt))
         for key, estimate in decisions.estimates.items():
-            record = records[key]
+            record = self.records[key]
             if record.first_start is not None:
                 continue  # started before (a preempted job waits again): not its first wait
             if record.arrival_estimate is None and now == record.arrival:
@@ -483,13 +520,30 @@ def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
             elif now - record.last_sample >= REFRESH_SAMPLE_S:
                 record.refreshed.append((now, estimate.start))
                 record.last_sample = now
-    unfinished = [k for k, r in records.items() if r.first_start is None]
-    if unfinished:
-        raise ValueError(f"{len(unfinished)} job(s) never started under {name}, e.g. "
-                         f"{unfinished[0]} (a request no node can hold?)")
-    span = max(0.0, last_end - (jobs[0].arrival if jobs else 0.0))
-    return Outcome(name, records, trace, gpu_seconds, capacity_gpus(nodes), span, preemptions,
-                   hours, cycles)
+        return True
+
+    def outcome(self) -> Outcome:
+        unfinished = [k for k, r in self.records.items() if r.first_start is None]
+        if unfinished:
+            raise ValueError(f"{len(unfinished)} job(s) never started under {self.name}, e.g. "
+                             f"{unfinished[0]} (a request no node can hold?)")
+        first = self.jobs[0].arrival if self.jobs else 0.0
+        span = max(0.0, self.last_end - first)
+        return Outcome(self.name, self.records, self.trace, self.gpu_seconds,
+                       capacity_gpus(self.nodes), span, self.preemptions, self.hours,
+                       self.cycles)
+
+
+def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
+           quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
+           learning_rate: float = 0.3,
+           observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
+    """Run the trace through `policy`; every instant with an event is one cycle. `observe`
+    sees each cycle's state and decisions before they are carried out."""
+    run = Replay(jobs, nodes, quotas, policy, name, learning_rate, observe)
+    while run.step():
+        pass
+    return run.outcome()
 
 
 # ---------------------------------------------------------------- scores
@@ -513,6 +567,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
     jobs whose start fell inside the range shown at arrival.
     """
     relative: list[float] = []
+    by_class: dict[str, list[float]] = {}
     signed: list[float] = []
     short_abs: list[float] = []
     refreshed: list[float] = []
@@ -529,6 +584,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
             if estimate is not None:
                 estimated += 1
                 relative.append(abs(estimate.start - record.first_start) / wait)
+                by_class.setdefault(outcome.trace[key].job_class.label, []).append(relative[-1])
                 signed.append((record.first_start - estimate.start) / wait)
                 if estimate.low is not None and estimate.high is not None:
                     ranged += 1
@@ -547,6 +603,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
         "jobs_waited_60s_with_estimate": estimated,
         "eta_median_abs_rel_error": _median(relative),
         "eta_p90_abs_rel_error": _quantile(relative, 0.9),
+        "eta_median_abs_rel_error_by_class": {c: _median(v) for c, v in sorted(by_class.items())},
         "eta_median_signed_rel_error": _median(signed),  # > 0: jobs started later than said
         "eta_refreshed_median_abs_rel_error": _median(refreshed),
         "eta_refreshed_samples": len(refreshed),

@@ -146,6 +146,26 @@ def test_preempted_batch_job_resumes_where_it_stopped() -> None:
     assert outcome.gpu_seconds == pytest.approx(130 + 50 + 870)
 
 
+def test_fork_runs_on_without_later_arrivals_and_leaves_the_replay_alone() -> None:
+    """One GPU. A runs 0-100; B (batch) arrives at 10 and waits for A; C (interactive,
+    20 s) arrives at 50 and is served first: B starts at 120. In a fork made when B arrived
+    with no arrivals after it, B starts at 100."""
+    nodes = qr.trace_nodes([("n1", 1, "T4")], 1.0)
+    trace = [job("A", 0, 100, 100), job("B", 10, 100, 100),
+             job("C", 50, 20, 20, cls=JobClass.INTERACTIVE)]
+    run = qr.Replay(trace, nodes, qr.open_quotas(trace), policies()["carpool"], "carpool")
+    while run.state.now < 10:
+        assert run.step()
+    fork = run.fork(arrivals=False)
+    while fork.step():
+        pass
+    while run.step():
+        pass
+    assert starts(fork.outcome()) == {"A": 0, "B": 100}
+    assert starts(run.outcome()) == {"A": 0, "B": 120, "C": 100}
+    assert run.records["a/B"].arrival_estimate == fork.records["a/B"].arrival_estimate
+
+
 def test_score_definitions() -> None:
     """Relative error over jobs that waited >= 60 s, absolute below; refreshed separately;
     coverage of the ranges shown at arrival."""
@@ -164,6 +184,7 @@ def test_score_definitions() -> None:
     assert scores["eta_refreshed_samples"] == 1  # the one made 95 s ahead is too close
     assert scores["eta_refreshed_median_abs_rel_error"] == pytest.approx(10 / 80)
     assert scores["wait_p50_s"] == {"batch": 100}
+    assert scores["eta_median_abs_rel_error_by_class"] == {"batch": pytest.approx(0.5)}
 
 
 def test_every_job_must_start() -> None:
