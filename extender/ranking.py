@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from carpool.core.gpu_choice import choose_gpus, grants_for
-from carpool.core.placement import NodeState, node_rejection
+from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
+from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, GpuRequest
 from carpool.core.scoring import (
     CARPOOL,
@@ -76,7 +76,7 @@ class Placement:
     @property
     def per_container(self) -> tuple[tuple[GpuGrant, ...], ...]:
         if self._state is not None and self._request is not None:
-            grants = grants_for(self._state, self._request, self._indices)
+            grants = grants_for(CachedState.of(self._state), self._request, self._indices)
             self._done = (*self._done, grants)
             self._state = self._request = None
         return self._done
@@ -130,15 +130,15 @@ class ShapePlacer:
         for container, scorer in zip(demand.containers, self._scorers, strict=True):
             request = container.request
             choice = choose_gpus(state, scorer)
-            if choice is None:
-                return Misfit(node_rejection(state, request) or "no GPUs fit")
+            if isinstance(choice, NoFit):
+                return Misfit(choice.reason)
+            score, indices = choice
             if len(chosen) + 1 == len(demand.containers):  # grants when asked for (Placement)
-                return Placement(state.name, tuple(chosen),
-                                 (total + choice.score) / (len(chosen) + 1),
-                                 state, request, choice.indices)
-            grants = grants_for(state, request, choice.indices)
+                return Placement(state.name, tuple(chosen), (total + score) / (len(chosen) + 1),
+                                 state, request, indices)
+            grants = grants_for(state, request, indices)
             chosen.append(grants)
-            total += choice.score
+            total += score
             # the next container sees this one's GPUs
             state = CachedState(inventory, state.grants + grants,
                                 state.cpu_used_milli + cpu_milli,
@@ -155,12 +155,10 @@ class ShapePlacer:
                 return Evaluation(state, None, reason=placement.reason, requests=self._requests)
             return Evaluation(state, placement.score, placement=placement)
         # `place` for one container, written out: this runs on every node
-        cached = CachedState.of(state)
-        choice = choose_gpus(cached, self._scorers[0])
-        if choice is not None:
-            return Evaluation(state, choice.score, request, choice.indices)
-        return Evaluation(state, None, reason=node_rejection(cached, request) or "no GPUs fit",
-                          requests=self._requests)
+        choice = choose_gpus(CachedState.of(state), self._scorers[0])
+        if isinstance(choice, NoFit):
+            return Evaluation(state, None, reason=choice.reason, requests=self._requests)
+        return Evaluation(state, choice[0], request, choice[1])
 
 
 def place(state: NodeState, demand: PodDemand, scorer: Scorer) -> Placement | Misfit:

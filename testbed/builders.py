@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from carpool.core.accounting import job_gpu_hours
-from carpool.core.gpu_choice import choose_gpus, grants_for
+from carpool.core.derived import DerivedState
+from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import Job, ProjectQuota
 from carpool.core.placement import NodeState
 from carpool.core.resources import (
@@ -57,10 +58,11 @@ def packing_placer(node: NodeState, request: GpuRequest
     score = (GPU memory granted on the node after placement) / (node's total GPU memory), in
     [0, 1]; a node without GPUs scores 0.
     """
-    choice = choose_gpus(node, RequestScorer(request, _DEFAULT_SCORER))
-    if choice is None:
+    state = DerivedState.of(node)
+    choice = choose_gpus(state, RequestScorer(request, _DEFAULT_SCORER))
+    if isinstance(choice, NoFit):
         return None
-    grants = grants_for(node, request, choice.indices)
+    grants = grants_for(state, request, choice[1])
     return packing_score(node, grants), grants
 
 

@@ -13,8 +13,9 @@ import pytest
 from carpool.core import names
 from carpool.core.accounting import grants_fraction
 from carpool.core.assignment import parse_assignment
+from carpool.core.derived import DerivedState
 from carpool.core.fairshare import nominal_fraction
-from carpool.core.gpu_choice import choose_gpus
+from carpool.core.gpu_choice import NoFit, choose_gpus
 from carpool.core.gpuhours import gpu_fraction, sm_share_pct
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.lifecycle import assignment_fraction
@@ -83,7 +84,8 @@ def test_placement_grants_no_mps_client_more_than_the_ceiling() -> None:
     assert "exclusive" in reason
     assert gpu_rejection(open_.free()[0], big) is None  # nodes without a ceiling: as before
     at_ceiling = dataclasses.replace(big, memory_mib=70 * 1024)
-    assert choose_gpus(fenced, RequestScorer(at_ceiling, Scorer())) is not None
+    assert not isinstance(choose_gpus(DerivedState.of(fenced),
+                                      RequestScorer(at_ceiling, Scorer())), NoFit)
     assert gpu_rejection(fenced.free()[0], GpuRequest(1, 8192, 60, Isolation.MPS)) is not None
     # the ceiling is the MPS daemon's: other isolations on the node are not held to it
     assert gpu_rejection(fenced.free()[0], dataclasses.replace(

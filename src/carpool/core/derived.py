@@ -2,7 +2,8 @@
 
 The core's functions recompute what they need from a plain `NodeState` on every call and
 keep nothing. A caller that asks many questions of one unchanging state opts into
-`DerivedState`: its free GPUs, scoring profile and GPUs per scoring slot are computed on first
+`DerivedState`: its free GPUs, scoring profile, GPUs per scoring slot and the GPUs where the
+slot view is not the fit rules (`scoring.doubtful_gpus`) are computed on first
 use and kept with the state, so they go when the state goes. The extender's watch cache hands
 these out (one per node until the node changes), and the admission cycle's timeline builds
 its what-if states from them; property tests check each value equals the pure function's.
@@ -14,7 +15,8 @@ from functools import cached_property
 from typing import Self
 
 from carpool.core.placement import GpuFree, NodeState
-from carpool.core.scoring import GpusBySlot, NodeProfile, gpus_by_slot, profile_of
+from carpool.core.resources import Isolation
+from carpool.core.scoring import GpusBySlot, NodeProfile, doubtful_gpus, gpus_by_slot, profile_of
 
 
 class DerivedState(NodeState):
@@ -53,3 +55,24 @@ class DerivedState(NodeState):
 
     def gpus_by_slot(self, exclusive: bool) -> GpusBySlot:
         return self.exclusive_gpus if exclusive else self.shared_gpus
+
+    def doubtful_gpus(self, isolation: Isolation) -> frozenset[int]:
+        # (by identity, not a dict keyed by the enum: this is asked for every node a new
+        # demand shape meets, and an Enum hashes in Python)
+        if isolation is Isolation.MPS:
+            return self._doubtful_mps
+        if isolation is Isolation.MIG:
+            return self._doubtful_mig
+        return self._doubtful_other
+
+    @cached_property
+    def _doubtful_mps(self) -> frozenset[int]:
+        return doubtful_gpus(self, Isolation.MPS)
+
+    @cached_property
+    def _doubtful_mig(self) -> frozenset[int]:
+        return doubtful_gpus(self, Isolation.MIG)
+
+    @cached_property
+    def _doubtful_other(self) -> frozenset[int]:  # time-slicing and exclusive use alike
+        return doubtful_gpus(self, Isolation.TIMESLICE)

@@ -16,63 +16,61 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from carpool.core.derived import DerivedState
-from carpool.core.placement import NodeState, gpu_rejection, grant_for
+from carpool.core.placement import accepted_gpus, gpu_rejection, grant_for
 from carpool.core.resources import GpuGrant, GpuRequest
 from carpool.core.scoring import GpusBySlot, RequestScorer, gpus_for, slot_fits
 
-
-class GpuChoice(NamedTuple):
-    """The GPUs a request gets on a node (indices, one per GPU asked for) and the node's score
-    in [0, 1] (0 where the scorer's own view cannot hold the request)."""
-
-    score: float
-    indices: tuple[int, ...]
+# The node's score in [0, 1] (0 where the scorer's own view cannot hold the request) and the
+# GPUs the request gets (indices, one per GPU asked for); a plain tuple, as the scorer
+# answers it (this is made for every node a new demand shape meets).
+GpuChoice = tuple[float, tuple[int, ...]]
 
 
-def choose_gpus(node: NodeState, scorer: RequestScorer) -> GpuChoice | None:
-    """The GPUs `scorer`'s request gets on `node`, and the node's score; None where the node
-    cannot take it (`placement.node_rejection` says why).
+class NoFit(NamedTuple):
+    """The node cannot take the request: `placement.node_rejection`'s reason."""
+
+    reason: str
+
+
+def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit:
+    """The GPUs `scorer`'s request gets on the node, and the node's score; or why the node
+    cannot take it.
 
     Plain definition (`choose_gpus_plainly`): the plan among the accepted GPUs that the
     scorer's view also fits, or, where those are too few, among every accepted GPU; with the
     pod's CPU and memory left out of the plan where the node's free CPU and memory cannot hold
     them (kube-scheduler enforces those: the node stays usable, ranked last with score 0, as
     it is in the too-few case). Fast path: the scorer's memoised plan over every GPU it sees,
-    kept when the GPUs it maps to are all accepted. Then the plain plan is the same one: each
-    greedy step picks the best candidate slot, and the fast path's pick is among the plain
-    path's candidates, which are a subset of its own (tests/unit/core/test_gpu_choice.py).
+    kept when the GPUs it maps to are all accepted (checked only on the state's
+    `doubtful_gpus`: elsewhere a fitting slot is an accepted GPU). Then the plain plan is the
+    same one: each greedy step picks the best candidate slot, and the fast path's pick is
+    among the plain path's candidates, a subset of its own (tests/unit/core/test_gpu_choice.py).
     """
-    state = DerivedState.of(node)
     request = scorer.request
     inventory = state.inventory
-    if not inventory.ready or request.isolation not in inventory.sharing:
-        return None
-    try:
-        scored = scorer.score_with(state, state.profile, state.gpus_by_slot(scorer.exclusive))
-    except AssertionError:  # a plan slot without a GPU behind it: the plain path decides
-        scored = None
-    if scored is not None:
-        frees = state.frees_by_index
-        score, indices = scored
-        for index in indices:
-            free = frees.get(index)
-            if free is None or gpu_rejection(free, request) is not None:
-                break
-        else:
-            return GpuChoice(score, indices)
+    if inventory.ready and request.isolation in inventory.sharing:
+        try:
+            scored = scorer.score_with(state, state.profile,
+                                       state.gpus_by_slot(scorer.exclusive))
+        except AssertionError:  # a plan slot without a GPU behind it: the plain path decides
+            scored = None
+        if scored is not None:
+            doubtful = state.doubtful_gpus(request.isolation)
+            if not doubtful or doubtful.isdisjoint(scored[1]):
+                return scored
+            frees = state.frees_by_index
+            if all(gpu_rejection(frees[i], request) is None for i in scored[1]):
+                return scored
     return choose_gpus_plainly(state, scorer)
 
 
-def choose_gpus_plainly(node: NodeState, scorer: RequestScorer) -> GpuChoice | None:
+def choose_gpus_plainly(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit:
     """`choose_gpus` by its definition, without the fast path."""
-    state = DerivedState.of(node)
     request = scorer.request
-    inventory = state.inventory
-    if not inventory.ready or request.isolation not in inventory.sharing:
-        return None
-    accepted = {f.gpu.index for f in state.frees if gpu_rejection(f, request) is None}
-    if len(accepted) < request.count:
-        return None
+    frees, reason = accepted_gpus(state, request)
+    if reason is not None:
+        return NoFit(reason)
+    accepted = {f.gpu.index for f in frees}
     demand = scorer.demand
     # every accepted GPU is usable, not held exclusively and (for an exclusive request)
     # untouched, so it has a slot in the scorer's view
@@ -96,11 +94,11 @@ def choose_gpus_plainly(node: NodeState, scorer: RequestScorer) -> GpuChoice | N
         raise AssertionError(f"no plan for {request} among {len(accepted)} accepted GPUs")
     indices, temperature = gpus_for(state, among, plan.slots)
     score = scorer.combine(state, plan.score, temperature) if in_view and host_fits else 0.0
-    return GpuChoice(score, indices)
+    return score, indices
 
 
-def grants_for(node: NodeState, request: GpuRequest, indices: tuple[int, ...]
+def grants_for(state: DerivedState, request: GpuRequest, indices: tuple[int, ...]
                ) -> tuple[GpuGrant, ...]:
     """The grants of `request` on the GPUs `choose_gpus` chose (`placement.grant_for` each)."""
-    frees = DerivedState.of(node).frees_by_index
+    frees = state.frees_by_index
     return tuple(grant_for(frees[i], request) for i in indices)

@@ -62,7 +62,7 @@ from carpool.core.fairshare import (
     nominal_fraction,
     rank_queue,
 )
-from carpool.core.gpu_choice import choose_gpus, grants_for
+from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
@@ -98,9 +98,10 @@ def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
               ) -> tuple[float, tuple[GpuGrant, ...]] | None:
         state = DerivedState.of(node)  # the timeline's states keep what they derive
         choice = choose_gpus(state, RequestScorer(request, shared))
-        if choice is None:
+        if isinstance(choice, NoFit):
             return None
-        return choice.score, grants_for(state, request, choice.indices)
+        score, indices = choice
+        return score, grants_for(state, request, indices)
 
     return place
 

@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.core.derived import DerivedState
-from carpool.core.gpu_choice import GpuChoice, choose_gpus, choose_gpus_plainly, grants_for
+from carpool.core.gpu_choice import (
+    NoFit,
+    choose_gpus,
+    choose_gpus_plainly,
+    grants_for,
+)
 from carpool.core.placement import NodeState, gpu_rejection, node_rejection
 from carpool.core.queueing import extender_placer
 from carpool.core.resources import (
@@ -20,7 +25,16 @@ from carpool.core.resources import (
     MigInstance,
     NodeInventory,
 )
-from carpool.core.scoring import BEST_FIT, CARPOOL, RequestScorer, Scorer, ScoringPolicy
+from carpool.core.scoring import (
+    BEST_FIT,
+    CARPOOL,
+    RequestScorer,
+    Scorer,
+    ScoringPolicy,
+    doubtful_gpus,
+    gpus_by_slot,
+    slot_fits,
+)
 from carpool.core.workload import Demand, TargetWorkload
 from carpool.extender.ranking import Misfit, ShapePlacer
 from carpool.extender.wire import ContainerDemand, PodDemand
@@ -92,9 +106,27 @@ def scorer_for(request: GpuRequest, policy: ScoringPolicy, cpu_milli: int) -> Re
 def test_the_fast_path_is_the_plain_definition(case: tuple[NodeState, GpuRequest],
                                                policy: ScoringPolicy, cpu_milli: int) -> None:
     node, request = case
-    fast = choose_gpus(node, scorer_for(request, policy, cpu_milli))
-    plain = choose_gpus_plainly(node, scorer_for(request, policy, cpu_milli))
+    fast = choose_gpus(DerivedState.of(node), scorer_for(request, policy, cpu_milli))
+    plain = choose_gpus_plainly(DerivedState.of(node), scorer_for(request, policy, cpu_milli))
     assert fast == plain  # the score too, exactly: ties between nodes are decided on it
+    assert type(fast) is type(plain)  # NoFit or a plain (score, indices)
+
+
+@settings(max_examples=500, deadline=None)
+@given(cases(), st.integers(0, 32_000))
+def test_a_fitting_slot_is_an_accepted_gpu_but_on_doubtful_gpus(
+        case: tuple[NodeState, GpuRequest], cpu_milli: int) -> None:
+    """What lets the fast path check only `doubtful_gpus`: a GPU the scorer may plan on (its
+    slot fits the demand) is one the fit rules accept, unless it is doubtful."""
+    node, request = case
+    demand = Demand.from_request(request, cpu_milli=cpu_milli)
+    frees = {f.gpu.index: f for f in node.free()}
+    doubtful = doubtful_gpus(node, request.isolation)
+    assert DerivedState.of(node).doubtful_gpus(request.isolation) == doubtful
+    for slot, gpus in gpus_by_slot(node, request.isolation is Isolation.EXCLUSIVE).items():
+        for gpu in gpus:
+            if slot_fits(slot, demand) and gpu.gpu_index not in doubtful:
+                assert gpu_rejection(frees[gpu.gpu_index], request) is None
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,15 +135,19 @@ def test_the_choice_obeys_the_filter(case: tuple[NodeState, GpuRequest], policy:
                                      cpu_milli: int) -> None:
     """A choice exactly where the filter lets the node fit, of distinct accepted GPUs."""
     node, request = case
-    choice = choose_gpus(node, scorer_for(request, policy, cpu_milli))
-    if node_rejection(node, request) is not None:
-        assert choice is None
+    state = DerivedState.of(node)
+    choice = choose_gpus(state, scorer_for(request, policy, cpu_milli))
+    reason = node_rejection(node, request)
+    if reason is not None:
+        assert choice == NoFit(reason)
         return
-    assert choice is not None and 0.0 <= choice.score <= 1.0
-    assert len(choice.indices) == len(set(choice.indices)) == request.count
+    assert not isinstance(choice, NoFit)
+    score, indices = choice
+    assert 0.0 <= score <= 1.0
+    assert len(indices) == len(set(indices)) == request.count
     frees = {f.gpu.index: f for f in node.free()}
-    assert all(gpu_rejection(frees[i], request) is None for i in choice.indices)
-    grants = grants_for(node, request, choice.indices)
+    assert all(gpu_rejection(frees[i], request) is None for i in indices)
+    grants = grants_for(state, request, indices)
     mig = [g.mig_instance for g in grants if g.mig_instance]
     assert len(mig) == len(set(mig)) == (request.count if request.isolation is Isolation.MIG
                                          else 0)
@@ -137,12 +173,14 @@ def test_among_equals_the_tightest_gpu_wins() -> None:
     memory, takes the request."""
     inventory = NodeInventory("n", (Gpu(0, "GPU-0", "A100", 40 * GIB),
                                     Gpu(1, "GPU-1", "A100", 40 * GIB)))
-    state = NodeState(inventory, (GpuGrant("GPU-1", 30 * GIB, 20),))
+    state = DerivedState(inventory, (GpuGrant("GPU-1", 30 * GIB, 20),))
     request = GpuRequest(count=1, memory_mib=8 * GIB, cores_pct=10)
     choice = choose_gpus(state, RequestScorer(request, Scorer()))
-    assert choice is not None and choice.indices == (1,)
-    assert grants_for(state, request, choice.indices) == (GpuGrant("GPU-1", 8 * GIB, 10),)
-    assert choose_gpus(state, RequestScorer(GpuRequest(1, 50 * GIB), Scorer())) is None
+    assert not isinstance(choice, NoFit) and choice[1] == (1,)
+    assert grants_for(state, request, choice[1]) == (GpuGrant("GPU-1", 8 * GIB, 10),)
+    too_big = choose_gpus(state, RequestScorer(GpuRequest(1, 50 * GIB), Scorer()))
+    assert too_big == NoFit("0 of 1 GPUs fit; GPU 0 has 40 GiB free, job needs 50 GiB; "
+                            "GPU 1 has 10 GiB free, job needs 50 GiB")
 
 
 def test_a_gpu_the_filter_refuses_is_not_chosen_though_the_scorer_prefers_it() -> None:
@@ -150,21 +188,21 @@ def test_a_gpu_the_filter_refuses_is_not_chosen_though_the_scorer_prefers_it() -
     the request, the choice is the other GPU, at the score of that plan."""
     fenced = Gpu(0, "GPU-0", "A100", 40 * GIB, mps_ceiling_pct=50)
     inventory = NodeInventory("n", (fenced, Gpu(1, "GPU-1", "A100", 40 * GIB)))
-    state = NodeState(inventory, (GpuGrant("GPU-0", 2 * GIB, 10),))
+    state = DerivedState(inventory, (GpuGrant("GPU-0", 2 * GIB, 10),))
     request = GpuRequest(count=1, memory_mib=24 * GIB, cores_pct=40)
     scorer = RequestScorer(request, Scorer())
-    plan = scorer.scorer.plan(DerivedState.of(state).profile, scorer.demand)
+    plan = scorer.scorer.plan(state.profile, scorer.demand)
     assert plan is not None and plan.slots[0].idle_milli == 900  # the scorer's pick: GPU-0
+    assert state.doubtful_gpus(Isolation.MPS) == {0}
     choice = choose_gpus(state, scorer)
-    assert choice is not None and choice.indices == (1,) and choice.score > 0
+    assert not isinstance(choice, NoFit) and choice[1] == (1,) and choice[0] > 0
 
 
 def test_a_node_short_of_the_pods_cpu_stays_usable_ranked_last() -> None:
     inventory = NodeInventory("n", (Gpu(0, "GPU-0", "A100", 40 * GIB),), cpu_milli=8_000)
-    state = NodeState(inventory, cpu_used_milli=6_000)
+    state = DerivedState(inventory, cpu_used_milli=6_000)
     request = GpuRequest(1, 8 * GIB)
-    assert choose_gpus(state, RequestScorer(request, Scorer(), cpu_milli=4_000)) == GpuChoice(
-        0.0, (0,))
+    assert choose_gpus(state, RequestScorer(request, Scorer(), cpu_milli=4_000)) == (0.0, (0,))
     roomy = choose_gpus(dataclasses.replace(state, cpu_used_milli=0),
                         RequestScorer(request, Scorer(), cpu_milli=4_000))
-    assert roomy is not None and roomy.score > 0
+    assert not isinstance(roomy, NoFit) and roomy[0] > 0

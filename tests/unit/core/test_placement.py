@@ -3,7 +3,8 @@ operator's admission check and the GPU choice rely on."""
 
 from __future__ import annotations
 
-from carpool.core.gpu_choice import choose_gpus, grants_for
+from carpool.core.derived import DerivedState
+from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.placement import (
     NodeState,
     gpu_rejection,
@@ -58,9 +59,10 @@ def test_rejection_reasons_are_readable() -> None:
 def test_exclusive_needs_untouched_gpus_and_blocks_sharing() -> None:
     exclusive = GpuRequest(count=2, memory_mib=0, isolation=Isolation.EXCLUSIVE)
     state = node(gpu(0), gpu(1), gpu(2), grants=(GpuGrant("GPU-1", 1024, 10),))
-    choice = choose_gpus(state, RequestScorer(exclusive, Scorer()))
-    assert choice is not None
-    grants = grants_for(state, exclusive, choice.indices)
+    cached = DerivedState.of(state)
+    choice = choose_gpus(cached, RequestScorer(exclusive, Scorer()))
+    assert not isinstance(choice, NoFit)
+    grants = grants_for(cached, exclusive, choice[1])
     assert {g.gpu_uuid for g in grants} == {"GPU-0", "GPU-2"}
     assert all(g.exclusive and g.cores_pct == 100 and g.memory_mib == 40_960 for g in grants)
     taken = state.with_grants(grants)
