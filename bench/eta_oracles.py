@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.placement import NodeState
-from carpool.core.queueing import AdmissionConfig, extender_ranker
+from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 VARIANTS = ("as-is", "exact", "no-preemption", "exact+no-preemption")
@@ -52,7 +52,7 @@ def run_variant(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
                 fork_every: int) -> tuple[list[Row], int, float]:
     if "exact" in variant:
         jobs = [replace(j, user_estimate_s=j.runtime_s) for j in jobs]
-    config = AdmissionConfig(node_ranker=extender_ranker(),
+    config = AdmissionConfig(node_placer=extender_placer(),
                              max_preemptions_per_cycle=0 if "no-preemption" in variant else 16)
     quotas = queue_replay.open_quotas(jobs)
     run = queue_replay.Replay(jobs, nodes, quotas,
@@ -96,7 +96,7 @@ def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
     same trace, shifted to follow it). That median is about the best any estimate made at
     arrival could say (it knows the arrival process exactly, not the draw)."""
     rng = random.Random(seed)
-    config = AdmissionConfig(node_ranker=extender_ranker())
+    config = AdmissionConfig(node_placer=extender_placer())
     quotas = queue_replay.open_quotas(jobs)
     run = queue_replay.Replay(jobs, nodes, quotas,
                               queue_replay.carpool_policy(config), "futures")
