@@ -40,12 +40,13 @@ lint: dev ## ruff, mypy (strict), import-linter, proto drift
 test-unit: dev ## Unit tests only (no cluster)
 	@$(VENV)/bin/pytest -m "not cluster" tests
 
-test: ## Everything CI runs: lint, unit and integration tests (real API server and kube-scheduler), the real-kubelet node
+test: ## Everything CI runs: lint, unit and integration tests (real API server and kube-scheduler), the real-kubelet node, the chart installed on it
 	@bash hack/timed.sh dev $(MAKE) --no-print-directory dev
 	@bash hack/timed.sh binaries bash hack/build-k8s.sh
 	@bash hack/timed.sh lint $(MAKE) --no-print-directory lint
 	@bash hack/timed.sh tests $(VENV)/bin/pytest tests
 	@bash hack/timed.sh real-node $(VENV)/bin/pytest e2e/test_real_node.py
+	@bash hack/timed.sh chart $(VENV)/bin/pytest e2e/test_chart_install.py
 
 e2e: dev binaries ## Long end-to-end runs (real kubelet node, load and faults)
 	@$(VENV)/bin/pytest e2e
