@@ -157,7 +157,7 @@ class ShapePlacer:
         # `place` for one container, written out: this runs on every node
         choice = choose_gpus(CachedState.of(state), self._scorers[0])
         if isinstance(choice, NoFit):
-            return Evaluation(state, None, reason=choice.reason, requests=self._requests)
+            return Evaluation(state, None, reason=choice, requests=self._requests)
         return Evaluation(state, choice[0], request, choice[1])
 
 
@@ -244,11 +244,11 @@ class Evaluation:
     the score; the `Placement` is made when someone asks (bind, for the node it binds to).
     """
 
-    __slots__ = ("_indices", "_placement", "_request", "_requests", "reason", "score", "state")
+    __slots__ = ("_indices", "_placement", "_request", "_requests", "_why", "score", "state")
 
     def __init__(self, state: NodeState, score: float | None,
                  request: GpuRequest | None = None, indices: tuple[int, ...] = (), *,
-                 placement: Placement | None = None, reason: str = "",
+                 placement: Placement | None = None, reason: str | NoFit = "",
                  requests: tuple[GpuRequest, ...] = ()) -> None:
         """A fit is `score` with either the one container's `request` and GPU `indices`, or
         a whole `placement`; a misfit is score None, the `reason` and the pod's `requests`."""
@@ -257,7 +257,7 @@ class Evaluation:
         self._request = request
         self._indices = indices
         self._placement = placement
-        self.reason = reason  # why it does not fit, when score is None
+        self._why = reason  # why it does not fit, when score is None
         self._requests = requests
 
     @property
@@ -266,6 +266,14 @@ class Evaluation:
             self._placement = Placement(self.state.name, (), self.score, self.state,
                                         self._request, self._indices)
         return self._placement
+
+    @property
+    def reason(self) -> str:
+        """Why the pod does not fit, when score is None (worked out when first asked)."""
+        why = self._why
+        if isinstance(why, NoFit):
+            why = self._why = why.reason
+        return why
 
     @property
     def resolvable(self) -> bool:

@@ -13,10 +13,9 @@ Which MIG instance of a chosen GPU is used is `placement.grant_for`'s (the small
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
 
 from carpool.core.derived import DerivedState
-from carpool.core.placement import accepted_gpus, gpu_rejection, grant_for
+from carpool.core.placement import NodeState, gpu_rejection, gpu_verdicts, grant_for, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest
 from carpool.core.scoring import GpusBySlot, RequestScorer, gpus_for, slot_fits
 
@@ -26,10 +25,31 @@ from carpool.core.scoring import GpusBySlot, RequestScorer, gpus_for, slot_fits
 GpuChoice = tuple[float, tuple[int, ...]]
 
 
-class NoFit(NamedTuple):
-    """The node cannot take the request: `placement.node_rejection`'s reason."""
+class NoFit:
+    """The node cannot take the request. Why (`placement.node_rejection`'s reason) is worked
+    out when asked: the operator never asks, the extender's filter only when it reports why
+    nodes failed."""
 
-    reason: str
+    __slots__ = ("_reason", "_request", "_state")
+
+    def __init__(self, state: NodeState, request: GpuRequest) -> None:
+        self._state = state
+        self._request = request
+        self._reason: str | None = None
+
+    @property
+    def reason(self) -> str:
+        if self._reason is None:
+            self._reason = node_rejection(self._state, self._request) or "no GPUs fit"
+        return self._reason
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NoFit) and self.reason == other.reason
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"NoFit({self.reason!r})"
 
 
 def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit:
@@ -67,10 +87,10 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
 def choose_gpus_plainly(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit:
     """`choose_gpus` by its definition, without the fast path."""
     request = scorer.request
-    frees, reason = accepted_gpus(state, request)
-    if reason is not None:
-        return NoFit(reason)
-    accepted = {f.gpu.index for f in frees}
+    verdicts = gpu_verdicts(state, request)
+    if isinstance(verdicts, str) or verdicts.count(None) < request.count:
+        return NoFit(state, request)
+    accepted = {f.gpu.index for f, v in zip(state.frees, verdicts, strict=True) if v is None}
     demand = scorer.demand
     # every accepted GPU is usable, not held exclusively and (for an exclusive request)
     # untouched, so it has a slot in the scorer's view

@@ -110,28 +110,29 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
 
 def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
     """Why `node` cannot take `request` now, or None; the reason is shown to users."""
-    return accepted_gpus(node, request)[1]
+    verdicts = gpu_verdicts(node, request)
+    if isinstance(verdicts, str):
+        return verdicts
+    usable = verdicts.count(None)
+    if usable >= request.count:
+        return None
+    shown = sorted({r for r in verdicts if r is not None})[:3]
+    return f"{usable} of {request.count} GPUs fit; " + "; ".join(shown)
 
 
-def accepted_gpus(node: NodeState, request: GpuRequest
-                  ) -> tuple[tuple[GpuFree, ...], str | None]:
-    """`node_rejection`'s reason, None where the node can take `request`: on a ready node
-    that offers the isolation, at least `request.count` GPUs that can each take one GPU's
-    worth of it (`gpu_rejection`); those GPUs where it can, () where it cannot."""
+def gpu_verdicts(node: NodeState, request: GpuRequest) -> str | list[str | None]:
+    """Why the node as a whole cannot take `request` (not ready, the isolation not offered, no
+    GPUs), or else each GPU's `gpu_rejection` (None: it can take one GPU's worth), in
+    `node.free()` order."""
     inv = node.inventory
     if not inv.ready:
-        return (), "node is not ready"
+        return "node is not ready"
     if request.isolation not in inv.sharing:
-        return (), f"node does not offer {request.isolation.value} isolation"
+        return f"node does not offer {request.isolation.value} isolation"
     frees = node.free()
     if not frees:
-        return (), "node has no GPUs"
-    reasons = [gpu_rejection(f, request) for f in frees]
-    usable = reasons.count(None)
-    if usable >= request.count:
-        return tuple(f for f, r in zip(frees, reasons, strict=True) if r is None), None
-    shown = sorted({r for r in reasons if r is not None})[:3]
-    return (), f"{usable} of {request.count} GPUs fit; " + "; ".join(shown)
+        return "node has no GPUs"
+    return [gpu_rejection(f, request) for f in frees]
 
 
 def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:

@@ -85,7 +85,7 @@ from carpool.core.quota import (
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
-from carpool.core.scoring import RequestScorer, Scorer
+from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
 
 
 def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
@@ -93,11 +93,19 @@ def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
     GPUs the operator reserves for a job are the ones the extender would pin, on the node it
     would pick. Nodes the scorer's CPU and memory view rejects score 0 but stay usable."""
     shared = scorer if scorer is not None else Scorer()
+    # a timeline asks about the same few requests on every node: their per-request scorers
+    # are kept here, with the placer (cleared past MAX_MEMO_ENTRIES, as the scorer's memo is)
+    scorers: dict[GpuRequest, RequestScorer] = {}
 
     def place(node: NodeState, request: GpuRequest
               ) -> tuple[float, tuple[GpuGrant, ...]] | None:
         state = DerivedState.of(node)  # the timeline's states keep what they derive
-        choice = choose_gpus(state, RequestScorer(request, shared))
+        request_scorer = scorers.get(request)
+        if request_scorer is None:
+            if len(scorers) > MAX_MEMO_ENTRIES:
+                scorers.clear()
+            request_scorer = scorers[request] = RequestScorer(request, shared)
+        choice = choose_gpus(state, request_scorer)
         if isinstance(choice, NoFit):
             return None
         score, indices = choice
