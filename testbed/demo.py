@@ -126,11 +126,13 @@ def _preempted(jobs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 class EstimateLog:
-    """Every estimated start the demo showed, by job, and when each job really started."""
+    """Every estimated start the demo showed, by job, and when each job really started: the
+    first run that began after the estimate was first shown (a preempted job waits again,
+    and its `startTime` is that of its first run, from before the wait)."""
 
     def __init__(self) -> None:
         self.shown: dict[str, list[tuple[float, float]]] = {}  # key -> (seen at, estimate)
-        self.started: dict[str, float] = {}
+        self.starts: dict[str, set[float]] = {}  # key -> starts of its runs
         self.submitted: dict[str, float] = {}
 
     def observe(self, jobs: Sequence[dict[str, Any]], now: float) -> None:
@@ -140,9 +142,11 @@ class EstimateLog:
             submitted = epoch_of(status.get("submitTime"))
             if submitted is not None:
                 self.submitted.setdefault(key, submitted)
-            started = epoch_of(status.get("startTime"))
-            if started is not None:
-                self.started.setdefault(key, started)
+            starts = self.starts.setdefault(key, set())
+            for started in (status.get("startTime"),
+                            *((r or {}).get("start") for r in status.get("history") or [])):
+                if (epoch := epoch_of(started)) is not None:
+                    starts.add(epoch)
             estimate = epoch_of(status.get("estimatedStart"))
             if estimate is None or status.get("phase") not in ("Queued", "Preempted"):
                 continue
@@ -154,8 +158,8 @@ class EstimateLog:
         """One line per job shown an estimate: each estimate beside the actual start."""
         out = []
         for key in sorted(self.shown):
-            started = self.started.get(key)
             seen, first = self.shown[key][0]
+            started = min((s for s in self.starts.get(key, ()) if s >= seen - 1), default=None)
             if started is None:
                 out.append(f"    {key}: shown {_clock(first)}; has not started")
                 continue

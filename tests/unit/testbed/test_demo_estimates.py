@@ -30,6 +30,19 @@ def test_estimates_shown_are_set_beside_the_actual_start() -> None:
     assert log.lines()[1] == "    vision/c: shown 08:05:00; has not started"
 
 
+def test_a_preempted_job_is_measured_by_the_run_after_its_wait() -> None:
+    """Ran from T0 - 60 (borrowed), preempted, shown T0 + 100 at T0, ran again at T0 + 90:
+    its startTime stays at its first run, the history has both."""
+    first = {"attempt": 1, "start": format_timestamp(T0 - 60), "end": format_timestamp(T0 - 5)}
+    log = EstimateLog()
+    log.observe([gpujob("a", "Preempted", startTime=format_timestamp(T0 - 60), history=[first],
+                        estimatedStart=format_timestamp(T0 + 100))], T0)
+    log.observe([gpujob("a", "Running", startTime=format_timestamp(T0 - 60), history=[
+        first, {"attempt": 2, "start": format_timestamp(T0 + 90)}])], T0 + 95)
+    assert log.lines() == ["    vision/a: estimated 08:01:40, started 08:01:30 — early by 10s, "
+                           "11% of the 1m30s wait"]
+
+
 def test_progress_line_counts_phases_and_names_the_next_start() -> None:
     jobs = [gpujob("a", "Running"), gpujob("b", "Queued", estimatedStart=format_timestamp(T0 + 90)),
             gpujob("c", "Queued", estimatedStart=format_timestamp(T0 + 30)),
