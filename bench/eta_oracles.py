@@ -31,8 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from carpool.core import job_traces, queue_replay, simulation
+from carpool.core.eta import expected_duration, expected_remaining
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.core.resources import Phase
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 VARIANTS = ("as-is", "exact", "no-preemption", "exact+no-preemption")
@@ -89,12 +91,39 @@ def run_variant(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
     return rows, run.preemptions, time.process_time() - started
 
 
+def _as_predicted(fork: queue_replay.Replay) -> None:
+    """Give the jobs in `fork` the run times the operator expects of them (learned), not
+    the trace's: running jobs end when expected, waiting ones run as long as expected."""
+    state = fork.state
+    now = state.now
+    trace = dict(fork.trace)
+    ends = []
+    for job in state.jobs.values():
+        expected = expected_duration(job, state.learned)
+        done = fork.done_s.get(job.key, 0.0)
+        if job.phase is Phase.RUNNING:
+            left = expected_remaining(job, now, expected, 60.0)
+            started = job.started_at if job.started_at is not None else now
+            trace[job.key] = replace(trace[job.key], runtime_s=done + (now - started) + left)
+            ends.append((now + max(1.0, left), queue_replay.END, job.key, job.attempts))
+        else:
+            trace[job.key] = replace(trace[job.key], runtime_s=max(done + 1.0, expected))
+    running = {e[2] for e in ends}
+    fork.events = [e for e in fork.events if not (e[1] == queue_replay.END and e[2] in running)]
+    fork.events.extend(ends)
+    heapq.heapify(fork.events)
+    fork.trace = trace
+
+
 def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState], futures: int,
-                fork_every: int, horizon_s: float, seed: int) -> list[tuple[str, float, float]]:
+                fork_every: int, horizon_s: float, seed: int, realistic: bool = False
+                ) -> list[tuple[str, float, float]]:
     """For each (sampled) job given an estimate at arrival: (class, real wait, the median
     start over `futures` forks in which the arrivals after it are another stretch of the
     same trace, shifted to follow it). That median is about the best any estimate made at
-    arrival could say (it knows the arrival process exactly, not the draw)."""
+    arrival could say (it knows the arrival process exactly, not the draw). `realistic`:
+    what a forecaster could do — stretches from the past only (the last day), and the jobs
+    already there run as long as learned, not as long as the trace says."""
     rng = random.Random(seed)
     config = AdmissionConfig(node_placer=extender_placer())
     quotas = queue_replay.open_quotas(jobs)
@@ -110,12 +139,16 @@ def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
                     and record.arrival_estimate is not None and key not in forecasts):
                 continue
             seen += 1
-            if seen % fork_every:
+            if seen % fork_every or (realistic and now - first < 2 * horizon_s):
                 continue
             starts = []
             for k in range(futures):
                 fork = run.fork(arrivals=False)
-                offset = rng.uniform(first, max(first, last - horizon_s))
+                if realistic:
+                    _as_predicted(fork)
+                    offset = rng.uniform(max(first, now - 86400.0), now - horizon_s)
+                else:
+                    offset = rng.uniform(first, max(first, last - horizon_s))
                 extra = [replace(j, key=f"{j.key}~{k}", arrival=now + j.arrival - offset + 1e-3)
                          for j in jobs if offset <= j.arrival < offset + horizon_s]
                 fork.trace = {**fork.trace, **{j.key: j for j in extra}}
@@ -167,6 +200,9 @@ def main() -> int:
     parser.add_argument("--fork-every", type=int, default=1,
                         help="follow every Nth job given an estimate in a fork (1: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--realistic", action="store_true",
+                        help="resampled futures from the last day only, and learned run "
+                             "times for the jobs already there")
     parser.add_argument("--futures", type=int, default=0,
                         help="also: the median start over this many resampled futures per "
                              "job (with --fork-every, e.g. 4), the floor of any estimate")
@@ -188,7 +224,8 @@ def main() -> int:
                **{c: summary([r for r in rows if r.job_class == c]) for c in classes}}
         print(json.dumps(out), flush=True)
     if args.futures:
-        rows_f = run_futures(jobs, nodes, args.futures, args.fork_every, 4 * 3600.0, args.seed)
+        rows_f = run_futures(jobs, nodes, args.futures, args.fork_every, 4 * 3600.0, args.seed,
+                             args.realistic)
         waited = [r for r in rows_f if r[1] >= queue_replay.MIN_WAIT_S]
         by_class: dict[str, object] = {}
         for c in [*sorted({r[0] for r in waited}), "all"]:
@@ -198,7 +235,8 @@ def main() -> int:
                                abs(r[2]) / r[1] for r in mine), 3),
                            "median_signed_error": round(statistics.median(
                                r[2] / r[1] for r in mine), 3)}
-        print(json.dumps({"variant": f"median of {args.futures} resampled futures",
+        print(json.dumps({"variant": f"median of {args.futures} resampled futures"
+                                     + (", realistic" if args.realistic else ""),
                           "seed": args.seed, **by_class}), flush=True)
     return 0
 
