@@ -17,7 +17,7 @@ from dataclasses import replace
 from carpool.core.derived import DerivedState
 from carpool.core.placement import NodeState, gpu_rejection, gpu_verdicts, grant_for, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest
-from carpool.core.scoring import GpusBySlot, RequestScorer, gpus_for, slot_fits
+from carpool.core.scoring import GpusBySlot, PlanNotOnNode, RequestScorer, gpus_for, slot_fits
 
 # The node's score in [0, 1] (0 where the scorer's own view cannot hold the request) and the
 # GPUs the request gets (indices, one per GPU asked for); a plain tuple, as the scorer
@@ -72,7 +72,7 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
         try:
             scored = scorer.score_with(state, state.profile,
                                        state.gpus_by_slot(scorer.exclusive))
-        except AssertionError:  # a plan slot without a GPU behind it: the plain path decides
+        except PlanNotOnNode:
             scored = None
         if scored is not None:
             doubtful = state.doubtful_gpus(request.isolation)

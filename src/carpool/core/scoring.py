@@ -17,7 +17,7 @@ import bisect
 import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from carpool.core.placement import TEMPERATURE_MARGIN_C, NodeState
@@ -605,15 +605,6 @@ class Scorer:
 # --- the extender's entry points ------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NodeScore:
-    """A node's score for one pod and the GPUs it would use (indices on the node)."""
-
-    score: float  # in [0, 1]
-    gpu_indices: tuple[int, ...]
-    plan: Plan = field(repr=False)
-
-
 class SlotGpu(NamedTuple):
     """A usable GPU behind a slot: its index (also as a 1-tuple, the usual answer, made once
     per node state rather than per score) and its temperature term."""
@@ -644,41 +635,20 @@ def gpus_by_slot(node: NodeState, exclusive: bool) -> GpusBySlot:
     return {slot: tuple(gpus) for slot, gpus in by_slot.items()}
 
 
-def score_node(node: NodeState, request: GpuRequest, scorer: Scorer | None = None, *,
-               cpu_milli: int = 0, memory_mib: int = 0,
-               dataset: Dataset | None = None) -> NodeScore | None:
-    """The node's score in [0, 1] for `request` and the GPUs it would use; None if it cannot.
-
-    score = combine(profile terms from `Scorer.plan`, temperature of the chosen GPUs,
-    data locality) with the scorer's policy weights. Callers filter with `node_rejection`
-    first; this only ranks.
-    """
-    scorer = scorer if scorer is not None else Scorer()
-    request_scorer = RequestScorer(request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
-                                   dataset=dataset)
-    profile = profile_of(node)
-    scored = request_scorer.score_with(node, profile,
-                                       gpus_by_slot(node, request_scorer.exclusive))
-    if scored is None:
-        return None
-    plan = scorer.plan(profile, request_scorer.demand)
-    assert plan is not None
-    return NodeScore(scored[0], scored[1], plan)
-
-
-def score_gpus(node: NodeState, request: GpuRequest, scorer: Scorer, *, cpu_milli: int = 0,
-               memory_mib: int = 0, dataset: Dataset | None = None
-               ) -> tuple[float, tuple[int, ...]] | None:
-    """`score_node`'s score and GPU indices without its result object."""
-    return RequestScorer(request, scorer, cpu_milli=cpu_milli, memory_mib=memory_mib,
-                         dataset=dataset).score(node)
+class PlanNotOnNode(Exception):
+    """A planned slot has no GPU behind it in the node's GPUs by slot: the profile (every
+    usable GPU not held exclusively) saw a GPU that the slot map for this request leaves out
+    (for an exclusive request, GPUs that carry any grant). `gpu_choice` then plans among
+    the GPUs the fit rules accept."""
 
 
 _NOT_PLANNED = Plan(0.0, (), NodeProfile(0, 0, 0, ()), 0.0)  # a plans-memo miss
 
 
 class RequestScorer:
-    """`score_gpus` for one request (with the pod's CPU, memory and dataset) under one scorer.
+    """A node's score in [0, 1] and the GPUs it would use, for one request (with the pod's CPU,
+    memory and dataset) under one scorer: combine(profile terms from `Scorer.plan`,
+    temperature of the chosen GPUs, data locality) with the scorer's policy weights.
 
     The extender scores every candidate node for each new demand shape, so what does not
     depend on the node (the scorer's demand, the weights, the dataset) is worked out here
@@ -708,7 +678,7 @@ class RequestScorer:
     def score(self, node: NodeState) -> tuple[float, tuple[int, ...]] | None:
         """The node's score in [0, 1] and the GPU indices, or None if the demand cannot fit.
 
-        Raises AssertionError if the plan's GPUs are not on the node (a scorer bug)."""
+        Raises `PlanNotOnNode` where a planned slot has no GPU behind it on the node."""
         return self.score_with(node, profile_of(node), gpus_by_slot(node, self.exclusive))
 
     def score_with(self, node: NodeState, profile: NodeProfile, by_slot: GpusBySlot
@@ -727,7 +697,7 @@ class RequestScorer:
         if len(slots) == 1:  # the common case, without the bookkeeping of repeated slots
             gpus = by_slot.get(slots[0])
             if not gpus:
-                raise AssertionError(f"plan slot {slots[0]} has no GPU on node {node.name}")
+                raise PlanNotOnNode(f"plan slot {slots[0]} has no GPU on node {node.name}")
             _, indices, temperature = gpus[0]
         else:
             indices, temperature = gpus_for(node, by_slot, slots)
@@ -759,7 +729,7 @@ def gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
         gpus = by_slot.get(slot, ())
         k = taken.get(slot, 0)
         if k >= len(gpus):
-            raise AssertionError(f"plan slot {slot} has no GPU on node {node.name}")
+            raise PlanNotOnNode(f"plan slot {slot} has no GPU on node {node.name}")
         gpu = gpus[k]
         chosen.append(gpu.gpu_index)
         terms.append(gpu.temperature)

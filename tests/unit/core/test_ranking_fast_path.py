@@ -1,9 +1,9 @@
 """The extender's per-node hot path agrees with the general code it shortens.
 
-`RequestScorer.score` is `score_node` with the per-request work hoisted, and
-`ShapePlacer.evaluate` writes `ShapePlacer.place` out for one container: both run on every
-node for every new demand shape, so they are checked here against the general definitions
-on random nodes, requests and policies.
+`RequestScorer.score` is the weighted mean of the score terms with the per-request work
+hoisted, and `ShapePlacer.evaluate` writes `ShapePlacer.place` out for one container: both
+run on every node for every new demand shape, so they are checked here against the general
+definitions on random nodes, requests and policies.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ datasets = st.none() | st.builds(Dataset, st.sampled_from(["imagenet", "laion"])
 
 def reference_score(node: NodeState, request: GpuRequest, scorer: Scorer, cpu_milli: int,
                     dataset: Dataset | None) -> float | None:
-    """score_node's definition: combine(profile terms, chosen GPUs' temperature, locality)."""
+    """The score's definition: combine(profile terms, chosen GPUs' temperature, locality)."""
     plan = scorer.plan(profile_of(node), Demand.from_request(request, cpu_milli=cpu_milli))
     if plan is None:
         return None

@@ -17,6 +17,7 @@ from carpool.core.scoring import (
     Dataset,
     GpuSlot,
     NodeProfile,
+    RequestScorer,
     Scorer,
     ScoringPolicy,
     Strategy,
@@ -31,7 +32,6 @@ from carpool.core.scoring import (
     packing_term,
     profile_of,
     scarcity_term,
-    score_node,
     stranded_gpu,
     temperature_term,
     zone_hops,
@@ -276,14 +276,20 @@ def node_state(name: str, *gpus: Gpu, grants: tuple[GpuGrant, ...] = (),
                                    zone=zone, datasets=datasets), grants)
 
 
+def score_node(node: NodeState, request: GpuRequest, dataset: Dataset | None = None
+               ) -> tuple[float, tuple[int, ...]] | None:
+    """The node's score and GPU indices under the default scorer."""
+    return RequestScorer(request, Scorer(), dataset=dataset).score(node)
+
+
 def test_score_node_prefers_cooler_node_and_cooler_gpu() -> None:
     request = GpuRequest(count=1, memory_mib=8192, cores_pct=25)
     cool = score_node(node_state("a", gpu(0, 70), gpu(1, 35)), request)
     hot = score_node(node_state("b", gpu(0, 70), gpu(1, 75)), request)
     assert cool is not None and hot is not None
-    assert cool.gpu_indices == (1,)
-    assert cool.score > hot.score
-    assert 0.0 <= hot.score <= 1.0
+    assert cool[1] == (1,)
+    assert cool[0] > hot[0]
+    assert 0.0 <= hot[0] <= 1.0
 
 
 def test_score_node_prefers_cached_dataset() -> None:
@@ -294,7 +300,7 @@ def test_score_node_prefers_cached_dataset() -> None:
     near = score_node(node_state("b", gpu(0), zone="zone-b"), request, dataset=dataset)
     far = score_node(node_state("c", gpu(0), zone="other"), request, dataset=dataset)
     assert cached is not None and near is not None and far is not None
-    assert cached.score > near.score > far.score
+    assert cached[0] > near[0] > far[0]
 
 
 def test_score_node_skips_full_gpus_and_maps_distinct_indices() -> None:
@@ -302,7 +308,7 @@ def test_score_node_skips_full_gpus_and_maps_distinct_indices() -> None:
     state = node_state("a", gpu(0), gpu(1), gpu(2), grants=(held,))
     scored = score_node(state, GpuRequest(count=2, memory_mib=0, isolation=Isolation.EXCLUSIVE))
     assert scored is not None
-    assert sorted(scored.gpu_indices) == [1, 2]
+    assert sorted(scored[1]) == [1, 2]
     assert score_node(state, GpuRequest(count=3, memory_mib=0,
                                         isolation=Isolation.EXCLUSIVE)) is None
 
