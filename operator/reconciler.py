@@ -172,6 +172,14 @@ class _Queued:
     task: cf.Future[None] | None = None
 
 
+@dataclass
+class _Told:
+    """The Events recorded on one job that a stale read could derive again."""
+
+    derived: set[tuple[str, str]] = field(default_factory=set)  # (reason, note)
+    waiting: str | None = None  # the wait reason recorded since the job's last other Event
+
+
 class CacheBehind(RuntimeError):
     """The watch caches have not caught up with our own writes: no pass on a stale view."""
 
@@ -199,6 +207,8 @@ class Reconciler:
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._decoded: dict[str, _Decoded] = {}  # see read
+        self._told: dict[str, _Told] = {}  # job uid -> the Events recorded on it (_announce)
+        self._told_lock = threading.Lock()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -265,7 +275,7 @@ class Reconciler:
             if obs.live_pod is not None:
                 self._observe_hardware(state, obs.live_pod, status, patch)
             for type_, reason, note in obs.events:
-                self.kube.event(obj, reason, note, type_)
+                self._announce(obj, reason, note, type_, derived=True)
             merged = {**status, **patch}
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
@@ -284,7 +294,7 @@ class Reconciler:
                 if not obs.phase.finished:
                     patch.update(self._initial_status(obj), phase=Phase.FAILED.value,
                                  reason="InvalidSpec", message=str(err))
-                    self.kube.event(obj, "InvalidSpec", str(err), "Warning")
+                    self._announce(obj, "InvalidSpec", str(err), "Warning", derived=True)
                 state.patches[key] = patch
                 continue
             if settled and not meta.get("deletionTimestamp"):
@@ -308,6 +318,9 @@ class Reconciler:
             elif not obs.phase.finished:
                 state.initial[key] = self._initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
+        uids = {str(obj["metadata"].get("uid", "")) for obj in state.objects.values()}
+        with self._told_lock:
+            self._told = {u: t for u, t in self._told.items() if u in uids}
         self._start_delay = admission_to_start_s(
             obj.get("status") or {} for obj in state.objects.values())
         return state
@@ -585,8 +598,8 @@ class Reconciler:
         patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
                      reason=f"Preempted{preemption.cause.value}",
                      message=preemption.message)
-        self.kube.event(obj, "Preempted", preemption.message, "Warning", "Preempt")
-        self.kube.event(state.objects[preemption.preemptor_key], "Preempting",
+        self._announce(obj, "Preempted", preemption.message, "Warning", "Preempt")
+        self._announce(state.objects[preemption.preemptor_key], "Preempting",
                         f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
         self._flush_one(state, victim.key)  # record intent before the pod goes
@@ -605,7 +618,7 @@ class Reconciler:
             phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
             completionTime=format_time(now), history=history,
             gpuHours=round(history_gpu_hours(history, now), 6))
-        self.kube.event(obj, "MaxDurationExceeded", note, "Warning", "Stop")
+        self._announce(obj, "MaxDurationExceeded", note, "Warning", "Stop")
         self._flush_one(state, job.key)
         self.kube.delete_pod(job.namespace, _pod_name_of(job),
                              max(0, math.ceil(expiry.grace_s)))
@@ -650,8 +663,8 @@ class Reconciler:
         state.patches.setdefault(wait.job_key, {}).update(
             state.initial.pop(wait.job_key, {}), **changed)
         if status.get("reason") != wait.reason.value:
-            self.kube.event(obj, wait.reason.value, wait.message,
-                            "Warning" if wait.reason.refused else "Normal", "Queue")
+            self._announce(obj, wait.reason.value, wait.message,
+                           "Warning" if wait.reason.refused else "Normal", "Queue", wait=True)
 
     def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
         obj = state.objects[job.key]
@@ -669,7 +682,7 @@ class Reconciler:
                 state.initial.pop(job.key, {}),
                 phase=Phase.FAILED.value, reason="PodRejected", message=message,
                 completionTime=format_time(now))
-            self.kube.event(obj, "PodRejected", message, "Warning", "Admit")
+            self._announce(obj, "PodRejected", message, "Warning", "Admit")
             return
         inventory = state.inventories.get(admission.node)
         resume = checkpointing.resume_point(obj.get("status") or {})
@@ -684,10 +697,28 @@ class Reconciler:
                      preemptingAttempt=None,
                      resumedProgress=(resume or ("", 0.0))[1])
         if created:
-            self.kube.event(obj, "Admitted", admission.message, "Normal", "Admit")
+            self._announce(obj, "Admitted", admission.message, "Normal", "Admit")
             cls = job.job_class.label
             metrics.ADMISSIONS.labels(job.project, cls).inc()
             metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
+
+    def _announce(self, obj: Obj, reason: str, note: str, type_: str = "Normal",
+                  action: str = "Reconcile", derived: bool = False, wait: bool = False) -> None:
+        """Record an Event on a job, once per change: a job's status write can still be on
+        its way when the next pass reads the job, and that pass derives the same change again.
+        A change `derived` from the job's pods (Started, Requeued, ...: its note names the
+        attempt) is recorded once; a `wait` reason once until the job's next other Event
+        (its numbers move every pass); a decision carried out (Admitted, Preempted, ...)
+        each time."""
+        uid = str(obj["metadata"].get("uid", ""))
+        with self._told_lock:
+            told = self._told.setdefault(uid, _Told())
+            if (derived and (reason, note) in told.derived) or (wait and told.waiting == reason):
+                return
+            if derived:
+                told.derived.add((reason, note))
+            told.waiting = reason if wait else None
+        self.kube.event(obj, reason, note, type_, action)
 
     def _flush_one(self, state: PassState, key: str, background: bool = False) -> None:
         patch = state.patches.pop(key, None)

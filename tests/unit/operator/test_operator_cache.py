@@ -465,3 +465,58 @@ def test_a_pass_stops_admitting_when_it_loses_its_lease() -> None:
     reconciler.run_pass(1_800_000_000.0, still_leader=lambda: leading[0])
     reconciler.settle()
     assert len(kube.pods) == 2  # well inside its budget, yet no admission after the lease
+
+
+class TellingKube(FakeKube):
+    """Records each Event as (job, reason)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[tuple[str, str]] = []
+
+    def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
+              action: str = "Reconcile") -> None:
+        self.told.append((regarding["metadata"]["name"], reason))
+
+
+def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> None:
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    kube = TellingKube()
+    cluster = _cluster(1)
+    started = _job("a", "20", status={"phase": "Admitted", "attempts": 1, "node": "n1",
+                                      "submitTime": "2026-11-29T10:00:00Z"})
+    big = _job("b", "21")
+    lost = _job("c", "22", status={"phase": "Running", "attempts": 1, "node": "n1",
+                                   "submitTime": "2026-11-29T10:00:00Z"})
+    for job in (big, lost):
+        job["spec"]["gpu"]["count"] = 2  # more GPUs than the node has: it waits
+    cluster[GPUJOBS] = [started, big, lost]
+    cluster[PODS] = [{  # a's pod runs; c's is gone
+        "metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "23",
+                     "annotations": {names.ANN_JOB: "team/a", names.ANN_ASSIGNMENT: json.dumps(
+                         {"node": "n1", "gpus": [{"uuid": "GPU-0", "index": 0,
+                                                  "memoryMiB": 20480, "cores": 50}]})}},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "startTime": "2026-11-29T10:01:00Z",
+                   "containerStatuses": [{"state": {"running": {
+                       "startedAt": "2026-11-29T10:01:00Z"}}}]}}]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    release = threading.Event()
+    busy = ThreadPoolExecutor(max_workers=1)
+    busy.submit(release.wait)  # the status lane is stuck: the watch keeps showing the old status
+    reconciler._status_pool = busy
+    try:
+        for second in range(3):
+            for informer in reconciler.informers.by_kind.values():
+                informer.version = kube.version  # caught up, the objects left as they were
+            reconciler.run_pass(1_800_000_000.0 + second, catch_up_s=0.05)
+    finally:
+        release.set()
+    reconciler.settle()
+    told = sorted(kube.told)
+    assert ("a", "Started") in told and ("c", "Requeued") in told
+    assert {job for job, _ in told} == {"a", "b", "c"}  # b and c: their wait reasons
+    assert len(told) == len(set(told)) == 4, told  # each once, though derived three times
