@@ -19,16 +19,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
 
 from carpool.core import names
 from carpool_testbed import devcluster, realnode, stack
+from carpool_testbed.waiting import wait_for
 
 E2E_CLUSTER = "carpool-e2e"
 E2E_EXTENDER_PORT = "18090"
@@ -36,20 +37,6 @@ os.environ.setdefault("CARPOOL_CLUSTER", E2E_CLUSTER)
 os.environ.setdefault(devcluster.EXTENDER_PORT_ENV, E2E_EXTENDER_PORT)
 
 TIMINGS = realnode.Timings(stream=sys.stderr)
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0,
-             interval: float = 0.5) -> T:
-    """Polls `probe` until it returns something truthy; fails naming `what` and the last value."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 # --------------------------------------------------------------------------------------------

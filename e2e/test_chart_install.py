@@ -15,6 +15,7 @@ The tests run in file order and build on each other (install, job, upgrade, unin
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -24,18 +25,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 
 from carpool.core import names
 from carpool.core.timestamps import epoch_seconds
-from carpool_testbed import devcluster, realnode
+from carpool_testbed import devcluster, realnode, waiting
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = "carpool-e2e-chart"
@@ -46,19 +47,8 @@ EXTENDER_IP = "10.0.0.155"
 # Carpool's 6 pods, a rolling update's surge, 20 running load jobs and the probes.
 MAX_PODS = 64
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float,
-             interval: float = 1.0) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+# kubectl polls once a second here: the upgrade is measured while they run
+wait_for = functools.partial(waiting.wait_for, interval=1.0)
 
 
 @dataclass
