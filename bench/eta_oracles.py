@@ -170,10 +170,12 @@ def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
     return out
 
 
-def summary(rows: Sequence[Row]) -> dict[str, object]:
-    def med(values: list[float]) -> float | None:
-        return round(statistics.median(values), 3) if values else None
+def med(values: Sequence[float]) -> float | None:
+    """The median to 3 places; None (null) where no job qualified."""
+    return round(statistics.median(values), 3) if values else None
 
+
+def summary(rows: Sequence[Row]) -> dict[str, object]:
     forked = [r for r in rows if r.alone_error is not None]
     return {
         "jobs": len(rows),
@@ -231,10 +233,8 @@ def main() -> int:
         for c in [*sorted({r[0] for r in waited}), "all"]:
             mine = [r for r in waited if c in ("all", r[0])]
             by_class[c] = {"jobs": len(mine),
-                           "median_abs_error": round(statistics.median(
-                               abs(r[2]) / r[1] for r in mine), 3),
-                           "median_signed_error": round(statistics.median(
-                               r[2] / r[1] for r in mine), 3)}
+                           "median_abs_error": med([abs(r[2]) / r[1] for r in mine]),
+                           "median_signed_error": med([r[2] / r[1] for r in mine])}
         print(json.dumps({"variant": f"median of {args.futures} resampled futures"
                                      + (", realistic" if args.realistic else ""),
                           "seed": args.seed, **by_class}), flush=True)
