@@ -1,1 +1,2 @@
-"""The command-line tool: the kubectl plugin `kubectl-carpool`."""
+"""The command-line tools: the kubectl plugin `kubectl-carpool` and `carpool` (offline
+replays, no cluster)."""

@@ -1,11 +1,9 @@
 """The queue replay: traces read and annotated, four policies on small traces checked by hand,
-the scores, and the `carpool-testbed simulate queue` command."""
+and the scores (the command, `carpool simulate queue`: tests/unit/cli/test_simulate_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +11,6 @@ from carpool.core import job_traces as traces
 from carpool.core import queue_replay as qr
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass
-from carpool_testbed.__main__ import main as carpool_testbed
 from carpool_testbed.builders import packing_placer
 
 NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\nn1,64000,262144,2,T4\n"
@@ -192,35 +189,6 @@ def test_every_job_must_start() -> None:
     trace = [job("huge", 0, 10, 10, gpus=4)]
     with pytest.raises(ValueError, match="never started under fifo"):
         qr.replay(trace, nodes, qr.open_quotas(trace), policies()["fifo"], "fifo")
-
-
-def test_cli_prints_one_json_object_per_policy(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    nodes = tmp_path / "nodes.csv"
-    nodes.write_text(NODES_CSV)
-    pods = tmp_path / "pods.csv"
-    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
-                    "creation_time,deletion_time,scheduled_time\n"
-                    + "".join(f"p-{i},1000,1024,1,1000,,BE,Succeeded,{i * 10},"
-                              f"{i * 10 + 300},{i * 10}\n" for i in range(8)))
-    assert carpool_testbed(["simulate", "queue", "--nodes", str(nodes), "--pods", str(pods),
-                         "--scale", "1", "--jobs", "1", "-o", "json"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    objects = [json.loads(line) for line in lines]
-    assert [o["policy"] for o in objects] == list(qr.POLICIES)
-    for o in objects:
-        for key in ("eta_median_abs_rel_error", "eta_p90_abs_rel_error",
-                    "eta_interval_coverage", "wait_p50_s", "wait_p99_s", "gpu_utilization",
-                    "preemptions", "gpu_hours_by_project"):
-            assert key in o
-        assert sum(o["gpu_hours_by_project"].values()) == pytest.approx(8 * 300 / 3600,
-                                                                         abs=1e-2)
-    assert carpool_testbed(["simulate", "queue", "--nodes", str(nodes), "--pods",
-                         str(tmp_path / "none.csv")]) == 2
-    assert "no such file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        carpool_testbed(["simulate", "queue", "--scale", "2"])
-    assert "must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_generated_arrivals_can_be_spaced_to_an_offered_load() -> None:

@@ -39,6 +39,7 @@ def test_the_wheel_holds_the_product_and_no_test_bed_module(wheel: Path) -> None
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "kubectl-carpool" in scripts and "carpool-testbed" not in scripts
+    assert "carpool = carpool.cli.main:main" in scripts
 
 
 def test_the_installed_wheel_imports_every_component(wheel: Path, tmp_path: Path) -> None:
@@ -55,3 +56,16 @@ def test_the_installed_wheel_imports_every_component(wheel: Path, tmp_path: Path
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
                             text=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
+    # `carpool simulate queue` from the wheel alone, on files the user names
+    (tmp_path / "nodes.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,8000,65536,1,T4\n")
+    (tmp_path / "pods.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,"
+        "deletion_time,scheduled_time\np-0,1000,1024,1,1000,,BE,Succeeded,0,60,0\n")
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from carpool.cli.main import main; sys.exit(main())",
+         "simulate", "queue", "--trace", "pods.csv", "--nodes", "nodes.csv", "--scale", "1",
+         "--jobs", "1", "--policy", "carpool", "-o", "json"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert '"policy": "carpool"' in result.stdout

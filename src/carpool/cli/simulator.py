@@ -1,0 +1,317 @@
+"""`carpool simulate queue`: the queue replay (`carpool.core.queue_replay`) as a command.
+
+It reads the trace and node list the user names, fans the policies out to worker processes
+and formats the numbers; the replay, the policies and the scores live in the core. It needs
+no cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from carpool.core import job_traces, queue_replay, simulation
+from carpool.core.placement import NodeState
+from carpool.core.queueing import AdmissionConfig, extender_placer
+
+Scores = dict[str, object]
+T = TypeVar("T")
+
+DESCRIPTION = """\
+Replay a job trace on a simulated clock through FIFO, Slurm-like (multifactor priority, EASY
+backfill on user estimates), Kueue-like (BestEffortFIFO per project, cohort borrowing) and
+Carpool queueing (the operator's own admission cycle), all placing through the extender's GPU
+choice, and score waits per class, GPU utilization, preemptions, GPU-hours per project and
+the error of estimated starts.
+
+The trace is in the openb pod columns: creation_time, scheduled_time and deletion_time give
+arrivals and run times; num_gpu, gpu_milli and gpu_spec the GPU shape. The node list is in the
+openb node columns. Projects, classes and user estimates come from a seeded generator.
+"""
+
+
+class InputError(Exception):
+    """Bad input to show the user as one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class QueueRun:
+    """One policy's replay inputs (file contents, so a worker process needs no files)."""
+
+    nodes_csv: str
+    trace_csv: str
+    scale: float
+    seed: int
+    projects: int
+    policy: str
+    limit: int | None
+    quotas: str = "open"
+    arrival_window_s: float = 0.0
+
+
+def queue_policy(name: str, arrival_window_s: float = 0.0) -> queue_replay.Policy:
+    placer = extender_placer()
+    if name == "carpool":
+        return queue_replay.carpool_policy(AdmissionConfig(
+            node_placer=placer, arrival_window_s=arrival_window_s))
+    if name == "fifo":
+        return queue_replay.fifo_policy(placer)
+    if name == "slurm":
+        return queue_replay.slurm_policy(placer)
+    return queue_replay.kueue_policy(placer)
+
+
+def replay_queue(run: QueueRun) -> tuple[Scores, float]:
+    """One policy's scores and the CPU seconds its replay took."""
+    rows = job_traces.parse_trace(run.trace_csv).rows
+    if run.limit:
+        rows = rows[:run.limit]
+    jobs = job_traces.annotate(rows, run.seed, run.projects)
+    nodes = scaled_nodes(run.nodes_csv, run.scale)
+    quotas = (queue_replay.share_quotas(jobs, nodes) if run.quotas == "shares"
+              else queue_replay.open_quotas(jobs))
+    started = time.process_time()
+    policy = queue_policy(run.policy, run.arrival_window_s)
+    outcome = queue_replay.replay(jobs, nodes, quotas, policy, run.policy)
+    return queue_replay.score(outcome), time.process_time() - started
+
+
+def scaled_nodes(nodes_csv: str, scale: float) -> dict[str, NodeState]:
+    return queue_replay.trace_nodes(((n.name, n.gpus, n.model)
+                                     for n in simulation.parse_nodes_csv(nodes_csv)), scale)
+
+
+def replay_policies(runs: Sequence[QueueRun], jobs: int,
+                    finished: Callable[[QueueRun, float], None]) -> list[tuple[Scores, float]]:
+    """Every run's scores in input order; `jobs` worker processes (1: in this process).
+    `finished` hears of each run as it ends (in the order they end)."""
+    if jobs <= 1 or len(runs) <= 1:
+        results = []
+        for run in runs:
+            results.append(replay_queue(run))
+            finished(run, results[-1][1])
+        return results
+    with ProcessPoolExecutor(max_workers=min(jobs, len(runs))) as pool:
+        futures: dict[Future[tuple[Scores, float]], QueueRun] = {
+            pool.submit(replay_queue, run): run for run in runs}
+        try:
+            for future in as_completed(futures):
+                finished(futures[future], future.result()[1])
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return [future.result() for future in futures]
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_queue_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in queue_replay.POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {', '.join(unknown) or text!r}; choose from "
+            f"{', '.join(queue_replay.POLICIES)}")
+    return names
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
+    return value
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def add_queue_parser(kinds: Any, trace: Path | None = None,
+                     nodes: Path | None = None) -> argparse.ArgumentParser:
+    """The `queue` sub-command under `kinds` (an argparse sub-parsers object). `trace` and
+    `nodes`: default files, else the user must name them."""
+    queue: argparse.ArgumentParser = kinds.add_parser(
+        "queue", help="replay a job trace through FIFO, Slurm-like, Kueue-like and Carpool "
+                      "queueing; waits, utilization and estimated-start errors",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    queue.add_argument("--trace", "--pods", dest="trace", type=Path, required=trace is None,
+                       default=trace, metavar="CSV",
+                       help="pod trace in the openb columns (name, cpu_milli, memory_mib, "
+                            "num_gpu, gpu_milli, gpu_spec, qos, creation_time, deletion_time, "
+                            "scheduled_time)" + (f" (default: {trace})" if trace else ""))
+    queue.add_argument("--nodes", type=Path, required=nodes is None, default=nodes,
+                       metavar="CSV",
+                       help="node list in the openb columns (sn, cpu_milli, memory_mib, gpu, "
+                            "model)" + (f" (default: {nodes})" if nodes else ""))
+    queue.add_argument("--scale", type=fraction, default=0.008,
+                       help="keep this share of each GPU model's nodes, so queues form (0.008: "
+                            "63 of openb's 6,212 GPUs)")
+    queue.add_argument("--generate", type=positive, metavar="JOBS",
+                       help="replay a generated trace of JOBS jobs (shapes drawn from --trace) "
+                            "instead of --trace itself")
+    queue.add_argument("--interarrival", type=_positive_seconds, default=300.0,
+                       help="mean seconds between generated arrivals (300)")
+    queue.add_argument("--load", type=fraction, metavar="SHARE",
+                       help="space generated arrivals so their work keeps this share of the "
+                            "(scaled) cluster's GPUs busy on average; overrides --interarrival")
+    queue.add_argument("--write-trace", type=Path,
+                       help="also write the replayed trace (openb columns) here")
+    queue.add_argument("--limit", type=positive, help="replay only the first N jobs")
+    queue.add_argument("--seed", type=int, default=0, help="generator seed (0)")
+    queue.add_argument("--projects", type=positive, default=4, help="projects (4)")
+    queue.add_argument("--quotas", choices=("open", "shares"), default="open",
+                       help="open: no guarantees, equal weights (default); shares: each "
+                            "project guaranteed its share of the trace's GPU-hours, borrowing "
+                            "on (Carpool: only preemptible jobs borrow)")
+    queue.add_argument("--policy", type=parse_queue_policies,
+                       default=list(queue_replay.POLICIES),
+                       help=f"comma-separated, from {', '.join(queue_replay.POLICIES)} (all)")
+    queue.add_argument("--jobs", type=positive, default=min(2, os.cpu_count() or 1),
+                       help="worker processes (2)")
+    queue.add_argument("--arrival-window", type=_seconds, default=0.0, metavar="SECONDS",
+                       help="Carpool: stretch estimates by higher-class arrivals over this "
+                            "window (0: off, the operator's default)")
+    queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
+                       help="table (default) or one JSON object per policy, one a line")
+    queue.set_defaults(run=run_queue, prog=queue.prog)
+    return queue
+
+
+def register(commands: Any) -> None:
+    """Add `simulate queue` to a command's sub-commands."""
+    simulate = commands.add_parser("simulate", help="offline replays of job traces",
+                                   description="Offline replays of job traces; no cluster.")
+    kinds = simulate.add_subparsers(dest="kind", required=True)
+    add_queue_parser(kinds)
+
+
+def _read(path: Path) -> str:
+    if not path.exists():
+        raise InputError(f"no such file: {path}")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read {path}: {error}") from None
+
+
+def _parse(path: Path, parse: Callable[[str], T], text: str) -> T:
+    try:
+        return parse(text)
+    except ValueError as error:
+        raise InputError(f"{path}: {error}") from None
+
+
+def run_queue(args: argparse.Namespace) -> int:
+    prog: str = getattr(args, "prog", "carpool simulate queue")
+    try:
+        nodes_csv = _read(args.nodes)
+        trace_csv = _read(args.trace)
+        nodes = _parse(args.nodes, lambda t: scaled_nodes(t, args.scale), nodes_csv)
+        parsed = _parse(args.trace, job_traces.parse_trace, trace_csv)
+        if args.generate:
+            busy = args.load * queue_replay.capacity_gpus(nodes) if args.load else None
+            trace_csv = job_traces.generate(parsed.rows, args.generate, args.seed,
+                                            args.interarrival, busy_gpus=busy)
+            parsed = job_traces.parse_trace(trace_csv)
+        if args.write_trace:
+            try:
+                args.write_trace.write_text(trace_csv)
+            except OSError as error:
+                raise InputError(f"cannot write {args.write_trace}: {error}") from None
+        runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
+                         args.limit, args.quotas, args.arrival_window)
+                for policy in args.policy]
+        started = time.perf_counter()
+        done = 0
+
+        def finished(run: QueueRun, cpu: float) -> None:
+            nonlocal done
+            done += 1
+            print(f"{prog}: {run.policy} replayed ({done} of {len(runs)}, {cpu:.1f} CPU s)",
+                  file=sys.stderr, flush=True)
+
+        results = replay_policies(runs, args.jobs, finished)
+    except (InputError, ValueError) as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - started
+    scores = [dict(s, cpu_seconds=round(cpu, 2)) for s, cpu in results]
+    if args.output == "json":
+        for item in scores:
+            print(json.dumps(item, sort_keys=True))
+        return 0
+    source = f"{args.generate} generated jobs" if args.generate else args.trace.name
+    print(f"{source}: {len(parsed.rows)} GPU jobs ({parsed.unscheduled} never scheduled and "
+          f"{parsed.cpu_only} CPU-only skipped), scale {args.scale}, seed {args.seed}, "
+          f"{elapsed:.1f} s")
+    print(format_queue_table(scores))
+    return 0
+
+
+def _pct(value: object) -> str:
+    return f"{100 * value:.0f}%" if isinstance(value, float) else "-"
+
+
+def _secs(value: object) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value / 3600:.1f}h" if value >= 3600 else f"{value:.0f}s"
+
+
+def format_queue_table(scores: Sequence[dict[str, Any]]) -> str:
+    """One line per policy: ETA errors and coverage, waits per class, utilization."""
+    header = (f"{'POLICY':<8} {'ETA ERR':>7} {'P90':>6} {'REFRESH':>7} {'IN 80%':>6} "
+              f"{'WAITED':>6} {'INTER P99':>9} {'SHORT P99':>9} {'BATCH P50':>9} "
+              f"{'UTIL':>5} {'PREEMPT':>7} {'CPU S':>6}")
+    lines = [header]
+    for s in scores:
+        p50, p99 = s["wait_p50_s"], s["wait_p99_s"]
+        lines.append(
+            f"{s['policy']:<8} {_pct(s['eta_median_abs_rel_error']):>7} "
+            f"{_pct(s['eta_p90_abs_rel_error']):>6} "
+            f"{_pct(s['eta_refreshed_median_abs_rel_error']):>7} "
+            f"{_pct(s['eta_interval_coverage']):>6} {s['jobs_waited_60s']:>6} "
+            f"{_secs(p99.get('interactive')):>9} {_secs(p99.get('short')):>9} "
+            f"{_secs(p50.get('batch')):>9} {_pct(s['gpu_utilization']):>5} "
+            f"{s['preemptions']:>7} {s['cpu_seconds']:>6.1f}")
+    return "\n".join(lines)
