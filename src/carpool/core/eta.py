@@ -39,7 +39,10 @@ MIN_TEMPLATE_SAMPLES = 1  # finished runs of a template before its own history i
 
 def update_duration_estimate(previous: DurationEstimate | None, actual_s: float,
                              estimated_s: float, alpha: float) -> DurationEstimate:
-    """Fold one finished run in: new = alpha * observation + (1 - alpha) * old.
+    """Fold one finished run in: new = w * observation + (1 - w) * old, w = max(alpha,
+    1 / runs so far). The first 1/alpha runs thus weigh equally (a plain mean): with a fixed
+    weight the estimate of a template that never changes stays as noisy as its last few runs.
+    After that the newest run weighs alpha, so the estimate follows a template that drifts.
 
     Two predictors are learned side by side, in log space (run times are skewed): the
     template's typical run time (`log_seconds`), and its typical actual/estimated ratio
@@ -54,6 +57,7 @@ def update_duration_estimate(previous: DurationEstimate | None, actual_s: float,
     log_actual, log_ratio = math.log(actual_s), math.log(max(ratio, 1e-9))
     if previous is None:
         return DurationEstimate(actual_s, ratio, 1, log_actual, log_ratio)
+    alpha = max(alpha, 1.0 / (previous.samples + 1))
     miss_seconds = log_actual - previous.log_seconds
     miss_ratio = log_ratio - previous.log_ratio
     first_error = previous.samples == 1
@@ -98,7 +102,7 @@ def fold_finished(learned: dict[LearnKey, DurationEstimate], job: Job, actual_s:
                                                 job.estimated_duration_s, alpha)
 
 
-def learn_durations(jobs: Iterable[Job], alpha: float = 0.3,
+def learn_durations(jobs: Iterable[Job], alpha: float = 0.1,
                     base: Mapping[LearnKey, DurationEstimate] | None = None
                     ) -> dict[LearnKey, DurationEstimate]:
     """Per (project, class) and (project, template) estimates from succeeded jobs' last runs,

@@ -389,7 +389,7 @@ class Replay:
 
     def __init__(self, jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
                  quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-                 learning_rate: float = 0.3,
+                 learning_rate: float = 0.1,
                  observe: Callable[[State, Decisions], None] | None = None) -> None:
         trace = {j.key: j for j in jobs}
         if len(trace) != len(jobs):
@@ -536,7 +536,7 @@ class Replay:
 
 def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
            quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-           learning_rate: float = 0.3,
+           learning_rate: float = 0.1,
            observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
     """Run the trace through `policy`; every instant with an event is one cycle. `observe`
     sees each cycle's state and decisions before they are carried out."""

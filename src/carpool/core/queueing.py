@@ -128,7 +128,9 @@ class AdmissionConfig:
     # higher-class arrivals over this window stretch lower classes' estimates (eta.
     # higher_class_stretch); 0: off, the default: on replayed traces it made them worse
     arrival_window_s: float = 0.0
-    duration_learning_rate: float = 0.3  # weight of the newest finished run in learned durations
+    # weight of the newest finished run in learned durations, once a group has 1/rate runs
+    # (before that, runs are averaged: eta.update_duration_estimate)
+    duration_learning_rate: float = 0.1
     node_placer: NodePlacer = field(default_factory=extender_placer)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
     timeline_memo: TimelineMemo | None = field(default=None, compare=False)

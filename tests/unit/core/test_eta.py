@@ -46,6 +46,22 @@ def finished(key: str, estimate: float, actual: float, end: float, project: str 
                runs=(RunRecord(1, end - actual, end, 1.0),))
 
 
+def test_first_runs_are_averaged_then_the_newest_weighs_alpha() -> None:
+    # a template that never changes: its first 1/alpha runs weigh equally, so one long run
+    # among them moves the estimate by 1/n of its log, not by alpha of it
+    runs = [100.0, 400.0, 100.0, 400.0]
+    learned = None
+    for seconds in runs:
+        learned = update_duration_estimate(learned, seconds, seconds, 0.1)
+    assert learned is not None
+    assert math.exp(learned.log_seconds) == pytest.approx(200.0)  # geometric mean of all four
+    for _ in range(6):  # ten runs so far: from now on the newest weighs 0.1
+        learned = update_duration_estimate(learned, 200.0, 200.0, 0.1)
+    before = learned.log_seconds
+    learned = update_duration_estimate(learned, 2000.0, 2000.0, 0.1)
+    assert learned.log_seconds == pytest.approx(0.9 * before + 0.1 * math.log(2000.0))
+
+
 def test_ewma_update() -> None:
     first = update_duration_estimate(None, 100, 50, 0.5)
     assert (first.seconds, first.ratio, first.samples) == (100, 2.0, 1)
