@@ -10,6 +10,11 @@ per class, over jobs that waited at least 60 s:
 - `no preemption`: the admission cycle preempts nothing;
 - both.
 
+First, run-time prediction on its own: for every job, in the order the jobs end, the run time
+the operator's learning (`eta.fold_finished`, `eta.expected_duration`) predicts from the runs
+that ended before it, against the user's estimate and against hindsight (its template's median
+run time over the whole trace, which no predictor can know): median |ln(actual / predicted)|.
+
 For every variant, each job given an estimate when it arrived is also followed in a fork of
 the replay in which nothing arrives after it ("no later arrivals"): its start there, against
 the same estimate, is the error the estimate makes about the queue as it stood; the gap
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import random
 import statistics
 import time
@@ -31,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from carpool.core import job_traces, queue_replay, simulation
-from carpool.core.eta import expected_duration, expected_remaining
+from carpool.core.eta import LearnKey, expected_duration, expected_remaining, fold_finished
+from carpool.core.jobs import DurationEstimate, Job
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool.core.resources import Phase
@@ -175,6 +182,27 @@ def med(values: Sequence[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
+def runtime_prediction(jobs: Sequence[job_traces.TraceJob], alpha: float) -> dict[str, object]:
+    """Median |ln(actual / predicted)| of each run-time predictor over the trace's jobs."""
+    by_template: dict[str, list[float]] = {}
+    for t in jobs:
+        by_template.setdefault(t.template, []).append(t.runtime_s)
+    hindsight = {k: statistics.median(v) for k, v in by_template.items()}
+    learned: dict[LearnKey, DurationEstimate] = {}
+    errors: dict[str, list[float]] = {"learned": [], "user estimate": [], "hindsight": []}
+    for t in sorted(jobs, key=lambda j: (j.arrival + j.runtime_s, j.key)):
+        job = Job(t.key, t.project, t.job_class, t.request, t.arrival, t.user_estimate_s,
+                  template=t.template)
+        for name, predicted in (("learned", expected_duration(job, learned)),
+                                ("user estimate", t.user_estimate_s),
+                                ("hindsight", hindsight[t.template])):
+            errors[name].append(abs(math.log(t.runtime_s / predicted)))
+        fold_finished(learned, job, t.runtime_s, alpha)
+    return {"jobs": len(jobs), "learning_rate": alpha,
+            **{f"{name}_median_abs_log_error": round(statistics.median(v), 3)
+               for name, v in errors.items()}}
+
+
 def summary(rows: Sequence[Row]) -> dict[str, object]:
     forked = [r for r in rows if r.alone_error is not None]
     return {
@@ -218,6 +246,8 @@ def main() -> int:
     text = job_traces.generate(shapes, args.generate, args.seed, args.interarrival,
                                busy_gpus=busy)
     jobs = job_traces.annotate(job_traces.parse_trace(text).rows, args.seed)
+    print(json.dumps({"run-time prediction": runtime_prediction(
+        jobs, AdmissionConfig().duration_learning_rate)}), flush=True)
     for variant in [v for v in args.variants.split(",") if v]:
         rows, preemptions, cpu = run_variant(jobs, nodes, variant, args.fork_every)
         classes = sorted({r.job_class for r in rows})
