@@ -323,13 +323,18 @@ class _BestNow:
     heap: list[tuple[float, int, str, int, tuple[GpuGrant, ...]]]
 
 
+# a slot being compared: (start, victims, -score, node, grants, victims' keys)
+_Candidate = tuple[float, int, float, str, tuple[GpuGrant, ...], tuple[str, ...]]
+
+
 @dataclass(frozen=True)
 class Slot:
-    """Where and when a job can run."""
+    """Where and when a job can run; `displaces`: running jobs it preempts to get there."""
 
     start: float
     node: str
     grants: tuple[GpuGrant, ...]
+    displaces: tuple[str, ...] = ()
 
 
 class TimelineMemo:
@@ -610,11 +615,19 @@ class Timeline:
             heapq.heappop(heap)
         return None
 
-    def earliest(self, request: GpuRequest, duration_s: float, not_before: float) -> Slot | None:
+    def earliest(self, request: GpuRequest, duration_s: float, not_before: float,
+                 yielding: Mapping[str, float] | None = None) -> Slot | None:
         """The earliest slot at or after `not_before` for the whole duration; None if no node
-        could ever hold the request. Ties go to the better-ranked node, then the name."""
-        best: tuple[float, float, str, tuple[GpuGrant, ...]] | None = None
+        could ever hold the request. Ties go to the better-ranked node, then the name.
+
+        `yielding`: running jobs the waiting job may preempt once it is allowed to start, in
+        the order victims are taken, each with how long it keeps its GPUs once told to stop.
+        The admission cycle preempts as soon as the job fits with its victims gone, so a
+        slot that needs them starts that long after, not when they would have ended.
+        """
+        best: _Candidate | None = None
         rid = self._request_id(request)
+        order = {key: i for i, key in enumerate(yielding)} if yielding else {}
         for name in self._hosts[rid]:
             times = sorted({not_before} | {o.end for o in self._occupancies[name]
                                            if o.end > not_before})
@@ -622,13 +635,45 @@ class Timeline:
                 if best is not None and t > best[0]:
                     break
                 fit = self._fit(name, request, rid, t, t + duration_s)
-                if fit is None:
-                    continue
-                candidate = (t, -fit[0], name, fit[1])
-                if best is None or candidate[:3] < best[:3]:
-                    best = candidate
+                if fit is not None:
+                    candidate = (t, 0, -fit[0], name, fit[1], ())
+                    if best is None or candidate[:4] < best[:4]:
+                        best = candidate
+                    break
+                if yielding:  # keeps looking: a fit without preempting may come first
+                    found = self._displacing(name, request, rid, t, duration_s, yielding, order)
+                    if found is not None and (best is None or found[:4] < best[:4]):
+                        best = found
+        return Slot(best[0], best[3], best[4], best[5]) if best else None
+
+    def _displacing(self, node: str, request: GpuRequest, rid: int, t: float, duration_s: float,
+                    yielding: Mapping[str, float], order: Mapping[str, int]
+                    ) -> _Candidate | None:
+        """The slot on `node` if the job preempts at `t`: victims taken in order until it fits
+        (as `preemption.plan_preemption` takes them), then those it does not need put back."""
+        running = sorted({o.job_key for o in self._occupancies[node]
+                          if o.job_key in order and o.start <= t < o.end}, key=order.__getitem__)
+
+        def fit(gone: list[str]) -> tuple[float, tuple[float, tuple[GpuGrant, ...]]] | None:
+            start = t + max(yielding[k] for k in gone)
+            found = self._fit(node, request, rid, t, start + duration_s, frozenset(gone))
+            return (start, found) if found is not None else None
+
+        chosen: list[str] = []
+        for key in running:
+            chosen.append(key)
+            if fit(chosen) is not None:
                 break
-        return Slot(best[0], best[2], best[3]) if best else None
+        else:
+            return None
+        for key in reversed(chosen[:-1]):
+            trial = [k for k in chosen if k != key]
+            if fit(trial) is not None:
+                chosen = trial
+        result = fit(chosen)
+        assert result is not None
+        start, (score, grants) = result
+        return (start, len(chosen), -score, node, grants, tuple(chosen))
 
 
 def fluid_start(base: float, work_ahead_gpu_hours: float, capacity_gpus: float) -> float:

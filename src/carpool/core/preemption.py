@@ -111,8 +111,13 @@ class Candidate:
 
     @property
     def preference(self) -> tuple[int, float, int, str]:
-        return (0 if self.job.borrowed else 1, self.lost_gpu_hours,
-                -int(self.job.job_class), self.job.key)
+        return victim_preference(self.job, self.lost_gpu_hours)
+
+
+def victim_preference(victim: Job, lost: float) -> tuple[int, float, int, str]:
+    """The order victims are taken in: borrowed first, then least work lost, then the lowest
+    class, then the key."""
+    return (0 if victim.borrowed else 1, lost, -int(victim.job_class), victim.key)
 
 
 @dataclass(frozen=True)

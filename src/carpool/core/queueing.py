@@ -74,6 +74,7 @@ from carpool.core.preemption import (
     plan_preemption,
     quota_victims,
     victim_cause,
+    victim_preference,
     worth_preempting,
 )
 from carpool.core.quota import (
@@ -531,13 +532,15 @@ def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
 
 
 class _Parked(NamedTuple):
-    """Why a job waits, from when it could start at the earliest, and whether a start can be
-    estimated at all."""
+    """Why a job waits, from when it could start at the earliest, whether a start can be
+    estimated at all, and how it may preempt once allowed to start: as a job within its
+    project's guarantee (`in_quota` True), as a borrower (False), or not at all (None)."""
 
     reason: WaitReason
     message: str
     not_before: float
     estimable: bool = True
+    in_quota: bool | None = None
 
 
 class _Walk:
@@ -556,6 +559,7 @@ class _Walk:
         self.latest_reserved = cycle.snapshot.now
         self.work_beyond_depth = 0.0
         self.ahead = 0  # jobs decided so far that wait for GPUs
+        self._victims: list[_Holder] | None = None  # `_yielding`'s candidates, in order
 
     def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
               estimate: float | None = None, coarse: bool = False) -> None:
@@ -672,15 +676,16 @@ class _Walk:
         if free_at is None:
             return _Parked(WaitReason.QUOTA, message + "; the job alone exceeds the guarantee",
                            now, estimable=False)
-        if not over_guarantee:
-            return _Parked(WaitReason.QUOTA, message, free_at)  # over the cap: only time helps
+        if not over_guarantee:  # over the cap: only time helps
+            return _Parked(WaitReason.QUOTA, message, free_at, in_quota=True)
         if own_leaving and _excess(ledger, fraction, memory, own_leaving) == (0.0, 0.0):
             return _Parked(WaitReason.PREEMPTING,
                            f"waiting for {len(own_leaving)} preempted job(s) of project "
-                           f"{job.project} to leave", max(h.end for h in own_leaving))
+                           f"{job.project} to leave", max(h.end for h in own_leaving),
+                           in_quota=True)
         preempted = self._preempt_for_quota(job, fraction, memory, duration)
         if not preempted:
-            return _Parked(WaitReason.QUOTA, message, free_at)
+            return _Parked(WaitReason.QUOTA, message, free_at, in_quota=True)
         self._wait_for_victims(job, position, preempted,
                                f"to make room in project {job.project}'s guarantee")
         return None
@@ -699,7 +704,8 @@ class _Walk:
                 return None
         if verdict.budget_exhausted:
             message = f"{verdict.message}; {message}"
-        return _Parked(reason, message, self.cycle.snapshot.now)
+        return _Parked(reason, message, self.cycle.snapshot.now, in_quota=(
+            None if verdict.budget_exhausted else verdict.standing is Standing.IN_QUOTA))
 
     def _wait_for_victims(self, job: Job, position: int, preempted: list[Preemption],
                           why: str) -> None:
@@ -716,7 +722,8 @@ class _Walk:
     def _park(self, job: Job, position: int, duration: float, parked: _Parked) -> None:
         """Record the wait, with the job's reserved or estimated start when it has one."""
         limits = parked.reason in (WaitReason.QUOTA, WaitReason.BUDGET)
-        estimate, coarse = (self._reserve(job, duration, parked.not_before, limits)
+        estimate, coarse = (self._reserve(job, duration, parked.not_before, limits,
+                                          parked.in_quota)
                             if parked.estimable else (None, False))
         message = parked.message
         if estimate is not None:
@@ -803,18 +810,45 @@ class _Walk:
         cycle.preemptions.extend(out)
         return out
 
-    def _reserve(self, job: Job, duration: float, not_before: float, limits: bool
-                 ) -> tuple[float | None, bool]:
+    def _yielding(self, job: Job, in_quota: bool | None) -> dict[str, float]:
+        """Running jobs `job` may preempt once it is allowed to start (`in_quota`: how; None:
+        it will not), in the order victims are taken, with how long each would keep its GPUs.
+
+        An estimate that waits for them to end when the cycle will preempt them is far too
+        late: a job waiting for its guarantee reclaims borrowed GPUs as soon as it has room.
+        A victim leaves after its grace, or after `preempt_after_wait_s` if that is longer
+        (the job waits that long before it preempts)."""
+        cycle = self.cycle
+        config = cycle.config
+        if in_quota is None or config.max_preemptions_per_cycle == 0:
+            return {}
+        now = cycle.snapshot.now
+        if self._victims is None:
+            self._victims = sorted(
+                (h for h in cycle.holders if h.job.preemptible and not h.job.terminating),
+                key=lambda h: victim_preference(h.job, lost_gpu_hours(h.job, h.fraction, now)))
+        patience = config.preempt_after_wait_s
+        return {h.job.key: max(leaving_s(h.job), patience) for h in self._victims
+                if h.job.key not in cycle.leaving
+                and victim_cause(job, in_quota, h.job, now, config.aging_step_s) is not None}
+
+    def _reserve(self, job: Job, duration: float, not_before: float, limits: bool,
+                 in_quota: bool | None) -> tuple[float | None, bool]:
         """Reserve the job's earliest slot (within the reservation depth) or estimate coarsely.
 
         Jobs held by their project's limits count against their own depth, so a long line of
-        them cannot leave the head of the capacity queue with only coarse estimates."""
+        them cannot leave the head of the capacity queue with only coarse estimates. The slot
+        may take the GPUs of running jobs the job will preempt once it may start (`_yielding`);
+        those are then expected to leave when it starts."""
         cycle = self.cycle
         used = self.limit_reservations if limits else self.reservations
         if used < cycle.config.reservation_depth:
-            found = cycle.timeline.earliest(job.request, duration, not_before)
+            found = cycle.timeline.earliest(job.request, duration, not_before,
+                                            self._yielding(job, in_quota))
             if found is None:
                 return None, False
+            for victim in found.displaces:
+                cycle.timeline.end_at(victim, found.start)
             cycle.timeline.add(found.node, Occupancy(job.key, found.start,
                                                      found.start + duration, found.grants))
             if limits:  # far-off refills must not push the coarse estimates of others

@@ -309,3 +309,49 @@ def test_when_to_preempt_caps_then_the_wait() -> None:
     assert not worth_preempting(0, 0, 2, 10, 60.0, wait(30.0))  # starts soon enough anyway
     assert worth_preempting(0, 0, 2, 10, 60.0, wait(90.0))
     assert worth_preempting(0, 0, 2, 10, 60.0, wait(None))  # would never start otherwise
+
+
+# ---------------------------------------------------------------- estimates counting on preemption
+
+
+def _demo_queue(shards_preemptible: bool = True) -> tuple[list[Job], dict[str, ProjectQuota]]:
+    """`make demo`'s a100-b at 22 s: vision's notebook (interactive, until 53 s) and a sweep
+    (until 33 s) hold two GPUs, two borrowed nlp shards (5 s grace) the other two until 150 s;
+    vision's 4-GPU long job waits for its guarantee (2 of 5 used, it needs 4)."""
+    shard = partial(gpu_job, project="nlp", estimate=150, preemptible=shards_preemptible,
+                    checkpoint_grace_s=5)
+    jobs = [
+        run_on(shard("nlp/shard-2"), [2], 0, borrowed=True),
+        run_on(shard("nlp/shard-3"), [3], 0, borrowed=True),
+        run_on(gpu_job("vision/notebook", "vision", JobClass.INTERACTIVE, estimate=40), [0], 13),
+        run_on(gpu_job("vision/sweep", "vision", estimate=20), [1], 13),
+        gpu_job("vision/detector", "vision", JobClass.LONG, count=4, estimate=60, submitted=13),
+    ]
+    qs = {"vision": ProjectQuota("vision", frozenset({"vision"}), guaranteed_gpus=5,
+                                 borrowing=True),
+          "nlp": ProjectQuota("nlp", frozenset({"nlp"}), guaranteed_gpus=0, borrowing=True)}
+    return jobs, qs
+
+
+def test_a_job_waiting_for_its_guarantee_is_estimated_to_reclaim_borrowed_gpus() -> None:
+    """The estimate is when the job really starts: once its guarantee has room (33 s) and the
+    notebook it cannot preempt is gone (53 s), it reclaims the borrowed GPUs, which leave
+    after their 5 s grace (58 s), not when the borrowers would have ended (150 s)."""
+    jobs, qs = _demo_queue()
+    wait = cycle(jobs, qs, 22, [node(gpus=4)]).wait_for("vision/detector")
+    assert wait is not None and wait.reason is WaitReason.QUOTA
+    assert wait.estimated_start == pytest.approx(58)
+    # what the operator then does: at 53 s it preempts both shards, and starts at 58 s
+    done = [replace(j, phase=Phase.SUCCEEDED, grants=(), node="",
+                    runs=(RunRecord(1, 13, 13 + j.estimated_duration_s, 1.0),))
+            if j.project == "vision" and j.holds_gpus else j for j in jobs]
+    result = cycle(done, qs, 53, [node(gpus=4)])
+    assert {p.victim_key for p in result.preemptions} == {"nlp/shard-2", "nlp/shard-3"}
+    later = result.wait_for("vision/detector")
+    assert later is not None and later.estimated_start == pytest.approx(58)
+
+
+def test_an_estimate_counts_only_on_jobs_the_waiting_job_may_preempt() -> None:
+    jobs, qs = _demo_queue(shards_preemptible=False)
+    wait = cycle(jobs, qs, 22, [node(gpus=4)]).wait_for("vision/detector")
+    assert wait is not None and wait.estimated_start == pytest.approx(150)
