@@ -23,6 +23,7 @@ import yaml
 from carpool.core import names
 from carpool.core.durations import format_duration
 from carpool.core.timestamps import epoch_of
+from carpool.operator.reconciler import ESTIMATE_ROUNDING_S
 from carpool_testbed import devcluster, simnodes, stack
 
 NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
@@ -44,6 +45,9 @@ QUOTAS = [
 ]
 
 
+GRACE_S = 5  # the preemptible shards' checkpoint grace
+
+
 def gpujob(name: str, namespace: str, job_class: str, gpu: dict[str, Any], seconds: int,
            preemptible: bool = False, dataset: str | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
@@ -53,7 +57,7 @@ def gpujob(name: str, namespace: str, job_class: str, gpu: dict[str, Any], secon
         "template": {"spec": {"containers": [{"name": "main", "image": "lab/trainer:1.0"}]}},
     }
     if preemptible:
-        spec["checkpoint"] = {"gracePeriod": "5s"}
+        spec["checkpoint"] = {"gracePeriod": f"{GRACE_S}s"}
     if dataset:
         spec["dataset"] = {"name": dataset, "size": "150Gi"}
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
@@ -256,7 +260,7 @@ def run(log_dir: Path) -> int:
 
     say("vision submits an interactive notebook, two short fine-tunes, a 4-GPU long job and "
         "two batch sweeps. vision is within its guarantee, so borrowed nlp shards get "
-        "preempted (5s checkpoint grace) and requeued")
+        f"preempted ({GRACE_S}s checkpoint grace) and requeued")
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(VISION_JOBS))
     estimates = EstimateLog()
     for _ in range(8):
@@ -295,6 +299,9 @@ def run(log_dir: Path) -> int:
 
     say("Each estimated start the demo showed, beside the actual start:")
     print("\n".join(estimates.lines()) or "    (no job had to wait)")
+    print(f"    (estimates are written to the nearest {ESTIMATE_ROUNDING_S:.0f} s and count on a "
+          f"preempted job keeping its GPUs for its whole checkpoint grace, {GRACE_S} s here; "
+          f"a simulated pod leaves as soon as it is told to stop)")
 
     say("GPU-hours by project (`kubectl carpool report`):")
     print(_report(cluster))

@@ -722,12 +722,15 @@ class _Walk:
     def _park(self, job: Job, position: int, duration: float, parked: _Parked) -> None:
         """Record the wait, with the job's reserved or estimated start when it has one."""
         limits = parked.reason in (WaitReason.QUOTA, WaitReason.BUDGET)
-        estimate, coarse = (self._reserve(job, duration, parked.not_before, limits,
-                                          parked.in_quota)
-                            if parked.estimable else (None, False))
+        estimate, coarse, victims = (self._reserve(job, duration, parked.not_before, limits,
+                                                   parked.in_quota)
+                                     if parked.estimable else (None, False, ()))
         message = parked.message
         if estimate is not None:
             message += f"; estimated start in {_fmt_time(estimate - self.cycle.snapshot.now)}"
+        if victims:
+            more = f" and {len(victims) - 3} more" if len(victims) > 3 else ""
+            message += f", preempting {', '.join(victims[:3])}{more}"
         self._wait(job, parked.reason, message, position, estimate, coarse)
 
     def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
@@ -833,20 +836,20 @@ class _Walk:
                 and victim_cause(job, in_quota, h.job, now, config.aging_step_s) is not None}
 
     def _reserve(self, job: Job, duration: float, not_before: float, limits: bool,
-                 in_quota: bool | None) -> tuple[float | None, bool]:
+                 in_quota: bool | None) -> tuple[float | None, bool, tuple[str, ...]]:
         """Reserve the job's earliest slot (within the reservation depth) or estimate coarsely.
 
         Jobs held by their project's limits count against their own depth, so a long line of
         them cannot leave the head of the capacity queue with only coarse estimates. The slot
         may take the GPUs of running jobs the job will preempt once it may start (`_yielding`);
-        those are then expected to leave when it starts."""
+        those are then expected to leave when it starts (and are returned)."""
         cycle = self.cycle
         used = self.limit_reservations if limits else self.reservations
         if used < cycle.config.reservation_depth:
             found = cycle.timeline.earliest(job.request, duration, not_before,
                                             self._yielding(job, in_quota))
             if found is None:
-                return None, False
+                return None, False, ()
             for victim in found.displaces:
                 cycle.timeline.end_at(victim, found.start)
             cycle.timeline.add(found.node, Occupancy(job.key, found.start,
@@ -856,11 +859,11 @@ class _Walk:
             else:
                 self.reservations += 1
                 self.latest_reserved = max(self.latest_reserved, found.start)
-            return found.start, False
+            return found.start, False, found.displaces
         estimate = max(not_before, fluid_start(self.latest_reserved, self.work_beyond_depth,
                                                cycle.capacity_gpus))
         self.work_beyond_depth += self.expected_gpu_hours[job.key]
-        return estimate, True
+        return estimate, True, ()
 
 
 def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool, float]]],

@@ -341,6 +341,7 @@ def test_a_job_waiting_for_its_guarantee_is_estimated_to_reclaim_borrowed_gpus()
     wait = cycle(jobs, qs, 22, [node(gpus=4)]).wait_for("vision/detector")
     assert wait is not None and wait.reason is WaitReason.QUOTA
     assert wait.estimated_start == pytest.approx(58)
+    assert wait.message.endswith("estimated start in 36s, preempting nlp/shard-2, nlp/shard-3")
     # what the operator then does: at 53 s it preempts both shards, and starts at 58 s
     done = [replace(j, phase=Phase.SUCCEEDED, grants=(), node="",
                     runs=(RunRecord(1, 13, 13 + j.estimated_duration_s, 1.0),))
@@ -349,6 +350,22 @@ def test_a_job_waiting_for_its_guarantee_is_estimated_to_reclaim_borrowed_gpus()
     assert {p.victim_key for p in result.preemptions} == {"nlp/shard-2", "nlp/shard-3"}
     later = result.wait_for("vision/detector")
     assert later is not None and later.estimated_start == pytest.approx(58)
+
+
+def test_a_slot_displaces_only_the_victims_it_needs_in_their_order() -> None:
+    now = 10 * HOUR
+    a, b = (run_on(job(f"b/{k}", "b"), [i], 0) for i, k in enumerate("ab"))
+    timeline = _timeline([a, b], [node()], now)  # both hold their GPU for an hour
+    request = GpuRequest(1, 10 * GIB)
+    slot = timeline.earliest(request, 60, now + 20)
+    assert slot is not None and (slot.start, slot.displaces) == (now + HOUR, ())
+    slot = timeline.earliest(request, 60, now + 20, {"b/b": 30, "b/a": 5})
+    assert slot is not None and (slot.start, slot.displaces) == (now + 50, ("b/b",))
+    # a victim ending on its own before its grace would be over wins without preempting
+    short = _timeline([a, b], [node()], now)
+    short.end_at("b/a", now + 40)
+    slot = short.earliest(request, 60, now + 20, {"b/b": 30})
+    assert slot is not None and (slot.start, slot.displaces) == (now + 40, ())
 
 
 def test_an_estimate_counts_only_on_jobs_the_waiting_job_may_preempt() -> None:
