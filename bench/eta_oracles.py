@@ -22,6 +22,7 @@ between that start and the real one is what later arrivals did.
 
     .venv/bin/python bench/eta_oracles.py [--generate 5000 --interarrival 80 --seed 0
         --scale 0.006] [--fork-every 1] [--variants as-is,exact,no-preemption,exact+no-preemption]
+        [--futures 8 --runtimes distribution|learned|trace --futures-from trace|last-day]
 """
 
 from __future__ import annotations
@@ -98,61 +99,117 @@ def run_variant(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
     return rows, run.preemptions, time.process_time() - started
 
 
-def _as_predicted(fork: queue_replay.Replay) -> None:
-    """Give the jobs in `fork` the run times the operator expects of them (learned), not
-    the trace's: running jobs end when expected, waiting ones run as long as expected."""
+RUNTIMES = ("trace", "distribution", "learned")
+FUTURES_FROM = ("trace", "last-day")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One template's run time in hindsight: the median and spread of ln(run time) over the
+    whole trace (no predictor can know these; they stand for the run-time distribution)."""
+
+    log_median: float
+    sigma: float
+
+
+def hindsight_spreads(jobs: Sequence[job_traces.TraceJob]) -> dict[str, Spread]:
+    logs: dict[str, list[float]] = {}
+    for t in jobs:
+        logs.setdefault(t.template, []).append(math.log(t.runtime_s))
+    return {k: Spread(statistics.median(v), statistics.pstdev(v) if len(v) > 1 else 0.5)
+            for k, v in logs.items()}
+
+
+def _draw_total(rng: random.Random, log_median: float, sigma: float, ran_s: float) -> float:
+    """A run time drawn from lognormal(log_median, sigma), given that it exceeds `ran_s`."""
+    if sigma <= 0:
+        return max(ran_s + 1.0, math.exp(log_median))
+    normal = statistics.NormalDist()
+    below = normal.cdf((math.log(ran_s) - log_median) / sigma) if ran_s > 0 else 0.0
+    u = min(1.0 - 1e-12, max(1e-12, below + (1.0 - below) * rng.random()))
+    return max(ran_s + 1.0, math.exp(log_median + sigma * normal.inv_cdf(u)))
+
+
+def _give_run_times(fork: queue_replay.Replay, runtimes: str, rng: random.Random,
+                    spreads: Mapping[str, Spread]) -> None:
+    """Replace the run times of the jobs in `fork` (the trace's, which no estimate knows):
+    `learned`, as long as the operator expects (running jobs end when expected); or
+    `distribution`, drawn from their template's distribution in hindsight, given how long
+    they have run."""
+    if runtimes == "trace":
+        return
     state = fork.state
     now = state.now
     trace = dict(fork.trace)
     ends = []
     for job in state.jobs.values():
-        expected = expected_duration(job, state.learned)
         done = fork.done_s.get(job.key, 0.0)
-        if job.phase is Phase.RUNNING:
-            left = expected_remaining(job, now, expected, 60.0)
-            started = job.started_at if job.started_at is not None else now
-            trace[job.key] = replace(trace[job.key], runtime_s=done + (now - started) + left)
-            ends.append((now + max(1.0, left), queue_replay.END, job.key, job.attempts))
+        running = job.phase is Phase.RUNNING
+        started = job.started_at if running and job.started_at is not None else now
+        ran = done + (now - started)
+        if runtimes == "learned":
+            expected = expected_duration(job, state.learned)
+            left = (expected_remaining(job, now, expected, 60.0) if running
+                    else max(1.0, expected - done))
         else:
-            trace[job.key] = replace(trace[job.key], runtime_s=max(done + 1.0, expected))
-    running = {e[2] for e in ends}
-    fork.events = [e for e in fork.events if not (e[1] == queue_replay.END and e[2] in running)]
+            spread = spreads[job.template]
+            left = _draw_total(rng, spread.log_median, spread.sigma, ran) - ran
+        trace[job.key] = replace(trace[job.key], runtime_s=ran + max(1.0, left))
+        if running:
+            ends.append((now + max(1.0, left), queue_replay.END, job.key, job.attempts))
+    running_keys = {e[2] for e in ends}
+    fork.events = [e for e in fork.events
+                   if not (e[1] == queue_replay.END and e[2] in running_keys)]
     fork.events.extend(ends)
     heapq.heapify(fork.events)
     fork.trace = trace
 
 
+@dataclass(frozen=True)
+class Forecast:
+    job_class: str
+    wait: float  # real
+    error: float  # (real start - median of the forks' starts) / real wait
+    estimate_error: float  # (real start - the estimate the job was given) / real wait
+    in_range: bool  # the real start within the forks' P10-P90
+
+
 def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState], futures: int,
-                fork_every: int, horizon_s: float, seed: int, realistic: bool = False
-                ) -> list[tuple[str, float, float]]:
-    """For each (sampled) job given an estimate at arrival: (class, real wait, the median
-    start over `futures` forks in which the arrivals after it are another stretch of the
-    same trace, shifted to follow it). That median is about the best any estimate made at
-    arrival could say (it knows the arrival process exactly, not the draw). `realistic`:
-    what a forecaster could do — stretches from the past only (the last day), and the jobs
-    already there run as long as learned, not as long as the trace says."""
+                fork_every: int, horizon_s: float, seed: int, runtimes: str,
+                futures_from: str) -> list[Forecast]:
+    """For each (sampled) job given an estimate at arrival, the median of its starts over
+    `futures` forks of the replay in which what arrives after it is another `horizon_s`
+    stretch of the same trace, shifted to follow it (`futures_from` `trace`: from anywhere
+    in it, which knows the arrival process; `last-day`: from the day before only, as a
+    forecaster could), and the jobs already there run as long as `runtimes` says (`trace`:
+    as they will, which nothing knows; `distribution`: drawn per fork from their template's
+    distribution in hindsight; `learned`: as the operator expects). With `distribution`
+    and `trace` futures the median is close to the best any estimate made at arrival could
+    do: it knows every distribution, not the draws."""
     rng = random.Random(seed)
+    spreads = hindsight_spreads(jobs)
     config = AdmissionConfig(node_placer=extender_placer())
     quotas = queue_replay.open_quotas(jobs)
     run = queue_replay.Replay(jobs, nodes, quotas,
                               queue_replay.carpool_policy(config), "futures")
     first, last = jobs[0].arrival, jobs[-1].arrival
-    forecasts: dict[str, float] = {}
+    starts_by_job: dict[str, list[float]] = {}
     seen = 0
     while run.step():
         now = run.state.now
         for key, record in list(run.records.items()):
             if not (record.arrival == now and record.first_start is None
-                    and record.arrival_estimate is not None and key not in forecasts):
+                    and record.arrival_estimate is not None and key not in starts_by_job):
                 continue
             seen += 1
-            if seen % fork_every or (realistic and now - first < 2 * horizon_s):
+            if seen % fork_every or (futures_from == "last-day"
+                                     and now - first < 2 * horizon_s):
                 continue
-            starts = []
+            starts = starts_by_job[key] = []
             for k in range(futures):
                 fork = run.fork(arrivals=False)
-                if realistic:
-                    _as_predicted(fork)
+                _give_run_times(fork, runtimes, rng, spreads)
+                if futures_from == "last-day":
                     offset = rng.uniform(max(first, now - 86400.0), now - horizon_s)
                 else:
                     offset = rng.uniform(first, max(first, last - horizon_s))
@@ -166,14 +223,20 @@ def run_futures(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState],
                 start = fork.records[key].first_start
                 if start is not None:
                     starts.append(start)
-            if starts:
-                forecasts[key] = statistics.median(starts)
     out = []
-    for key, forecast in forecasts.items():
+    for key, starts in starts_by_job.items():
         record = run.records[key]
-        assert record.first_start is not None
-        out.append((run.trace[key].job_class.label, record.first_start - record.arrival,
-                    (record.first_start - forecast)))
+        assert record.first_start is not None and record.arrival_estimate is not None
+        wait = record.first_start - record.arrival
+        if not starts or wait <= 0:
+            continue
+        ordered = sorted(starts)
+        low = ordered[max(0, math.ceil(0.1 * len(ordered)) - 1)]
+        high = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+        out.append(Forecast(run.trace[key].job_class.label, wait,
+                            (record.first_start - statistics.median(starts)) / wait,
+                            (record.first_start - record.arrival_estimate.start) / wait,
+                            low <= record.first_start <= high))
     return out
 
 
@@ -230,12 +293,13 @@ def main() -> int:
     parser.add_argument("--fork-every", type=int, default=1,
                         help="follow every Nth job given an estimate in a fork (1: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--realistic", action="store_true",
-                        help="resampled futures from the last day only, and learned run "
-                             "times for the jobs already there")
     parser.add_argument("--futures", type=int, default=0,
                         help="also: the median start over this many resampled futures per "
-                             "job (with --fork-every, e.g. 4), the floor of any estimate")
+                             "job (with --fork-every, e.g. 4)")
+    parser.add_argument("--runtimes", choices=RUNTIMES, default="distribution",
+                        help="run times of the jobs already there in those futures")
+    parser.add_argument("--futures-from", choices=FUTURES_FROM, default="trace",
+                        help="where the arrivals after the job come from")
     args = parser.parse_args()
     root = traces_dir()
     shapes = job_traces.parse_trace((root / DEFAULT_PODS).read_text()).rows
@@ -256,17 +320,21 @@ def main() -> int:
                **{c: summary([r for r in rows if r.job_class == c]) for c in classes}}
         print(json.dumps(out), flush=True)
     if args.futures:
-        rows_f = run_futures(jobs, nodes, args.futures, args.fork_every, 4 * 3600.0, args.seed,
-                             args.realistic)
-        waited = [r for r in rows_f if r[1] >= queue_replay.MIN_WAIT_S]
+        forecasts = run_futures(jobs, nodes, args.futures, args.fork_every, 4 * 3600.0,
+                                args.seed, args.runtimes, args.futures_from)
+        waited = [f for f in forecasts if f.wait >= queue_replay.MIN_WAIT_S]
         by_class: dict[str, object] = {}
-        for c in [*sorted({r[0] for r in waited}), "all"]:
-            mine = [r for r in waited if c in ("all", r[0])]
+        for c in [*sorted({f.job_class for f in waited}), "all"]:
+            mine = [f for f in waited if c in ("all", f.job_class)]
             by_class[c] = {"jobs": len(mine),
-                           "median_abs_error": med([abs(r[2]) / r[1] for r in mine]),
-                           "median_signed_error": med([r[2] / r[1] for r in mine])}
-        print(json.dumps({"variant": f"median of {args.futures} resampled futures"
-                                     + (", realistic" if args.realistic else ""),
+                           "median_abs_error": med([abs(f.error) for f in mine]),
+                           "median_signed_error": med([f.error for f in mine]),
+                           "estimate_median_abs_error": med([abs(f.estimate_error)
+                                                             for f in mine]),
+                           "in_forks_p10_p90": round(sum(f.in_range for f in mine)
+                                                     / len(mine), 3) if mine else None}
+        print(json.dumps({"variant": f"median of {args.futures} resampled futures",
+                          "runtimes": args.runtimes, "futures_from": args.futures_from,
                           "seed": args.seed, **by_class}), flush=True)
     return 0
 
