@@ -557,58 +557,85 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
     return ordered[index]
 
 
-def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]:
-    """The numbers of one replay, as `carpool simulate queue -o json` prints them.
+def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
+                          min_wait_s: float = MIN_WAIT_S) -> dict[str, float | int | None]:
+    """How far the first estimated starts missed, for (arrival, actual first start, first
+    estimate or None) per job: the one rule for the replay and for bench/admission.py's
+    in-cluster measure.
 
-    ETA error at arrival: |estimated start - actual start| / actual wait, over jobs that
-    waited at least `min_wait_s` and were given an estimate when they arrived; jobs that
-    started sooner get the absolute error in seconds. Refreshed: the same for estimates given
-    later while the job waited, relative to the wait left then. Coverage: the share of those
-    jobs whose start fell inside the range shown at arrival.
+    |estimated start - actual start| / actual wait over jobs that waited at least
+    `min_wait_s` and were given an estimate; the signed median (> 0: jobs started later than
+    said); coverage: the share of those estimates carrying a range whose range held the start;
+    jobs that started sooner get the absolute error in seconds.
     """
     relative: list[float] = []
-    by_class: dict[str, list[float]] = {}
     signed: list[float] = []
     short_abs: list[float] = []
-    refreshed: list[float] = []
-    covered = ranged = 0
-    waited = estimated = 0
-    waits: dict[str, list[float]] = {c.label: [] for c in JobClass}
-    for key, record in outcome.records.items():
-        assert record.first_start is not None
-        wait = record.first_start - record.arrival
-        waits[outcome.trace[key].job_class.label].append(wait)
-        estimate = record.arrival_estimate
+    covered = ranged = waited = 0
+    for arrival, start, estimate in jobs:
+        wait = start - arrival
         if wait >= min_wait_s:
             waited += 1
             if estimate is not None:
-                estimated += 1
-                relative.append(abs(estimate.start - record.first_start) / wait)
-                by_class.setdefault(outcome.trace[key].job_class.label, []).append(relative[-1])
-                signed.append((record.first_start - estimate.start) / wait)
+                relative.append(abs(estimate.start - start) / wait)
+                signed.append((start - estimate.start) / wait)
                 if estimate.low is not None and estimate.high is not None:
                     ranged += 1
-                    covered += estimate.low <= record.first_start <= estimate.high
+                    covered += estimate.low <= start <= estimate.high
+        elif estimate is not None:
+            short_abs.append(abs(estimate.start - start))
+    return {
+        "jobs_waited_60s": waited,
+        "jobs_waited_60s_with_estimate": len(relative),
+        "eta_median_abs_rel_error": _median(relative),
+        "eta_p90_abs_rel_error": _quantile(relative, 0.9),
+        "eta_median_signed_rel_error": _median(signed),
+        "eta_ranged_jobs": ranged,
+        "eta_interval_coverage": covered / ranged if ranged else None,
+        "eta_short_wait_jobs": len(short_abs),
+        "eta_short_wait_median_abs_error_s": _median(short_abs),
+    }
+
+
+def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]:
+    """The numbers of one replay, as `carpool simulate queue -o json` prints them.
+
+    ETA error at arrival (`first_estimate_errors`) on the estimate given when the job
+    arrived, over all jobs and per class. Refreshed: the same relative error for estimates
+    given later while the job waited, relative to the wait left then.
+    """
+    refreshed: list[float] = []
+    waits: dict[str, list[float]] = {c.label: [] for c in JobClass}
+    samples: dict[str, list[tuple[float, float, Estimate | None]]] = {}
+    for key, record in outcome.records.items():
+        assert record.first_start is not None
+        label = outcome.trace[key].job_class.label
+        waits[label].append(record.first_start - record.arrival)
+        samples.setdefault(label, []).append(
+            (record.arrival, record.first_start, record.arrival_estimate))
+        if record.first_start - record.arrival >= min_wait_s:
             for made, start in record.refreshed:
                 left = record.first_start - made
                 if left >= min_wait_s:
                     refreshed.append(abs(start - record.first_start) / left)
-        elif estimate is not None:
-            short_abs.append(abs(estimate.start - record.first_start))
+    errors = first_estimate_errors((s for group in samples.values() for s in group), min_wait_s)
+    by_class = {c: first_estimate_errors(group, min_wait_s)["eta_median_abs_rel_error"]
+                for c, group in sorted(samples.items())}
     capacity_s = outcome.capacity_gpus * outcome.span_s
     return {
         "policy": outcome.policy,
         "jobs": len(outcome.records),
-        "jobs_waited_60s": waited,
-        "jobs_waited_60s_with_estimate": estimated,
-        "eta_median_abs_rel_error": _median(relative),
-        "eta_p90_abs_rel_error": _quantile(relative, 0.9),
-        "eta_median_abs_rel_error_by_class": {c: _median(v) for c, v in sorted(by_class.items())},
-        "eta_median_signed_rel_error": _median(signed),  # > 0: jobs started later than said
+        "jobs_waited_60s": errors["jobs_waited_60s"],
+        "jobs_waited_60s_with_estimate": errors["jobs_waited_60s_with_estimate"],
+        "eta_median_abs_rel_error": errors["eta_median_abs_rel_error"],
+        "eta_p90_abs_rel_error": errors["eta_p90_abs_rel_error"],
+        "eta_median_abs_rel_error_by_class": {c: m for c, m in by_class.items()
+                                              if m is not None},
+        "eta_median_signed_rel_error": errors["eta_median_signed_rel_error"],
         "eta_refreshed_median_abs_rel_error": _median(refreshed),
         "eta_refreshed_samples": len(refreshed),
-        "eta_interval_coverage": covered / ranged if ranged else None,
-        "eta_short_wait_median_abs_error_s": _median(short_abs),
+        "eta_interval_coverage": errors["eta_interval_coverage"],
+        "eta_short_wait_median_abs_error_s": errors["eta_short_wait_median_abs_error_s"],
         "wait_p50_s": {c: _quantile(w, 0.5) for c, w in waits.items() if w},
         "wait_p99_s": {c: _quantile(w, 0.99) for c, w in waits.items() if w},
         "gpu_utilization": outcome.gpu_seconds / capacity_s if capacity_s else None,

@@ -184,6 +184,31 @@ def test_score_definitions() -> None:
     assert scores["eta_median_abs_rel_error_by_class"] == {"batch": pytest.approx(0.5)}
 
 
+def test_first_estimate_errors_by_hand() -> None:
+    """The in-cluster bench's measures, the same rule as the replay's: a job that waited
+    exactly 60 s counts as waiting; signed > 0 means later than said; a first estimate
+    without a range is not counted for coverage; no estimate, no error."""
+    errors = qr.first_estimate_errors([
+        (0, 60, qr.Estimate(90, 30, 120)),  # waited 60 s, said 90: -30/60, in range
+        (10, 210, qr.Estimate(110)),  # waited 200 s, said 100 s: +100/200, no range
+        (0, 300, qr.Estimate(200, 210, 280)),  # +100/300, outside its range
+        (0, 100, None),  # waited, never shown an estimate
+        (5, 20, qr.Estimate(50, 0, 60)),  # a short wait: |50 - 20| s
+        (0, 10, None),
+    ])
+    assert errors["jobs_waited_60s"] == 4
+    assert errors["jobs_waited_60s_with_estimate"] == 3
+    assert errors["eta_median_abs_rel_error"] == pytest.approx(0.5)
+    assert errors["eta_p90_abs_rel_error"] == pytest.approx(0.5)
+    assert errors["eta_median_signed_rel_error"] == pytest.approx(1 / 3)
+    assert errors["eta_ranged_jobs"] == 2
+    assert errors["eta_interval_coverage"] == 0.5
+    assert errors["eta_short_wait_jobs"] == 1
+    assert errors["eta_short_wait_median_abs_error_s"] == 30
+    empty = qr.first_estimate_errors([])
+    assert empty["eta_median_abs_rel_error"] is None and empty["eta_interval_coverage"] is None
+
+
 def test_every_job_must_start() -> None:
     nodes = qr.trace_nodes([("n1", 1, "T4")], 1.0)
     trace = [job("huge", 0, 10, 10, gpus=4)]
