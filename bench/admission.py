@@ -15,10 +15,23 @@ threads) and follows them with a watch until all have started. It reports:
   the operator's start) to the watch first showing it Admitted (or later);
 - the operator's peak RSS (VmHWM in /proc/<pid>/status);
 - the median absolute error of the first estimated start a queued job showed vs. its actual
-  start (status.startTime, from the pod), over jobs that waited.
+  start (status.startTime, from the pod), over jobs that waited;
+- the same first estimates in the issue's terms, by the replay's rule
+  (`carpool.core.queue_replay.first_estimate_errors`, `eta_first` in the result):
+  |estimated start - actual start| / actual wait (creation, or the operator's start if later,
+  to the first start) over jobs that waited >= 60 s, median, P90 and signed; the share of them
+  whose start fell inside the 80 % range shown with that first estimate
+  (status.estimatedStartEarliest..Latest); seconds of error for jobs that waited less.
+
+The jobs' `estimatedDuration` is their simulated run time unless `--user-estimates realistic`
+draws it from that run time as users estimate (`carpool.core.job_traces.user_estimate`), and
+with `--templates N` the jobs come from N templates (repeating name stems) with their own
+typical run times, so that run-time learning from finished GpuJobs has something to learn;
+`--arrival-rate` spreads the creations so later arrivals are estimated after jobs finished.
 
     .venv/bin/python bench/admission.py [--jobs 5000] [--nodes 200]
-        [--create-first] [--write-doc docs/benchmarks.md]
+        [--create-first] [--user-estimates realistic --templates 8 --arrival-rate 6]
+        [--write-doc docs/benchmarks.md]
 
 The cluster is kept for reuse unless `--delete-cluster`.
 """
@@ -29,6 +42,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import math
 import os
 import random
 import re
@@ -45,6 +59,8 @@ from typing import Any
 from kubernetes import client, watch
 
 from carpool.core import names
+from carpool.core.job_traces import user_estimate
+from carpool.core.queue_replay import Estimate, first_estimate_errors
 from carpool.core.timestamps import epoch_seconds
 from carpool_testbed import crds, devcluster, simnodes, stack
 
@@ -59,7 +75,9 @@ class Tracker:
         self.custom = client.CustomObjectsApi(api)
         self.admitted: dict[str, float] = {}
         self.first_estimate: dict[str, float] = {}
+        self.first_range: dict[str, tuple[float | None, float | None]] = {}
         self.started: dict[str, float] = {}
+        self.first_started: dict[str, float] = {}  # a preempted job's later runs aside
         self.finished: set[str] = set()
         self.waited: set[str] = set()
         self.reasons: dict[str, int] = {}
@@ -102,12 +120,15 @@ class Tracker:
                 estimate = epoch_seconds(status.get("estimatedStart"))
                 if estimate is not None:
                     self.first_estimate[key] = estimate
+                    self.first_range[key] = (epoch_seconds(status.get("estimatedStartEarliest")),
+                                             epoch_seconds(status.get("estimatedStartLatest")))
             if phase in ("Admitted", "Running", "Succeeded", "Failed") \
                     and key not in self.admitted:
                 self.admitted[key] = now
             start = epoch_seconds(status.get("startTime"))
             if start is not None:
                 self.started[key] = start
+                self.first_started.setdefault(key, start)
             if phase in ("Succeeded", "Failed"):
                 self.finished.add(key)
 
@@ -288,6 +309,28 @@ def _job(namespace: str, name: str, project: str, rng: random.Random, model: str
     }
 
 
+def _vary_jobs(manifests: list[dict[str, Any]], templates: int, user_estimates: str,
+               seed: int) -> None:
+    """Rewrite the jobs `_job` made, in place and from a seeded generator of its own (so the
+    default jobs stay draw for draw as they were). With `templates`, job i is a run of one
+    of that many templates: named `t<k>-<i>` (run-time learning groups jobs by the name's
+    stem), running the template's typical time (drawn from 40-120 s) times a log-normal
+    factor (sigma 0.25). With realistic `user_estimates`, its estimatedDuration is drawn
+    from its run time as users estimate (`job_traces.user_estimate`)."""
+    rng = random.Random(f"bench-admission-jobs-{seed}")
+    typical = [rng.uniform(40, 120) for _ in range(templates)]
+    for i, manifest in enumerate(manifests):
+        spec = manifest["spec"]
+        seconds = int(spec["simulatedDuration"].removesuffix("s"))
+        if templates:
+            k = rng.randrange(templates)
+            manifest["metadata"]["name"] = f"t{k}-{i}"
+            seconds = max(10, round(typical[k] * math.exp(rng.gauss(0.0, 0.25))))
+            spec["simulatedDuration"] = f"{seconds}s"
+        estimate = user_estimate(seconds, rng) if user_estimates == "realistic" else seconds
+        spec["estimatedDuration"] = f"{estimate:.0f}s"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ[devcluster.EXTENDER_PORT_ENV] = str(args.extender_port)
     cluster = devcluster.up(args.cluster, port=args.extender_port,
@@ -321,6 +364,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "borrowing": {"enabled": True}}})
     jobs = [(p, f"j{i}") for i in range(args.jobs) for p in [projects[i % len(projects)]]]
     manifests = [_job(p, name, p, rng, model, args.exclusive) for p, name in jobs]
+    if args.templates or args.user_estimates != "exact":
+        _vary_jobs(manifests, args.templates, args.user_estimates, args.seed)
 
     created: dict[str, float] = {}
     # GpuJobs are created through the client's connection pool directly: the generated API
@@ -347,8 +392,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def create_all() -> tuple[float, float]:
         first = time.time()
+
+        def paced(item: tuple[int, dict[str, Any]]) -> None:
+            if args.arrival_rate > 0:  # job i is created at first + i / rate, not sooner
+                time.sleep(max(0.0, first + item[0] / args.arrival_rate - time.time()))
+            create(item[1])
+
         with ThreadPoolExecutor(max_workers=args.create_workers) as workers:
-            list(workers.map(create, manifests))
+            list(workers.map(paced, enumerate(manifests)))
         print(f"created {len(manifests)} GpuJobs in {time.time() - first:.1f}s",
               file=sys.stderr)
         return first, time.time() - first
@@ -429,7 +480,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with tracker.lock:
                 admitted_at = dict(tracker.admitted)
                 estimates = dict(tracker.first_estimate)
+                ranges = dict(tracker.first_range)
                 starts = dict(tracker.started)
+                first_starts = dict(tracker.first_started)
                 finished = len(tracker.finished)
                 waited = set(tracker.waited)
                 reasons = dict(tracker.reasons)
@@ -463,6 +516,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if k in starts and k in admitted_at]
     to_start = [starts[k] - admitted_at[k] for k in estimates
                 if k in starts and k in admitted_at]
+    # the issue's measures, by the replay's rule; a job arrives when it was created (or when
+    # the operator started, if later: no estimate could be shown before)
+    first = first_estimate_errors(
+        (max(created[k], t0), first_starts[k],
+         Estimate(estimates[k], *ranges.get(k, (None, None))) if k in estimates else None)
+        for k in first_starts if k in created)
     result = {
         "jobs": len(manifests), "create_first": args.create_first,
         "scheduler_paused": args.pause_scheduler,
@@ -476,6 +535,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
         "eta_admit_minus_estimate_p50": statistics.median(to_admit) if to_admit else None,
         "eta_start_minus_admit_p50": statistics.median(to_start) if to_start else None,
+        "eta_first": first,
+        "user_estimates": args.user_estimates, "templates": args.templates,
+        "arrival_rate": args.arrival_rate,
         "started": len(starts), "finished": finished, "wait_reasons": reasons, "log": str(log_dir),
         "pass_failures": failures, "passes": len(pass_seconds),
         "pass_p50_s": _percentile(pass_seconds, 0.5), "pass_max_s": max(pass_seconds, default=0),
@@ -496,6 +558,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 names.PROJECTQUOTA_PLURAL, project)
         simnodes.delete_nodes(api, [n.name for n in nodes])
     return result
+
+
+def _first_estimate_row(first: dict[str, Any]) -> str:
+    if first.get("eta_median_abs_rel_error") is None:
+        return "-"
+    coverage = (f"{first['eta_interval_coverage']:.0%} of {first['eta_ranged_jobs']} shown a range"
+                if first.get("eta_interval_coverage") is not None else "no range shown")
+    return (f"{first['eta_median_abs_rel_error']:.0%} / {first['eta_p90_abs_rel_error']:.0%}, "
+            f"{first['eta_median_signed_rel_error']:+.0%}, {coverage} "
+            f"({first['jobs_waited_60s_with_estimate']} of {first['jobs_waited_60s']} jobs "
+            "that waited >= 60 s were shown an estimate)")
 
 
 def table(result: dict[str, Any]) -> str:
@@ -524,6 +597,16 @@ def table(result: dict[str, Any]) -> str:
         ("operator peak RSS (VmHWM)", f"{result['peak_rss_mib']:.0f} MiB "
          f"(read when {result.get('finished', 0)} jobs had finished)"),
         ("estimated vs actual start, median abs. error", eta),
+        ("first estimate, waited >= 60 s: median / P90 |error| / wait, signed, in range",
+         _first_estimate_row(result.get("eta_first") or {})),
+        ("first estimate, waited < 60 s: median abs. error",
+         f"{first['eta_short_wait_median_abs_error_s']:.1f} s over "
+         f"{first['eta_short_wait_jobs']} jobs"
+         if (first := result.get("eta_first") or {}).get("eta_short_wait_median_abs_error_s")
+         is not None else "-"),
+        ("jobs' estimatedDuration / templates / arrivals",
+         f"{result.get('user_estimates', 'exact')} / {result.get('templates') or 'none'} / "
+         + (f"{result['arrival_rate']:g} per s" if result.get("arrival_rate") else "a burst")),
         ("operator reconcile passes: count, p50 / max seconds",
          f"{result['passes']}, {result['pass_p50_s']:.2f} / {result['pass_max_s']:.2f}"),
         ("why jobs waited (first reason seen)",
@@ -587,6 +670,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="create every GpuJob before the operator starts")
     parser.add_argument("--exclusive", action="store_true",
                         help="whole-GPU jobs (isolation exclusive) instead of MPS shares")
+    parser.add_argument("--user-estimates", choices=("exact", "realistic"), default="exact",
+                        help="each job's estimatedDuration: its simulated run time (exact), or "
+                        "drawn from it as users estimate (realistic: mostly over, by up to "
+                        "10x, some under, rounded up to round values; seeded by --seed)")
+    parser.add_argument("--templates", type=int, default=0, metavar="N",
+                        help="jobs come from N templates (repeating name stems) with their own "
+                        "typical run times; 0: every job is j<i>, 40-120 s uniformly")
+    parser.add_argument("--arrival-rate", type=float, default=0.0, metavar="JOBS_PER_S",
+                        help="create the jobs at this rate (0: as fast as the bench can)")
     parser.add_argument("--write-doc", type=Path)
     parser.add_argument("--notes", default="")
     parser.add_argument("--stop-when-admitted", action="store_true",
