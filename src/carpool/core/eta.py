@@ -225,13 +225,24 @@ def wait_miss(job: Job) -> float | None:
     return math.log(max(started - job.submitted_at, 1.0) / promised)
 
 
+RECENT_MISSES = 100  # the ranges follow how the latest first estimates missed
+
+
 def wait_misses(jobs: Iterable[Job], base: Iterable[float] = ()) -> list[float]:
-    """`base` (misses of jobs no longer in the snapshot) and those of `jobs`, sorted."""
-    misses = list(base)
+    """The misses of the last `RECENT_MISSES` jobs to start, sorted: `base` (misses of jobs
+    no longer in the snapshot, oldest first) and then those of `jobs` by start time.
+
+    Recent ones only: how estimates miss changes as run times are learned and the load
+    shifts (a cluster's first estimates rest on users' over-estimates and come out too
+    late, later ones too early), and ranges built from every job ever started kept saying
+    what no longer held."""
+    started: list[tuple[float, str, float]] = []
     for job in jobs:
         miss = wait_miss(job)
         if miss is not None:
-            misses.append(miss)
+            started.append((min(r.start for r in job.runs), job.key, miss))
+    started.sort()
+    misses = [*base, *(miss for _, _, miss in started)][-RECENT_MISSES:]
     misses.sort()
     return misses
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.eta import (
+    RECENT_MISSES,
     LearnKey,
     NodePlacer,
     Occupancy,
@@ -66,7 +67,6 @@ GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24,
                   "G3": 32}
 HALF_LIFE_S = 7 * 86400.0
 ARRIVALS_KEPT_S = 86400.0  # finished jobs' arrivals kept for the arrival-rate window
-RECENT_MISSES = 500  # finished jobs' estimate misses kept for the ranges (as in a cluster)
 
 
 # ---------------------------------------------------------------- cluster

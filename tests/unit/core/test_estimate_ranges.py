@@ -10,6 +10,7 @@ from carpool.core.decoding import job_from_object
 from carpool.core.eta import (
     MIN_HIGHER_ARRIVALS,
     MIN_RANGE_SAMPLES,
+    RECENT_MISSES,
     higher_class_stretch,
     start_range,
     wait_miss,
@@ -42,6 +43,19 @@ def test_the_range_scales_the_promised_wait_by_p10_and_p90_misses() -> None:
     assert 1000 + 100 * 0.5 < low < 1100 < high < 1000 + 100 * 2.0
     # an estimate that says "now" has no range to speak of
     assert start_range(1000, 1000, misses) == (1000, 1000)
+
+
+def test_ranges_follow_the_latest_misses_only() -> None:
+    # a cluster's first estimates came out twice too late (users over-estimate), the latest
+    # twice too early: only the latest say what a range shown now should hold
+    early = [started(f"a/old{i}", 0, 200, 100 + i * 1e-3) for i in range(RECENT_MISSES)]
+    late = [started(f"a/new{i}", 1000, 1100, 1200 + i * 1e-3) for i in range(RECENT_MISSES)]
+    misses = wait_misses([*late, *early])  # any order: by start time
+    assert misses == pytest.approx([math.log(2)] * RECENT_MISSES, abs=1e-3)
+    low, high = start_range(5000, 5100, misses) or (0, 0)
+    assert (low, high) == (5100, pytest.approx(5200, abs=0.1))
+    # misses of jobs no longer in the snapshot come first, before any job still there
+    assert wait_misses(late[:10], base=[-1.0] * RECENT_MISSES).count(-1.0) == RECENT_MISSES - 10
 
 
 def test_higher_class_arrivals_stretch_lower_classes_only() -> None:
