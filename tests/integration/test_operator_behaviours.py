@@ -14,7 +14,7 @@ import datetime as dt
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from carpool.core.timestamps import epoch_seconds
 from carpool.deviceplugin import reports
 from carpool.deviceplugin.kube import KubernetesCluster, load_config
 from carpool_testbed import devcluster, simnodes
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 Obj = dict[str, Any]
@@ -41,18 +42,6 @@ def _parse(text: str | None) -> float:
 
 def _rfc3339(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0,
-             interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 class Scenario:

@@ -34,6 +34,7 @@ import yaml
 
 from carpool.core import checkpointing, names
 from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -45,17 +46,6 @@ ACCOUNTS = ("operator", "extender", "device-plugin")
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
 
 T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +29,7 @@ import yaml
 
 from carpool.core import names
 from carpool_testbed import crds, devcluster, simnodes, stack
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -37,17 +37,6 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "carpool"
 KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ GPU assignment → KWOK runs and completes it → the job is Succeeded with node
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any
 
@@ -17,19 +16,9 @@ import yaml
 
 from carpool.core import names
 from carpool_testbed import devcluster, simnodes
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def _wait_for(what: str, probe: Any, timeout: float = 90.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
 
 
 def _job(cluster: devcluster.Cluster, namespace: str, name: str) -> dict[str, Any]:
@@ -72,7 +61,7 @@ def test_gpujob_runs_through_operator_scheduler_extender_and_kwok(
                 phases_seen.append(phase)
             return job if phase in ("Succeeded", "Failed") else None
 
-        job = _wait_for("the job to finish", finished, timeout=120, interval=0.2)
+        job = wait_for("the job to finish", finished, timeout=120, interval=0.2)
         status = job["status"]
         assert status["phase"] == "Succeeded", status
         assert status["node"] == node_name
