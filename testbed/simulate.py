@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from carpool.cli import simulator
-from carpool.cli.simulator import positive
+from carpool.cli.simulator import policy_list, positive
 from carpool.core import peers, scoring, simulation
 from carpool.core.workload import TargetWorkload
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
@@ -88,16 +88,6 @@ def replay_all(runs: Sequence[Run], jobs: int) -> list[Outcome]:
         return list(pool.map(replay_one, runs, chunksize=1))
 
 
-def parse_policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in ALL_POLICIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or text!r}; "
-            f"choose from {', '.join(ALL_POLICIES)}")
-    return names
-
-
 def register(commands: Any) -> None:
     """Add `simulate placement` and `simulate queue` to `carpool-testbed`'s sub-commands."""
     simulate = commands.add_parser("simulate", help="offline replays of placement and queueing",
@@ -112,7 +102,7 @@ def register(commands: Any) -> None:
     placement.add_argument("--pods", type=Path,
                            help=f"pod CSV (default: the openb folder's {DEFAULT_PODS})")
     placement.add_argument("--seeds", type=positive, default=10, help="seeds 0..N-1 (10)")
-    placement.add_argument("--policy", type=parse_policies, default=list(POLICIES),
+    placement.add_argument("--policy", type=policy_list(ALL_POLICIES), default=list(POLICIES),
                            help=f"comma-separated, from {', '.join(ALL_POLICIES)} "
                                 "(default: Carpool's and the published baselines)")
     placement.add_argument("--jobs", type=positive, default=min(2, os.cpu_count() or 1),

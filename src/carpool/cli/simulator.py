@@ -115,14 +115,19 @@ def replay_policies(runs: Sequence[QueueRun], jobs: int,
 # ---------------------------------------------------------------- command line
 
 
-def parse_queue_policies(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in queue_replay.POLICIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown policy {', '.join(unknown) or text!r}; choose from "
-            f"{', '.join(queue_replay.POLICIES)}")
-    return names
+def policy_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated list of policies among `choices`."""
+
+    def parse(text: str) -> list[str]:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        unknown = [p for p in names if p not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {', '.join(unknown) or text!r}; choose from "
+                f"{', '.join(choices)}")
+        return names
+
+    return parse
 
 
 def _number(text: str) -> float:
@@ -203,7 +208,7 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help="open: no guarantees, equal weights (default); shares: each "
                             "project guaranteed its share of the trace's GPU-hours, borrowing "
                             "on (Carpool: only preemptible jobs borrow)")
-    queue.add_argument("--policy", type=parse_queue_policies,
+    queue.add_argument("--policy", type=policy_list(queue_replay.POLICIES),
                        default=list(queue_replay.POLICIES),
                        help=f"comma-separated, from {', '.join(queue_replay.POLICIES)} (all)")
     queue.add_argument("--jobs", type=positive, default=min(2, os.cpu_count() or 1),
