@@ -35,6 +35,7 @@ NodePlacer = Callable[[NodeState, GpuRequest], tuple[float, tuple[GpuGrant, ...]
 # same kind learn from each other. Keys: (project, JobClass) and (project, template str).
 LearnKey = tuple[str, "JobClass | str"]
 MIN_TEMPLATE_SAMPLES = 1  # finished runs of a template before its own history is used
+DURATION_LEARNING_RATE = 0.1  # newest run's weight once a group has 1/rate runs
 
 
 def update_duration_estimate(previous: DurationEstimate | None, actual_s: float,
@@ -102,7 +103,7 @@ def fold_finished(learned: dict[LearnKey, DurationEstimate], job: Job, actual_s:
                                                 job.estimated_duration_s, alpha)
 
 
-def learn_durations(jobs: Iterable[Job], alpha: float = 0.1,
+def learn_durations(jobs: Iterable[Job], alpha: float = DURATION_LEARNING_RATE,
                     base: Mapping[LearnKey, DurationEstimate] | None = None
                     ) -> dict[LearnKey, DurationEstimate]:
     """Per (project, class) and (project, template) estimates from succeeded jobs' last runs,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.eta import (
+    DURATION_LEARNING_RATE,
     RECENT_MISSES,
     LearnKey,
     NodePlacer,
@@ -389,7 +390,7 @@ class Replay:
 
     def __init__(self, jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
                  quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-                 learning_rate: float = 0.1,
+                 learning_rate: float = DURATION_LEARNING_RATE,
                  observe: Callable[[State, Decisions], None] | None = None) -> None:
         trace = {j.key: j for j in jobs}
         if len(trace) != len(jobs):
@@ -536,7 +537,7 @@ class Replay:
 
 def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
            quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
-           learning_rate: float = 0.1,
+           learning_rate: float = DURATION_LEARNING_RATE,
            observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
     """Run the trace through `policy`; every instant with an event is one cycle. `observe`
     sees each cycle's state and decisions before they are carried out."""

@@ -41,6 +41,7 @@ from carpool.core.accounting import grants_fraction, held_fraction, memory_effic
 from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
+    DURATION_LEARNING_RATE,
     LearnKey,
     NodePlacer,
     Occupancy,
@@ -131,7 +132,7 @@ class AdmissionConfig:
     arrival_window_s: float = 0.0
     # weight of the newest finished run in learned durations, once a group has 1/rate runs
     # (before that, runs are averaged: eta.update_duration_estimate)
-    duration_learning_rate: float = 0.1
+    duration_learning_rate: float = DURATION_LEARNING_RATE
     node_placer: NodePlacer = field(default_factory=extender_placer)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
     timeline_memo: TimelineMemo | None = field(default=None, compare=False)
