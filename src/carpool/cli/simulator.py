@@ -140,25 +140,22 @@ def _number(text: str) -> float:
     return value
 
 
-def fraction(text: str) -> float:
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
-    return value
+def _number_where(holds: Callable[[float], bool], requirement: str
+                  ) -> Callable[[str], float]:
+    """An argparse type for a finite number that `holds`; else "'text' `requirement`"."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"{text!r} {requirement}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 0")
-    return value
+fraction = _number_where(lambda v: 0 < v <= 1, "must be in (0, 1]")
+_positive_seconds = _number_where(lambda v: v > 0, "must be more than 0")
+_seconds = _number_where(lambda v: v >= 0, "must be at least 0")
 
 
 def positive(text: str) -> int:
