@@ -19,13 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from carpool.core import checkpointing, names
-from carpool.core.accounting import retire_job
+from carpool.core.accounting import retire_deleted
 from carpool.core.decoding import (
     job_from_object,
     quota_from_object,
     retired_from_status,
     retired_to_status,
 )
+from carpool.core.eta import kept_history
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
 from carpool.core.lifecycle import (
@@ -209,6 +210,9 @@ class Reconciler:
         self._decoded: dict[str, _Decoded] = {}  # see read
         self._told: dict[str, _Told] = {}  # job uid -> the Events recorded on it (_announce)
         self._told_lock = threading.Lock()
+        # quota name -> (resourceVersion, its retired usage as decoded then); see _retired
+        self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
+        self._status_problems: set[str] = set()  # malformed quota statuses logged already
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -394,13 +398,14 @@ class Reconciler:
         state = self.read(now)
         state.arrived = arrived
         quotas, quota_objects = self.quotas()
-        retired = {name: r for name, obj in quota_objects.items()
-                   if (r := retired_from_status(obj.get("status"))) is not None}
+        retired = self._retired(quota_objects)
         if state.deleting and still_leader():
             self._retire(state, quotas, quota_objects, retired, now)
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
+        # what deleted jobs taught the estimates, as the replay keeps it run by run
+        learned, misses = kept_history(retired.values())
         snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes,
-                                   retired=retired)
+                                   retired=retired, learned=learned, wait_misses=misses)
         read_s = time.monotonic() - started
         result = admission_cycle(snapshot, self.config.admission)
         decide_s = time.monotonic() - started - read_s
@@ -471,12 +476,31 @@ class Reconciler:
 
         self._guard_pool.submit(guard)
 
+    def _retired(self, quota_objects: Mapping[str, Obj]) -> dict[str, RetiredUsage]:
+        """Each quota's retired usage from its status, decoded once per version of the quota;
+        a malformed part (a hand-edited status) is left out and logged once."""
+        decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
+        for name, obj in quota_objects.items():
+            version = str(obj["metadata"].get("resourceVersion", ""))
+            cached = self._retired_decoded.get(name)
+            if cached is None or cached[0] != version:
+                usage, problems = retired_from_status(name, obj.get("status"))
+                for problem in problems:
+                    if (said := f"ProjectQuota {name}: {problem}") not in self._status_problems:
+                        self._status_problems.add(said)
+                        log.warning("%s", said)
+                cached = (version, usage)
+            decoded[name] = cached
+        self._retired_decoded = decoded
+        return {name: usage for name, (_, usage) in decoded.items() if usage is not None}
+
     def _retire(self, state: PassState, quotas: Mapping[str, ProjectQuota],
                 quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage],
                 now: float) -> None:
         """Deleted jobs: stop a live pod first (its run must end before it is counted), then
         fold the job's runs into its project's retired usage, write that, and only then let
-        the job go (remove the finalizer). Deleting a job therefore never refunds budget."""
+        the job go (remove the finalizer). Deleting a job therefore never refunds budget, and
+        what it taught the estimates (its run time, its first estimate's miss) stays."""
         half_life = self.config.admission.fair_share_half_life_s
         releasable: list[Obj] = []
         changed: set[str] = set()
@@ -492,8 +516,9 @@ class Reconciler:
                 before = retired.get(job.project)
                 # keyed by uid: a new job of the same name must not be taken for this one
                 uid = str(obj["metadata"].get("uid", ""))
-                after = retire_job(before, replace(job, key=f"{job.key}@{uid}"), quota, now,
-                                   half_life)
+                after = retire_deleted(before, replace(job, key=f"{job.key}@{uid}"), quota,
+                                       now, half_life,
+                                       self.config.admission.duration_learning_rate)
                 if after is not before:
                     retired[job.project] = after
                     changed.add(job.project)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from carpool.core.eta import DURATION_LEARNING_RATE, retire_history
 from carpool.core.fairshare import decay_factor, decayed_gpu_hours
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.jobs import Job, ProjectQuota, ProjectUsage, RetiredUsage, RunRecord
@@ -100,8 +101,8 @@ def retire_job(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now:
         return retired
     period_start = quota.period_start(now)
     if retired.period_start != period_start:
-        retired = RetiredUsage(period_start, 0.0, retired.decayed_gpu_hours,
-                               retired.decayed_as_of, frozenset())
+        retired = replace(retired, period_start=period_start, gpu_hours=0.0,
+                          job_keys=frozenset())
     in_period = sum(run_gpu_hours_between(r, period_start, period_start + quota.period_s, now)
                     for r in job.runs)
     decayed_job = sum(
@@ -115,6 +116,17 @@ def retire_job(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now:
         decayed_as_of=now,
         job_keys=retired.job_keys | {job.key},
     )
+
+
+def retire_deleted(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now: float,
+                   half_life_s: float, alpha: float = DURATION_LEARNING_RATE) -> RetiredUsage:
+    """Fold a job that is being deleted into its project's retired usage: its GPU-hours
+    (`retire_job`) and what it taught the estimates (`eta.retire_history`). Idempotent by
+    `job.key` (the operator makes it unique per object: key@uid); returns `retired` itself
+    when the job was folded in already."""
+    if retired is not None and job.key in retired.job_keys:
+        return retired
+    return retire_history(retire_job(retired, job, quota, now, half_life_s), job, alpha)
 
 
 @dataclass(frozen=True)

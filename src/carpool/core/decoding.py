@@ -8,14 +8,16 @@ the operator shows as the job's Failed reason. The operator and the reports
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
 from carpool.core.jobs import (
     BudgetPolicy,
+    DurationEstimate,
     Job,
     ProjectQuota,
     RetiredUsage,
@@ -157,23 +159,143 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
     )
 
 
-def retired_from_status(status: Mapping[str, Any] | None) -> RetiredUsage | None:
-    """The retired usage a ProjectQuota's status keeps (deleted jobs' GPU-hours)."""
+_ESTIMATE_FIELDS = (  # DurationEstimate field <-> status name, in status order
+    ("samples", "samples"), ("seconds", "seconds"), ("ratio", "ratio"),
+    ("log_seconds", "logSeconds"), ("log_ratio", "logRatio"),
+    ("error_seconds", "errorSeconds"), ("error_ratio", "errorRatio"),
+    ("low", "low"), ("high", "high"))
+
+
+def retired_from_status(project: str, status: Mapping[str, Any] | None
+                        ) -> tuple[RetiredUsage | None, list[str]]:
+    """The retired usage a ProjectQuota's status keeps (deleted jobs' GPU-hours, learned run
+    times and first-estimate misses), and what in it was malformed.
+
+    The status is the operator's own, but an admin can edit it: a bad field or entry is left
+    out (a number counts as 0) and named in the problems, never raised, so a hand-edited
+    quota cannot stop every reconcile pass."""
     raw = (status or {}).get("retired")
+    if raw is None:
+        return None, []
     if not isinstance(raw, Mapping):
-        return None
-    return RetiredUsage(
-        period_start=epoch_seconds(raw.get("periodStart")) or 0.0,
-        gpu_hours=float(raw.get("gpuHours", 0.0)),
-        decayed_gpu_hours=float(raw.get("decayedGpuHours", 0.0)),
-        decayed_as_of=epoch_seconds(raw.get("decayedAsOf")) or 0.0,
-        job_keys=frozenset(str(k) for k in raw.get("jobs") or ()),
+        return None, ["status.retired: not an object; ignored"]
+    problems: list[str] = []
+
+    def number(name: str) -> float:
+        value = raw.get(name, 0.0)
+        if _finite(value) and value >= 0:
+            return float(value)
+        problems.append(f"status.retired.{name}: {value!r} is not a non-negative number; "
+                        "counted as 0")
+        return 0.0
+
+    def stamp(name: str) -> float:
+        value = epoch_of(raw.get(name))
+        if value is None and raw.get(name) is not None:
+            problems.append(f"status.retired.{name}: {raw.get(name)!r} is not an RFC 3339 "
+                            "time; ignored")
+        return value or 0.0
+
+    jobs = raw.get("jobs") or []
+    if not isinstance(jobs, list):
+        problems.append("status.retired.jobs: not a list; ignored")
+        jobs = []
+    retired = RetiredUsage(
+        period_start=stamp("periodStart"),
+        gpu_hours=number("gpuHours"),
+        decayed_gpu_hours=number("decayedGpuHours"),
+        decayed_as_of=stamp("decayedAsOf"),
+        job_keys=frozenset(str(k) for k in jobs),
+        learned=_learned_from_status(project, raw.get("learned"), problems),
+        wait_misses=_misses_from_status(raw.get("waitMisses"), problems),
     )
+    return retired, problems
+
+
+def _finite(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _learned_from_status(project: str, raw: object, problems: list[str]
+                         ) -> dict[tuple[str, JobClass | str], DurationEstimate]:
+    learned: dict[tuple[str, JobClass | str], DurationEstimate] = {}
+    if raw is None:
+        return learned
+    if not isinstance(raw, list):
+        problems.append("status.retired.learned: not a list; ignored")
+        return learned
+    for i, entry in enumerate(raw):
+        where = f"status.retired.learned[{i}]"
+        try:
+            key, estimate = _learned_entry(project, entry)
+        except ValueError as err:
+            problems.append(f"{where}: {err}; entry ignored")
+            continue
+        learned.pop(key, None)  # a key listed twice: the later entry is the newer one
+        learned[key] = estimate
+    return learned
+
+
+def _learned_entry(project: str, entry: object
+                   ) -> tuple[tuple[str, JobClass | str], DurationEstimate]:
+    if not isinstance(entry, Mapping):
+        raise ValueError("not an object")
+    cls, template = entry.get("class"), entry.get("template")
+    if (cls is None) == (template is None):
+        raise ValueError("needs exactly one of class and template")
+    if template is not None and not (isinstance(template, str) and template):
+        raise ValueError(f"template {template!r} is not a non-empty string")
+    key: tuple[str, JobClass | str] = (
+        (project, JobClass.parse(str(cls))) if cls is not None else (project, str(template)))
+    values: dict[str, float] = {}
+    for field_name, status_name in _ESTIMATE_FIELDS:
+        value = entry.get(status_name)
+        if not _finite(value):
+            raise ValueError(f"{status_name} {value!r} is not a number")
+        values[field_name] = float(value)
+    if values["samples"] < 1 or values["samples"] != int(values["samples"]):
+        raise ValueError(f"samples {entry.get('samples')!r} is not a positive integer")
+    if values["seconds"] <= 0 or values["ratio"] <= 0:
+        raise ValueError("seconds and ratio must be positive")
+    samples = int(values.pop("samples"))
+    return key, DurationEstimate(samples=samples, **values)
+
+
+def _misses_from_status(raw: object, problems: list[str]) -> tuple[tuple[float, float], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        problems.append("status.retired.waitMisses: not a list; ignored")
+        return ()
+    misses = []
+    for i, entry in enumerate(raw):
+        start = epoch_of(entry.get("start")) if isinstance(entry, Mapping) else None
+        miss = entry.get("miss") if isinstance(entry, Mapping) else None
+        if start is None or not _finite(miss):
+            problems.append(f"status.retired.waitMisses[{i}]: want {{start: RFC 3339 time, "
+                            f"miss: number}}, got {entry!r}; entry ignored")
+            continue
+        misses.append((start, float(miss)))
+    return tuple(sorted(misses))
 
 
 def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
+    """The ProjectQuota status field `retired` (read back by `retired_from_status`). Learned
+    run times keep full precision: rounded, a restarted operator would estimate other starts
+    than the one before it for the same history."""
+    learned = []
+    for (_, key), estimate in retired.learned.items():
+        entry: dict[str, Any] = ({"class": key.label} if isinstance(key, JobClass)
+                                 else {"template": key})
+        for field_name, status_name in _ESTIMATE_FIELDS:
+            entry[status_name] = getattr(estimate, field_name)
+        learned.append(entry)
     return {"periodStart": format_timestamp(retired.period_start),
             "gpuHours": round(retired.gpu_hours, 6),
             "decayedGpuHours": round(retired.decayed_gpu_hours, 6),
             "decayedAsOf": format_timestamp(retired.decayed_as_of),
-            "jobs": sorted(retired.job_keys)}
+            "jobs": sorted(retired.job_keys),
+            "learned": learned,
+            "waitMisses": [{"start": format_timestamp(start), "miss": miss}
+                           for start, miss in retired.wait_misses]}

@@ -15,10 +15,10 @@ import bisect
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from carpool.core.derived import DerivedState
-from carpool.core.jobs import DurationEstimate, Job
+from carpool.core.jobs import DurationEstimate, Job, RetiredUsage
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
 
@@ -103,6 +103,16 @@ def fold_finished(learned: dict[LearnKey, DurationEstimate], job: Job, actual_s:
                                                 job.estimated_duration_s, alpha)
 
 
+def finished_run(job: Job) -> tuple[float, float] | None:
+    """(end, seconds) of the run a finished job teaches: the last run of a job that
+    succeeded; None for any other job (one that failed or was cancelled says nothing of how
+    long its kind takes)."""
+    if job.phase is not Phase.SUCCEEDED or not job.runs:
+        return None
+    last = max(job.runs, key=lambda r: r.attempt)
+    return (last.end, last.end - last.start) if last.end is not None else None
+
+
 def learn_durations(jobs: Iterable[Job], alpha: float = DURATION_LEARNING_RATE,
                     base: Mapping[LearnKey, DurationEstimate] | None = None
                     ) -> dict[LearnKey, DurationEstimate]:
@@ -111,11 +121,9 @@ def learn_durations(jobs: Iterable[Job], alpha: float = DURATION_LEARNING_RATE,
     `jobs`; a snapshot's own `learned` (kept up to date run by run) is added to first."""
     finished: list[tuple[float, str, Job, float]] = []
     for job in jobs:
-        if job.phase is not Phase.SUCCEEDED or not job.runs:
-            continue
-        last = max(job.runs, key=lambda r: r.attempt)
-        if last.end is not None:
-            finished.append((last.end, job.key, job, last.end - last.start))
+        run = finished_run(job)
+        if run is not None:
+            finished.append((run[0], job.key, job, run[1]))
     finished.sort(key=lambda item: (item[0], item[1]))
     learned: dict[LearnKey, DurationEstimate] = dict(base or {})
     for _, _, job, actual in finished:
@@ -246,6 +254,55 @@ def wait_misses(jobs: Iterable[Job], base: Iterable[float] = ()) -> list[float]:
     misses = [*base, *(miss for _, _, miss in started)][-RECENT_MISSES:]
     misses.sort()
     return misses
+
+
+# ---------------------------------------------------------------- history of deleted jobs
+
+MAX_RETIRED_TEMPLATES = 100  # templates per project whose learned run times are kept
+
+
+def retire_history(retired: RetiredUsage, job: Job, alpha: float = DURATION_LEARNING_RATE
+                   ) -> RetiredUsage:
+    """`retired` with what a job being deleted taught the estimates: its finished run folded
+    into its project's learned run times (`fold_finished`; the keys it updated move last) and
+    its first-estimate miss into the project's recent misses.
+
+    Bounded, as it is kept in the ProjectQuota's status: how many templates a project has is
+    up to its users, so only the `MAX_RETIRED_TEMPLATES` most recently updated templates are
+    kept (its classes, four at most, always); misses are kept by start time, the last
+    `RECENT_MISSES` (no more can count, see `wait_misses`). Not idempotent on its own: the
+    caller folds each job once (`accounting.retire_deleted` checks `job_keys`)."""
+    learned = dict(retired.learned)
+    run = finished_run(job)
+    if run is not None:
+        fold_finished(learned, job, run[1], alpha)
+        for key in ((job.project, job.job_class), learn_key_template(job)):
+            if key is not None:
+                learned[key] = learned.pop(key)  # most recently updated last
+        templates = [k for k in learned if isinstance(k[1], str)]
+        for key in templates[:max(0, len(templates) - MAX_RETIRED_TEMPLATES)]:
+            del learned[key]
+    misses = retired.wait_misses
+    miss = wait_miss(job)
+    if miss is not None:
+        started = min(r.start for r in job.runs)
+        misses = tuple(sorted((*misses, (started, miss))))[-RECENT_MISSES:]
+    return replace(retired, learned=learned, wait_misses=misses)
+
+
+def kept_history(retired: Iterable[RetiredUsage]
+                 ) -> tuple[dict[LearnKey, DurationEstimate], tuple[float, ...]]:
+    """What deleted jobs left in their projects, as a `ClusterSnapshot` takes it: every
+    project's learned run times (`learned`; the keys name their project, so none collide) and
+    all projects' first-estimate misses by start time, the last `RECENT_MISSES`
+    (`wait_misses`, oldest first)."""
+    learned: dict[LearnKey, DurationEstimate] = {}
+    misses: list[tuple[float, float]] = []
+    for project in retired:
+        learned.update(project.learned)
+        misses.extend(project.wait_misses)
+    misses.sort()
+    return learned, tuple(miss for _, miss in misses[-RECENT_MISSES:])
 
 
 def start_range(now: float, estimate: float, misses: Sequence[float]

@@ -229,9 +229,11 @@ class ProjectQuota:
 
 @dataclass(frozen=True)
 class RetiredUsage:
-    """GPU use of jobs deleted from the cluster, kept so deleting a job never refunds budget.
+    """What jobs deleted from the cluster leave behind in their project: their GPU use, so
+    deleting a job never refunds budget, and what they taught the estimates (run times and
+    first-estimate misses), so deleting finished jobs forgets nothing the ETA learned.
 
-    The operator folds a job in (`accounting.retire_job`) from its deletion finalizer and
+    The operator folds a job in (`accounting.retire_deleted`) from its deletion finalizer and
     stores this in the ProjectQuota's status. `job_keys` makes retiring idempotent.
     """
 
@@ -240,6 +242,13 @@ class RetiredUsage:
     decayed_gpu_hours: float = 0.0  # fair-share usage, valid at `decayed_as_of`
     decayed_as_of: float = 0.0
     job_keys: frozenset[str] = frozenset()
+    # learned run times of this project's keys (eta.LearnKey), least recently updated first;
+    # at most eta.MAX_RETIRED_TEMPLATES templates (eta.retire_history)
+    learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(
+        default_factory=dict)
+    # (started at, ln(actual / first estimated wait)) of deleted jobs, by start time; the
+    # last eta.RECENT_MISSES
+    wait_misses: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class FakeKube:
         self.statuses: list[tuple[str, Obj]] = []
         self.finalized: list[str] = []
         self.events: list[str] = []
+        self.quota_statuses: list[tuple[str, Obj]] = []
 
     def _next(self, kind: str) -> str:
         with self._lock:
@@ -62,6 +63,7 @@ class FakeKube:
         return True
 
     def patch_quota_status(self, name: str, status: Obj) -> None:
+        self.quota_statuses.append((name, status))
         self._next(QUOTAS)
 
     def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
@@ -520,3 +522,51 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
     assert ("a", "Started") in told and ("c", "Requeued") in told
     assert {job for job, _ in told} == {"a", "b", "c"}  # b and c: their wait reasons
     assert len(told) == len(set(told)) == 4, told  # each once, though derived three times
+
+
+def test_a_deleted_jobs_run_time_is_kept_in_its_quota_and_used_by_later_passes(
+        caplog: Any) -> None:
+    """Deleting a finished job folds its run into the quota's status; a later pass, with the
+    job gone, estimates its template's next run from that; a malformed entry in that status
+    is left out and logged once, not raised."""
+    kube = FakeKube()
+    cluster = _cluster(1)
+    done = _job("train-1", status={
+        "phase": "Succeeded", "attempts": 1, "submitTime": "2026-11-29T10:00:00Z",
+        "history": [{"attempt": 1, "start": "2026-11-29T10:00:00Z",
+                     "end": "2026-11-29T10:00:30Z", "fraction": 1.0, "node": "n1"}]})
+    done["metadata"].update(deletionTimestamp="2026-11-29T11:00:00Z",
+                            finalizers=[names.FINALIZER])
+    cluster[GPUJOBS] = [done]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(1_800_000_000.0)
+    reconciler.settle()
+    assert kube.finalized == ["team/train-1"]
+    ((project, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    (learned,) = [e for e in status["retired"]["learned"] if e.get("template") == "train@img"]
+    assert project == "vision" and learned["samples"] == 1 and learned["seconds"] == 30.0
+
+    # the job is gone; two jobs of its template come, each wanting the whole GPU
+    quota = cluster[QUOTAS][0]
+    quota["metadata"]["resourceVersion"] = str(kube.version)
+    status["retired"]["learned"].append({"template": "hand-edited", "samples": "many"})
+    quota["status"] = status
+    jobs = [_job("train-2"), _job("train-3")]
+    for job in jobs:
+        job["spec"]["gpu"]["cores"] = 100
+    cluster[GPUJOBS] = jobs
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    now = 1_800_000_100.0
+    with caplog.at_level("WARNING", logger="carpool.operator.reconciler"):
+        result = reconciler.run_pass(now)
+        for informer in reconciler.informers.by_kind.values():
+            informer.version = kube.version
+        reconciler.run_pass(now + 1, catch_up_s=0.05)
+    reconciler.settle()
+    (wait,) = [w for w in result.waits if w.job_key == "team/train-3"]
+    # behind train-2, expected to take the learned 30 s, not its estimated 10 minutes
+    assert wait.estimated_start is not None and wait.estimated_start - now < 60
+    problems = [r.getMessage() for r in caplog.records if "hand-edited" in r.getMessage()
+                or "learned[" in r.getMessage()]
+    assert problems == ["ProjectQuota vision: status.retired.learned[2]: samples 'many' is "
+                        "not a number; entry ignored"], problems

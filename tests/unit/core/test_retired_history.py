@@ -1,0 +1,212 @@
+"""What deleted jobs leave for the estimates: learned run times and first-estimate misses,
+folded in once per job, bounded, kept in the ProjectQuota's status and read back from it."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from carpool.core import eta
+from carpool.core.accounting import retire_deleted
+from carpool.core.decoding import retired_from_status, retired_to_status
+from carpool.core.jobs import DurationEstimate, Job, ProjectQuota, RetiredUsage, RunRecord
+from carpool.core.resources import GpuRequest, JobClass, Phase
+from carpool_testbed.builders import HOUR
+
+QUOTA = ProjectQuota("lab", frozenset({"lab"}), period_s=100 * HOUR)
+NOW = 50 * HOUR
+
+
+def finished(name: str, start: float, seconds: float, *, template: str = "train@img",
+             estimate_s: float = 600.0, phase: Phase = Phase.SUCCEEDED, submitted: float = 0.0,
+             first_estimate: float | None = None, project: str = "lab") -> Job:
+    return Job(f"{project}/{name}", project, JobClass.BATCH, GpuRequest(1, 0), submitted,
+               estimate_s, phase=phase, template=template,
+               runs=(RunRecord(1, start, start + seconds, 1.0),),
+               first_estimated_start=first_estimate)
+
+
+def retire(*jobs: Job, retired: RetiredUsage | None = None) -> RetiredUsage:
+    for job in jobs:
+        retired = retire_deleted(retired, job, QUOTA, NOW, 1e12)
+    assert retired is not None
+    return retired
+
+
+def round_trip(retired: RetiredUsage, project: str = "lab") -> tuple[RetiredUsage | None,
+                                                                      list[str]]:
+    """Through JSON, as the API server stores the status and the operator reads it back."""
+    return retired_from_status(project, json.loads(json.dumps(
+        {"retired": retired_to_status(retired)})))
+
+
+def test_a_deleted_jobs_run_is_folded_into_its_template_and_class_by_hand() -> None:
+    first = retire(finished("train-1", 100, 30))
+    one = DurationEstimate(30.0, 0.05, 1, math.log(30), math.log(0.05))
+    assert first.learned == {("lab", JobClass.BATCH): one, ("lab", "train@img"): one}
+    second = retire(finished("train-2", 200, 60), retired=first)
+    estimate = second.learned[("lab", "train@img")]
+    # the second run weighs 1/2; each predictor's first error is its plain miss, ln 2
+    assert estimate.samples == 2
+    assert estimate.seconds == pytest.approx(45.0)
+    assert estimate.ratio == pytest.approx(0.075)
+    assert estimate.log_seconds == pytest.approx(math.log(math.sqrt(30 * 60)))
+    assert (estimate.error_seconds, estimate.error_ratio) == pytest.approx((math.log(2),) * 2)
+    assert (estimate.low, estimate.high) == pytest.approx((math.log(2),) * 2)
+    # a new job of the template is expected to take the typical run time, not its 10 minutes
+    waiting = Job("lab/train-3", "lab", JobClass.BATCH, GpuRequest(1, 0), NOW, 600.0,
+                  template="train@img")
+    assert eta.expected_duration(waiting, second.learned) == pytest.approx(math.sqrt(1800))
+    # and the same as if both finished jobs were still in the cluster
+    in_cluster = eta.learn_durations([finished("train-1", 100, 30), finished("train-2", 200, 60)])
+    assert second.learned == in_cluster
+
+
+def test_retiring_twice_folds_once_and_a_new_object_of_the_same_name_counts() -> None:
+    job = finished("train-1", 100, 30)
+    once = retire(job)
+    assert retire_deleted(once, job, QUOTA, NOW, 1e12) is once
+    again = retire(Job(**{**job.__dict__, "key": "lab/train-1@other-uid"}), retired=once)
+    assert again.learned[("lab", "train@img")].samples == 2
+
+
+def test_only_succeeded_runs_teach_run_times_but_every_started_job_its_miss() -> None:
+    failed = finished("train-1", 300, 5, phase=Phase.FAILED, first_estimate=100.0)
+    retired = retire(failed)
+    assert retired.learned == {}
+    # promised 100 s, started after 300 s
+    ((started, miss),) = retired.wait_misses
+    assert started == 300.0 and miss == pytest.approx(math.log(3))
+    # a first estimate under a minute says little of the error and is not kept
+    assert retire(finished("quick", 50, 5, first_estimate=30.0)).wait_misses == ()
+
+
+def test_learned_templates_are_capped_keeping_the_most_recently_updated() -> None:
+    cap = eta.MAX_RETIRED_TEMPLATES
+    jobs = [finished(f"t{i}-job", 10.0 * i, 5, template=f"t{i}") for i in range(cap + 5)]
+    retired = retire(*jobs)
+    templates = [k for _, k in retired.learned if isinstance(k, str)]
+    assert templates == [f"t{i}" for i in range(5, cap + 5)]
+    assert retired.learned[("lab", JobClass.BATCH)].samples == cap + 5  # classes are kept
+    # running t5 again makes it the newest: t6 goes next
+    retired = retire(finished("t5-again", 9999, 5, template="t5"),
+                     finished("new-job", 10000, 5, template="new"), retired=retired)
+    templates = [k for _, k in retired.learned if isinstance(k, str)]
+    assert templates[-2:] == ["t5", "new"] and "t6" not in templates and len(templates) == cap
+    # and the order survives the status
+    read_back, problems = round_trip(retired)
+    assert read_back is not None and not problems
+    assert list(read_back.learned) == list(retired.learned)
+
+
+def test_misses_are_kept_by_start_time_the_last_hundred() -> None:
+    # retired in another order than they started
+    jobs = [finished(f"j{i}", 1000.0 + (i * 37) % 150, 5, first_estimate=100.0)
+            for i in range(150)]
+    retired = retire(*jobs)
+    assert len(retired.wait_misses) == eta.RECENT_MISSES
+    starts = [start for start, _ in retired.wait_misses]
+    assert starts == sorted(starts) and starts[0] == 1050.0
+
+
+def test_the_status_round_trip_keeps_everything_exactly() -> None:
+    retired = retire(finished("train-1", 100, 30, first_estimate=100.0),
+                     finished("train-2", 200, 61.3, first_estimate=90.0),
+                     finished("other-1", 300, 7, template="other"))
+    read_back, problems = round_trip(retired)
+    assert not problems and read_back is not None
+    assert read_back.learned == retired.learned
+    assert read_back.wait_misses == retired.wait_misses
+    assert read_back.job_keys == retired.job_keys
+    status = retired_to_status(retired)
+    # least recently updated first: other-1 updated the class, then its template
+    assert [e.get("template") for e in status["learned"]] == ["train@img", None, "other"]
+    assert status["learned"][1] == {"class": "batch", **{
+        name: getattr(retired.learned[("lab", JobClass.BATCH)], field)
+        for field, name in (("samples", "samples"), ("seconds", "seconds"), ("ratio", "ratio"),
+                            ("log_seconds", "logSeconds"), ("log_ratio", "logRatio"),
+                            ("error_seconds", "errorSeconds"), ("error_ratio", "errorRatio"),
+                            ("low", "low"), ("high", "high"))}}
+    assert status["waitMisses"][0] == {"start": "1970-01-01T00:01:40Z",
+                                       "miss": retired.wait_misses[0][1]}
+
+
+def test_an_older_status_without_history_reads_as_none_learned() -> None:
+    status = {"retired": {"periodStart": "2026-01-01T00:00:00Z", "gpuHours": 1.5,
+                          "decayedGpuHours": 1.0, "decayedAsOf": "2026-01-02T00:00:00Z",
+                          "jobs": ["a/b@u"]}}
+    retired, problems = retired_from_status("lab", status)
+    assert not problems and retired is not None
+    assert (retired.gpu_hours, retired.learned, retired.wait_misses) == (1.5, {}, ())
+    assert retired_from_status("lab", {}) == (None, [])
+
+
+GOOD: dict[str, Any] = {"template": "train@img", "samples": 2, "seconds": 45.0,
+                        "ratio": 0.075, "logSeconds": 3.7, "logRatio": -2.6,
+                        "errorSeconds": 0.69, "errorRatio": 0.69, "low": 0.69, "high": 0.69}
+
+
+@pytest.mark.parametrize(("entry", "says"), [
+    ("train", "not an object"),
+    ({**GOOD, "class": "batch"}, "exactly one of class and template"),
+    ({k: v for k, v in GOOD.items() if k != "template"}, "exactly one of class and template"),
+    ({**GOOD, "template": ""}, "not a non-empty string"),
+    ({**{k: v for k, v in GOOD.items() if k != "template"}, "class": "urgent"},
+     "unknown class 'urgent'"),
+    ({**GOOD, "samples": 0}, "not a positive integer"),
+    ({**GOOD, "samples": 1.5}, "not a positive integer"),
+    ({**GOOD, "seconds": -1.0}, "must be positive"),
+    ({**GOOD, "ratio": "0.5"}, "ratio '0.5' is not a number"),
+    ({**GOOD, "low": True}, "low True is not a number"),
+    ({k: v for k, v in GOOD.items() if k != "high"}, "high None is not a number"),
+])
+def test_a_malformed_learned_entry_is_left_out_and_named(entry: object, says: str) -> None:
+    other = {**GOOD, "template": "other"}
+    retired, problems = retired_from_status("lab", {"retired": {"learned": [entry, other]}})
+    assert retired is not None and list(retired.learned) == [("lab", "other")]
+    assert len(problems) == 1
+    assert problems[0].startswith("status.retired.learned[0]: ") and says in problems[0]
+
+
+def test_malformed_fields_are_ignored_with_a_problem_each_not_raised() -> None:
+    status = {"retired": {"periodStart": "yesterday", "gpuHours": "lots",
+                          "decayedGpuHours": float("nan"), "jobs": "a/b",
+                          "learned": {"train": 1},
+                          "waitMisses": [{"start": "2026-01-01T00:00:00Z", "miss": 0.5},
+                                         {"start": "soon", "miss": 0.1}, [1, 2],
+                                         {"start": "2026-01-01T00:00:00Z", "miss": None}]}}
+    retired, problems = retired_from_status("lab", status)
+    assert retired is not None
+    assert (retired.period_start, retired.gpu_hours, retired.decayed_gpu_hours) == (0, 0, 0)
+    assert retired.job_keys == frozenset() and retired.learned == {}
+    assert retired.wait_misses == ((1767225600.0, 0.5),)
+    fields = sorted(p.split(":")[0] for p in problems)
+    assert fields == sorted(["status.retired.periodStart", "status.retired.gpuHours",
+                      "status.retired.decayedGpuHours", "status.retired.jobs",
+                      "status.retired.learned", "status.retired.waitMisses[1]",
+                      "status.retired.waitMisses[2]", "status.retired.waitMisses[3]"])
+    assert retired_from_status("lab", {"retired": ["x"]}) == (
+        None, ["status.retired: not an object; ignored"])
+
+
+def test_kept_history_merges_projects_and_keeps_the_last_misses_by_start() -> None:
+    a = retire(*(finished(f"a{i}", 2.0 * i, 5, first_estimate=100.0) for i in range(80)))
+    b = retire(*(finished(f"b{i}", 2.0 * i + 1, 5, first_estimate=100.0, project="other")
+                 for i in range(80)))
+    learned, misses = eta.kept_history([a, b])
+    assert set(learned) == {("lab", JobClass.BATCH), ("lab", "train@img"),
+                            ("other", JobClass.BATCH), ("other", "train@img")}
+    # the last 100 of 160 misses by start time, oldest first: starts 60..159
+    assert misses == pytest.approx([math.log(start / 100) for start in range(60, 160)])
+    assert eta.kept_history([]) == ({}, ())
+
+
+def test_a_new_budget_period_keeps_the_history() -> None:
+    quota = ProjectQuota("lab", frozenset({"lab"}), period_s=HOUR)
+    retired = retire_deleted(None, finished("train-1", 100, 30), quota, 0.5 * HOUR, 1e12)
+    later = retire_deleted(retired, finished("train-2", 200, 60), quota, 2.5 * HOUR, 1e12)
+    assert later.period_start == 2 * HOUR and later.job_keys == {"lab/train-2"}
+    assert later.learned[("lab", "train@img")].samples == 2
