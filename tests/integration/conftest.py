@@ -17,12 +17,12 @@ def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPath
     """The extender and one operator running against the cluster for one test module.
 
     Per module, not per session: modules that test a part on its own (the kubectl plugin
-    writing statuses, say) must not have an operator rewriting their objects underneath.
+    writing statuses, say) must not have an operator rewriting their objects underneath. A
+    test that restarts a process puts the new one in its place here, to be stopped at the end.
     """
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
     with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}) as processes:
-        processes_with_logs = dict(processes)
-        yield processes_with_logs
+        yield processes
         for name in processes:
             if processes[name].poll() is not None:
                 print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")

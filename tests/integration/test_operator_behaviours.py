@@ -27,7 +27,7 @@ from carpool.core.gpuhours import gpu_hours
 from carpool.core.timestamps import epoch_seconds
 from carpool.deviceplugin import reports
 from carpool.deviceplugin.kube import KubernetesCluster, load_config
-from carpool_testbed import devcluster, simnodes
+from carpool_testbed import devcluster, simnodes, stack
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -415,6 +415,60 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
     assert status["retired"]["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
     time.sleep(3)  # a pass after the deletion
     assert scenario.quota_status(project)["usedGpuHours"] == pytest.approx(used, abs=1e-4)
+
+
+def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
+        scenario: Scenario, carpool_stack: dict[str, Any], tmp_path: Path) -> None:
+    """A finished job's run time is learned; deleting the job keeps it in its ProjectQuota's
+    status, and the next job of its template is expected to take that long rather than the
+    10 minutes its user says, even by an operator started after the deletion (which knows
+    only what the API server holds)."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("learn")
+    project = scenario.project("learn", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "learn-1", project, node=node, estimatedDuration="10m",
+                    simulatedDuration="3s")
+    (run,) = _history(scenario.wait_phase(ns, "learn-1", {"Succeeded"}, timeout=40))
+    ran = _parse(run["end"]) - _parse(run["start"])
+    scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
+                                                    names.GPUJOB_PLURAL, "learn-1")
+
+    def gone() -> bool:
+        try:
+            scenario.job(ns, "learn-1")
+        except client.ApiException as err:
+            return bool(err.status == 404)
+        return False
+
+    wait_for("the job to be deleted", gone, timeout=20)
+    retired = scenario.quota_status(project)["retired"]
+    (learned,) = [e for e in retired["learned"] if e.get("template") == "learn@trainer"]
+    assert learned["samples"] == 1 and learned["seconds"] == pytest.approx(ran), learned
+    (by_class,) = [e for e in retired["learned"] if e.get("class") == "batch"]
+    assert by_class["ratio"] == pytest.approx(ran / 600), by_class
+
+    devcluster.stop_process(carpool_stack["operator"])
+    carpool_stack["operator"] = stack.start_operator(
+        scenario.cluster.kubeconfig, tmp_path / "operator.log", {"CARPOOL_RESYNC_SECONDS": "2"})
+    # the GPU busy for a while, then two jobs waiting for it: the second waits for the first
+    scenario.submit(ns, "blocker", project, cls="long", node=node, estimatedDuration="40s",
+                    simulatedDuration="40s")
+    scenario.wait_phase(ns, "blocker", {"Running"}, timeout=60)
+    for name in ("learn-2", "next"):
+        scenario.submit(ns, name, project, node=node, estimatedDuration="10m",
+                        simulatedDuration="3s")
+
+    def estimates() -> tuple[float, float] | None:
+        first, second = scenario.status(ns, "learn-2"), scenario.status(ns, "next")
+        if not (first.get("estimatedStart") and second.get("estimatedStart")):
+            return None
+        assert (first["queuePosition"], second["queuePosition"]) == (1, 2), (first, second)
+        return _parse(first["estimatedStart"]), _parse(second["estimatedStart"])
+
+    learn_2, after = wait_for("estimated starts", estimates, timeout=30)
+    # `next` starts when learn-2 is expected to end: learned 3 s (estimates are shown to
+    # 10 s), where the user's estimate would say 10 minutes
+    assert 0 <= after - learn_2 <= 20, (learn_2, after)
 
 
 def test_mps_borrowers_holding_every_gpu_are_preempted_for_an_in_quota_job(
