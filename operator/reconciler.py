@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from carpool.core import checkpointing, names
-from carpool.core.accounting import retire_deleted
+from carpool.core.accounting import forget_gone, retire_deleted
 from carpool.core.decoding import (
     job_from_object,
     quota_from_object,
@@ -523,8 +523,11 @@ class Reconciler:
                     retired[job.project] = after
                     changed.add(job.project)
             releasable.append(obj)
+        present = {f"{key}@{obj['metadata'].get('uid', '')}"
+                   for key, obj in state.objects.items()}
         for project in sorted(changed):
             if project in quota_objects:
+                retired[project] = forget_gone(retired[project], present)
                 self.kube.patch_quota_status(project,
                                              {"retired": retired_to_status(retired[project])})
         for obj in releasable:

@@ -9,6 +9,7 @@ GPU-hours follow the one definition in `carpool.core.gpuhours`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 from carpool.core.eta import DURATION_LEARNING_RATE, retire_history
@@ -127,6 +128,15 @@ def retire_deleted(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, 
     if retired is not None and job.key in retired.job_keys:
         return retired
     return retire_history(retire_job(retired, job, quota, now, half_life_s), job, alpha)
+
+
+def forget_gone(retired: RetiredUsage, present: AbstractSet[str]) -> RetiredUsage:
+    """`retired` keeping only the keys of jobs still `present` (being deleted, their
+    finalizer not yet removed). A key only guards against folding a job in twice while it
+    still exists; without this the list grew by one key per deleted job for a whole budget
+    period, and a cluster that cleans up finished jobs would outgrow the object's size limit."""
+    kept = retired.job_keys & present
+    return retired if kept == retired.job_keys else replace(retired, job_keys=kept)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from carpool.core import eta
-from carpool.core.accounting import retire_deleted
+from carpool.core.accounting import forget_gone, retire_deleted
 from carpool.core.decoding import retired_from_status, retired_to_status
 from carpool.core.jobs import DurationEstimate, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.resources import GpuRequest, JobClass, Phase
@@ -210,3 +210,13 @@ def test_a_new_budget_period_keeps_the_history() -> None:
     later = retire_deleted(retired, finished("train-2", 200, 60), quota, 2.5 * HOUR, 1e12)
     assert later.period_start == 2 * HOUR and later.job_keys == {"lab/train-2"}
     assert later.learned[("lab", "train@img")].samples == 2
+
+
+def test_keys_of_jobs_that_are_gone_are_forgotten_and_nothing_else() -> None:
+    retired = retire(finished("train-1", 100, 30), finished("train-2", 200, 60))
+    assert retired.job_keys == {"lab/train-1", "lab/train-2"}
+    assert forget_gone(retired, {"lab/train-1", "lab/other"}) == RetiredUsage(
+        retired.period_start, retired.gpu_hours, retired.decayed_gpu_hours,
+        retired.decayed_as_of, frozenset({"lab/train-1"}), retired.learned,
+        retired.wait_misses)
+    assert forget_gone(retired, {"lab/train-1", "lab/train-2"}) is retired

@@ -538,11 +538,14 @@ def test_a_deleted_jobs_run_time_is_kept_in_its_quota_and_used_by_later_passes(
     done["metadata"].update(deletionTimestamp="2026-11-29T11:00:00Z",
                             finalizers=[names.FINALIZER])
     cluster[GPUJOBS] = [done]
+    # a job retired before and gone since: its key is no longer needed
+    cluster[QUOTAS][0]["status"] = {"retired": {"jobs": ["team/old@u-old"]}}
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0)
     reconciler.settle()
     assert kube.finalized == ["team/train-1"]
     ((project, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    assert status["retired"]["jobs"] == ["team/train-1@u-train-1"]
     (learned,) = [e for e in status["retired"]["learned"] if e.get("template") == "train@img"]
     assert project == "vision" and learned["samples"] == 1 and learned["seconds"] == 30.0
 
