@@ -676,6 +676,8 @@ class Reconciler:
                   "estimatedStartLatest": shown(wait.estimated_start_high)}
         if estimate is not None and not status.get("firstEstimatedStart"):
             fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
+            # what the class calibration learns from (eta.calibrated_start)
+            fields["firstSimulatedStart"] = shown(wait.simulated_start)
         changed = {k: v for k, v in fields.items() if status.get(k) != v}
         if not changed:
             return

@@ -124,6 +124,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         peak_memory_mib=status.get("peakMemoryMiB"),
         template=job_template(str(meta["name"]), _image(spec)),
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
+        first_simulated_start=epoch_of(status.get("firstSimulatedStart")),
         not_before=requeue_not_before(history),
     )
 

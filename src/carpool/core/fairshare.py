@@ -79,6 +79,14 @@ def effective_level(job: Job, now: float, aging_step_s: float) -> int:
     return max(OVERDUE_LEVEL, int(job.job_class) - waited_steps)
 
 
+def next_aging(job: Job, now: float, aging_step_s: float) -> float | None:
+    """When the job, if still queued, next ages a level; None if it ages no more."""
+    if aging_step_s <= 0 or effective_level(job, now, aging_step_s) <= OVERDUE_LEVEL:
+        return None
+    steps = math.floor(max(0.0, now - job.submitted_at) / aging_step_s) + 1
+    return job.submitted_at + steps * aging_step_s
+
+
 @dataclass(frozen=True, order=True)
 class RankKey:
     """A queued job's place in the queue; smaller is served first."""

@@ -128,6 +128,8 @@ class Job:
     peak_memory_mib: int | None = None  # per GPU, as the device plugin saw it
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
     first_estimated_start: float | None = None  # the first estimate it was shown
+    # that estimate as the forward simulation made it, before calibration (eta.calibrated_start)
+    first_simulated_start: float | None = None
     # requeued after a failure not by its code: not admitted before this (lifecycle.
     # requeue_not_before); 0.0: no wait
     not_before: float = 0.0
@@ -283,6 +285,9 @@ class ClusterSnapshot:
     wait_misses: tuple[float, ...] = ()
     # (submitted at, class level, GPU-seconds) of recent arrivals no longer in `jobs`
     recent_arrivals: tuple[tuple[float, int, float], ...] = ()
+    # per class level, (started at, ln(actual / first simulated wait)) of started jobs no
+    # longer in `jobs` (see eta.calibrated_start)
+    class_misses: Mapping[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         keys = [j.key for j in self.jobs]

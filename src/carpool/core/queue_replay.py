@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.eta import (
+    CLASS_MISSES,
     DURATION_LEARNING_RATE,
     RECENT_MISSES,
     LearnKey,
@@ -45,6 +46,7 @@ from carpool.core.eta import (
     TimelineMemo,
     arrival_work,
     fold_finished,
+    simulated_miss,
     wait_miss,
 )
 from carpool.core.fairshare import nominal_fraction
@@ -144,11 +146,13 @@ class State:
     learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
     wait_misses: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_MISSES))
     arrivals: deque[tuple[float, int, float]] = field(default_factory=deque)
+    class_misses: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.now, tuple(self.jobs.values()), self.quotas, self.nodes,
                                self.retired, self.learned, tuple(self.wait_misses),
-                               tuple(self.arrivals))
+                               tuple(self.arrivals),
+                               {level: tuple(m) for level, m in self.class_misses.items()})
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,7 @@ class Estimate:
     start: float
     low: float | None = None
     high: float | None = None
+    simulated: float | None = None  # the forward simulation's start before calibration
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,7 @@ def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
             tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
             tuple(Stop(p.victim_key, p.grace_s) for p in result.preemptions),
             {w.job_key: Estimate(w.estimated_start, w.estimated_start_low,
-                                 w.estimated_start_high)
+                                 w.estimated_start_high, w.simulated_start)
              for w in result.waits if w.estimated_start is not None})
 
     return decide
@@ -423,7 +428,9 @@ class Replay:
         other.state = replace(state, jobs=dict(state.jobs), retired=dict(state.retired),
                               learned=dict(state.learned),
                               wait_misses=deque(state.wait_misses, maxlen=RECENT_MISSES),
-                              arrivals=deque(state.arrivals))
+                              arrivals=deque(state.arrivals),
+                              class_misses={level: deque(m, maxlen=CLASS_MISSES)
+                                            for level, m in state.class_misses.items()})
         other.events = [e for e in self.events if arrivals or e[1] != ARRIVE]
         heapq.heapify(other.events)
         other.records = {k: replace(r, refreshed=list(r.refreshed))
@@ -466,6 +473,10 @@ class Replay:
             miss = wait_miss(job)
             if miss is not None:
                 state.wait_misses.append(miss)
+            miss = simulated_miss(job)
+            if miss is not None:
+                state.class_misses.setdefault(int(job.job_class), deque(
+                    maxlen=CLASS_MISSES)).append((min(r.start for r in job.runs), miss))
             state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
                 job, nominal_fraction(job.request, self.reference), state.learned)))
             while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
@@ -517,7 +528,8 @@ class Replay:
             if record.arrival_estimate is None and now == record.arrival:
                 record.arrival_estimate = estimate
                 record.last_sample = now
-                state.jobs[key] = replace(state.jobs[key], first_estimated_start=estimate.start)
+                state.jobs[key] = replace(state.jobs[key], first_estimated_start=estimate.start,
+                                          first_simulated_start=estimate.simulated)
             elif now - record.last_sample >= REFRESH_SAMPLE_S:
                 record.refreshed.append((now, estimate.start))
                 record.last_sample = now

@@ -49,6 +49,8 @@ from carpool.core.eta import (
     Timeline,
     TimelineMemo,
     arrival_work,
+    calibrated_start,
+    class_misses,
     expected_duration,
     expected_remaining,
     fluid_start,
@@ -60,6 +62,7 @@ from carpool.core.eta import (
 from carpool.core.fairshare import (
     DEFAULT_REFERENCE_MEMORY_MIB,
     effective_level,
+    next_aging,
     nominal_fraction,
     rank_queue,
 )
@@ -130,6 +133,9 @@ class AdmissionConfig:
     # higher-class arrivals over this window stretch lower classes' estimates (eta.
     # higher_class_stretch); 0: off, the default: on replayed traces it made them worse
     arrival_window_s: float = 0.0
+    # scale simulated starts by how their class's recent ones missed, up to the next aging
+    # step (eta.calibrated_start); off: the forward simulation's start as it is
+    class_calibration: bool = True
     # weight of the newest finished run in learned durations, once a group has 1/rate runs
     # (before that, runs are averaged: eta.update_duration_estimate)
     duration_learning_rate: float = DURATION_LEARNING_RATE
@@ -212,6 +218,9 @@ class Wait:
     coarse_estimate: bool = False  # beyond the reservation depth: drain-rate estimate
     estimated_start_low: float | None = None  # the P10-P90 range around `estimated_start`
     estimated_start_high: float | None = None
+    # the forward simulation's start before calibration (eta.calibrated_start); None when
+    # the estimate is not the simulation's (backoff, the job's own victims leaving)
+    simulated_start: float | None = None
 
 
 @dataclass(frozen=True)
@@ -505,9 +514,13 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         for j in snapshot.jobs if now - j.submitted_at <= config.arrival_window_s)]
     stretch = higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus, arrivals)
     levels = {j.key: int(j.job_class) for j in waiting}
-    ordered = sorted((_with_range(_stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)),
-                                  now, misses) for w in walk.waits),
-                     key=lambda w: (w.position, w.job_key))
+    by_class = (class_misses(snapshot.jobs, snapshot.class_misses)
+                if config.class_calibration else {})
+    by_key = {j.key: j for j in waiting}
+    ordered = sorted((_with_range(_calibrated(
+        _stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)), by_key, now, by_class,
+        config.aging_step_s), now, misses) for w in walk.waits),
+        key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
     waits = tuple(w if w.reason.refused else replace(w, position=next(queued))
@@ -521,6 +534,23 @@ def _stretched(wait: Wait, now: float, factor: float) -> Wait:
     if wait.estimated_start is None or factor == 1.0:
         return wait
     return replace(wait, estimated_start=now + (wait.estimated_start - now) * factor)
+
+
+def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,
+                misses: Mapping[int, list[float]], aging_step_s: float) -> Wait:
+    """The wait with its simulated start calibrated by its class's misses (eta.
+    calibrated_start); its message says the calibrated start."""
+    job = jobs.get(wait.job_key)
+    simulated = wait.estimated_start
+    if simulated is None or wait.simulated_start is None or job is None:
+        return wait
+    start = calibrated_start(now, simulated, misses.get(int(job.job_class), ()),
+                             next_aging(job, now, aging_step_s))
+    if start == simulated:
+        return replace(wait, simulated_start=simulated)
+    message = wait.message.replace(f"estimated start in {_fmt_time(simulated - now)}",
+                                   f"estimated start in {_fmt_time(start - now)}", 1)
+    return replace(wait, estimated_start=start, simulated_start=simulated, message=message)
 
 
 def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
@@ -563,8 +593,10 @@ class _Walk:
         self._victims: list[_Holder] | None = None  # `_yielding`'s candidates, in order
 
     def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
-              estimate: float | None = None, coarse: bool = False) -> None:
-        self.waits.append(Wait(job.key, reason, message, position, self.ahead, estimate, coarse))
+              estimate: float | None = None, coarse: bool = False,
+              simulated: bool = False) -> None:
+        self.waits.append(Wait(job.key, reason, message, position, self.ahead, estimate, coarse,
+                               simulated_start=estimate if simulated else None))
         if reason.competes_for_capacity:
             self.ahead += 1
 
@@ -732,7 +764,7 @@ class _Walk:
         if victims:
             more = f" and {len(victims) - 3} more" if len(victims) > 3 else ""
             message += f", preempting {', '.join(victims[:3])}{more}"
-        self._wait(job, parked.reason, message, position, estimate, coarse)
+        self._wait(job, parked.reason, message, position, estimate, coarse, simulated=True)
 
     def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
         """Why a job the project limits allow finds no slot now."""

@@ -47,7 +47,9 @@ def gpujob(job: Job, history: list[dict[str, Any]]) -> dict[str, Any]:
             "status": {"submitTime": format_timestamp(job.submitted_at),
                        "history": history,
                        **({"firstEstimatedStart": format_timestamp(job.first_estimated_start)}
-                          if job.first_estimated_start is not None else {})}}
+                          if job.first_estimated_start is not None else {}),
+                       **({"firstSimulatedStart": format_timestamp(job.first_simulated_start)}
+                          if job.first_simulated_start is not None else {})}}
 
 
 def history_of(job: Job) -> list[dict[str, Any]]:

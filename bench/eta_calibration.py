@@ -1,0 +1,115 @@
+"""Estimated starts with and without the class calibration (eta.calibrated_start), side by
+side on the same traces: Carpool's replay (`carpool simulate queue`'s Carpool policy) with
+`AdmissionConfig.class_calibration` off and on, alternating, one trace after another.
+
+Per replay: the median and P90 relative error of the estimate given at arrival over jobs
+that waited at least 60 s, per class, the signed median, how many starts the 80 % range
+held, and the replay's CPU seconds (the calibration's cost in the admission cycle). Then
+per setting the median over traces and their spread (min-max).
+
+    .venv/bin/python bench/eta_calibration.py [--traces gen:0:80,load:0:0.85,openb:0.004]
+
+Trace specs: `gen:SEED:INTERARRIVAL` and `load:SEED:LOAD` (5,000 generated jobs on openb's
+nodes at --scale 0.006), `openb:SCALE` (openb's default pod list itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from carpool.core import job_traces, queue_replay, simulation
+from carpool.core.placement import NodeState
+from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
+
+DEFAULT_TRACES = "gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85"
+
+
+@dataclass(frozen=True)
+class Trace:
+    spec: str
+    jobs: list[job_traces.TraceJob]
+    nodes: dict[str, NodeState]
+
+
+def load(spec: str) -> Trace:
+    root = traces_dir()
+    pods = job_traces.parse_trace((root / DEFAULT_PODS).read_text())
+    rows = simulation.parse_nodes_csv((root / NODE_LIST).read_text())
+    kind, *params = spec.split(":")
+    scale = float(params[0]) if kind == "openb" else 0.006
+    nodes = queue_replay.trace_nodes(((n.name, n.gpus, n.model) for n in rows), scale)
+    if kind == "openb":
+        return Trace(spec, job_traces.annotate(pods.rows, 0), nodes)
+    seed = int(params[0])
+    if kind == "gen":
+        text = job_traces.generate(pods.rows, 5000, seed, float(params[1]))
+    elif kind == "load":
+        busy = float(params[1]) * queue_replay.capacity_gpus(nodes)
+        text = job_traces.generate(pods.rows, 5000, seed, 80.0, busy_gpus=busy)
+    else:
+        raise SystemExit(f"unknown trace spec {spec!r}")
+    return Trace(spec, job_traces.annotate(job_traces.parse_trace(text).rows, seed), nodes)
+
+
+@dataclass(frozen=True)
+class Result:
+    trace: str
+    calibrated: bool
+    cpu_s: float
+    error: float | None  # median relative error of the estimate at arrival
+    scores: dict[str, object]
+
+
+def replay(trace: Trace, calibrated: bool) -> Result:
+    config = AdmissionConfig(node_placer=extender_placer(), class_calibration=calibrated)
+    started = time.process_time()
+    outcome = queue_replay.replay(trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
+                                  queue_replay.carpool_policy(config), "carpool")
+    cpu = time.process_time() - started
+    scores = queue_replay.score(outcome)
+    keys = ("eta_median_abs_rel_error", "eta_p90_abs_rel_error", "eta_median_signed_rel_error",
+            "eta_interval_coverage", "eta_median_abs_rel_error_by_class",
+            "jobs_waited_60s_with_estimate", "preemptions")
+    error = scores["eta_median_abs_rel_error"]
+    return Result(trace.spec, calibrated, cpu, error if isinstance(error, float) else None,
+                  {k: scores[k] for k in keys})
+
+
+def spread(values: Sequence[float]) -> str:
+    return (f"median {statistics.median(values):.3f} (min {min(values):.3f}, "
+            f"max {max(values):.3f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", default=DEFAULT_TRACES)
+    args = parser.parse_args()
+    results: list[Result] = []
+    for spec in args.traces.split(","):
+        trace = load(spec)
+        for calibrated in (False, True):
+            result = replay(trace, calibrated)
+            results.append(result)
+            print(json.dumps({"trace": result.trace, "calibration": result.calibrated,
+                              "cpu_s": round(result.cpu_s, 1), **result.scores}), flush=True)
+    for calibrated in (False, True):
+        errors = [r.error for r in results if r.calibrated is calibrated and r.error is not None]
+        if errors:
+            print(f"calibration {'on ' if calibrated else 'off'}: median error over traces "
+                  f"{spread(errors)}")
+    off = {r.trace: r.cpu_s for r in results if not r.calibrated}
+    ratios = [r.cpu_s / off[r.trace] for r in results if r.calibrated and off.get(r.trace)]
+    if ratios:
+        print(f"replay CPU time, on / off: {spread(ratios)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Estimated starts calibrated by how their class's simulated starts missed (eta.
+calibrated_start), capped at the job's next aging step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from carpool.core.decoding import job_from_object
+from carpool.core.durations import format_duration
+from carpool.core.eta import (
+    CLASS_MISSES,
+    MIN_CLASS_MISSES,
+    calibrated_start,
+    class_misses,
+    simulated_miss,
+)
+from carpool.core.fairshare import next_aging
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
+from carpool.core.queueing import AdmissionConfig, admission_cycle
+from carpool.core.resources import GpuGrant, JobClass, Phase
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
+
+LN2 = math.log(2)
+
+
+def started(key: str, cls: JobClass, submitted: float, simulated: float | None,
+            began: float) -> Job:
+    return gpu_job(key, cls=cls, submitted=submitted, first_simulated_start=simulated,
+                   phase=Phase.RUNNING, runs=(RunRecord(1, began, None, 1.0),))
+
+
+def test_a_class_keeps_the_misses_of_its_latest_simulated_starts() -> None:
+    assert simulated_miss(started("a/x", JobClass.LONG, 0, 100, 200)) == pytest.approx(LN2)
+    assert simulated_miss(started("a/x", JobClass.LONG, 0, 30, 200)) is None  # under a minute
+    assert simulated_miss(started("a/x", JobClass.LONG, 0, None, 200)) is None
+    jobs = [started(f"a/l{i}", JobClass.LONG, 0, 100, 300 - i) for i in range(CLASS_MISSES + 5)]
+    jobs.append(started("a/b", JobClass.BATCH, 0, 100, 50))
+    # (started at, miss) of a batch job no longer in the snapshot: it started after a/b
+    misses = class_misses(jobs, base={int(JobClass.BATCH): [(60.0, 0.0)]})
+    # by start time: the 50 long jobs that started last (at 251..300), not those at 246..250
+    assert len(misses[JobClass.LONG]) == CLASS_MISSES
+    assert misses[JobClass.LONG][0] == pytest.approx(math.log(251 / 100))
+    assert misses[JobClass.LONG][-1] == pytest.approx(math.log(300 / 100))
+    assert misses[JobClass.BATCH] == [pytest.approx(math.log(50 / 100)), 0.0]
+
+
+def test_the_simulated_wait_is_scaled_by_the_median_miss_up_to_the_next_aging_step() -> None:
+    twice = [LN2] * MIN_CLASS_MISSES
+    # waits 300 s by the simulation; its class started twice as late: 600 s
+    assert calibrated_start(1000, 1300, twice, None) == pytest.approx(1600)
+    # ... but it ages a level at 1500: then it passes later arrivals and may preempt
+    assert calibrated_start(1000, 1300, twice, 1500) == pytest.approx(1500)
+    # a simulated start past the aging step is left as it is
+    assert calibrated_start(1000, 1300, twice, 1200) == 1300
+    # never earlier than the queue as it stands; no say with too few misses
+    assert calibrated_start(1000, 1300, [-LN2] * MIN_CLASS_MISSES, None) == 1300
+    assert calibrated_start(1000, 1300, twice[1:], None) == 1300
+
+
+def test_next_aging_is_the_next_step_boundary_until_overdue() -> None:
+    long_job = gpu_job("a/l", cls=JobClass.LONG, submitted=100)
+    assert next_aging(long_job, 200, HOUR) == 100 + HOUR
+    assert next_aging(long_job, 100 + HOUR, HOUR) == 100 + 2 * HOUR
+    interactive = gpu_job("a/i", cls=JobClass.INTERACTIVE, submitted=100)
+    assert next_aging(interactive, 200, HOUR) == 100 + HOUR
+    assert next_aging(interactive, 100 + HOUR, HOUR) is None  # overdue: ages no more
+    assert next_aging(long_job, 200, 0.0) is None  # no aging
+
+
+def test_the_cycle_calibrates_waits_of_a_class_that_started_late() -> None:
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
+                      grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),))
+    long_job = gpu_job("b/long", "b", JobClass.LONG, submitted=1000)
+    batch = gpu_job("c/batch", "c", JobClass.BATCH, submitted=1000)
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "abc"}
+
+    def waits(misses: dict[int, tuple[tuple[float, float], ...]]
+              ) -> dict[str, tuple[float | str | None, ...]]:
+        snapshot = ClusterSnapshot(1800.0, (running, long_job, batch), quotas,
+                                   {"n1": gpu_node()}, class_misses=misses)
+        result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer))
+        return {w.job_key: (w.estimated_start, w.simulated_start, w.message)
+                for w in result.waits}
+
+    plain = waits({})
+    assert plain["b/long"][:2] == (HOUR, HOUR)  # when a/run is expected to end
+    # long jobs started twice as late as simulated: 1800 + 2 x 1800 = 5400, capped at the
+    # long job's first aging step, 1000 + 3600 = 4600; batch jobs' estimates unchanged
+    calibrated = waits({int(JobClass.LONG): ((0.0, LN2),) * MIN_CLASS_MISSES})
+    start, simulated, message = calibrated["b/long"]
+    assert (start, simulated) == (4600, HOUR)
+    assert f"estimated start in {format_duration(4600 - 1800)}" in str(message)
+    assert calibrated["c/batch"][:2] == plain["c/batch"][:2]
+
+
+def test_the_operator_decodes_the_first_simulated_start() -> None:
+    obj = {"metadata": {"namespace": "vision", "name": "finetune-7",
+                        "creationTimestamp": "2026-12-01T10:00:00Z"},
+           "spec": {"project": "vision", "class": "long", "estimatedDuration": "30m",
+                    "gpu": {"count": 1, "memory": "10Gi", "isolation": "mps"}},
+           "status": {"firstEstimatedStart": "2026-12-01T10:10:00Z",
+                      "firstSimulatedStart": "2026-12-01T10:05:00Z"}}
+    job = job_from_object(obj, Phase.QUEUED, 0, (), "", [])
+    assert job.first_simulated_start == job.submitted_at + 300
