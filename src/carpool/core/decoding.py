@@ -209,6 +209,7 @@ def retired_from_status(project: str, status: Mapping[str, Any] | None
         job_keys=frozenset(str(k) for k in jobs),
         learned=_learned_from_status(project, raw.get("learned"), problems),
         wait_misses=_misses_from_status(raw.get("waitMisses"), problems),
+        simulated_misses=_class_misses_from_status(raw.get("simulatedMisses"), problems),
     )
     return retired, problems
 
@@ -281,6 +282,29 @@ def _misses_from_status(raw: object, problems: list[str]) -> tuple[tuple[float, 
     return tuple(sorted(misses))
 
 
+def _class_misses_from_status(raw: object, problems: list[str]
+                              ) -> tuple[tuple[int, float, float], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        problems.append("status.retired.simulatedMisses: not a list; ignored")
+        return ()
+    misses = []
+    labels = {c.label: int(c) for c in JobClass}
+    for i, entry in enumerate(raw):
+        fields = entry if isinstance(entry, Mapping) else {}
+        level = labels.get(str(fields.get("class")))
+        start = epoch_of(fields.get("start"))
+        miss = fields.get("miss")
+        if level is None or start is None or not _finite(miss):
+            problems.append(f"status.retired.simulatedMisses[{i}]: want {{class: one of "
+                            f"{', '.join(labels)}, start: RFC 3339 time, miss: number}}, got "
+                            f"{entry!r}; entry ignored")
+            continue
+        misses.append((level, start, float(miss)))
+    return tuple(sorted(misses))
+
+
 def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
     """The ProjectQuota status field `retired` (read back by `retired_from_status`). Learned
     run times keep full precision: rounded, a restarted operator would estimate other starts
@@ -299,4 +323,7 @@ def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
             "jobs": sorted(retired.job_keys),
             "learned": learned,
             "waitMisses": [{"start": format_timestamp(start), "miss": miss}
-                           for start, miss in retired.wait_misses]}
+                           for start, miss in retired.wait_misses],
+            "simulatedMisses": [{"class": JobClass(level).label,
+                                 "start": format_timestamp(start), "miss": miss}
+                                for level, start, miss in retired.simulated_misses]}

@@ -291,7 +291,15 @@ def retire_history(retired: RetiredUsage, job: Job, alpha: float = DURATION_LEAR
     if miss is not None:
         started = min(r.start for r in job.runs)
         misses = tuple(sorted((*misses, (started, miss))))[-RECENT_MISSES:]
-    return replace(retired, learned=learned, wait_misses=misses)
+    simulated = retired.simulated_misses
+    miss = simulated_miss(job)
+    if miss is not None:
+        level = int(job.job_class)
+        started = min(r.start for r in job.runs)
+        mine = sorted([(s, m) for lv, s, m in simulated if lv == level] + [(started, miss)])
+        simulated = tuple(sorted((*((lv, s, m) for lv, s, m in simulated if lv != level),
+                                  *((level, s, m) for s, m in mine[-CLASS_MISSES:]))))
+    return replace(retired, learned=learned, wait_misses=misses, simulated_misses=simulated)
 
 
 def kept_history(retired: Iterable[RetiredUsage]
@@ -307,6 +315,18 @@ def kept_history(retired: Iterable[RetiredUsage]
         misses.extend(project.wait_misses)
     misses.sort()
     return learned, tuple(miss for _, miss in misses[-RECENT_MISSES:])
+
+
+def kept_class_misses(retired: Iterable[RetiredUsage]
+                      ) -> dict[int, tuple[tuple[float, float], ...]]:
+    """All projects' deleted jobs' simulated-start misses per class level, as a
+    `ClusterSnapshot` takes them (`class_misses`): (started at, miss), the last
+    `CLASS_MISSES` of each class by start time."""
+    by_level: dict[int, list[tuple[float, float]]] = {}
+    for project in retired:
+        for level, started, miss in project.simulated_misses:
+            by_level.setdefault(level, []).append((started, miss))
+    return {level: tuple(sorted(pairs)[-CLASS_MISSES:]) for level, pairs in by_level.items()}
 
 
 def start_range(now: float, estimate: float, misses: Sequence[float]

@@ -251,6 +251,9 @@ class RetiredUsage:
     # (started at, ln(actual / first estimated wait)) of deleted jobs, by start time; the
     # last eta.RECENT_MISSES
     wait_misses: tuple[tuple[float, float], ...] = ()
+    # (class level, started at, ln(actual / first simulated wait)) of deleted jobs, by start
+    # time; per class the last eta.CLASS_MISSES (see eta.calibrated_start)
+    simulated_misses: tuple[tuple[int, float, float], ...] = ()
 
 
 @dataclass(frozen=True)

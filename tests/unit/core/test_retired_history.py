@@ -220,3 +220,28 @@ def test_keys_of_jobs_that_are_gone_are_forgotten_and_nothing_else() -> None:
         retired.decayed_as_of, frozenset({"lab/train-1"}), retired.learned,
         retired.wait_misses)
     assert forget_gone(retired, {"lab/train-1", "lab/train-2"}) is retired
+
+
+def test_simulated_misses_are_kept_per_class_the_last_fifty_and_read_back() -> None:
+    def simulated(name: str, start: float, cls: JobClass) -> Job:
+        job = finished(name, start, 10, first_estimate=start / 2)
+        return Job(job.key, job.project, cls, job.request, 0.0, job.estimated_duration_s,
+                   phase=job.phase, template=job.template, runs=job.runs,
+                   first_simulated_start=start / 2)  # every start twice as late as simulated
+
+    longs = [simulated(f"l-{i}", 1000.0 + i, JobClass.LONG) for i in range(eta.CLASS_MISSES + 3)]
+    retired = retire(*longs, simulated("b-1", 5000.0, JobClass.BATCH))
+    by_class = eta.kept_class_misses([retired])
+    assert [s for s, _ in by_class[JobClass.LONG]] == [1003.0 + i
+                                                        for i in range(eta.CLASS_MISSES)]
+    assert by_class[JobClass.BATCH] == ((5000.0, pytest.approx(math.log(2))),)
+    back, problems = round_trip(retired)
+    assert problems == [] and back is not None
+    assert back.simulated_misses == retired.simulated_misses
+    # a hand-edited entry naming no class is left out and named
+    status = {"retired": {**retired_to_status(retired),
+                          "simulatedMisses": [{"class": "urgent", "start": "2026-12-01T10:00:00Z",
+                                               "miss": 0.5}]}}
+    edited, problems = retired_from_status("lab", status)
+    assert edited is not None and edited.simulated_misses == ()
+    assert problems and "simulatedMisses[0]" in problems[0] and "urgent" in problems[0]
