@@ -21,7 +21,9 @@ threads) and follows them with a watch until all have started. It reports:
   |estimated start - actual start| / actual wait (creation, or the operator's start if later,
   to the first start) over jobs that waited >= 60 s, median, P90 and signed; the share of them
   whose start fell inside the 80 % range shown with that first estimate
-  (status.estimatedStartEarliest..Latest); seconds of error for jobs that waited less.
+  (status.estimatedStartEarliest..Latest); seconds of error for jobs that waited less; the
+  same per class (`eta_first_by_class`), and one line per job in the log folder's
+  first_estimates.jsonl.
 
 The jobs' `estimatedDuration` is their simulated run time unless `--user-estimates realistic`
 draws it from that run time as users estimate (`carpool.core.job_traces.user_estimate`), and
@@ -518,10 +520,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if k in starts and k in admitted_at]
     # the issue's measures, by the replay's rule; a job arrives when it was created (or when
     # the operator started, if later: no estimate could be shown before)
-    first = first_estimate_errors(
-        (max(created[k], t0), first_starts[k],
-         Estimate(estimates[k], *ranges.get(k, (None, None))) if k in estimates else None)
-        for k in first_starts if k in created)
+    samples = {k: (max(created[k], t0), first_starts[k],
+                   Estimate(estimates[k], *ranges.get(k, (None, None)))
+                   if k in estimates else None)
+               for k in first_starts if k in created}
+    first = first_estimate_errors(samples.values())
+    classes = {f"{m['metadata']['namespace']}/{m['metadata']['name']}": m["spec"]["class"]
+               for m in manifests}
+    first_by_class = {c: first_estimate_errors(s for k, s in samples.items() if classes[k] == c)
+                      for c in sorted(set(classes.values()))}
+    with (log_dir / "first_estimates.jsonl").open("w") as out:  # one line per job, to dig in
+        for k, (arrival, start, estimate) in sorted(samples.items()):
+            out.write(json.dumps({"job": k, "class": classes[k], "arrival": arrival,
+                                  "start": start, "estimate": estimate and estimate.start,
+                                  "low": estimate and estimate.low,
+                                  "high": estimate and estimate.high}) + "\n")
     result = {
         "jobs": len(manifests), "create_first": args.create_first,
         "scheduler_paused": args.pause_scheduler,
@@ -535,7 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eta_jobs": len(errors), "eta_mae": statistics.median(errors) if errors else None,
         "eta_admit_minus_estimate_p50": statistics.median(to_admit) if to_admit else None,
         "eta_start_minus_admit_p50": statistics.median(to_start) if to_start else None,
-        "eta_first": first,
+        "eta_first": first, "eta_first_by_class": first_by_class,
         "user_estimates": args.user_estimates, "templates": args.templates,
         "arrival_rate": args.arrival_rate,
         "started": len(starts), "finished": finished, "wait_reasons": reasons, "log": str(log_dir),
@@ -599,6 +612,9 @@ def table(result: dict[str, Any]) -> str:
         ("estimated vs actual start, median abs. error", eta),
         ("first estimate, waited >= 60 s: median / P90 |error| / wait, signed, in range",
          _first_estimate_row(result.get("eta_first") or {})),
+        *((f"  {c} jobs", _first_estimate_row(errors))
+          for c, errors in (result.get("eta_first_by_class") or {}).items()
+          if errors.get("jobs_waited_60s")),
         ("first estimate, waited < 60 s: median abs. error",
          f"{first['eta_short_wait_median_abs_error_s']:.1f} s over "
          f"{first['eta_short_wait_jobs']} jobs"
