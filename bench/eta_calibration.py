@@ -74,7 +74,8 @@ def replay(trace: Trace, calibrated: bool) -> Result:
     cpu = time.process_time() - started
     scores = queue_replay.score(outcome)
     keys = ("eta_median_abs_rel_error", "eta_p90_abs_rel_error", "eta_median_signed_rel_error",
-            "eta_interval_coverage", "eta_median_abs_rel_error_by_class",
+            "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
+            "eta_median_abs_rel_error_by_class",
             "jobs_waited_60s_with_estimate", "preemptions")
     error = scores["eta_median_abs_rel_error"]
     return Result(trace.spec, calibrated, cpu, error if isinstance(error, float) else None,
