@@ -761,7 +761,8 @@ class Timeline:
         return None
 
     def earliest(self, request: GpuRequest, duration_s: float, not_before: float,
-                 yielding: Mapping[str, float] | None = None) -> Slot | None:
+                 yielding: Mapping[str, float] | None = None,
+                 protected: Mapping[str, float] | None = None) -> Slot | None:
         """The earliest slot at or after `not_before` for the whole duration; None if no node
         could ever hold the request. Ties go to the better-ranked node, then the name.
 
@@ -769,13 +770,20 @@ class Timeline:
         the order victims are taken, each with how long it keeps its GPUs once told to stop.
         The admission cycle preempts as soon as the job fits with its victims gone, so a
         slot that needs them starts that long after, not when they would have ended.
+        `protected`: when those not yet past their minimum runtime may first be preempted;
+        before then they are no victims.
         """
         best: _Candidate | None = None
         rid = self._request_id(request)
         order = {key: i for i, key in enumerate(yielding)} if yielding else {}
+        since = protected if yielding and protected else {}
         for name in self._hosts[rid]:
-            times = sorted({not_before} | {o.end for o in self._occupancies[name]
-                                           if o.end > not_before})
+            occupancies = self._occupancies[name]
+            ends = {not_before} | {o.end for o in occupancies if o.end > not_before}
+            if since:  # a victim's protection ends: the cycle may preempt it from then on
+                ends |= {since[o.job_key] for o in occupancies
+                         if o.job_key in since and not_before < since[o.job_key] < o.end}
+            times = sorted(ends)
             for t in times:
                 if best is not None and t > best[0]:
                     break
@@ -786,18 +794,21 @@ class Timeline:
                         best = candidate
                     break
                 if yielding:  # keeps looking: a fit without preempting may come first
-                    found = self._displacing(name, request, rid, t, duration_s, yielding, order)
+                    found = self._displacing(name, request, rid, t, duration_s, yielding, order,
+                                             since)
                     if found is not None and (best is None or found[:4] < best[:4]):
                         best = found
         return Slot(best[0], best[3], best[4], best[5]) if best else None
 
     def _displacing(self, node: str, request: GpuRequest, rid: int, t: float, duration_s: float,
-                    yielding: Mapping[str, float], order: Mapping[str, int]
-                    ) -> _Candidate | None:
+                    yielding: Mapping[str, float], order: Mapping[str, int],
+                    since: Mapping[str, float]) -> _Candidate | None:
         """The slot on `node` if the job preempts at `t`: victims taken in order until it fits
-        (as `preemption.plan_preemption` takes them), then those it does not need put back."""
+        (as `preemption.plan_preemption` takes them), then those it does not need put back;
+        only jobs that may be preempted at `t` (`since`) are victims."""
         running = sorted({o.job_key for o in self._occupancies[node]
-                          if o.job_key in order and o.start <= t < o.end}, key=order.__getitem__)
+                          if o.job_key in order and o.start <= t < o.end
+                          and since.get(o.job_key, t) <= t}, key=order.__getitem__)
 
         def fit(gone: list[str]) -> tuple[float, tuple[float, tuple[GpuGrant, ...]]] | None:
             start = t + max(yielding[k] for k in gone)

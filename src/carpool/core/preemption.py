@@ -81,9 +81,7 @@ def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: flo
         return None
     if victim.job_class is JobClass.INTERACTIVE or not victim.preemptible:
         return None
-    started = victim.started_at
-    ran = now - started if started is not None else 0.0
-    if ran < victim.min_runtime_s:
+    if now < preemptible_from(victim, now):
         return None
     if victim.borrowed and preemptor_in_quota and victim.project != preemptor.project:
         return PreemptionCause.RECLAIM
@@ -92,6 +90,13 @@ def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: flo
     if outranked and (preemptor_in_quota or victim.borrowed):
         return PreemptionCause.HIGHER_CLASS
     return None
+
+
+def preemptible_from(victim: Job, now: float) -> float:
+    """When `victim` will have run its minimum runtime (a job not started yet counts from
+    `now`): it is never preempted before."""
+    started = victim.started_at
+    return (started if started is not None else now) + victim.min_runtime_s
 
 
 def lost_gpu_hours(victim: Job, fraction: float, now: float) -> float:

@@ -76,6 +76,7 @@ from carpool.core.preemption import (
     leaving_s,
     lost_gpu_hours,
     plan_preemption,
+    preemptible_from,
     quota_victims,
     victim_cause,
     victim_preference,
@@ -846,9 +847,11 @@ class _Walk:
         cycle.preemptions.extend(out)
         return out
 
-    def _yielding(self, job: Job, in_quota: bool | None) -> dict[str, float]:
+    def _yielding(self, job: Job, in_quota: bool | None
+                  ) -> tuple[dict[str, float], dict[str, float]]:
         """Running jobs `job` may preempt once it is allowed to start (`in_quota`: how; None:
-        it will not), in the order victims are taken, with how long each would keep its GPUs.
+        it will not), in the order victims are taken, with how long each would keep its GPUs;
+        and when those still within their minimum runtime may first be preempted.
 
         An estimate that waits for them to end when the cycle will preempt them is far too
         late: a job waiting for its guarantee reclaims borrowed GPUs as soon as it has room.
@@ -857,16 +860,23 @@ class _Walk:
         cycle = self.cycle
         config = cycle.config
         if in_quota is None or config.max_preemptions_per_cycle == 0:
-            return {}
+            return {}, {}
         now = cycle.snapshot.now
         if self._victims is None:
             self._victims = sorted(
                 (h for h in cycle.holders if h.job.preemptible and not h.job.terminating),
                 key=lambda h: victim_preference(h.job, lost_gpu_hours(h.job, h.fraction, now)))
         patience = config.preempt_after_wait_s
-        return {h.job.key: max(leaving_s(h.job), patience) for h in self._victims
-                if h.job.key not in cycle.leaving
-                and victim_cause(job, in_quota, h.job, now, config.aging_step_s) is not None}
+        yielding: dict[str, float] = {}
+        protected: dict[str, float] = {}
+        for h in self._victims:
+            at = max(now, preemptible_from(h.job, now))
+            if (h.job.key not in cycle.leaving
+                    and victim_cause(job, in_quota, h.job, at, config.aging_step_s) is not None):
+                yielding[h.job.key] = max(leaving_s(h.job), patience)
+                if at > now:
+                    protected[h.job.key] = at
+        return yielding, protected
 
     def _reserve(self, job: Job, duration: float, not_before: float, limits: bool,
                  in_quota: bool | None) -> tuple[float | None, bool, tuple[str, ...]]:
@@ -880,7 +890,7 @@ class _Walk:
         used = self.limit_reservations if limits else self.reservations
         if used < cycle.config.reservation_depth:
             found = cycle.timeline.earliest(job.request, duration, not_before,
-                                            self._yielding(job, in_quota))
+                                            *self._yielding(job, in_quota))
             if found is None:
                 return None, False, ()
             for victim in found.displaces:

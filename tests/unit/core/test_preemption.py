@@ -372,3 +372,33 @@ def test_an_estimate_counts_only_on_jobs_the_waiting_job_may_preempt() -> None:
     jobs, qs = _demo_queue(shards_preemptible=False)
     wait = cycle(jobs, qs, 22, [node(gpus=4)]).wait_for("vision/detector")
     assert wait is not None and wait.estimated_start == pytest.approx(150)
+
+
+def test_an_estimate_preempts_a_protected_job_once_its_minimum_runtime_is_over() -> None:
+    """b/b (10 h, 30 s grace) has run 600 s of its 1,200 s minimum runtime: the cycle may
+    preempt it at +600 s, so the short job starts at +630 s (not at +600 s, not in 9h50m)."""
+    now = 5 * HOUR
+    victim = run_on(job("b/b", "b", JobClass.BATCH, min_runtime_s=1200), [0], now - 600)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now)
+    first = cycle([victim, short], quotas("a", "b"), now, [node(gpus=1)])
+    wait = first.wait_for("a/s")
+    assert not first.preemptions and wait is not None
+    assert wait.estimated_start == pytest.approx(now + 630)
+    assert wait.message.endswith("preempting b/b")
+    later = cycle([victim, short], quotas("a", "b"), now + 600, [node(gpus=1)])
+    assert [p.victim_key for p in later.preemptions] == ["b/b"]
+    assert later.wait_for("a/s").estimated_start == pytest.approx(now + 630)  # type: ignore[union-attr]
+
+
+def test_a_slot_takes_a_victim_only_once_it_may_be_preempted() -> None:
+    now = 10 * HOUR
+    a, b = (run_on(job(f"b/{k}", "b"), [i], 0) for i, k in enumerate("ab"))
+    request = GpuRequest(1, 10 * GIB)
+    # b/a comes first but is protected for 100 s more: b/b, free to go now, is taken at once
+    slot = _timeline([a, b], [node()], now).earliest(
+        request, 60, now, {"b/a": 5, "b/b": 30}, protected={"b/a": now + 100})
+    assert slot is not None and (slot.start, slot.displaces) == (now + 30, ("b/b",))
+    # with b/b's grace longer than b/a's protection, b/a is taken once it may be
+    slot = _timeline([a, b], [node()], now).earliest(
+        request, 60, now, {"b/a": 5, "b/b": 300}, protected={"b/a": now + 100})
+    assert slot is not None and (slot.start, slot.displaces) == (now + 105, ("b/a",))
