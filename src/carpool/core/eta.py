@@ -762,7 +762,8 @@ class Timeline:
 
     def earliest(self, request: GpuRequest, duration_s: float, not_before: float,
                  yielding: Mapping[str, float] | None = None,
-                 protected: Mapping[str, float] | None = None) -> Slot | None:
+                 protected: Mapping[str, float] | None = None,
+                 max_victims: int | None = None) -> Slot | None:
         """The earliest slot at or after `not_before` for the whole duration; None if no node
         could ever hold the request. Ties go to the better-ranked node, then the name.
 
@@ -771,7 +772,8 @@ class Timeline:
         The admission cycle preempts as soon as the job fits with its victims gone, so a
         slot that needs them starts that long after, not when they would have ended.
         `protected`: when those not yet past their minimum runtime may first be preempted;
-        before then they are no victims.
+        before then they are no victims. `max_victims`: the most one slot may displace
+        (`preemption.largest_plan`).
         """
         best: _Candidate | None = None
         rid = self._request_id(request)
@@ -796,6 +798,8 @@ class Timeline:
                 if yielding:  # keeps looking: a fit without preempting may come first
                     found = self._displacing(name, request, rid, t, duration_s, yielding, order,
                                              since)
+                    if found is not None and max_victims is not None and found[1] > max_victims:
+                        found = None
                     if found is not None and (best is None or found[:4] < best[:4]):
                         best = found
         return Slot(best[0], best[3], best[4], best[5]) if best else None

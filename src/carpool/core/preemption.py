@@ -57,6 +57,14 @@ def worth_preempting(preempted: int, attempts: int, max_preemptions: int, max_at
     return wait is None or wait > preempt_after_wait_s
 
 
+def largest_plan(max_preemptions: int, preempted: int = 0) -> int:
+    """The most victims one plan may take in a cycle that has preempted `preempted` so far:
+    a plan is carried out whole in one cycle or not at all, so one needing more than
+    `max_preemptions` never is. (Forecasts count on later cycles for the rest: the caps on a
+    cycle's total preemptions and attempts only delay a preemption to the next cycle.)"""
+    return max_preemptions - preempted
+
+
 def leaving_s(victim: Job) -> float:
     """How long a job told to stop is assumed to keep its GPUs: its grace period, but never
     less than MIN_LEAVING_S."""

@@ -73,6 +73,7 @@ from carpool.core.preemption import (
     MIN_LEAVING_S,
     Candidate,
     PreemptionCause,
+    largest_plan,
     leaving_s,
     lost_gpu_hours,
     plan_preemption,
@@ -432,7 +433,7 @@ def _excess(ledger: ProjectLedger, fraction: float, memory: int, leaving: list[_
 def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
     config = cycle.config
     now = cycle.snapshot.now
-    budget = config.max_preemptions_per_cycle - len(cycle.preemptions)
+    budget = largest_plan(config.max_preemptions_per_cycle, len(cycle.preemptions))
     if budget <= 0:
         return []
     candidates = []
@@ -839,7 +840,8 @@ class _Walk:
                 return []
             node, grants, extra = plan.node, plan.grants, plan.victims
         victims = [*chosen, *extra]
-        if len(victims) > cycle.config.max_preemptions_per_cycle - len(cycle.preemptions):
+        if len(victims) > largest_plan(cycle.config.max_preemptions_per_cycle,
+                                       len(cycle.preemptions)):
             return []
         out = [_preemption(cycle, job, v, node) for v in victims]
         start = now + max(leaving_s(v.job) for v in victims)
@@ -890,7 +892,8 @@ class _Walk:
         used = self.limit_reservations if limits else self.reservations
         if used < cycle.config.reservation_depth:
             found = cycle.timeline.earliest(job.request, duration, not_before,
-                                            *self._yielding(job, in_quota))
+                                            *self._yielding(job, in_quota),
+                                            largest_plan(cycle.config.max_preemptions_per_cycle))
             if found is None:
                 return None, False, ()
             for victim in found.displaces:

@@ -402,3 +402,21 @@ def test_a_slot_takes_a_victim_only_once_it_may_be_preempted() -> None:
     slot = _timeline([a, b], [node()], now).earliest(
         request, 60, now, {"b/a": 5, "b/b": 300}, protected={"b/a": now + 100})
     assert slot is not None and (slot.start, slot.displaces) == (now + 105, ("b/a",))
+
+
+def test_an_estimate_never_counts_on_more_victims_than_a_cycle_may_preempt() -> None:
+    """A 2-GPU short job needs both batch jobs gone; a cycle preempts a plan whole or not at
+    all, so with at most one preemption per cycle it waits for them to end (10 h after they
+    started, 600 s ago), and with two it starts once their 30 s grace is over."""
+    now = 5 * HOUR
+    victims = [run_on(job(f"b/b{i}", "b", JobClass.BATCH), [i], now - 600) for i in range(2)]
+    wide = job("a/s", "a", JobClass.SHORT, count=2, submitted=now)
+    capped = AdmissionConfig(node_placer=packing_placer, max_preemptions_per_cycle=1)
+    result = cycle([*victims, wide], quotas("a", "b"), now, config=capped)
+    wait = result.wait_for("a/s")
+    assert not result.preemptions and wait is not None
+    assert wait.estimated_start == pytest.approx(now - 600 + 10 * HOUR)
+    assert "preempting" not in wait.message
+    result = cycle([*victims, wide], quotas("a", "b"), now)
+    assert len(result.preemptions) == 2
+    assert result.wait_for("a/s").estimated_start == pytest.approx(now + 30)  # type: ignore[union-attr]
