@@ -176,7 +176,7 @@ class WaitReason(enum.Enum):
     @property
     def competes_for_capacity(self) -> bool:
         return self in (WaitReason.CAPACITY, WaitReason.BEHIND_HIGHER_RANKED,
-                        WaitReason.PREEMPTING)
+                        WaitReason.PREEMPTING, WaitReason.REQUEUE_BACKOFF)
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class Wait:
     estimated_start_low: float | None = None  # the P10-P90 range around `estimated_start`
     estimated_start_high: float | None = None
     # the forward simulation's start before calibration (eta.calibrated_start); None when
-    # the estimate is not the simulation's (backoff, the job's own victims leaving)
+    # the estimate is not the simulation's (the job's own victims leaving)
     simulated_start: float | None = None
 
 
@@ -498,11 +498,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             continue
         position += 1
         if job.not_before > now:
-            walk.waits.append(Wait(
-                job.key, WaitReason.REQUEUE_BACKOFF,
-                f"its last attempt failed through no fault of its own (a node refused or "
-                f"disrupted its pod); next attempt in {_fmt_time(job.not_before - now)}",
-                position, 0, job.not_before))
+            walk.back_off(job, position)
             continue
         if not walk.consider(job, position, borrowers_allowed=False):
             borrowers.append((position, job))
@@ -629,6 +625,19 @@ class _Walk:
         if parked is not None:
             self._park(job, position, duration, parked)
         return True
+
+    def back_off(self, job: Job, position: int) -> None:
+        """Keep a job in its requeue backoff: its estimate is the slot the forward simulation
+        finds once the backoff is over, reserved and calibrated as any waiting job's."""
+        now = self.cycle.snapshot.now
+        message = (f"its last attempt failed through no fault of its own (a node refused or "
+                   f"disrupted its pod); next attempt in {_fmt_time(job.not_before - now)}")
+        estimate, coarse, _ = self._reserve(job, self.durations[job.key], job.not_before,
+                                            False, None)
+        if estimate is not None:
+            message += f"; estimated start in {_fmt_time(estimate - now)}"
+        self._wait(job, WaitReason.REQUEUE_BACKOFF, message, position, estimate, coarse,
+                   simulated=True)
 
     def _never_fits(self, job: Job, position: int) -> bool:
         """Park a job no GPU in the cluster could ever hold (model, size); True if it was."""

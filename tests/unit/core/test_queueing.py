@@ -139,6 +139,27 @@ def test_behind_higher_ranked_when_free_gpus_are_reserved() -> None:
     assert wait.estimated_start == pytest.approx(3 * HOUR)  # after b/big's reserved hour
 
 
+def test_a_job_in_requeue_backoff_starts_when_its_backoff_is_over_and_there_is_room() -> None:
+    """b/x (2 GPUs, an hour) may try again at 70 s, but a/run holds a GPU until 1 h: its
+    estimate is 1 h, not 70 s; it reserves that slot, so c/late (1 GPU, an hour) may not take
+    the free GPU now (it would end after 1 h) and is estimated after b/x's hour, at 2 h."""
+    running = run_on(job("a/run"), [0], started=0)
+    backoff = job("b/x", "b", count=2, submitted=0, not_before=70.0)
+    late = job("c/late", "c", submitted=30)
+    result = cycle([running, backoff, late], now=60)
+    wait = result.wait_for("b/x")
+    assert wait is not None and wait.reason is WaitReason.REQUEUE_BACKOFF
+    assert wait.estimated_start == pytest.approx(HOUR)
+    assert "next attempt in 10s; estimated start in 59m" in wait.message
+    assert admitted(result) == []
+    behind = result.wait_for("c/late")
+    assert behind is not None and behind.reason is WaitReason.BEHIND_HIGHER_RANKED
+    assert behind.ahead == 1 and behind.estimated_start == pytest.approx(2 * HOUR)
+    # with room when the backoff is over, that is the estimate
+    alone = cycle([backoff], now=60).wait_for("b/x")
+    assert alone is not None and alone.estimated_start == pytest.approx(70)
+
+
 def test_no_matching_model_and_too_large() -> None:
     jobs = [job("a/a100", models=frozenset({"A100"})), job("a/huge", count=8)]
     result = cycle(jobs)
