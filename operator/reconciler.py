@@ -26,7 +26,7 @@ from carpool.core.decoding import (
     retired_from_status,
     retired_to_status,
 )
-from carpool.core.eta import kept_class_misses, kept_history
+from carpool.core.eta import kept_history
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
 from carpool.core.lifecycle import (
@@ -405,8 +405,7 @@ class Reconciler:
         # what deleted jobs taught the estimates, as the replay keeps it run by run
         learned, misses = kept_history(retired.values())
         snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes,
-                                   retired=retired, learned=learned, wait_misses=misses,
-                                   class_misses=kept_class_misses(retired.values()))
+                                   retired=retired, learned=learned, start_misses=misses)
         read_s = time.monotonic() - started
         result = admission_cycle(snapshot, self.config.admission)
         decide_s = time.monotonic() - started - read_s

@@ -15,6 +15,7 @@ from typing import Any, TypeGuard
 
 from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
+from carpool.core.eta import recent_misses
 from carpool.core.jobs import (
     BudgetPolicy,
     DurationEstimate,
@@ -22,6 +23,7 @@ from carpool.core.jobs import (
     ProjectQuota,
     RetiredUsage,
     RunRecord,
+    StartMiss,
     job_template,
 )
 from carpool.core.lifecycle import requeue_not_before
@@ -208,8 +210,7 @@ def retired_from_status(project: str, status: Mapping[str, Any] | None
         decayed_as_of=stamp("decayedAsOf"),
         job_keys=frozenset(str(k) for k in jobs),
         learned=_learned_from_status(project, raw.get("learned"), problems),
-        wait_misses=_misses_from_status(raw.get("waitMisses"), problems),
-        simulated_misses=_class_misses_from_status(raw.get("simulatedMisses"), problems),
+        start_misses=_misses_from_status(raw.get("startMisses"), problems),
     )
     return retired, problems
 
@@ -264,45 +265,28 @@ def _learned_entry(project: str, entry: object
     return key, DurationEstimate(samples=samples, **values)
 
 
-def _misses_from_status(raw: object, problems: list[str]) -> tuple[tuple[float, float], ...]:
+def _misses_from_status(raw: object, problems: list[str]) -> tuple[StartMiss, ...]:
     if raw is None:
         return ()
     if not isinstance(raw, list):
-        problems.append("status.retired.waitMisses: not a list; ignored")
+        problems.append("status.retired.startMisses: not a list; ignored")
         return ()
     misses = []
-    for i, entry in enumerate(raw):
-        start = epoch_of(entry.get("start")) if isinstance(entry, Mapping) else None
-        miss = entry.get("miss") if isinstance(entry, Mapping) else None
-        if start is None or not _finite(miss):
-            problems.append(f"status.retired.waitMisses[{i}]: want {{start: RFC 3339 time, "
-                            f"miss: number}}, got {entry!r}; entry ignored")
-            continue
-        misses.append((start, float(miss)))
-    return tuple(sorted(misses))
-
-
-def _class_misses_from_status(raw: object, problems: list[str]
-                              ) -> tuple[tuple[int, float, float], ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list):
-        problems.append("status.retired.simulatedMisses: not a list; ignored")
-        return ()
-    misses = []
-    labels = {c.label: int(c) for c in JobClass}
+    labels = {c.label: c for c in JobClass}
     for i, entry in enumerate(raw):
         fields = entry if isinstance(entry, Mapping) else {}
-        level = labels.get(str(fields.get("class")))
+        job_class = labels.get(str(fields.get("class")))
         start = epoch_of(fields.get("start"))
-        miss = fields.get("miss")
-        if level is None or start is None or not _finite(miss):
-            problems.append(f"status.retired.simulatedMisses[{i}]: want {{class: one of "
-                            f"{', '.join(labels)}, start: RFC 3339 time, miss: number}}, got "
-                            f"{entry!r}; entry ignored")
+        shown, simulated = fields.get("shown"), fields.get("simulated")
+        if (job_class is None or start is None or not (_finite(shown) or _finite(simulated))
+                or not all(v is None or _finite(v) for v in (shown, simulated))):
+            problems.append(f"status.retired.startMisses[{i}]: want {{start: RFC 3339 time, "
+                            f"class: one of {', '.join(labels)}, shown and/or simulated: "
+                            f"number}}, got {entry!r}; entry ignored")
             continue
-        misses.append((level, start, float(miss)))
-    return tuple(sorted(misses))
+        misses.append(StartMiss(start, job_class, None if shown is None else float(shown),
+                                None if simulated is None else float(simulated)))
+    return recent_misses(misses)
 
 
 def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
@@ -322,8 +306,13 @@ def retired_to_status(retired: RetiredUsage) -> dict[str, Any]:
             "decayedAsOf": format_timestamp(retired.decayed_as_of),
             "jobs": sorted(retired.job_keys),
             "learned": learned,
-            "waitMisses": [{"start": format_timestamp(start), "miss": miss}
-                           for start, miss in retired.wait_misses],
-            "simulatedMisses": [{"class": JobClass(level).label,
-                                 "start": format_timestamp(start), "miss": miss}
-                                for level, start, miss in retired.simulated_misses]}
+            "startMisses": [_miss_to_status(m) for m in retired.start_misses]}
+
+
+def _miss_to_status(miss: StartMiss) -> dict[str, Any]:
+    entry: dict[str, Any] = {"start": format_timestamp(miss.start), "class": miss.job_class.label}
+    if miss.shown is not None:
+        entry["shown"] = miss.shown
+    if miss.simulated is not None:
+        entry["simulated"] = miss.simulated
+    return entry

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from carpool.core.derived import DerivedState
-from carpool.core.jobs import DurationEstimate, Job, RetiredUsage
+from carpool.core.jobs import DurationEstimate, Job, RetiredUsage, StartMiss
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
 
@@ -241,23 +241,52 @@ def _miss(job: Job, estimate: float | None) -> float | None:
 RECENT_MISSES = 100  # the ranges follow how the latest first estimates missed
 
 
-def wait_misses(jobs: Iterable[Job], base: Iterable[float] = ()) -> list[float]:
-    """The misses of the last `RECENT_MISSES` jobs to start, sorted: `base` (misses of jobs
-    no longer in the snapshot, oldest first) and then those of `jobs` by start time.
+def start_miss(job: Job) -> StartMiss | None:
+    """How a started job's estimates missed (`wait_miss`, `simulated_miss`), or None."""
+    shown, simulated = wait_miss(job), simulated_miss(job)
+    if shown is None and simulated is None:
+        return None
+    return StartMiss(min(r.start for r in job.runs), job.job_class, shown, simulated)
+
+
+def recent_misses(records: Iterable[StartMiss]) -> tuple[StartMiss, ...]:
+    """`records` by start time, only those that can still count: among the last
+    `RECENT_MISSES` with a shown miss (`wait_misses`), or among the last `CLASS_MISSES` of
+    their class with a simulated one (`class_misses`)."""
+    kept: list[StartMiss] = []
+    shown = 0
+    simulated: dict[JobClass, int] = {}
+    for record in sorted(records, key=lambda r: (r.start, r.job_class), reverse=True):
+        counts = record.shown is not None and shown < RECENT_MISSES
+        shown += record.shown is not None
+        if record.simulated is not None:
+            seen = simulated.get(record.job_class, 0)
+            simulated[record.job_class] = seen + 1
+            counts = counts or seen < CLASS_MISSES
+        if counts:
+            kept.append(record)
+    kept.reverse()
+    return tuple(kept)
+
+
+def started_misses(jobs: Iterable[Job], base: Iterable[StartMiss] = ()
+                   ) -> tuple[StartMiss, ...]:
+    """The `recent_misses` of `jobs` together with `base` (records of started jobs no longer
+    in the snapshot)."""
+    return recent_misses([*base, *(record for job in jobs
+                                   if (record := start_miss(job)) is not None)])
+
+
+def wait_misses(records: Sequence[StartMiss]) -> list[float]:
+    """The shown misses of the last `RECENT_MISSES` jobs to start (`records` by start time),
+    sorted.
 
     Recent ones only: how estimates miss changes as run times are learned and the load
     shifts (a cluster's first estimates rest on users' over-estimates and come out too
     late, later ones too early), and ranges built from every job ever started kept saying
     what no longer held."""
-    started: list[tuple[float, str, float]] = []
-    for job in jobs:
-        miss = wait_miss(job)
-        if miss is not None:
-            started.append((min(r.start for r in job.runs), job.key, miss))
-    started.sort()
-    misses = [*base, *(miss for _, _, miss in started)][-RECENT_MISSES:]
-    misses.sort()
-    return misses
+    shown = [r.shown for r in records if r.shown is not None]
+    return sorted(shown[-RECENT_MISSES:])
 
 
 # ---------------------------------------------------------------- history of deleted jobs
@@ -269,13 +298,13 @@ def retire_history(retired: RetiredUsage, job: Job, alpha: float = DURATION_LEAR
                    ) -> RetiredUsage:
     """`retired` with what a job being deleted taught the estimates: its finished run folded
     into its project's learned run times (`fold_finished`; the keys it updated move last) and
-    its first-estimate miss into the project's recent misses.
+    its misses (`start_miss`) into the project's recent misses.
 
     Bounded, as it is kept in the ProjectQuota's status: how many templates a project has is
     up to its users, so only the `MAX_RETIRED_TEMPLATES` most recently updated templates are
-    kept (its classes, four at most, always); misses are kept by start time, the last
-    `RECENT_MISSES` (no more can count, see `wait_misses`). Not idempotent on its own: the
-    caller folds each job once (`accounting.retire_deleted` checks `job_keys`)."""
+    kept (its classes, four at most, always); misses only while they can count
+    (`recent_misses`). Not idempotent on its own: the caller folds each job once
+    (`accounting.retire_deleted` checks `job_keys`)."""
     learned = dict(retired.learned)
     run = finished_run(job)
     if run is not None:
@@ -286,47 +315,24 @@ def retire_history(retired: RetiredUsage, job: Job, alpha: float = DURATION_LEAR
         templates = [k for k in learned if isinstance(k[1], str)]
         for key in templates[:max(0, len(templates) - MAX_RETIRED_TEMPLATES)]:
             del learned[key]
-    misses = retired.wait_misses
-    miss = wait_miss(job)
-    if miss is not None:
-        started = min(r.start for r in job.runs)
-        misses = tuple(sorted((*misses, (started, miss))))[-RECENT_MISSES:]
-    simulated = retired.simulated_misses
-    miss = simulated_miss(job)
-    if miss is not None:
-        level = int(job.job_class)
-        started = min(r.start for r in job.runs)
-        mine = sorted([(s, m) for lv, s, m in simulated if lv == level] + [(started, miss)])
-        simulated = tuple(sorted((*((lv, s, m) for lv, s, m in simulated if lv != level),
-                                  *((level, s, m) for s, m in mine[-CLASS_MISSES:]))))
-    return replace(retired, learned=learned, wait_misses=misses, simulated_misses=simulated)
+    misses = retired.start_misses
+    record = start_miss(job)
+    if record is not None:
+        misses = recent_misses((*misses, record))
+    return replace(retired, learned=learned, start_misses=misses)
 
 
 def kept_history(retired: Iterable[RetiredUsage]
-                 ) -> tuple[dict[LearnKey, DurationEstimate], tuple[float, ...]]:
+                 ) -> tuple[dict[LearnKey, DurationEstimate], tuple[StartMiss, ...]]:
     """What deleted jobs left in their projects, as a `ClusterSnapshot` takes it: every
     project's learned run times (`learned`; the keys name their project, so none collide) and
-    all projects' first-estimate misses by start time, the last `RECENT_MISSES`
-    (`wait_misses`, oldest first)."""
+    all projects' misses, those that can still count (`start_misses`)."""
     learned: dict[LearnKey, DurationEstimate] = {}
-    misses: list[tuple[float, float]] = []
+    misses: list[StartMiss] = []
     for project in retired:
         learned.update(project.learned)
-        misses.extend(project.wait_misses)
-    misses.sort()
-    return learned, tuple(miss for _, miss in misses[-RECENT_MISSES:])
-
-
-def kept_class_misses(retired: Iterable[RetiredUsage]
-                      ) -> dict[int, tuple[tuple[float, float], ...]]:
-    """All projects' deleted jobs' simulated-start misses per class level, as a
-    `ClusterSnapshot` takes them (`class_misses`): (started at, miss), the last
-    `CLASS_MISSES` of each class by start time."""
-    by_level: dict[int, list[tuple[float, float]]] = {}
-    for project in retired:
-        for level, started, miss in project.simulated_misses:
-            by_level.setdefault(level, []).append((started, miss))
-    return {level: tuple(sorted(pairs)[-CLASS_MISSES:]) for level, pairs in by_level.items()}
+        misses.extend(project.start_misses)
+    return learned, recent_misses(misses)
 
 
 def start_range(now: float, estimate: float, misses: Sequence[float]
@@ -360,20 +366,14 @@ def simulated_miss(job: Job) -> float | None:
     return _miss(job, job.first_simulated_start)
 
 
-def class_misses(jobs: Iterable[Job],
-                 base: Mapping[int, Sequence[tuple[float, float]]] | None = None
-                 ) -> dict[int, list[float]]:
-    """Per class level, the `simulated_miss`es of its last `CLASS_MISSES` jobs to start, by
-    start time: `jobs` and `base` ((started at, miss) of jobs no longer in the snapshot)."""
-    started: dict[int, list[tuple[float, float]]] = {
-        level: list(pairs) for level, pairs in (base or {}).items()}
-    for job in jobs:
-        miss = simulated_miss(job)
-        if miss is not None:
-            started.setdefault(int(job.job_class), []).append(
-                (min(r.start for r in job.runs), miss))
-    return {level: [miss for _, miss in sorted(pairs)[-CLASS_MISSES:]]
-            for level, pairs in started.items()}
+def class_misses(records: Sequence[StartMiss]) -> dict[int, list[float]]:
+    """Per class level, the simulated misses of its last `CLASS_MISSES` jobs to start
+    (`records` by start time), oldest first."""
+    by_level: dict[int, list[float]] = {}
+    for record in records:
+        if record.simulated is not None:
+            by_level.setdefault(int(record.job_class), []).append(record.simulated)
+    return {level: misses[-CLASS_MISSES:] for level, misses in by_level.items()}
 
 
 def calibrated_start(now: float, simulated: float, misses: Sequence[float],

@@ -230,6 +230,20 @@ class ProjectQuota:
 
 
 @dataclass(frozen=True)
+class StartMiss:
+    """How the estimates of one started job missed its first start, each as ln(actual wait /
+    estimated wait): the first estimate it was shown (`shown`; the estimate ranges follow
+    these) and the forward simulation's first start before calibration (`simulated`; the
+    class calibration follows these). None where there was none, or it promised under a
+    minute (eta.wait_miss, eta.simulated_miss)."""
+
+    start: float  # first started at
+    job_class: JobClass
+    shown: float | None
+    simulated: float | None
+
+
+@dataclass(frozen=True)
 class RetiredUsage:
     """What jobs deleted from the cluster leave behind in their project: their GPU use, so
     deleting a job never refunds budget, and what they taught the estimates (run times and
@@ -248,12 +262,9 @@ class RetiredUsage:
     # at most eta.MAX_RETIRED_TEMPLATES templates (eta.retire_history)
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(
         default_factory=dict)
-    # (started at, ln(actual / first estimated wait)) of deleted jobs, by start time; the
-    # last eta.RECENT_MISSES
-    wait_misses: tuple[tuple[float, float], ...] = ()
-    # (class level, started at, ln(actual / first simulated wait)) of deleted jobs, by start
-    # time; per class the last eta.CLASS_MISSES (see eta.calibrated_start)
-    simulated_misses: tuple[tuple[int, float, float], ...] = ()
+    # how the estimates of deleted jobs missed, by start time; only those that can still
+    # count (eta.recent_misses)
+    start_misses: tuple[StartMiss, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -284,13 +295,10 @@ class ClusterSnapshot:
     # run-time history of finished jobs no longer in `jobs` (a replay keeps it run by run);
     # the cycle adds what the finished jobs in `jobs` teach
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(default_factory=dict)
-    # ln(actual / first estimated wait) of started jobs no longer in `jobs` (see eta.start_range)
-    wait_misses: tuple[float, ...] = ()
+    # how the estimates of started jobs no longer in `jobs` missed (eta.recent_misses)
+    start_misses: tuple[StartMiss, ...] = ()
     # (submitted at, class level, GPU-seconds) of recent arrivals no longer in `jobs`
     recent_arrivals: tuple[tuple[float, int, float], ...] = ()
-    # per class level, (started at, ln(actual / first simulated wait)) of started jobs no
-    # longer in `jobs` (see eta.calibrated_start)
-    class_misses: Mapping[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         keys = [j.key for j in self.jobs]

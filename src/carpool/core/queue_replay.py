@@ -36,9 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.eta import (
-    CLASS_MISSES,
     DURATION_LEARNING_RATE,
-    RECENT_MISSES,
     LearnKey,
     NodePlacer,
     Occupancy,
@@ -46,8 +44,8 @@ from carpool.core.eta import (
     TimelineMemo,
     arrival_work,
     fold_finished,
-    simulated_miss,
-    wait_miss,
+    recent_misses,
+    start_miss,
 )
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.job_traces import TraceJob
@@ -58,6 +56,7 @@ from carpool.core.jobs import (
     ProjectQuota,
     RetiredUsage,
     RunRecord,
+    StartMiss,
 )
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, admission_cycle
@@ -144,15 +143,13 @@ class State:
     jobs: dict[str, Job] = field(default_factory=dict)  # queued, running, leaving
     retired: dict[str, RetiredUsage] = field(default_factory=dict)
     learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
-    wait_misses: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_MISSES))
+    start_misses: tuple[StartMiss, ...] = ()  # of finished jobs (eta.recent_misses)
     arrivals: deque[tuple[float, int, float]] = field(default_factory=deque)
-    class_misses: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.now, tuple(self.jobs.values()), self.quotas, self.nodes,
-                               self.retired, self.learned, tuple(self.wait_misses),
-                               tuple(self.arrivals),
-                               {level: tuple(m) for level, m in self.class_misses.items()})
+                               self.retired, self.learned, self.start_misses,
+                               tuple(self.arrivals))
 
 
 @dataclass(frozen=True)
@@ -427,10 +424,7 @@ class Replay:
         state = self.state
         other.state = replace(state, jobs=dict(state.jobs), retired=dict(state.retired),
                               learned=dict(state.learned),
-                              wait_misses=deque(state.wait_misses, maxlen=RECENT_MISSES),
-                              arrivals=deque(state.arrivals),
-                              class_misses={level: deque(m, maxlen=CLASS_MISSES)
-                                            for level, m in state.class_misses.items()})
+                              arrivals=deque(state.arrivals))
         other.events = [e for e in self.events if arrivals or e[1] != ARRIVE]
         heapq.heapify(other.events)
         other.records = {k: replace(r, refreshed=list(r.refreshed))
@@ -470,13 +464,9 @@ class Replay:
                 state.retired[job.project] = retire_job(
                     state.retired.get(job.project), job, quota, now, HALF_LIFE_S)
             fold_finished(state.learned, job, trace[key].runtime_s, self.learning_rate)
-            miss = wait_miss(job)
-            if miss is not None:
-                state.wait_misses.append(miss)
-            miss = simulated_miss(job)
-            if miss is not None:
-                state.class_misses.setdefault(int(job.job_class), deque(
-                    maxlen=CLASS_MISSES)).append((min(r.start for r in job.runs), miss))
+            record = start_miss(job)
+            if record is not None:
+                state.start_misses = recent_misses((*state.start_misses, record))
             state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
                 job, nominal_fraction(job.request, self.reference), state.learned)))
             while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:

@@ -57,6 +57,7 @@ from carpool.core.eta import (
     higher_class_stretch,
     learn_durations,
     start_range,
+    started_misses,
     wait_misses,
 )
 from carpool.core.fairshare import (
@@ -505,15 +506,15 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     for position, job in borrowers:
         walk.consider(job, position, borrowers_allowed=True)
 
-    misses = wait_misses(snapshot.jobs, snapshot.wait_misses)
+    recent = started_misses(snapshot.jobs, snapshot.start_misses)
+    misses = wait_misses(recent)
     arrivals = [*snapshot.recent_arrivals, *(
         (j.submitted_at, int(j.job_class),
          arrival_work(j, nominal_fraction(j.request, cycle.reference_mib), cycle.learned))
         for j in snapshot.jobs if now - j.submitted_at <= config.arrival_window_s)]
     stretch = higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus, arrivals)
     levels = {j.key: int(j.job_class) for j in waiting}
-    by_class = (class_misses(snapshot.jobs, snapshot.class_misses)
-                if config.class_calibration else {})
+    by_class = class_misses(recent) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_with_range(_calibrated(
         _stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)), by_key, now, by_class,

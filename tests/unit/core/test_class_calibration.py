@@ -15,9 +15,10 @@ from carpool.core.eta import (
     calibrated_start,
     class_misses,
     simulated_miss,
+    started_misses,
 )
 from carpool.core.fairshare import next_aging
-from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord, StartMiss
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import GpuGrant, JobClass, Phase
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
@@ -37,8 +38,8 @@ def test_a_class_keeps_the_misses_of_its_latest_simulated_starts() -> None:
     assert simulated_miss(started("a/x", JobClass.LONG, 0, None, 200)) is None
     jobs = [started(f"a/l{i}", JobClass.LONG, 0, 100, 300 - i) for i in range(CLASS_MISSES + 5)]
     jobs.append(started("a/b", JobClass.BATCH, 0, 100, 50))
-    # (started at, miss) of a batch job no longer in the snapshot: it started after a/b
-    misses = class_misses(jobs, base={int(JobClass.BATCH): [(60.0, 0.0)]})
+    # a batch job no longer in the snapshot: it started after a/b
+    misses = class_misses(started_misses(jobs, [StartMiss(60.0, JobClass.BATCH, None, 0.0)]))
     # by start time: the 50 long jobs that started last (at 251..300), not those at 246..250
     assert len(misses[JobClass.LONG]) == CLASS_MISSES
     assert misses[JobClass.LONG][0] == pytest.approx(math.log(251 / 100))
@@ -77,19 +78,18 @@ def test_the_cycle_calibrates_waits_of_a_class_that_started_late() -> None:
     batch = gpu_job("c/batch", "c", JobClass.BATCH, submitted=1000)
     quotas = {p: ProjectQuota(p, frozenset({p})) for p in "abc"}
 
-    def waits(misses: dict[int, tuple[tuple[float, float], ...]]
-              ) -> dict[str, tuple[float | str | None, ...]]:
+    def waits(misses: tuple[StartMiss, ...]) -> dict[str, tuple[float | str | None, ...]]:
         snapshot = ClusterSnapshot(1800.0, (running, long_job, batch), quotas,
-                                   {"n1": gpu_node()}, class_misses=misses)
+                                   {"n1": gpu_node()}, start_misses=misses)
         result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer))
         return {w.job_key: (w.estimated_start, w.simulated_start, w.message)
                 for w in result.waits}
 
-    plain = waits({})
+    plain = waits(())
     assert plain["b/long"][:2] == (HOUR, HOUR)  # when a/run is expected to end
     # long jobs started twice as late as simulated: 1800 + 2 x 1800 = 5400, capped at the
     # long job's first aging step, 1000 + 3600 = 4600; batch jobs' estimates unchanged
-    calibrated = waits({int(JobClass.LONG): ((0.0, LN2),) * MIN_CLASS_MISSES})
+    calibrated = waits((StartMiss(0.0, JobClass.LONG, None, LN2),) * MIN_CLASS_MISSES)
     start, simulated, message = calibrated["b/long"]
     assert (start, simulated) == (4600, HOUR)
     assert f"estimated start in {format_duration(4600 - 1800)}" in str(message)

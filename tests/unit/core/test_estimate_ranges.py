@@ -13,10 +13,11 @@ from carpool.core.eta import (
     RECENT_MISSES,
     higher_class_stretch,
     start_range,
+    started_misses,
     wait_miss,
     wait_misses,
 )
-from carpool.core.jobs import Job, RunRecord, job_template
+from carpool.core.jobs import Job, RunRecord, StartMiss, job_template
 from carpool.core.resources import JobClass, Phase
 from carpool.reporting import relative_range
 from carpool_testbed.builders import gpu_job
@@ -37,7 +38,8 @@ def test_a_miss_is_the_log_of_actual_over_promised_wait() -> None:
 def test_the_range_scales_the_promised_wait_by_p10_and_p90_misses() -> None:
     assert start_range(0, 100, [0.0] * (MIN_RANGE_SAMPLES - 1)) is None
     # misses of ln 0.5 .. ln 2 evenly: P10 and P90 interpolate between them
-    misses = wait_misses([started(f"a/{i}", 0, 100, 50 + 150 * i / 19) for i in range(20)])
+    misses = wait_misses(started_misses(
+        [started(f"a/{i}", 0, 100, 50 + 150 * i / 19) for i in range(20)]))
     assert len(misses) == MIN_RANGE_SAMPLES
     low, high = start_range(1000, 1100, misses) or (0, 0)
     assert 1000 + 100 * 0.5 < low < 1100 < high < 1000 + 100 * 2.0
@@ -50,12 +52,13 @@ def test_ranges_follow_the_latest_misses_only() -> None:
     # twice too early: only the latest say what a range shown now should hold
     early = [started(f"a/old{i}", 0, 200, 100 + i * 1e-3) for i in range(RECENT_MISSES)]
     late = [started(f"a/new{i}", 1000, 1100, 1200 + i * 1e-3) for i in range(RECENT_MISSES)]
-    misses = wait_misses([*late, *early])  # any order: by start time
+    misses = wait_misses(started_misses([*late, *early]))  # any order: by start time
     assert misses == pytest.approx([math.log(2)] * RECENT_MISSES, abs=1e-3)
     low, high = start_range(5000, 5100, misses) or (0, 0)
     assert (low, high) == (5100, pytest.approx(5200, abs=0.1))
-    # misses of jobs no longer in the snapshot come first, before any job still there
-    assert wait_misses(late[:10], base=[-1.0] * RECENT_MISSES).count(-1.0) == RECENT_MISSES - 10
+    # misses of jobs no longer in the snapshot count by start time with those still there
+    gone = [StartMiss(float(i), JobClass.BATCH, -1.0, None) for i in range(RECENT_MISSES)]
+    assert wait_misses(started_misses(late[:10], gone)).count(-1.0) == RECENT_MISSES - 10
 
 
 def test_higher_class_arrivals_stretch_lower_classes_only() -> None:

@@ -125,12 +125,12 @@ def test_deleting_the_finished_jobs_changes_no_estimate() -> None:
                 for p, r in retired.items()}
     read_back = {p: r for p, status in statuses.items()
                  if (r := retired_from_status(p, status)[0]) is not None}
-    assert {p: (r.learned, r.wait_misses) for p, r in read_back.items()} == {
-        p: (r.learned, r.wait_misses) for p, r in retired.items()}
+    assert {p: (r.learned, r.start_misses) for p, r in read_back.items()} == {
+        p: (r.learned, r.start_misses) for p, r in retired.items()}
     learned, misses = kept_history(read_back.values())
     assert set(learned) == {("vision", JobClass.SHORT),
                             ("vision", job_template("train", IMAGE))}
-    assert sorted(misses) == sorted(state.wait_misses)
+    assert sorted(misses, key=repr) == sorted(state.start_misses, key=repr)
     operator = admission_cycle(ClusterSnapshot(state.now, tuple(live), state.quotas, NODES,
                                                read_back, learned, misses), CONFIG)
     assert_same_estimates(operator, decisions)

@@ -12,7 +12,14 @@ import pytest
 from carpool.core import eta
 from carpool.core.accounting import forget_gone, retire_deleted
 from carpool.core.decoding import retired_from_status, retired_to_status
-from carpool.core.jobs import DurationEstimate, Job, ProjectQuota, RetiredUsage, RunRecord
+from carpool.core.jobs import (
+    DurationEstimate,
+    Job,
+    ProjectQuota,
+    RetiredUsage,
+    RunRecord,
+    StartMiss,
+)
 from carpool.core.resources import GpuRequest, JobClass, Phase
 from carpool_testbed.builders import HOUR
 
@@ -78,10 +85,11 @@ def test_only_succeeded_runs_teach_run_times_but_every_started_job_its_miss() ->
     retired = retire(failed)
     assert retired.learned == {}
     # promised 100 s, started after 300 s
-    ((started, miss),) = retired.wait_misses
-    assert started == 300.0 and miss == pytest.approx(math.log(3))
+    ((record),) = retired.start_misses
+    assert (record.start, record.job_class, record.simulated) == (300.0, JobClass.BATCH, None)
+    assert record.shown == pytest.approx(math.log(3))
     # a first estimate under a minute says little of the error and is not kept
-    assert retire(finished("quick", 50, 5, first_estimate=30.0)).wait_misses == ()
+    assert retire(finished("quick", 50, 5, first_estimate=30.0)).start_misses == ()
 
 
 def test_learned_templates_are_capped_keeping_the_most_recently_updated() -> None:
@@ -107,8 +115,8 @@ def test_misses_are_kept_by_start_time_the_last_hundred() -> None:
     jobs = [finished(f"j{i}", 1000.0 + (i * 37) % 150, 5, first_estimate=100.0)
             for i in range(150)]
     retired = retire(*jobs)
-    assert len(retired.wait_misses) == eta.RECENT_MISSES
-    starts = [start for start, _ in retired.wait_misses]
+    assert len(retired.start_misses) == eta.RECENT_MISSES
+    starts = [miss.start for miss in retired.start_misses]
     assert starts == sorted(starts) and starts[0] == 1050.0
 
 
@@ -119,7 +127,7 @@ def test_the_status_round_trip_keeps_everything_exactly() -> None:
     read_back, problems = round_trip(retired)
     assert not problems and read_back is not None
     assert read_back.learned == retired.learned
-    assert read_back.wait_misses == retired.wait_misses
+    assert read_back.start_misses == retired.start_misses
     assert read_back.job_keys == retired.job_keys
     status = retired_to_status(retired)
     # least recently updated first: other-1 updated the class, then its template
@@ -130,8 +138,8 @@ def test_the_status_round_trip_keeps_everything_exactly() -> None:
                             ("log_seconds", "logSeconds"), ("log_ratio", "logRatio"),
                             ("error_seconds", "errorSeconds"), ("error_ratio", "errorRatio"),
                             ("low", "low"), ("high", "high"))}}
-    assert status["waitMisses"][0] == {"start": "1970-01-01T00:01:40Z",
-                                       "miss": retired.wait_misses[0][1]}
+    assert status["startMisses"][0] == {"start": "1970-01-01T00:01:40Z", "class": "batch",
+                                        "shown": retired.start_misses[0].shown}
 
 
 def test_an_older_status_without_history_reads_as_none_learned() -> None:
@@ -140,7 +148,7 @@ def test_an_older_status_without_history_reads_as_none_learned() -> None:
                           "jobs": ["a/b@u"]}}
     retired, problems = retired_from_status("lab", status)
     assert not problems and retired is not None
-    assert (retired.gpu_hours, retired.learned, retired.wait_misses) == (1.5, {}, ())
+    assert (retired.gpu_hours, retired.learned, retired.start_misses) == (1.5, {}, ())
     assert retired_from_status("lab", {}) == (None, [])
 
 
@@ -175,19 +183,25 @@ def test_malformed_fields_are_ignored_with_a_problem_each_not_raised() -> None:
     status = {"retired": {"periodStart": "yesterday", "gpuHours": "lots",
                           "decayedGpuHours": float("nan"), "jobs": "a/b",
                           "learned": {"train": 1},
-                          "waitMisses": [{"start": "2026-01-01T00:00:00Z", "miss": 0.5},
-                                         {"start": "soon", "miss": 0.1}, [1, 2],
-                                         {"start": "2026-01-01T00:00:00Z", "miss": None}]}}
+                          "startMisses": [{"start": "2026-01-01T00:00:00Z", "class": "long",
+                                           "shown": 0.5},
+                                          {"start": "soon", "class": "long", "shown": 0.1},
+                                          [1, 2],
+                                          {"start": "2026-01-01T00:00:00Z", "class": "long"},
+                                          {"start": "2026-01-01T00:00:00Z", "shown": 0.1},
+                                          {"start": "2026-01-01T00:00:00Z", "class": "long",
+                                           "shown": 0.1, "simulated": "far"}]}}
     retired, problems = retired_from_status("lab", status)
     assert retired is not None
     assert (retired.period_start, retired.gpu_hours, retired.decayed_gpu_hours) == (0, 0, 0)
     assert retired.job_keys == frozenset() and retired.learned == {}
-    assert retired.wait_misses == ((1767225600.0, 0.5),)
+    assert retired.start_misses == (StartMiss(1767225600.0, JobClass.LONG, 0.5, None),)
     fields = sorted(p.split(":")[0] for p in problems)
     assert fields == sorted(["status.retired.periodStart", "status.retired.gpuHours",
                       "status.retired.decayedGpuHours", "status.retired.jobs",
-                      "status.retired.learned", "status.retired.waitMisses[1]",
-                      "status.retired.waitMisses[2]", "status.retired.waitMisses[3]"])
+                      "status.retired.learned", "status.retired.startMisses[1]",
+                      "status.retired.startMisses[2]", "status.retired.startMisses[3]",
+                      "status.retired.startMisses[4]", "status.retired.startMisses[5]"])
     assert retired_from_status("lab", {"retired": ["x"]}) == (
         None, ["status.retired: not an object; ignored"])
 
@@ -200,7 +214,9 @@ def test_kept_history_merges_projects_and_keeps_the_last_misses_by_start() -> No
     assert set(learned) == {("lab", JobClass.BATCH), ("lab", "train@img"),
                             ("other", JobClass.BATCH), ("other", "train@img")}
     # the last 100 of 160 misses by start time, oldest first: starts 60..159
-    assert misses == pytest.approx([math.log(start / 100) for start in range(60, 160)])
+    assert [m.start for m in misses] == list(range(60, 160))
+    assert [m.shown for m in misses] == pytest.approx(
+        [math.log(start / 100) for start in range(60, 160)])
     assert eta.kept_history([]) == ({}, ())
 
 
@@ -218,7 +234,7 @@ def test_keys_of_jobs_that_are_gone_are_forgotten_and_nothing_else() -> None:
     assert forget_gone(retired, {"lab/train-1", "lab/other"}) == RetiredUsage(
         retired.period_start, retired.gpu_hours, retired.decayed_gpu_hours,
         retired.decayed_as_of, frozenset({"lab/train-1"}), retired.learned,
-        retired.wait_misses)
+        retired.start_misses)
     assert forget_gone(retired, {"lab/train-1", "lab/train-2"}) is retired
 
 
@@ -231,17 +247,30 @@ def test_simulated_misses_are_kept_per_class_the_last_fifty_and_read_back() -> N
 
     longs = [simulated(f"l-{i}", 1000.0 + i, JobClass.LONG) for i in range(eta.CLASS_MISSES + 3)]
     retired = retire(*longs, simulated("b-1", 5000.0, JobClass.BATCH))
-    by_class = eta.kept_class_misses([retired])
-    assert [s for s, _ in by_class[JobClass.LONG]] == [1003.0 + i
-                                                        for i in range(eta.CLASS_MISSES)]
-    assert by_class[JobClass.BATCH] == ((5000.0, pytest.approx(math.log(2))),)
+    _, kept = eta.kept_history([retired])
+    long_starts = [m.start for m in kept if m.job_class is JobClass.LONG]
+    # simulated misses only: of the long jobs, the last 50 are kept
+    assert long_starts == [1003.0 + i for i in range(eta.CLASS_MISSES)]
+    by_class = eta.class_misses(kept)
+    assert by_class[JobClass.LONG] == [pytest.approx(math.log(2))] * eta.CLASS_MISSES
+    assert by_class[JobClass.BATCH] == [pytest.approx(math.log(2))]
     back, problems = round_trip(retired)
     assert problems == [] and back is not None
-    assert back.simulated_misses == retired.simulated_misses
+    assert back.start_misses == retired.start_misses
     # a hand-edited entry naming no class is left out and named
     status = {"retired": {**retired_to_status(retired),
-                          "simulatedMisses": [{"class": "urgent", "start": "2026-12-01T10:00:00Z",
-                                               "miss": 0.5}]}}
+                          "startMisses": [{"class": "urgent", "start": "2026-12-01T10:00:00Z",
+                                           "simulated": 0.5}]}}
     edited, problems = retired_from_status("lab", status)
-    assert edited is not None and edited.simulated_misses == ()
-    assert problems and "simulatedMisses[0]" in problems[0] and "urgent" in problems[0]
+    assert edited is not None and edited.start_misses == ()
+    assert problems and "startMisses[0]" in problems[0] and "urgent" in problems[0]
+
+
+def test_a_miss_is_kept_while_either_of_its_parts_can_count() -> None:
+    # 100 batch jobs shown an estimate, none simulated, start after one long job that was
+    # simulated only: its shown miss no longer counts, its simulated one does
+    long_job = StartMiss(1.0, JobClass.LONG, None, 0.7)
+    shown = [StartMiss(10.0 + i, JobClass.BATCH, 0.1, None) for i in range(eta.RECENT_MISSES)]
+    older_shown = StartMiss(2.0, JobClass.BATCH, 0.9, None)
+    kept = eta.recent_misses([*shown, older_shown, long_job])
+    assert kept == (long_job, *shown)
