@@ -1,0 +1,18 @@
+"""The operator's settings from its environment (the chart's `operator.extraEnv`)."""
+
+from __future__ import annotations
+
+from carpool.operator.reconciler import ReconcilerConfig
+
+
+def test_defaults_leave_the_arrival_correction_off() -> None:
+    config = ReconcilerConfig.from_environment({})
+    assert config.admission.arrival_window_s == 0.0
+    assert config.admission.aging_step_s == 3600.0
+
+
+def test_the_arrival_window_turns_the_higher_class_arrival_correction_on() -> None:
+    config = ReconcilerConfig.from_environment({"CARPOOL_ARRIVAL_WINDOW_S": "120",
+                                                "CARPOOL_AGING_STEP_S": "1800"})
+    assert config.admission.arrival_window_s == 120.0
+    assert config.admission.aging_step_s == 1800.0
