@@ -133,8 +133,8 @@ def retire_deleted(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, 
 def forget_gone(retired: RetiredUsage, present: AbstractSet[str]) -> RetiredUsage:
     """`retired` keeping only the keys of jobs still `present` (being deleted, their
     finalizer not yet removed). A key only guards against folding a job in twice while it
-    still exists; without this the list grew by one key per deleted job for a whole budget
-    period, and a cluster that cleans up finished jobs would outgrow the object's size limit."""
+    still exists; one key per deleted job kept for a whole budget period would outgrow the
+    object's size limit on a cluster that cleans up finished jobs."""
     kept = retired.job_keys & present
     return retired if kept == retired.job_keys else replace(retired, job_keys=kept)
 

@@ -172,7 +172,7 @@ _ESTIMATE_FIELDS = (  # DurationEstimate field <-> status name, in status order
 def retired_from_status(project: str, status: Mapping[str, Any] | None
                         ) -> tuple[RetiredUsage | None, list[str]]:
     """The retired usage a ProjectQuota's status keeps (deleted jobs' GPU-hours, learned run
-    times and first-estimate misses), and what in it was malformed.
+    times and how their estimates missed), and what in it was malformed.
 
     The status is the operator's own, but an admin can edit it: a bad field or entry is left
     out (a number counts as 0) and named in the problems, never raised, so a hand-edited

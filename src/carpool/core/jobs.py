@@ -247,7 +247,7 @@ class StartMiss:
 class RetiredUsage:
     """What jobs deleted from the cluster leave behind in their project: their GPU use, so
     deleting a job never refunds budget, and what they taught the estimates (run times and
-    first-estimate misses), so deleting finished jobs forgets nothing the ETA learned.
+    how their estimates missed), so deleting finished jobs forgets nothing the ETA learned.
 
     The operator folds a job in (`accounting.retire_deleted`) from its deletion finalizer and
     stores this in the ProjectQuota's status. `job_keys` makes retiring idempotent.
