@@ -94,16 +94,17 @@ def retire_job(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now:
                half_life_s: float) -> RetiredUsage:
     """Fold a job that is being deleted into its project's retired usage (idempotent).
 
-    A period that has ended is dropped (its budget no longer matters) together with the keys
-    of the jobs retired in it.
+    A period that has ended is dropped (its budget no longer matters); the keys of the jobs
+    retired in it stay, so that a job retired just before the period rolled over and retired
+    again after it (its finalizer not yet removed) is not counted twice. `forget_gone` keeps
+    the keys few.
     """
     retired = retired or RetiredUsage()
     if job.key in retired.job_keys:
         return retired
     period_start = quota.period_start(now)
     if retired.period_start != period_start:
-        retired = replace(retired, period_start=period_start, gpu_hours=0.0,
-                          job_keys=frozenset())
+        retired = replace(retired, period_start=period_start, gpu_hours=0.0)
     in_period = sum(run_gpu_hours_between(r, period_start, period_start + quota.period_s, now)
                     for r in job.runs)
     decayed_job = sum(

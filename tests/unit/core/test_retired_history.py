@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from carpool.core import eta
-from carpool.core.accounting import forget_gone, retire_deleted
+from carpool.core.accounting import forget_gone, project_usage, retire_deleted
 from carpool.core.decoding import retired_from_status, retired_to_status
 from carpool.core.jobs import (
     DurationEstimate,
@@ -224,8 +224,23 @@ def test_a_new_budget_period_keeps_the_history() -> None:
     quota = ProjectQuota("lab", frozenset({"lab"}), period_s=HOUR)
     retired = retire_deleted(None, finished("train-1", 100, 30), quota, 0.5 * HOUR, 1e12)
     later = retire_deleted(retired, finished("train-2", 200, 60), quota, 2.5 * HOUR, 1e12)
-    assert later.period_start == 2 * HOUR and later.job_keys == {"lab/train-2"}
+    assert later.period_start == 2 * HOUR and later.job_keys == {"lab/train-1", "lab/train-2"}
     assert later.learned[("lab", "train@img")].samples == 2
+
+
+def test_a_job_retired_again_after_the_period_rolled_over_counts_once() -> None:
+    # train-1 was folded in but its finalizer not yet removed when the period rolled over;
+    # train-2 is retired in the new period, then train-1's deletion is handled again
+    quota = ProjectQuota("lab", frozenset({"lab"}), period_s=HOUR)
+    first, second = finished("train-1", 100, 30), finished("train-2", 200, 60)
+    retired = retire_deleted(None, first, quota, 0.5 * HOUR, 1e12)
+    later = retire_deleted(retired, second, quota, 1.5 * HOUR, 1e12)
+    again = retire_deleted(later, first, quota, 1.6 * HOUR, 1e12)
+    assert again is later
+    assert later.learned[("lab", "train@img")].samples == 2
+    alone = retire_deleted(None, second, quota, 1.5 * HOUR, 1e12)
+    assert project_usage(quota, [first], 1.6 * HOUR, 1e12, again).decayed_gpu_hours == (
+        pytest.approx(retired.decayed_gpu_hours + alone.decayed_gpu_hours))
 
 
 def test_keys_of_jobs_that_are_gone_are_forgotten_and_nothing_else() -> None:
