@@ -516,10 +516,10 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     levels = {j.key: int(j.job_class) for j in waiting}
     by_class = class_misses(recent) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
-    ordered = sorted((_with_range(_calibrated(
+    ordered = sorted((_told(_with_range(_calibrated(
         _stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)), by_key, now, by_class,
-        config.aging_step_s), now, misses) for w in walk.waits),
-        key=lambda w: (w.position, w.job_key))
+        config.aging_step_s), now, misses), now, walk.told_after.get(w.job_key))
+        for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
     waits = tuple(w if w.reason.refused else replace(w, position=next(queued))
@@ -538,18 +538,26 @@ def _stretched(wait: Wait, now: float, factor: float) -> Wait:
 def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,
                 misses: Mapping[int, list[float]], aging_step_s: float) -> Wait:
     """The wait with its simulated start calibrated by its class's misses (eta.
-    calibrated_start); its message says the calibrated start."""
+    calibrated_start)."""
     job = jobs.get(wait.job_key)
     simulated = wait.estimated_start
     if simulated is None or wait.simulated_start is None or job is None:
         return wait
     start = calibrated_start(now, simulated, misses.get(int(job.job_class), ()),
                              next_aging(job, now, aging_step_s))
-    if start == simulated:
-        return replace(wait, simulated_start=simulated)
-    message = wait.message.replace(f"estimated start in {_fmt_time(simulated - now)}",
-                                   f"estimated start in {_fmt_time(start - now)}", 1)
-    return replace(wait, estimated_start=start, simulated_start=simulated, message=message)
+    return replace(wait, estimated_start=start, simulated_start=simulated)
+
+
+def _told(wait: Wait, now: float, after: str | None) -> Wait:
+    """The wait whose estimate the forward simulation made (`after` not None), its message
+    ending in that estimate as finally given (stretched, calibrated), then `after`: the
+    message is written once the estimate is final, so the two always agree."""
+    if after is None:
+        return wait
+    told = wait.message
+    if wait.estimated_start is not None:
+        told += f"; estimated start in {_fmt_time(wait.estimated_start - now)}"
+    return replace(wait, message=told + after)
 
 
 def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
@@ -589,13 +597,20 @@ class _Walk:
         self.latest_reserved = cycle.snapshot.now
         self.work_beyond_depth = 0.0
         self.ahead = 0  # jobs decided so far that wait for GPUs
+        # per job whose estimate the forward simulation made: what its message says after
+        # the estimated start, which is added once final (`_told`)
+        self.told_after: dict[str, str] = {}
         self._victims: list[_Holder] | None = None  # `_yielding`'s candidates, in order
 
     def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
               estimate: float | None = None, coarse: bool = False,
-              simulated: bool = False) -> None:
+              simulated: bool = False, after_estimate: str = "") -> None:
+        """Record a wait; a `simulated` estimate is still to be calibrated, and its message
+        gets the estimated start and `after_estimate` once it is final (`_told`)."""
         self.waits.append(Wait(job.key, reason, message, position, self.ahead, estimate, coarse,
                                simulated_start=estimate if simulated else None))
+        if simulated:
+            self.told_after[job.key] = after_estimate
         if reason.competes_for_capacity:
             self.ahead += 1
 
@@ -635,8 +650,6 @@ class _Walk:
                    f"disrupted its pod); next attempt in {_fmt_time(job.not_before - now)}")
         estimate, coarse, _ = self._reserve(job, self.durations[job.key], job.not_before,
                                             False, None)
-        if estimate is not None:
-            message += f"; estimated start in {_fmt_time(estimate - now)}"
         self._wait(job, WaitReason.REQUEUE_BACKOFF, message, position, estimate, coarse,
                    simulated=True)
 
@@ -770,13 +783,12 @@ class _Walk:
         estimate, coarse, victims = (self._reserve(job, duration, parked.not_before, limits,
                                                    parked.in_quota)
                                      if parked.estimable else (None, False, ()))
-        message = parked.message
-        if estimate is not None:
-            message += f"; estimated start in {_fmt_time(estimate - self.cycle.snapshot.now)}"
+        after = ""
         if victims:
             more = f" and {len(victims) - 3} more" if len(victims) > 3 else ""
-            message += f", preempting {', '.join(victims[:3])}{more}"
-        self._wait(job, parked.reason, message, position, estimate, coarse, simulated=True)
+            after = f", preempting {', '.join(victims[:3])}{more}"
+        self._wait(job, parked.reason, parked.message, position, estimate, coarse,
+                   simulated=True, after_estimate=after)
 
     def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
         """Why a job the project limits allow finds no slot now."""

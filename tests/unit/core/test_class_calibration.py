@@ -10,6 +10,7 @@ import pytest
 from carpool.core.decoding import job_from_object
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
+    MIN_HIGHER_ARRIVALS,
     CLASS_MISSES,
     MIN_CLASS_MISSES,
     calibrated_start,
@@ -105,3 +106,22 @@ def test_the_operator_decodes_the_first_simulated_start() -> None:
                       "firstSimulatedStart": "2026-12-01T10:05:00Z"}}
     job = job_from_object(obj, Phase.QUEUED, 0, (), "", [])
     assert job.first_simulated_start == job.submitted_at + 300
+
+
+def test_the_wait_message_says_the_estimate_as_finally_given() -> None:
+    # the higher-class arrival correction stretches the batch job's simulated wait (1800 s
+    # until a/run ends) by 1 / (1 - 0.8) = 5: the message and the estimate say 9000 s alike
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
+                      grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),))
+    batch = gpu_job("c/batch", "c", JobClass.BATCH, submitted=1000)
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "ac"}
+    surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR)
+                  for i in range(MIN_HIGHER_ARRIVALS))
+    snapshot = ClusterSnapshot(1800.0, (running, batch), quotas, {"n1": gpu_node()},
+                               recent_arrivals=surge)
+    config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=600.0)
+    wait = admission_cycle(snapshot, config).wait_for("c/batch")
+    assert wait is not None and wait.estimated_start == pytest.approx(1800 + 5 * 1800)
+    assert wait.message.endswith(f"; estimated start in {format_duration(5 * 1800)}")
+    assert wait.message.count("estimated start") == 1
