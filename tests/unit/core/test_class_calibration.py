@@ -10,9 +10,9 @@ import pytest
 from carpool.core.decoding import job_from_object
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
-    MIN_HIGHER_ARRIVALS,
     CLASS_MISSES,
     MIN_CLASS_MISSES,
+    MIN_HIGHER_ARRIVALS,
     calibrated_start,
     class_misses,
     simulated_miss,
