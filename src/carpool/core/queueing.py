@@ -10,7 +10,8 @@ What it does, in queue order (see `fairshare` for the order and the aging bound)
 2. Judge the project's limits (`quota`): guarantee, borrowing, GPU-hour budget.
 3. Admit a job only if some node can hold it now (the shared placement core) for its whole
    expected run without touching a reservation of a higher-ranked job; it is then recorded on
-   the node, so nothing later in the cycle takes the same GPUs.
+   the node, so nothing later in the cycle takes the same GPUs. A job still in its requeue
+   backoff is judged and estimated as any other but neither admitted nor preempting yet.
 4. Otherwise it waits and, within the first `reservation_depth` waiting jobs, reserves the
    earliest slot the forward simulation (`eta`) finds: that is its estimated start, and no
    lower-ranked job may take it (backfill only fills holes). Deeper jobs get a coarse
@@ -498,9 +499,6 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             walk.waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
             continue
         position += 1
-        if job.not_before > now:
-            walk.back_off(job, position)
-            continue
         if not walk.consider(job, position, borrowers_allowed=False):
             borrowers.append((position, job))
     for position, job in borrowers:
@@ -604,19 +602,26 @@ class _Walk:
 
     def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
               estimate: float | None = None, coarse: bool = False,
-              simulated: bool = False, after_estimate: str = "") -> None:
+              simulated: bool = False, after_estimate: str = "",
+              held_by: WaitReason | None = None) -> None:
         """Record a wait; a `simulated` estimate is still to be calibrated, and its message
-        gets the estimated start and `after_estimate` once it is final (`_told`)."""
+        gets the estimated start and `after_estimate` once it is final (`_told`). `held_by`:
+        what holds the job beyond `reason` (a backoff's), which decides whether it counts
+        among the jobs waiting for GPUs."""
         self.waits.append(Wait(job.key, reason, message, position, self.ahead, estimate, coarse,
                                simulated_start=estimate if simulated else None))
         if simulated:
             self.told_after[job.key] = after_estimate
-        if reason.competes_for_capacity:
+        if (held_by or reason).competes_for_capacity:
             self.ahead += 1
 
     def consider(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
         """Admit, preempt for, or park one job; False if it would borrow and borrowers are not
-        considered yet (the caller comes back to it)."""
+        considered yet (the caller comes back to it).
+
+        A job still in its requeue backoff is judged as any other, so its estimate follows its
+        project's quota and budget and counts on the jobs it may preempt, but it is neither
+        admitted nor does it preempt before the backoff is over (`_park` says why it waits)."""
         if self._never_fits(job, position):
             return True
         cycle = self.cycle
@@ -628,30 +633,21 @@ class _Walk:
         verdict = judge(job, ledger, fraction, memory, claims)
         if verdict.borrowed and not borrowers_allowed:
             return False
-        if verdict.standing.may_start and slot is not None:
+        ready = job.not_before <= now  # not in a requeue backoff
+        if ready and verdict.standing.may_start and slot is not None:
             self._admit(job, position, slot, duration, fraction, memory, verdict, claims)
             return True
         parked: _Parked | None
         if verdict.standing is Standing.OVER_BUDGET:
             parked = self._over_budget(job, verdict, fraction)
         elif verdict.standing is Standing.OVER_QUOTA:
-            parked = self._over_quota(job, position, verdict, fraction, memory, duration)
+            parked = self._over_quota(job, position, verdict, fraction, memory, duration, ready)
         else:
-            parked = self._no_room(job, position, verdict, fraction, memory, duration, claims)
+            parked = self._no_room(job, position, verdict, fraction, memory, duration, claims,
+                                   ready)
         if parked is not None:
             self._park(job, position, duration, parked)
         return True
-
-    def back_off(self, job: Job, position: int) -> None:
-        """Keep a job in its requeue backoff: its estimate is the slot the forward simulation
-        finds once the backoff is over, reserved and calibrated as any waiting job's."""
-        now = self.cycle.snapshot.now
-        message = (f"its last attempt failed through no fault of its own (a node refused or "
-                   f"disrupted its pod); next attempt in {_fmt_time(job.not_before - now)}")
-        estimate, coarse, _ = self._reserve(job, self.durations[job.key], job.not_before,
-                                            False, None)
-        self._wait(job, WaitReason.REQUEUE_BACKOFF, message, position, estimate, coarse,
-                   simulated=True)
 
     def _never_fits(self, job: Job, position: int) -> bool:
         """Park a job no GPU in the cluster could ever hold (model, size); True if it was."""
@@ -721,9 +717,10 @@ class _Walk:
                        not_before)
 
     def _over_quota(self, job: Job, position: int, verdict: Verdict, fraction: float,
-                    memory: int, duration: float) -> _Parked | None:
+                    memory: int, duration: float, may_preempt: bool) -> _Parked | None:
         """Wait for room in the project's own limits, preempting its lower-class jobs when
-        that is what it takes; None when a preemption was started (and its wait recorded)."""
+        that is what it takes (and `may_preempt`); None when a preemption was started (and
+        its wait recorded)."""
         cycle = self.cycle
         now = cycle.snapshot.now
         ledger = cycle.ledgers[job.project]
@@ -741,7 +738,8 @@ class _Walk:
                            f"waiting for {len(own_leaving)} preempted job(s) of project "
                            f"{job.project} to leave", max(h.end for h in own_leaving),
                            in_quota=True)
-        preempted = self._preempt_for_quota(job, fraction, memory, duration)
+        preempted = (self._preempt_for_quota(job, fraction, memory, duration) if may_preempt
+                     else [])
         if not preempted:
             return _Parked(WaitReason.QUOTA, message, free_at, in_quota=True)
         self._wait_for_victims(job, position, preempted,
@@ -749,12 +747,13 @@ class _Walk:
         return None
 
     def _no_room(self, job: Job, position: int, verdict: Verdict, fraction: float,
-                 memory: int, duration: float, claims: Mapping[float, float]
-                 ) -> _Parked | None:
-        """Wait for GPUs the project's limits allow but no node has now, preempting when
-        that is allowed; None when a preemption was started (and its wait recorded)."""
+                 memory: int, duration: float, claims: Mapping[float, float],
+                 may_preempt: bool) -> _Parked | None:
+        """Wait for GPUs the project's limits allow but no node has now (or a backoff's end),
+        preempting when that is allowed and `may_preempt`; None when a preemption was started
+        (and its wait recorded)."""
         reason, message = self._capacity_reason(job, duration)
-        if reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
+        if may_preempt and reason is WaitReason.CAPACITY and not verdict.budget_exhausted:
             preempted = self._preempt(job, verdict.standing is Standing.IN_QUOTA, duration)
             if preempted:
                 self.cycle.ledgers[job.project].add(fraction, memory, verdict.borrowed, claims)
@@ -778,17 +777,29 @@ class _Walk:
         self.latest_reserved = max(self.latest_reserved, start)
 
     def _park(self, job: Job, position: int, duration: float, parked: _Parked) -> None:
-        """Record the wait, with the job's reserved or estimated start when it has one."""
+        """Record the wait, with the job's reserved or estimated start when it has one.
+
+        A job in its requeue backoff starts no earlier than the backoff's end; it waits
+        with REQUEUE_BACKOFF, its message naming the project limit that holds it too."""
+        now = self.cycle.snapshot.now
         limits = parked.reason in (WaitReason.QUOTA, WaitReason.BUDGET)
-        estimate, coarse, victims = (self._reserve(job, duration, parked.not_before, limits,
-                                                   parked.in_quota)
+        estimate, coarse, victims = (self._reserve(job, duration,
+                                                   max(parked.not_before, job.not_before),
+                                                   limits, parked.in_quota)
                                      if parked.estimable else (None, False, ()))
         after = ""
         if victims:
             more = f" and {len(victims) - 3} more" if len(victims) > 3 else ""
             after = f", preempting {', '.join(victims[:3])}{more}"
-        self._wait(job, parked.reason, parked.message, position, estimate, coarse,
-                   simulated=True, after_estimate=after)
+        reason, message = parked.reason, parked.message
+        if job.not_before > now:
+            reason = WaitReason.REQUEUE_BACKOFF
+            message = (f"its last attempt failed through no fault of its own (a node refused "
+                       f"or disrupted its pod); next attempt in "
+                       f"{_fmt_time(job.not_before - now)}"
+                       + (f"; {parked.message}" if limits else ""))
+        self._wait(job, reason, message, position, estimate, coarse, simulated=True,
+                   after_estimate=after, held_by=parked.reason)
 
     def _capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
         """Why a job the project limits allow finds no slot now."""

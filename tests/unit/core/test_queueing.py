@@ -160,6 +160,67 @@ def test_a_job_in_requeue_backoff_starts_when_its_backoff_is_over_and_there_is_r
     assert alone is not None and alone.estimated_start == pytest.approx(70)
 
 
+def test_a_job_in_requeue_backoff_at_its_projects_cap_starts_when_its_own_job_ends() -> None:
+    """Project a may hold 1 GPU and a/run holds it until 1 h: a/x (short), back from its
+    backoff at 70 s, starts at 1 h although the node's other GPU is free, and it holds no
+    slot there from 70 s, so c/batch (half an hour), ranked after it, starts on that GPU
+    now."""
+    quota_map = {**quotas("b", "c"), "a": ProjectQuota("a", frozenset({"a"}),
+                                                       guaranteed_gpus=1)}
+    running = run_on(job("a/run"), [0], started=0)
+    backoff = job("a/x", cls=JobClass.SHORT, submitted=0, not_before=70.0)
+    batch = job("c/batch", "c", submitted=30, estimate=HOUR / 2)
+    result = cycle([running, backoff, batch], now=60, quota_map=quota_map)
+    wait = result.wait_for("a/x")
+    assert wait is not None and wait.reason is WaitReason.REQUEUE_BACKOFF
+    assert wait.estimated_start == pytest.approx(HOUR)
+    assert "next attempt in 10s; project a" in wait.message
+    assert wait.message.endswith("estimated start in 59m")
+    assert [(a.job_key, a.position) for a in result.admissions] == [("c/batch", 2)]
+
+
+def test_a_job_in_requeue_backoff_whose_budget_is_spent_waits_for_the_refill() -> None:
+    """Project a spent its 2 GPU-hours of a 10 h period by 2 h: at 5 h a/x, back from its
+    backoff in 10 s, starts at the refill (10 h); a/wide would need 2 GPUs for 2 h, 4 GPU-hours,
+    more than a whole period's budget, so it gets no estimate."""
+    quota_map = {**quotas("b"), "a": ProjectQuota("a", frozenset({"a"}), budget_gpu_hours=2.0,
+                                                  period_s=10 * HOUR)}
+    spent = job("a/old", phase=Phase.SUCCEEDED, runs=(RunRecord(1, 0, 2 * HOUR, 1.0),))
+    backoff = job("a/x", submitted=3 * HOUR, not_before=5 * HOUR + 10)
+    wide = job("a/wide", count=2, submitted=3 * HOUR, max_duration_s=2 * HOUR,
+               not_before=5 * HOUR + 10)
+    result = cycle([spent, backoff, wide], now=5 * HOUR, quota_map=quota_map)
+    assert admitted(result) == []
+    wait = result.wait_for("a/x")
+    assert wait is not None and wait.reason is WaitReason.REQUEUE_BACKOFF
+    assert wait.estimated_start == pytest.approx(10 * HOUR)
+    assert "next attempt in 10s" in wait.message and "refills in 5h" in wait.message
+    too_big = result.wait_for("a/wide")
+    assert too_big is not None and too_big.reason is WaitReason.REQUEUE_BACKOFF
+    assert too_big.estimated_start is None
+    assert "more than a whole period's budget" in too_big.message
+
+
+def test_a_job_in_requeue_backoff_counts_on_the_job_it_may_preempt_after_it() -> None:
+    """b/b (batch, preemptible, 30 s grace) holds the only GPU for 10 h. a/s (short) may try
+    again in 20 s: no preemption during the backoff, but its estimate is the backoff's end
+    plus b/b's grace (+50 s), not b/b's end; once the backoff is over, the cycle preempts
+    b/b and the estimate stays."""
+    now = 5 * HOUR
+    victim = run_on(job("b/b", "b", preemptible=True, estimate=10 * HOUR,
+                        submitted=now - 660), [0], started=now - 600)
+    short = job("a/s", "a", JobClass.SHORT, submitted=now, not_before=now + 20)
+    during = cycle([victim, short], now=now, nodes=[node(gpus=1)])
+    assert during.preemptions == () and admitted(during) == []
+    wait = during.wait_for("a/s")
+    assert wait is not None and wait.reason is WaitReason.REQUEUE_BACKOFF
+    assert wait.estimated_start == pytest.approx(now + 50)
+    assert wait.message.endswith("next attempt in 20s; estimated start in 50s, preempting b/b")
+    after = cycle([victim, short], now=now + 20, nodes=[node(gpus=1)])
+    assert [p.victim_key for p in after.preemptions] == ["b/b"]
+    assert after.wait_for("a/s").estimated_start == pytest.approx(now + 50)  # type: ignore[union-attr]
+
+
 def test_no_matching_model_and_too_large() -> None:
     jobs = [job("a/a100", models=frozenset({"A100"})), job("a/huge", count=8)]
     result = cycle(jobs)
