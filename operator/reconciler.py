@@ -99,7 +99,7 @@ class ReconcilerConfig:
         return cls(AdmissionConfig(
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
-            arrival_window_s=float(env.get("CARPOOL_ARRIVAL_WINDOW_S", 0)),
+            arrival_window_s=float(env.get("CARPOOL_ARRIVAL_WINDOW_S", 3600)),
         ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),

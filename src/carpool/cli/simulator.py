@@ -54,10 +54,10 @@ class QueueRun:
     policy: str
     limit: int | None
     quotas: str = "open"
-    arrival_window_s: float = 0.0
+    arrival_window_s: float = 3600.0
 
 
-def queue_policy(name: str, arrival_window_s: float = 0.0) -> queue_replay.Policy:
+def queue_policy(name: str, arrival_window_s: float = 3600.0) -> queue_replay.Policy:
     placer = extender_placer()
     if name == "carpool":
         return queue_replay.carpool_policy(AdmissionConfig(
@@ -210,9 +210,10 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help=f"comma-separated, from {', '.join(queue_replay.POLICIES)} (all)")
     queue.add_argument("--jobs", type=positive, default=min(2, os.cpu_count() or 1),
                        help="worker processes (2)")
-    queue.add_argument("--arrival-window", type=_seconds, default=0.0, metavar="SECONDS",
-                       help="Carpool: stretch estimates by higher-class arrivals over this "
-                            "window (0: off, the operator's default)")
+    queue.add_argument("--arrival-window", type=_seconds, default=3600.0, metavar="SECONDS",
+                       help="Carpool: higher-class arrivals within this window widen the "
+                            "end of lower classes' ranges (3600, the operator's default; "
+                            "0: off)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
                        help="table (default) or one JSON object per policy, one a line")
     queue.set_defaults(run=run_queue, prog=queue.prog)

@@ -174,6 +174,7 @@ def duration_range(job: Job, learned: Mapping[LearnKey, DurationEstimate]
 
 MAX_HIGHER_LOAD = 0.8  # the higher classes' share of capacity never counts for more
 MIN_HIGHER_ARRIVALS = 10  # fewer arrivals above a class in the window say nothing of a rate
+RATE_ARRIVALS = 20  # the rate above a class is that of its latest this many arrivals
 
 
 def arrival_work(job: Job, fraction: float, learned: Mapping[LearnKey, DurationEstimate]
@@ -188,31 +189,31 @@ def arrival_work(job: Job, fraction: float, learned: Mapping[LearnKey, DurationE
 
 def higher_class_stretch(now: float, window_s: float, capacity_gpus: float,
                          arrivals: Iterable[tuple[float, int, float]]) -> dict[int, float]:
-    """Per class level: how much longer its jobs wait than the queue alone says, because jobs
-    of higher classes keep arriving and are served first.
+    """Per class level: how much longer its jobs wait than the queue alone says if jobs of
+    higher classes keep arriving at their recent rate, served first.
 
-    `arrivals` are (submitted at, class level, GPU-seconds). Over the last `window_s`, rho_c =
-    (GPU-seconds of arrivals of classes above c) / (window_s x capacity); a class-c job's
-    wait is stretched by 1 / (1 - rho_c), the factor by which higher-priority load stretches a
-    lower class's waiting time in a priority queue (rho_c capped at MAX_HIGHER_LOAD; 0 while
-    fewer than MIN_HIGHER_ARRIVALS jobs above c arrived in the window).
+    `arrivals` are (submitted at, class level, GPU-seconds). For class c, the latest
+    `RATE_ARRIVALS` arrivals of classes above c within `window_s` bring W GPU-seconds since
+    the earliest of them, T seconds ago: rho_c = W / (T x capacity), and a class-c wait
+    stretches by 1 / (1 - rho_c), the factor by which higher-priority load stretches a
+    lower class's wait in a priority queue (rho_c capped at `MAX_HIGHER_LOAD`; no stretch
+    while fewer than `MIN_HIGHER_ARRIVALS` arrived above c). Measured over a number of
+    arrivals rather than a fixed span, the rate follows a surge within seconds and fades as
+    time passes without arrivals.
     """
     if window_s <= 0 or capacity_gpus <= 0:
         return {}
-    work: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for submitted, level, gpu_seconds in arrivals:
-        if now - window_s <= submitted <= now:
-            work[level] = work.get(level, 0.0) + gpu_seconds
-            count[level] = count.get(level, 0) + 1
+    recent = sorted(((submitted, level, work) for submitted, level, work in arrivals
+                     if now - window_s <= submitted <= now), reverse=True)
     stretch: dict[int, float] = {}
-    above, above_count = 0.0, 0
-    for level in range(min(work, default=0), 4):
-        if above_count >= MIN_HIGHER_ARRIVALS:
-            rho = min(MAX_HIGHER_LOAD, above / (window_s * capacity_gpus))
-            stretch[level] = 1.0 / (1.0 - rho)
-        above += work.get(level, 0.0)
-        above_count += count.get(level, 0)
+    for level in range(int(JobClass.SHORT), len(JobClass)):
+        above = [(submitted, work) for submitted, lvl, work in recent if lvl < level]
+        above = above[:RATE_ARRIVALS]
+        if len(above) < MIN_HIGHER_ARRIVALS:
+            continue
+        span = max(now - above[-1][0], 1.0)
+        rho = min(MAX_HIGHER_LOAD, sum(work for _, work in above) / (span * capacity_gpus))
+        stretch[level] = 1.0 / (1.0 - rho)
     return stretch
 
 

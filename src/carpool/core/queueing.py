@@ -134,9 +134,9 @@ class AdmissionConfig:
     max_preemption_attempts_per_cycle: int = 32  # victim searches per cycle, at most
     preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
-    # higher-class arrivals over this window stretch lower classes' estimates (eta.
-    # higher_class_stretch); 0: off, the default: on replayed traces it made them worse
-    arrival_window_s: float = 0.0
+    # higher-class arrivals within this window widen the end of lower classes' ranges (eta.
+    # higher_class_stretch); 0: off
+    arrival_window_s: float = 3600.0
     # scale simulated starts by how their class's recent ones missed, up to the next aging
     # step (eta.calibrated_start); off: the forward simulation's start as it is
     class_calibration: bool = True
@@ -514,9 +514,9 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     levels = {j.key: int(j.job_class) for j in waiting}
     by_class = class_misses(recent) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
-    ordered = sorted((_told(_with_range(_calibrated(
-        _stretched(w, now, stretch.get(levels.get(w.job_key, 0), 1.0)), by_key, now, by_class,
-        config.aging_step_s), now, misses), now, walk.told_after.get(w.job_key))
+    ordered = sorted((_told(_with_range(
+        _calibrated(w, by_key, now, by_class, config.aging_step_s), now, misses,
+        stretch.get(levels.get(w.job_key, 0), 1.0)), now, walk.told_after.get(w.job_key))
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
@@ -525,12 +525,6 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     projects = _project_statuses(cycle, walk.admitted_by_project, waits)
     return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
                        projects)
-
-
-def _stretched(wait: Wait, now: float, factor: float) -> Wait:
-    if wait.estimated_start is None or factor == 1.0:
-        return wait
-    return replace(wait, estimated_start=now + (wait.estimated_start - now) * factor)
 
 
 def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,
@@ -558,13 +552,19 @@ def _told(wait: Wait, now: float, after: str | None) -> Wait:
     return replace(wait, message=told + after)
 
 
-def _with_range(wait: Wait, now: float, misses: list[float]) -> Wait:
+def _with_range(wait: Wait, now: float, misses: list[float], stretch: float) -> Wait:
+    """The wait with its 80 % range (`eta.start_range`), whose end reaches at least the
+    estimated wait stretched by `stretch` (`eta.higher_class_stretch`): the estimate is the
+    queue as it stands, the range's end what it becomes if higher classes keep arriving as
+    they lately have (a surge the misses of started jobs show only a wait later)."""
     if wait.estimated_start is None:
         return wait
     found = start_range(now, wait.estimated_start, misses)
     if found is None:
         return wait
-    return replace(wait, estimated_start_low=found[0], estimated_start_high=found[1])
+    stretched = now + max(0.0, wait.estimated_start - now) * stretch
+    return replace(wait, estimated_start_low=found[0],
+                   estimated_start_high=max(found[1], stretched))
 
 
 class _Parked(NamedTuple):

@@ -13,6 +13,7 @@ from carpool.core.eta import (
     CLASS_MISSES,
     MIN_CLASS_MISSES,
     MIN_HIGHER_ARRIVALS,
+    MIN_RANGE_SAMPLES,
     calibrated_start,
     class_misses,
     simulated_miss,
@@ -20,7 +21,7 @@ from carpool.core.eta import (
 )
 from carpool.core.fairshare import next_aging
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord, StartMiss
-from carpool.core.queueing import AdmissionConfig, admission_cycle
+from carpool.core.queueing import AdmissionConfig, Wait, admission_cycle
 from carpool.core.resources import GpuGrant, JobClass, Phase
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
@@ -108,9 +109,10 @@ def test_the_operator_decodes_the_first_simulated_start() -> None:
     assert job.first_simulated_start == job.submitted_at + 300
 
 
-def test_the_wait_message_says_the_estimate_as_finally_given() -> None:
-    # the higher-class arrival correction stretches the batch job's simulated wait (1800 s
-    # until a/run ends) by 1 / (1 - 0.8) = 5: the message and the estimate say 9000 s alike
+def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
+    # ten interactive jobs just arrived with work far beyond the 2 GPUs: if such arrivals go
+    # on, the batch job's 1800 s wait (until a/run ends) stretches by 1 / (1 - 0.8) = 5; the
+    # estimate and its message stay the queue's, the range ends at the stretched start
     grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
     running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
                       grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),))
@@ -118,10 +120,21 @@ def test_the_wait_message_says_the_estimate_as_finally_given() -> None:
     quotas = {p: ProjectQuota(p, frozenset({p})) for p in "ac"}
     surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR)
                   for i in range(MIN_HIGHER_ARRIVALS))
+    on_time = tuple(StartMiss(float(i), JobClass.BATCH, 0.0, None)
+                    for i in range(MIN_RANGE_SAMPLES))  # ranges: the estimate itself
     snapshot = ClusterSnapshot(1800.0, (running, batch), quotas, {"n1": gpu_node()},
-                               recent_arrivals=surge)
-    config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=600.0)
-    wait = admission_cycle(snapshot, config).wait_for("c/batch")
-    assert wait is not None and wait.estimated_start == pytest.approx(1800 + 5 * 1800)
-    assert wait.message.endswith(f"; estimated start in {format_duration(5 * 1800)}")
-    assert wait.message.count("estimated start") == 1
+                               start_misses=on_time, recent_arrivals=surge)
+
+    def wait(window_s: float) -> Wait:
+        config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=window_s)
+        found = admission_cycle(snapshot, config).wait_for("c/batch")
+        assert found is not None
+        return found
+
+    widened, off = wait(600.0), wait(0.0)
+    assert widened.estimated_start == off.estimated_start == HOUR
+    assert widened.message == off.message
+    assert widened.message.endswith(f"; estimated start in {format_duration(1800)}")
+    assert (off.estimated_start_low, off.estimated_start_high) == (HOUR, HOUR)
+    assert widened.estimated_start_low == HOUR
+    assert widened.estimated_start_high == pytest.approx(1800 + 5 * 1800)

@@ -10,6 +10,7 @@ from carpool.core.decoding import job_from_object
 from carpool.core.eta import (
     MIN_HIGHER_ARRIVALS,
     MIN_RANGE_SAMPLES,
+    RATE_ARRIVALS,
     RECENT_MISSES,
     higher_class_stretch,
     start_range,
@@ -62,16 +63,29 @@ def test_ranges_follow_the_latest_misses_only() -> None:
 
 
 def test_higher_class_arrivals_stretch_lower_classes_only() -> None:
-    # 20 interactive arrivals of 360 GPU-seconds in the last hour on 4 GPUs: rho = 0.5
-    arrivals = [(3600.0 - i, int(JobClass.INTERACTIVE), 360.0) for i in range(20)]
-    stretch = higher_class_stretch(3600.0, 3600.0, 4.0, arrivals)
+    # the latest 20 interactive arrivals, 360 GPU-seconds each, came over the last hour on
+    # 4 GPUs: rho = 7200 / (3600 x 4) = 0.5
+    arrivals = [(3420.0 - 180.0 * i, int(JobClass.INTERACTIVE), 360.0) for i in range(20)]
+    stretch = higher_class_stretch(3600.0, 7200.0, 4.0, arrivals)
     assert JobClass.INTERACTIVE not in stretch  # nothing above it
     assert stretch[JobClass.BATCH] == pytest.approx(2.0)
-    assert higher_class_stretch(3600.0, 3600.0, 4.0, arrivals[:MIN_HIGHER_ARRIVALS - 1]) == {}
+    assert stretch[JobClass.SHORT] == pytest.approx(2.0)
+    # only the latest RATE_ARRIVALS count: a busier past does not
+    older = [(-1000.0 - i, int(JobClass.SHORT), 1e9) for i in range(20)]
+    assert higher_class_stretch(3600.0, 7200.0, 4.0, [*arrivals, *older])[
+        JobClass.BATCH] == pytest.approx(2.0)
+    assert RATE_ARRIVALS == 20
+    # an hour later with nothing new: the same work over twice the time, rho = 0.25
+    assert higher_class_stretch(7200.0, 7200.0, 4.0, arrivals)[
+        JobClass.BATCH] == pytest.approx(4 / 3)
+    assert higher_class_stretch(3600.0, 7200.0, 4.0, arrivals[:MIN_HIGHER_ARRIVALS - 1]) == {}
+    assert higher_class_stretch(3600.0, 0.0, 4.0, arrivals) == {}  # off
     old = [(0.0, int(JobClass.INTERACTIVE), 1e9)] * 20  # outside the window
     assert higher_class_stretch(7200.0, 3600.0, 4.0, old) == {}
     flood = [(3600.0, int(JobClass.SHORT), 1e9)] * 20
-    assert higher_class_stretch(3600.0, 3600.0, 4.0, flood)[JobClass.LONG] == pytest.approx(5.0)
+    flooded = higher_class_stretch(3600.0, 3600.0, 4.0, flood)
+    assert JobClass.SHORT not in flooded
+    assert flooded[JobClass.LONG] == pytest.approx(5.0)  # capped at MAX_HIGHER_LOAD
 
 
 def test_the_operator_decodes_the_template_and_the_first_estimate() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from carpool.operator.reconciler import ReconcilerConfig
 
 
-def test_defaults_leave_the_arrival_correction_off() -> None:
+def test_defaults_look_an_hour_back_at_arrivals() -> None:
     config = ReconcilerConfig.from_environment({})
-    assert config.admission.arrival_window_s == 0.0
+    assert config.admission.arrival_window_s == 3600.0
     assert config.admission.aging_step_s == 3600.0
 
 
-def test_the_arrival_window_turns_the_higher_class_arrival_correction_on() -> None:
+def test_the_environment_sets_the_arrival_window_and_the_aging_step() -> None:
     config = ReconcilerConfig.from_environment({"CARPOOL_ARRIVAL_WINDOW_S": "120",
                                                 "CARPOOL_AGING_STEP_S": "1800"})
     assert config.admission.arrival_window_s == 120.0
