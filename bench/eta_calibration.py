@@ -1,13 +1,17 @@
-"""Estimated starts with and without the class calibration (eta.calibrated_start), side by
-side on the same traces: Carpool's replay (`carpool simulate queue`'s Carpool policy) with
-`AdmissionConfig.class_calibration` off and on, alternating, one trace after another.
+"""Estimated starts with one of their corrections off and on, side by side on the same
+traces: Carpool's replay (`carpool simulate queue`'s Carpool policy) with the setting off and
+on, alternating, one trace after another. `--setting calibration` (the default): the class
+calibration (`AdmissionConfig.class_calibration`, eta.calibrated_start); `--setting
+arrivals`: higher-class arrivals widening the ranges' end (`AdmissionConfig.
+arrival_window_s` 0 against its default, eta.higher_class_stretch).
 
 Per replay: the median and P90 relative error of the estimate given at arrival over jobs
 that waited at least 60 s, per class, the signed median, how many starts the 80 % range
-held, and the replay's CPU seconds (the calibration's cost in the admission cycle). Then
-per setting the median over traces and their spread (min-max).
+held and how wide it was, and the replay's CPU seconds (the setting's cost in the admission
+cycle). Then per setting the median over traces and their spread (min-max).
 
-    .venv/bin/python bench/eta_calibration.py [--traces gen:0:80,load:0:0.85,openb:0.004]
+    .venv/bin/python bench/eta_calibration.py [--setting calibration|arrivals]
+        [--traces gen:0:80,load:0:0.85,openb:0.004]
 
 Trace specs: `gen:SEED:INTERARRIVAL` and `load:SEED:LOAD` (5,000 generated jobs on openb's
 nodes at --scale 0.006), `openb:SCALE` (openb's default pod list itself).
@@ -20,7 +24,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.placement import NodeState
@@ -60,14 +64,21 @@ def load(spec: str) -> Trace:
 @dataclass(frozen=True)
 class Result:
     trace: str
-    calibrated: bool
+    on: bool
     cpu_s: float
     error: float | None  # median relative error of the estimate at arrival
     scores: dict[str, object]
 
 
-def replay(trace: Trace, calibrated: bool) -> Result:
-    config = AdmissionConfig(node_placer=extender_placer(), class_calibration=calibrated)
+def config_for(setting: str, on: bool) -> AdmissionConfig:
+    config = AdmissionConfig(node_placer=extender_placer())
+    if setting == "calibration":
+        return replace(config, class_calibration=on)
+    return config if on else replace(config, arrival_window_s=0.0)
+
+
+def replay(trace: Trace, setting: str, on: bool) -> Result:
+    config = config_for(setting, on)
     started = time.process_time()
     outcome = queue_replay.replay(trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
                                   queue_replay.carpool_policy(config), "carpool")
@@ -75,10 +86,11 @@ def replay(trace: Trace, calibrated: bool) -> Result:
     scores = queue_replay.score(outcome)
     keys = ("eta_median_abs_rel_error", "eta_p90_abs_rel_error", "eta_median_signed_rel_error",
             "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
+            "eta_range_median_rel_width",
             "eta_median_abs_rel_error_by_class",
             "jobs_waited_60s_with_estimate", "preemptions")
     error = scores["eta_median_abs_rel_error"]
-    return Result(trace.spec, calibrated, cpu, error if isinstance(error, float) else None,
+    return Result(trace.spec, on, cpu, error if isinstance(error, float) else None,
                   {k: scores[k] for k in keys})
 
 
@@ -90,23 +102,29 @@ def spread(values: Sequence[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=("calibration", "arrivals"), default="calibration")
     parser.add_argument("--traces", default=DEFAULT_TRACES)
     args = parser.parse_args()
     results: list[Result] = []
     for spec in args.traces.split(","):
         trace = load(spec)
-        for calibrated in (False, True):
-            result = replay(trace, calibrated)
+        for on in (False, True):
+            result = replay(trace, args.setting, on)
             results.append(result)
-            print(json.dumps({"trace": result.trace, "calibration": result.calibrated,
+            print(json.dumps({"trace": result.trace, args.setting: result.on,
                               "cpu_s": round(result.cpu_s, 1), **result.scores}), flush=True)
-    for calibrated in (False, True):
-        errors = [r.error for r in results if r.calibrated is calibrated and r.error is not None]
+    for on in (False, True):
+        errors = [r.error for r in results if r.on is on and r.error is not None]
         if errors:
-            print(f"calibration {'on ' if calibrated else 'off'}: median error over traces "
+            print(f"{args.setting} {'on ' if on else 'off'}: median error over traces "
                   f"{spread(errors)}")
-    off = {r.trace: r.cpu_s for r in results if not r.calibrated}
-    ratios = [r.cpu_s / off[r.trace] for r in results if r.calibrated and off.get(r.trace)]
+    for on in (False, True):
+        held = [c for r in results if r.on is on
+                and isinstance(c := r.scores["eta_interval_coverage"], float)]
+        if held:
+            print(f"{args.setting} {'on ' if on else 'off'}: in 80 % range {spread(held)}")
+    off = {r.trace: r.cpu_s for r in results if not r.on}
+    ratios = [r.cpu_s / off[r.trace] for r in results if r.on and off.get(r.trace)]
     if ratios:
         print(f"replay CPU time, on / off: {spread(ratios)}")
     return 0

@@ -568,11 +568,13 @@ def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
 
     |estimated start - actual start| / actual wait over jobs that waited at least
     `min_wait_s` and were given an estimate; the signed median (> 0: jobs started later than
-    said); coverage: the share of those estimates carrying a range whose range held the start;
-    jobs that started sooner get the absolute error in seconds.
+    said); coverage: the share of those estimates carrying a range whose range held the start,
+    and how wide those ranges were (median of (end - beginning) / actual wait); jobs that
+    started sooner get the absolute error in seconds.
     """
     relative: list[float] = []
     signed: list[float] = []
+    widths: list[float] = []
     short_abs: list[float] = []
     covered = ranged = waited = 0
     for arrival, start, estimate in jobs:
@@ -585,6 +587,7 @@ def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
                 if estimate.low is not None and estimate.high is not None:
                     ranged += 1
                     covered += estimate.low <= start <= estimate.high
+                    widths.append((estimate.high - estimate.low) / wait)
         elif estimate is not None:
             short_abs.append(abs(estimate.start - start))
     return {
@@ -595,6 +598,7 @@ def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
         "eta_median_signed_rel_error": _median(signed),
         "eta_ranged_jobs": ranged,
         "eta_interval_coverage": covered / ranged if ranged else None,
+        "eta_range_median_rel_width": _median(widths),
         "eta_short_wait_jobs": len(short_abs),
         "eta_short_wait_median_abs_error_s": _median(short_abs),
     }
@@ -638,6 +642,7 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
         "eta_refreshed_median_abs_rel_error": _median(refreshed),
         "eta_refreshed_samples": len(refreshed),
         "eta_interval_coverage": errors["eta_interval_coverage"],
+        "eta_range_median_rel_width": errors["eta_range_median_rel_width"],
         "eta_short_wait_median_abs_error_s": errors["eta_short_wait_median_abs_error_s"],
         "wait_p50_s": {c: _quantile(w, 0.5) for c, w in waits.items() if w},
         "wait_p99_s": {c: _quantile(w, 0.99) for c, w in waits.items() if w},

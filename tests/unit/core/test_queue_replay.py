@@ -203,10 +203,12 @@ def test_first_estimate_errors_by_hand() -> None:
     assert errors["eta_median_signed_rel_error"] == pytest.approx(1 / 3)
     assert errors["eta_ranged_jobs"] == 2
     assert errors["eta_interval_coverage"] == 0.5
+    assert errors["eta_range_median_rel_width"] == pytest.approx((90 / 60 + 70 / 300) / 2)
     assert errors["eta_short_wait_jobs"] == 1
     assert errors["eta_short_wait_median_abs_error_s"] == 30
     empty = qr.first_estimate_errors([])
     assert empty["eta_median_abs_rel_error"] is None and empty["eta_interval_coverage"] is None
+    assert empty["eta_range_median_rel_width"] is None
 
 
 def test_every_job_must_start() -> None:
