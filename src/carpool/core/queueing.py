@@ -542,8 +542,8 @@ def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,
 
 def _told(wait: Wait, now: float, after: str | None) -> Wait:
     """The wait whose estimate the forward simulation made (`after` not None), its message
-    ending in that estimate as finally given (stretched, calibrated), then `after`: the
-    message is written once the estimate is final, so the two always agree."""
+    ending in that estimate as finally given (calibrated), then `after`: the message is
+    written once the estimate is final, so the two always agree."""
     if after is None:
         return wait
     told = wait.message
