@@ -272,17 +272,19 @@ def _misses_from_status(raw: object, problems: list[str]) -> tuple[StartMiss, ..
         problems.append("status.retired.startMisses: not a list; ignored")
         return ()
     misses = []
-    labels = {c.label: c for c in JobClass}
     for i, entry in enumerate(raw):
         fields = entry if isinstance(entry, Mapping) else {}
-        job_class = labels.get(str(fields.get("class")))
+        try:
+            job_class: JobClass | None = JobClass.parse(str(fields.get("class")))
+        except ValueError:
+            job_class = None
         start = epoch_of(fields.get("start"))
         shown, simulated = fields.get("shown"), fields.get("simulated")
         if (job_class is None or start is None or not (_finite(shown) or _finite(simulated))
                 or not all(v is None or _finite(v) for v in (shown, simulated))):
             problems.append(f"status.retired.startMisses[{i}]: want {{start: RFC 3339 time, "
-                            f"class: one of {', '.join(labels)}, shown and/or simulated: "
-                            f"number}}, got {entry!r}; entry ignored")
+                            f"class: one of {', '.join(c.label for c in JobClass)}, shown "
+                            f"and/or simulated: number}}, got {entry!r}; entry ignored")
             continue
         misses.append(StartMiss(start, job_class, None if shown is None else float(shown),
                                 None if simulated is None else float(simulated)))
