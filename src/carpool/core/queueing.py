@@ -33,6 +33,7 @@ GPU-holding job's `grants` itself); clear a job's grants once its pod is gone. C
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -43,6 +44,8 @@ from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
 from carpool.core.eta import (
     DURATION_LEARNING_RATE,
+    MIN_RANGE_SAMPLES,
+    RATE_ARRIVALS,
     LearnKey,
     NodePlacer,
     Occupancy,
@@ -93,7 +96,7 @@ from carpool.core.quota import (
     budget_claims,
     judge,
 )
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
 
 
@@ -506,11 +509,9 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
     recent = started_misses(snapshot.jobs, snapshot.start_misses)
     misses = wait_misses(recent)
-    arrivals = [*snapshot.recent_arrivals, *(
-        (j.submitted_at, int(j.job_class),
-         arrival_work(j, nominal_fraction(j.request, cycle.reference_mib), cycle.learned))
-        for j in snapshot.jobs if now - j.submitted_at <= config.arrival_window_s)]
-    stretch = higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus, arrivals)
+    stretch = (higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus,
+                                    _counted_arrivals(cycle, config.arrival_window_s))
+               if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
     levels = {j.key: int(j.job_class) for j in waiting}
     by_class = class_misses(recent) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
@@ -525,6 +526,25 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     projects = _project_statuses(cycle, walk.admitted_by_project, waits)
     return CycleResult(now, tuple(walk.admissions), tuple(cycle.preemptions), waits, expiries,
                        projects)
+
+
+def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, float]]:
+    """What `eta.higher_class_stretch` may count: the snapshot's arrivals of jobs gone, and
+    of the jobs present within the window the latest `RATE_ARRIVALS` of each class above
+    batch (no class is below batch, and no class counts more of those above it), so the
+    work they bring is computed for those only."""
+    snapshot = cycle.snapshot
+    by_level: dict[int, list[Job]] = {}
+    for job in snapshot.jobs:
+        if job.job_class < JobClass.BATCH and snapshot.now - job.submitted_at <= window_s:
+            by_level.setdefault(int(job.job_class), []).append(job)
+    latest = (job for jobs in by_level.values()
+              for job in heapq.nlargest(RATE_ARRIVALS, jobs,
+                                        key=lambda j: (j.submitted_at, j.key)))
+    return [*snapshot.recent_arrivals, *(
+        (job.submitted_at, int(job.job_class),
+         arrival_work(job, nominal_fraction(job.request, cycle.reference_mib), cycle.learned))
+        for job in latest)]
 
 
 def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,

@@ -4,6 +4,7 @@ calibrated_start), capped at the job's next aging step."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -109,32 +110,51 @@ def test_the_operator_decodes_the_first_simulated_start() -> None:
     assert job.first_simulated_start == job.submitted_at + 300
 
 
-def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
-    # ten interactive jobs just arrived with work far beyond the 2 GPUs: if such arrivals go
-    # on, the batch job's 1800 s wait (until a/run ends) stretches by 1 / (1 - 0.8) = 5; the
-    # estimate and its message stay the queue's, the range ends at the stretched start
+def _batch_wait(window_s: float, *present: Job,
+                arrivals: tuple[tuple[float, int, float], ...] = ()) -> Wait:
+    """c/batch's wait behind a/run, which holds both GPUs of n1 until 3600; 20 batch jobs
+    that started on time make its range the estimate itself."""
     grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
     running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
                       grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),))
     batch = gpu_job("c/batch", "c", JobClass.BATCH, submitted=1000)
-    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "ac"}
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "acd"}
+    on_time = tuple(StartMiss(float(i), JobClass.BATCH, 0.0, None)
+                    for i in range(MIN_RANGE_SAMPLES))
+    snapshot = ClusterSnapshot(1800.0, (running, batch, *present), quotas, {"n1": gpu_node()},
+                               start_misses=on_time, recent_arrivals=arrivals)
+    config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=window_s)
+    found = admission_cycle(snapshot, config).wait_for("c/batch")
+    assert found is not None
+    return found
+
+
+def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
+    # ten interactive jobs just arrived with work far beyond the 2 GPUs: if such arrivals go
+    # on, the batch job's 1800 s wait stretches by 1 / (1 - 0.8) = 5; the estimate and its
+    # message stay the queue's, the range ends at the stretched start
     surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR)
                   for i in range(MIN_HIGHER_ARRIVALS))
-    on_time = tuple(StartMiss(float(i), JobClass.BATCH, 0.0, None)
-                    for i in range(MIN_RANGE_SAMPLES))  # ranges: the estimate itself
-    snapshot = ClusterSnapshot(1800.0, (running, batch), quotas, {"n1": gpu_node()},
-                               start_misses=on_time, recent_arrivals=surge)
-
-    def wait(window_s: float) -> Wait:
-        config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=window_s)
-        found = admission_cycle(snapshot, config).wait_for("c/batch")
-        assert found is not None
-        return found
-
-    widened, off = wait(600.0), wait(0.0)
+    widened, off = _batch_wait(600.0, arrivals=surge), _batch_wait(0.0, arrivals=surge)
     assert widened.estimated_start == off.estimated_start == HOUR
     assert widened.message == off.message
     assert widened.message.endswith(f"; estimated start in {format_duration(1800)}")
     assert (off.estimated_start_low, off.estimated_start_high) == (HOUR, HOUR)
     assert widened.estimated_start_low == HOUR
     assert widened.estimated_start_high == pytest.approx(1800 + 5 * 1800)
+
+
+def test_arrivals_of_jobs_still_present_count_too() -> None:
+    # ten short jobs of another project, submitted 600-591 s ago, ran 300 s on one GPU
+    # each: 3000 GPU-s over 600 s on 2 GPUs, rho = 2.5, capped at 0.8; batch jobs arriving
+    # count for no class
+    done = tuple(gpu_job(f"d/s{i}", "d", JobClass.SHORT, submitted=1200.0 + i,
+                         phase=Phase.SUCCEEDED, attempts=1,
+                         runs=(RunRecord(1, 1200.0 + i, 1500.0 + i, 1.0),))
+                 for i in range(MIN_HIGHER_ARRIVALS))
+    assert _batch_wait(600.0, *done).estimated_start_high == pytest.approx(1800 + 5 * 1800)
+    assert _batch_wait(600.0, *done[1:]).estimated_start_high == HOUR  # too few
+    batch_done = tuple(replace(job, job_class=JobClass.BATCH) for job in done)
+    assert _batch_wait(600.0, *batch_done).estimated_start_high == HOUR
+    # an hour later the same ten are outside the window
+    assert _batch_wait(500.0, *done).estimated_start_high == HOUR
