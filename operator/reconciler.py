@@ -57,7 +57,18 @@ from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
 from carpool.operator.pods import build_checkpoint_claim, build_pod, pod_name
 
 log = logging.getLogger(__name__)
-ESTIMATE_ROUNDING_S = 10.0  # estimated starts are written rounded, so status churns less
+ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are counted rounded
+ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)  # estimated starts are written rounded to one,
+ESTIMATE_PRECISION = 0.05  # the coarsest within this share of the time until the estimate
+
+
+def estimate_step(ahead_s: float) -> float:
+    """How an estimated start `ahead_s` from now is rounded when written: to the coarsest of
+    `ESTIMATE_STEPS_S` within `ESTIMATE_PRECISION` of that time (a second up to 40 s ahead,
+    10 s from 200 s on), so status churns less for far-off starts while rounding never costs
+    a short wait more than 2.5 % of it."""
+    fitting = [step for step in ESTIMATE_STEPS_S if step <= ESTIMATE_PRECISION * ahead_s]
+    return fitting[-1] if fitting else ESTIMATE_STEPS_S[0]
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
 GUARD_WORKERS = 2  # background finalizer writes
 
@@ -592,7 +603,7 @@ class Reconciler:
         self._refresh_s = max(self.config.wait_refresh_s,
                               len(waiting) / max(1e-9, self.config.wait_refresh_per_s))
         for wait in result.waits:
-            self._record_wait(state, wait)
+            self._record_wait(state, wait, now)
 
     def _outranked(self, state: PassState, job: Job) -> bool:
         """Has a job arrived since the pass read that the next pass might rank before `job`
@@ -652,7 +663,7 @@ class Reconciler:
         self.kube.delete_pod(job.namespace, _pod_name_of(job),
                              max(0, math.ceil(expiry.grace_s)))
 
-    def _record_wait(self, state: PassState, wait: Wait) -> None:
+    def _record_wait(self, state: PassState, wait: Wait, now: float) -> None:
         obj = state.objects[wait.job_key]
         status = obj.get("status") or {}
         # the queue estimates the admission as if every admission it decided happened now;
@@ -662,8 +673,8 @@ class Reconciler:
         def shown(epoch: float | None) -> str | None:
             if epoch is None:
                 return None
-            return format_time(round((epoch + backlog + delay) / ESTIMATE_ROUNDING_S)
-                               * ESTIMATE_ROUNDING_S)
+            step = estimate_step(epoch + backlog + delay - now)
+            return format_time(round((epoch + backlog + delay) / step) * step)
 
         estimate = shown(wait.estimated_start)
         message = wait.message

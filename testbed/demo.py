@@ -23,7 +23,7 @@ import yaml
 from carpool.core import names
 from carpool.core.durations import format_duration
 from carpool.core.timestamps import epoch_of
-from carpool.operator.reconciler import ESTIMATE_ROUNDING_S
+from carpool.operator.reconciler import ESTIMATE_PRECISION, ESTIMATE_STEPS_S
 from carpool_testbed import devcluster, simnodes, stack
 
 NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
@@ -299,8 +299,9 @@ def run(log_dir: Path) -> int:
 
     say("Each estimated start the demo showed, beside the actual start:")
     print("\n".join(estimates.lines()) or "    (no job had to wait)")
-    print(f"    (estimates are written to the nearest {ESTIMATE_ROUNDING_S:.0f} s and count on a "
-          f"preempted job keeping its GPUs for its whole checkpoint grace, {GRACE_S} s here; "
+    print(f"    (estimates are written rounded to within {ESTIMATE_PRECISION:.0%} of the time "
+          f"until them, {ESTIMATE_STEPS_S[0]:.0f} to {ESTIMATE_STEPS_S[-1]:.0f} s, and count on "
+          f"a preempted job keeping its GPUs for its whole checkpoint grace, {GRACE_S} s here; "
           f"a simulated pod leaves as soon as it is told to stop)")
 
     say("GPU-hours by project (`kubectl carpool report`):")

@@ -279,9 +279,16 @@ def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
         state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
         reconciler._start_delay = delay
         reconciler._wait_written.clear()
-        reconciler._record_wait(state, wait)
+        reconciler._record_wait(state, wait, 1_800_000_000.0 - 3600)  # an hour ahead: 10 s
         assert state.patches["team/a"]["estimatedStart"] == shown
     assert "+30s from admission to a running pod" in state.patches["team/a"]["message"]
+    # 30 s ahead, the estimate is written to the second
+    state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
+    reconciler._start_delay = 0.0
+    reconciler._wait_written.clear()
+    near = Wait("team/a", WaitReason.CAPACITY, "no node has room now", 1, 0, 1_800_000_003.4)
+    reconciler._record_wait(state, near, 1_800_000_003.4 - 30)
+    assert state.patches["team/a"]["estimatedStart"] == "2027-01-15T08:00:03Z"
 
 
 def test_a_job_has_at_most_one_status_write_in_flight() -> None:
@@ -330,7 +337,7 @@ def test_admissions_left_for_later_passes_push_estimates_back_by_their_time() ->
     assert (reconciler._admit_rate, reconciler._backlog_s) == (30.0, 40.0)
     state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
     reconciler._record_wait(state, Wait("team/a", WaitReason.CAPACITY, "no room", 1, 0,
-                                        1_800_000_000.0))
+                                        1_800_000_000.0), 1_800_000_000.0 - 3600)
     assert state.patches["team/a"]["estimatedStart"] == "2027-01-15T08:00:40Z"
     assert "+40s to carry out the admissions decided before it" in \
         state.patches["team/a"]["message"]
