@@ -58,8 +58,11 @@ from carpool.operator.pods import build_checkpoint_claim, build_pod, pod_name
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are counted rounded
-ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)  # estimated starts are written rounded to one,
-ESTIMATE_PRECISION = 0.05  # the coarsest within this share of the time until the estimate
+# estimated starts are written rounded to one of these steps (`estimate_step`)
+ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)
+ESTIMATE_PRECISION = 0.05  # the coarsest step within this share of the time until the start
+STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
+GUARD_WORKERS = 2  # background finalizer writes
 
 
 def estimate_step(ahead_s: float) -> float:
@@ -69,8 +72,6 @@ def estimate_step(ahead_s: float) -> float:
     a short wait more than 2.5 % of it."""
     fitting = [step for step in ESTIMATE_STEPS_S if step <= ESTIMATE_PRECISION * ahead_s]
     return fitting[-1] if fitting else ESTIMATE_STEPS_S[0]
-STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
-GUARD_WORKERS = 2  # background finalizer writes
 
 
 @dataclass

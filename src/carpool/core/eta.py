@@ -207,8 +207,8 @@ def higher_class_stretch(now: float, window_s: float, capacity_gpus: float,
                      if now - window_s <= submitted <= now), reverse=True)
     stretch: dict[int, float] = {}
     for level in range(int(JobClass.SHORT), len(JobClass)):
-        above = [(submitted, work) for submitted, lvl, work in recent if lvl < level]
-        above = above[:RATE_ARRIVALS]
+        above = [(submitted, work) for submitted, lvl, work in recent
+                 if lvl < level][:RATE_ARRIVALS]
         if len(above) < MIN_HIGHER_ARRIVALS:
             continue
         span = max(now - above[-1][0], 1.0)
