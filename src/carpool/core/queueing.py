@@ -513,7 +513,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                                     _counted_arrivals(cycle, config.arrival_window_s))
                if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
     levels = {j.key: int(j.job_class) for j in waiting}
-    by_class = class_misses(recent) if config.class_calibration else {}
+    by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_told(_with_range(
         _calibrated(w, by_key, now, by_class, config.aging_step_s), now, misses,

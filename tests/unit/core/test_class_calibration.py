@@ -4,6 +4,7 @@ calibrated_start), capped at the job's next aging step."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -17,6 +18,7 @@ from carpool.core.eta import (
     MIN_RANGE_SAMPLES,
     calibrated_start,
     class_misses,
+    overdue_miss,
     simulated_miss,
     started_misses,
 )
@@ -48,6 +50,26 @@ def test_a_class_keeps_the_misses_of_its_latest_simulated_starts() -> None:
     assert misses[JobClass.LONG][0] == pytest.approx(math.log(251 / 100))
     assert misses[JobClass.LONG][-1] == pytest.approx(math.log(300 / 100))
     assert misses[JobClass.BATCH] == [pytest.approx(math.log(50 / 100)), 0.0]
+
+
+def test_jobs_still_waiting_past_their_simulated_start_count_as_late_as_they_are() -> None:
+    # at 1000: a/w1 was simulated to wait 100 s and has waited 400 s: a miss of at least
+    # ln 4; a/w2 is not yet due, a/w3 was promised under a minute, a/w4 never simulated
+    waiting = [gpu_job("a/w1", cls=JobClass.LONG, submitted=600, first_simulated_start=700),
+               gpu_job("a/w2", cls=JobClass.LONG, submitted=900, first_simulated_start=1200),
+               gpu_job("a/w3", cls=JobClass.LONG, submitted=900, first_simulated_start=950),
+               gpu_job("a/w4", cls=JobClass.LONG, submitted=100)]
+    assert overdue_miss(waiting[0], 1000) == pytest.approx(math.log(4))
+    assert [overdue_miss(job, 1000) for job in waiting[1:]] == [None, None, None]
+    assert overdue_miss(started("a/s", JobClass.LONG, 0, 100, 900), 1000) is None
+    on_time = [StartMiss(float(i), JobClass.LONG, None, 0.0) for i in range(CLASS_MISSES)]
+    misses = class_misses(on_time, waiting, 1000)
+    # the overdue job counts as the newest, the oldest start drops out
+    assert misses[JobClass.LONG] == [0.0] * (CLASS_MISSES - 1) + [pytest.approx(math.log(4))]
+    # with as many jobs overdue as half the sample, the median is late too
+    late = [gpu_job(f"a/o{i}", cls=JobClass.LONG, submitted=600 + i,
+                    first_simulated_start=700 + i) for i in range(CLASS_MISSES // 2)]
+    assert statistics.median(class_misses(on_time, late, 1000)[JobClass.LONG]) > 0
 
 
 def test_the_simulated_wait_is_scaled_by_the_median_miss_up_to_the_next_aging_step() -> None:
