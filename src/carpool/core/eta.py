@@ -229,10 +229,13 @@ def wait_miss(job: Job) -> float | None:
     return _miss(job, job.first_estimated_start)
 
 
-def _miss(job: Job, estimate: float | None) -> float | None:
-    if estimate is None or not job.runs:
+def _miss(job: Job, estimate: float | None, started: float | None = None) -> float | None:
+    """ln(wait until `started` (default: the job's first start) / the wait `estimate`
+    promised), or None without either or when it promised under `RANGE_MIN_WAIT_S`."""
+    if started is None and job.runs:
+        started = min(r.start for r in job.runs)
+    if estimate is None or started is None:
         return None
-    started = min(r.start for r in job.runs)
     promised = estimate - job.submitted_at
     if promised < RANGE_MIN_WAIT_S:
         return None
@@ -372,10 +375,7 @@ def overdue_miss(job: Job, now: float) -> float | None:
     wait), what its miss will at least be; None for any other job."""
     if job.runs or job.first_simulated_start is None or job.first_simulated_start > now:
         return None
-    promised = job.first_simulated_start - job.submitted_at
-    if promised < RANGE_MIN_WAIT_S:
-        return None
-    return math.log((now - job.submitted_at) / promised)
+    return _miss(job, job.first_simulated_start, now)
 
 
 def class_misses(records: Sequence[StartMiss], waiting: Iterable[Job] = (),

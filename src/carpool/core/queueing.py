@@ -512,12 +512,12 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     stretch = (higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus,
                                     _counted_arrivals(cycle, config.arrival_window_s))
                if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
-    levels = {j.key: int(j.job_class) for j in waiting}
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_told(_with_range(
         _calibrated(w, by_key, now, by_class, config.aging_step_s), now, misses,
-        stretch.get(levels.get(w.job_key, 0), 1.0)), now, walk.told_after.get(w.job_key))
+        stretch.get(int(by_key[w.job_key].job_class), 1.0)), now,
+        walk.told_after.get(w.job_key))
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
