@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from carpool import reporting
@@ -29,6 +30,11 @@ REQUEST_TIMEOUT_S = 15
 
 class PluginError(Exception):
     """A failure to show the user as one line (`error: ...`), exit status 1."""
+
+
+class NotAllowed(PluginError):
+    """The API server refused the read (RBAC): a namespace's user may list its own namespace
+    but not all namespaces."""
 
 
 class ClusterReader(Protocol):
@@ -63,7 +69,9 @@ class KubeReader:
                                   f"CRDs installed? (helm install carpool ./helm/carpool)"
                                   ) from None
             return None
-        except (Unauthorized, Forbidden) as err:
+        except Forbidden as err:
+            raise NotAllowed(f"not allowed to read {what}: {err.message}") from None
+        except Unauthorized as err:
             raise PluginError(f"not allowed to read {what}: {err.message}") from None
         except Unreachable as err:
             raise PluginError(f"cannot reach the cluster: {err.message}") from None
@@ -171,11 +179,23 @@ def cmd_why(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
                   if (q.get("metadata") or {}).get("name") == project), None)
     phase = (job.get("status") or {}).get("phase") or ""
     waiting = phase in reporting.WAITING_PHASES
-    explanation = reporting.explain(
-        job, quota,
-        reader.list_gpujobs(None) if waiting else [],
-        reader.list_gpunodes() if waiting else [],
-        reader.list_pods(None) if waiting else [], now)
+    jobs: list[Obj] = []
+    pods: list[Obj] = []
+    scope = None  # all namespaces
+    if waiting:
+        try:
+            jobs, pods = reader.list_gpujobs(None), reader.list_pods(None)
+        except NotAllowed:  # a namespace's user: what it may see (its job's own status is whole)
+            scope = namespace
+            jobs, pods = reader.list_gpujobs(namespace), reader.list_pods(namespace)
+    explanation = reporting.explain(job, quota, jobs,
+                                    reader.list_gpunodes() if waiting else [], pods, now)
+    if scope is not None:
+        explanation = replace(explanation, findings=(*explanation.findings, reporting.Finding(
+            reporting.Topic.QUEUE, False,
+            f"you may read GpuJobs and pods of namespace {scope} only: the jobs ahead and "
+            f"the GPUs in use above leave out other namespaces' (the queue position and "
+            f"estimate are the operator's)")))
     if args.output == "json":
         return explanation
     if not explanation.waiting:

@@ -206,6 +206,33 @@ def test_why_reports_impossible_constraints() -> None:
     assert texts["needs 4 GPU(s) on one node; the largest suitable node has 0"] is True
 
 
+class NamespaceReader(CannedReader):
+    """A namespace's user: listing all namespaces is refused, as RBAC refuses it."""
+
+    def list_gpujobs(self, namespace: str | None) -> list[Obj]:
+        if namespace is None:
+            raise kubectl_plugin.NotAllowed("not allowed to read gpujobs: forbidden")
+        return super().list_gpujobs(namespace)
+
+    def list_pods(self, namespace: str | None) -> list[Obj]:
+        if namespace is None:
+            raise kubectl_plugin.NotAllowed("not allowed to read pods: forbidden")
+        return [p for p in self.pods if p["metadata"]["namespace"] == namespace]
+
+
+def test_why_for_a_namespace_user_reads_its_namespace_and_says_so() -> None:
+    reader = NamespaceReader()
+    code, out = run("why", "train", "-n", "vision", reader=reader)
+    assert code == 0
+    assert reader.job_namespaces == ["vision"]
+    # the job ahead is another namespace's: the position is the operator's, the count not
+    assert "queue position 2; 0 job(s) ahead" in out
+    (note,) = lines_with(out, "you may read GpuJobs and pods of namespace vision only")
+    assert note.split()[:2] == ["queue", "ok"]
+    _, everything = run("why", "train", "-n", "vision")
+    assert "you may read" not in everything
+
+
 def test_why_on_a_running_job_says_it_does_not_wait() -> None:
     code, out = run("why", "vision/running")
     assert code == 0
