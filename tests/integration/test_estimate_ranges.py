@@ -1,0 +1,476 @@
+"""The 80 % range of an estimated start, through the real operator and API server.
+
+A range needs `eta.MIN_RANGE_SAMPLES` started jobs whose first estimate promised a wait of at
+least a minute; the class calibration needs `eta.MIN_CLASS_MISSES` per class. Running that many
+jobs for real takes many minutes, so the test seeds the history the operator reads back as
+the platform team's admin would find it after those jobs ran: deleted jobs' misses in a
+ProjectQuota's `status.retired.startMisses` (written with the core's own `retire_history`,
+as the operator writes it when a finished job is deleted), and one finished GpuJob whose
+status says when it was promised and when it started. Writing statuses is admin work (a
+tenant's `edit` role has no access to the status subresource); everything a user does here
+(submitting, `kubectl get gpujobs`, `kubectl carpool why` / `queue`) is done as a tenant: a
+ServiceAccount bound to its namespace's `edit` role (and to `carpool-cluster-view`, as the
+chart's user roles advise), with `kubectl --as` and a token kubeconfig for the plugin.
+
+The seeded misses are chosen so that the expected numbers are plain factors of the wait (the
+range x0.5 to x2, stretched to x5 by arrivals, the calibration x3), asserted by hand at the
+time of the operator's pass, which lies between two clocks read by the test, and cross-checked
+with the core's own functions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool import reporting
+from carpool.core import names
+from carpool.core.decoding import retired_to_status
+from carpool.core.eta import (
+    MAX_HIGHER_LOAD,
+    MIN_CLASS_MISSES,
+    MIN_RANGE_SAMPLES,
+    calibrated_start,
+    recent_misses,
+    retire_history,
+    start_miss,
+    start_range,
+    wait_misses,
+)
+from carpool.core.jobs import Job, RetiredUsage, RunRecord
+from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool_testbed import devcluster, simnodes, stack
+from carpool_testbed.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+Obj = dict[str, Any]
+PLUGIN = Path(sys.executable).parent / "kubectl-carpool"
+USER_ROLES = devcluster.repo_root() / "hack" / "policies" / "user-roles.yaml"
+PROMISED_S = 120.0  # each seeded job was told it would wait this long
+# starts minutes ahead are written rounded to 10 s (estimate_step), and all of them later by
+# the recent admission-to-running delay rounded to 10 s (0 s on an idle machine)
+ROUNDING_S = 10.0
+BLOCKER_S = 600.0  # the blocker's estimatedDuration: the waiting jobs' estimated wait
+
+
+def _rfc3339(epoch: float) -> str:
+    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch(text: str | None) -> float:
+    assert text, "expected a timestamp"
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _scaled(now: float, estimate: float, factor: float) -> float:
+    """The start `factor` times as far from `now` as `estimate`."""
+    return now + factor * (estimate - now)
+
+
+def _between(value: float, bounds: tuple[float, float], slack: float, what: str) -> None:
+    low, high = min(bounds), max(bounds)
+    assert low - slack <= value <= high + slack, (
+        f"{what}: {_rfc3339(value)} not within {_rfc3339(low)}..{_rfc3339(high)} "
+        f"(+-{slack:.0f}s)")
+
+
+@dataclass
+class World:
+    """One test's namespaces, projects, tenants and nodes (unique names), torn down after."""
+
+    cluster: devcluster.Cluster
+    tmp: Path
+    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    namespaces: list[str] = field(default_factory=list)
+    projects: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    cluster_objects: list[Obj] = field(default_factory=list)
+
+    def name(self, what: str) -> str:
+        return f"rng-{what}-{self.suffix}"
+
+    def admin(self, *args: str, stdin: str | None = None) -> str:
+        return self.cluster.kubectl(*args, stdin=stdin).stdout
+
+    def apply_cluster_scoped(self, objects: list[Obj]) -> None:
+        self.admin("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+        self.cluster_objects.extend(objects)
+
+    def namespace(self, what: str) -> str:
+        name = self.name(what)
+        self.admin("create", "namespace", name)
+        self.namespaces.append(name)
+        return name
+
+    def project(self, what: str, namespaces: list[str]) -> str:
+        name = self.name(what)
+        self.apply_cluster_scoped([{"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+                                    "metadata": {"name": name},
+                                    "spec": {"namespaces": namespaces}}])
+        self.projects.append(name)
+        return name
+
+    def node(self, what: str, model: str) -> str:
+        name = self.name(what)
+        simnodes.apply_nodes(self.cluster.api(), simnodes.parse_nodes({"nodes": [{
+            "name": name, "zone": "zone-a", "sharing": "mps",
+            "gpus": [{"model": model, "count": 1, "memoryTotalMiB": 80 * 1024}]}]}))
+        self.nodes.append(name)
+        return name
+
+    def patch_status(self, kind_path: list[str], status: Obj) -> None:
+        """Admin: merge `status` into an object's status subresource."""
+        self.admin("patch", *kind_path, "--subresource=status", "--type=merge",
+                   "-p", json.dumps({"status": status}))
+
+    def cleanup(self) -> None:
+        """Everything deleted; the namespaces waited for while the operator still runs (it
+        lets its finalized jobs go), so none of these jobs is left for later tests' operators
+        to count."""
+        for namespace in self.namespaces:
+            self.cluster.kubectl("delete", "gpujobs", "--all", "-n", namespace, "--wait=false",
+                                 check=False)
+        for namespace in self.namespaces:
+            self.cluster.kubectl("wait", "--for=delete", "gpujobs", "--all", "-n", namespace,
+                                 "--timeout=30s", check=False)
+            self.cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        self.cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                             stdin=yaml.safe_dump_all(self.cluster_objects), check=False)
+        simnodes.delete_nodes(self.cluster.api(), self.nodes)
+
+
+@dataclass
+class Tenant:
+    """A namespace user: a ServiceAccount with the namespace's `edit` role."""
+
+    world: World
+    account: str  # system:serviceaccount:NS:NAME
+    kubeconfig: Path
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        return self.world.cluster.kubectl(*args, f"--as={self.account}", stdin=stdin).stdout
+
+    def submit(self, namespace: str, name: str, project: str, cls: str, model: str,
+               node: str, estimated: str, simulated: str) -> None:
+        self.kubectl("create", "-n", namespace, "-f", "-", stdin=yaml.safe_dump({
+            "apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": name},
+            "spec": {"project": project, "class": cls,
+                     "gpu": {"count": 1, "memory": "10Gi", "isolation": "exclusive",
+                             "models": [model]},
+                     "estimatedDuration": estimated, "simulatedDuration": simulated,
+                     "template": {"spec": {
+                         "nodeSelector": {"kubernetes.io/hostname": node},
+                         "containers": [{"name": "main", "image": "trainer"}]}}}}))
+
+    def status(self, namespace: str, name: str) -> Obj:
+        job = json.loads(self.kubectl("get", "gpujob", name, "-n", namespace, "-o", "json"))
+        return dict(job.get("status") or {})
+
+    def columns(self, namespace: str, name: str) -> dict[str, str]:
+        """The job's row of `kubectl get gpujobs`, by column header."""
+        header, *rows = self.kubectl("get", "gpujobs", "-n", namespace).splitlines()
+        starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+        spans = list(zip(starts, [*starts[1:], None], strict=True))
+        titles = [header[a:b].strip() for a, b in spans]
+        for row in rows:
+            cells = dict(zip(titles, (row[a:b].strip() for a, b in spans), strict=True))
+            if cells["NAME"] == name:
+                return cells
+        raise AssertionError(f"{name} not listed by kubectl get gpujobs -n {namespace}")
+
+    def carpool(self, *args: str) -> str:
+        """`kubectl carpool ARGS` with the tenant's own kubeconfig."""
+        env = dict(os.environ, PATH=f"{PLUGIN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                   KUBECONFIG=str(self.kubeconfig))
+        done = subprocess.run([str(self.world.cluster.bin_dir / "kubectl"), "carpool", *args],
+                              capture_output=True, text=True, timeout=60, env=env, check=False)
+        assert done.returncode == 0, f"kubectl carpool {' '.join(args)}: {done.stderr}"
+        return done.stdout
+
+
+def tenant(world: World, namespace: str, user: str, *edit_in: str) -> Tenant:
+    """A ServiceAccount in `namespace` with `edit` in it and `edit_in`, a kubeconfig of its
+    own token, and read access to quotas and nodes (`carpool-cluster-view`)."""
+    world.admin("create", "serviceaccount", user, "-n", namespace)
+    account = f"system:serviceaccount:{namespace}:{user}"
+    for ns in (namespace, *edit_in):
+        world.admin("create", "rolebinding", f"{user}-edit", "--clusterrole=edit",
+                    f"--serviceaccount={namespace}:{user}", "-n", ns)
+    world.apply_cluster_scoped([{
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": world.name(f"{user}-view")},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": world.name("cluster-view")},
+        "subjects": [{"kind": "ServiceAccount", "name": user, "namespace": namespace}]}])
+    token = world.admin("create", "token", user, "-n", namespace, "--duration=1h").strip()
+    admin = yaml.safe_load(world.cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]
+    path = world.tmp / f"{user}.kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster_entry["cluster"]}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "c", "user": user,
+                                                  "namespace": namespace}}],
+        "current-context": user}))
+    return Tenant(world, account, path)
+
+
+def user_roles(world: World) -> list[Obj]:
+    """The chart's roles for people (hack/policies/user-roles.yaml), renamed for this test."""
+    out = []
+    for obj in yaml.safe_load_all(USER_ROLES.read_text()):
+        if obj and obj["kind"] == "ClusterRole":
+            obj["metadata"]["name"] = world.name(obj["metadata"]["name"].removeprefix("carpool-"))
+            out.append(obj)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[None]:
+    """Extender and an operator of this module's own: passes every second, and a waiting
+    job's status rewritten every second (by default a range that appears or widens while the
+    estimate holds still is written within `wait_refresh_s`, 60 s)."""
+    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
+    env = {"CARPOOL_RESYNC_SECONDS": "1", "CARPOOL_WAIT_REFRESH_S": "1"}
+    with stack.running_stack(cluster, log_dir, env) as processes:
+        yield
+        for name, process in processes.items():
+            if process.poll() is not None:
+                print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
+
+
+@pytest.fixture
+def world(cluster: devcluster.Cluster, ranges_stack: None, tmp_path: Path) -> Iterator[World]:
+    made = World(cluster, tmp_path)
+    try:
+        yield made
+    finally:
+        made.cleanup()
+
+
+def seeded_history(project: str, now: float) -> RetiredUsage:
+    """What 19 started-and-deleted batch jobs (first estimates that missed by x0.5, x1, x2)
+    and 9 long jobs (started 3x later than first simulated) left in their project, folded in
+    by the core as the operator folds a deleted job in."""
+    retired = RetiredUsage(period_start=now)
+    ratios = [0.5] * 3 + [1.0] * 13 + [2.0] * 3
+    request = GpuRequest(count=1, memory_mib=10 * 1024, isolation=Isolation.EXCLUSIVE)
+    for i, ratio in enumerate(ratios):
+        submitted = now - 3600 + 60 * i
+        start = submitted + PROMISED_S * ratio
+        retired = retire_history(retired, Job(
+            key=f"gone/batch-{i}", project=project, job_class=JobClass.BATCH, request=request,
+            submitted_at=submitted, estimated_duration_s=60, phase=Phase.SUCCEEDED,
+            attempts=1, runs=(RunRecord(1, start, start + 60, 1.0),),
+            first_estimated_start=submitted + PROMISED_S))
+    for i in range(MIN_CLASS_MISSES - 1):
+        submitted = now - 3000 + 60 * i
+        start = submitted + 3 * PROMISED_S
+        retired = retire_history(retired, Job(
+            key=f"gone/long-{i}", project=project, job_class=JobClass.LONG, request=request,
+            submitted_at=submitted, estimated_duration_s=60, phase=Phase.SUCCEEDED,
+            attempts=1, runs=(RunRecord(1, start, start + 60, 1.0),),
+            first_simulated_start=submitted + PROMISED_S))
+    assert len(wait_misses(retired.start_misses)) == MIN_RANGE_SAMPLES - 1
+    return retired
+
+
+def finished_job(world: World, namespace: str, project: str, now: float) -> Job:
+    """Admin: one more finished batch job (promised 2 min, started after 2 min), created and
+    given the status the operator would have written; returns it as the core reads it.
+
+    It asks for the GPU model of the node it ran on, a node gone since: so the operator
+    cannot admit it between its creation and the status write, which waits for the
+    operator's own first write (NoMatchingGpuModel) so as not to cross it."""
+    name = "done"
+    submitted, start = now - 900, now - 900 + PROMISED_S
+    world.admin("create", "-n", namespace, "-f", "-", stdin=yaml.safe_dump({
+        "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
+        "spec": {"project": project, "class": "batch",
+                 "gpu": {"count": 1, "memory": "10Gi", "isolation": "exclusive",
+                         "models": [world.name("gone")]},
+                 "estimatedDuration": "1m",
+                 "template": {"spec": {"containers": [{"name": "main", "image": "trainer"}]}}}}))
+
+    def seen() -> bool:
+        job = json.loads(world.admin("get", "gpujob", name, "-n", namespace, "-o", "json"))
+        return bool((job.get("status") or {}).get("reason") == "NoMatchingGpuModel")
+
+    wait_for("the operator's first write to the finished job", seen, timeout=30, interval=0.2)
+    history = [{"attempt": 1, "start": _rfc3339(start), "end": _rfc3339(start + 60),
+                "fraction": 1.0, "node": world.name("gone"), "outcome": "Succeeded"}]
+    world.patch_status(["gpujob", name, "-n", namespace], {
+        "phase": "Succeeded", "submitTime": _rfc3339(submitted), "attempts": 1,
+        "firstEstimatedStart": _rfc3339(submitted + PROMISED_S),
+        "startTime": _rfc3339(start), "completionTime": _rfc3339(start + 60),
+        "history": history, "gpuHours": round(60 / 3600, 6), "reason": "Succeeded",
+        "message": "attempt 1 succeeded", "queuePosition": None})
+    request = GpuRequest(count=1, memory_mib=10 * 1024, isolation=Isolation.EXCLUSIVE)
+    return Job(key=f"{namespace}/{name}", project=project, job_class=JobClass.BATCH,
+               request=request, submitted_at=submitted, estimated_duration_s=60,
+               phase=Phase.SUCCEEDED, attempts=1, runs=(RunRecord(1, start, start + 60, 1.0),),
+               first_estimated_start=submitted + PROMISED_S)
+
+
+def settled_value(what: str, probe: Callable[[], Obj | None], timeout: float = 30.0
+                  ) -> tuple[Obj, tuple[float, float]]:
+    """The first status `probe` accepts, with the clock before the probe that saw it and after:
+    the operator's pass that wrote it ran before the latter."""
+    before = time.time()
+    found = wait_for(what, probe, timeout=timeout, interval=0.3)
+    return found, (before, time.time())
+
+
+def plugin_shows(tenant: Tenant, args: list[str], namespace: str, name: str) -> str:
+    """Run `kubectl carpool ARGS` as the tenant; assert it prints the job's range as the
+    plugin renders it at some instant of the call, from the status before or after it (the
+    operator rewrites a moving range's ends between)."""
+    statuses = [tenant.status(namespace, name)]
+    before = time.time()
+    text = tenant.carpool(*args)
+    after = time.time()
+    statuses.append(tenant.status(namespace, name))
+    shown = {reporting.relative_range(
+        (status["estimatedStartEarliest"], status["estimatedStartLatest"]), before + 0.25 * i)
+        for status in statuses for i in range(int((after - before) / 0.25) + 2)}
+    assert any(s and s in text for s in shown), f"none of {sorted(shown)} in:\n{text}"
+    return text
+
+
+def test_ranges_widening_and_overdue_calibration_through_the_operator(world: World) -> None:
+    model_a, model_b = world.name("ma"), world.name("mb")
+    node_a, node_b = world.node("a", model_a), world.node("b", model_b)
+    team, rush, late, hist = (world.namespace(n) for n in ("team", "rush", "late", "hist"))
+    world.apply_cluster_scoped(user_roles(world))
+    project, other, history = (world.project("team", [team]), world.project("rush", [rush]),
+                               world.project("hist", [hist]))
+    alice = tenant(world, team, "alice", late)
+    bob = tenant(world, rush, "bob")
+    wait_for("the GpuJob roles to aggregate into edit", lambda: world.cluster.kubectl(
+        "auth", "can-i", "create", "gpujobs.carpool.dev", f"--as={alice.account}", "-n", team,
+        check=False).stdout.strip() == "yes")
+
+    # Admin: 19 deleted jobs' misses (one short of a range) and 9 long jobs' (one short of a
+    # class calibration) in a project's status, as the operator keeps them.
+    now = time.time()
+    retired = seeded_history(history, now)
+    world.patch_status(["projectquota", history], {"retired": retired_to_status(retired)})
+
+    # (1) a job that must wait: the blocker holds node A's only GPU for its estimated 10m
+    alice.submit(team, "blocker", project, "batch", model_a, node_a, "10m", "1h")
+    wait_for("the blocker running", lambda: alice.status(team, "blocker").get(
+        "phase") == "Running", timeout=30)
+    alice.submit(team, "wait", project, "batch", model_a, node_a, "5m", "5m")
+    waiting, _ = settled_value("an estimate for the waiting job", lambda: (
+        s if (s := alice.status(team, "wait")).get("estimatedStart") else None))
+    estimate = _epoch(waiting["estimatedStart"])
+    blocker_start = _epoch(alice.status(team, "blocker")["startTime"])
+    _between(estimate, (blocker_start + BLOCKER_S, blocker_start + BLOCKER_S),
+             2 * ROUNDING_S, "the estimate: the blocker's expected end")
+    assert waiting["firstEstimatedStart"] == waiting["estimatedStart"]
+    time.sleep(3)  # passes with 19 misses: still no range
+    unranged = alice.status(team, "wait")
+    assert not {"estimatedStartEarliest", "estimatedStartLatest"} & unranged.keys(), unranged
+    assert alice.columns(team, "wait")["EST-P10"] in ("", "<none>")
+
+    # Admin: the 20th started job, a finished GpuJob: now the waiting job gets its range.
+    done = finished_job(world, hist, history, now)
+    twentieth = start_miss(done)
+    assert twentieth is not None
+    misses = wait_misses(recent_misses([*retired.start_misses, twentieth]))
+    assert len(misses) == MIN_RANGE_SAMPLES
+    ranged, (t0, t1) = settled_value("an 80 % range for the waiting job", lambda: (
+        s if (s := alice.status(team, "wait")).get("estimatedStartEarliest") else None))
+    estimate = _epoch(ranged["estimatedStart"])
+    low, high = _epoch(ranged["estimatedStartEarliest"]), _epoch(ranged["estimatedStartLatest"])
+    # of the 20 misses 3 are x0.5, 14 x1 and 3 x2: P10 is x0.5 and P90 x2 (the core agrees)
+    _between(low, (_scaled(t0, estimate, 0.5), _scaled(t1, estimate, 0.5)), ROUNDING_S,
+             "P10: the wait x 0.5")
+    _between(high, (_scaled(t0, estimate, 2.0), _scaled(t1, estimate, 2.0)), 2 * ROUNDING_S,
+             "P90: the wait x 2")
+    assert start_range(t0, estimate, misses) == (_scaled(t0, estimate, 0.5),
+                                                 _scaled(t0, estimate, 2.0))
+    row = alice.columns(team, "wait")
+    assert (row["EST-START"], row["EST-P10"], row["EST-P90"]) == (
+        ranged["estimatedStart"], ranged["estimatedStartEarliest"],
+        ranged["estimatedStartLatest"])
+    why = plugin_shows(alice, ["why", "wait", "-n", team], team, "wait")
+    assert "80 % range" in why
+    assert f"you may read GpuJobs and pods of namespace {team} only" in why  # not all
+    plugin_shows(alice, ["queue", "-n", team], team, "wait")
+
+    # (2) another project's interactive jobs arrive (ten 1-GPU 1h jobs within seconds, on
+    # node B: none can take node A's GPU): the range's end stretches by 1 / (1 - rho) with
+    # rho at its cap, while the estimate stays the queue as it stands.
+    for i in range(10):
+        bob.submit(rush, f"rush-{i}", other, "interactive", model_b, node_b, "1h", "1h")
+    stretch = 1 / (1 - MAX_HIGHER_LOAD)
+    widened, (t0, t1) = settled_value("the range's end stretched by the arrivals", lambda: (
+        s if (h := (s := alice.status(team, "wait")).get("estimatedStartLatest"))
+        and _epoch(h) > high + 10 * ROUNDING_S else None))
+    _between(_epoch(widened["estimatedStart"]), (estimate, estimate), ROUNDING_S,
+             "the estimate after the arrivals")
+    _between(_epoch(widened["estimatedStartLatest"]),
+             (_scaled(t0, estimate, stretch), _scaled(t1, estimate, stretch)),
+             (stretch + 1) * ROUNDING_S, "P90: the wait stretched x5")
+    _between(_epoch(widened["estimatedStartEarliest"]),
+             (_scaled(t0, estimate, 0.5), _scaled(t1, estimate, 0.5)),
+             ROUNDING_S, "P10 after the arrivals")
+    plugin_shows(alice, ["why", f"{team}/wait"], team, "wait")
+
+    # (3) class calibration: a long job's first estimate is its simulated start (9 long
+    # misses: too few) ...
+    alice.submit(team, "long", project, "long", model_a, node_a, "5m", "5m")
+    first, _ = settled_value("an estimate for the long job", lambda: (
+        s if (s := alice.status(team, "long")).get("estimatedStart") else None))
+    simulated = _epoch(first["firstSimulatedStart"])
+    assert first["estimatedStart"] == first["firstSimulatedStart"] == first["firstEstimatedStart"]
+    _between(simulated, (blocker_start + BLOCKER_S, blocker_start + BLOCKER_S),
+             2 * ROUNDING_S, "the long job's simulated start: the blocker's expected end")
+    # ... until another long job waits past its first simulated start: its miss so far,
+    # ln(wait so far / simulated wait), is the class's 10th. Admin: the job's status as the
+    # operator wrote it had it come in 10 minutes ago, told a 5-minute wait (the operator
+    # keeps a job's submitTime and first estimates once written). It is created in a
+    # namespace no project bills, so the operator writes no estimate of its own meanwhile.
+    alice.submit(late, "overdue", project, "long", model_b, node_b, "5m", "5m")
+    wait_for("the overdue job refused until bound", lambda: alice.status(
+        late, "overdue").get("reason") == "UnboundNamespace", timeout=30)
+    arrived = round(time.time())
+    submitted, promised = arrived - 600.0, arrived - 300.0
+    world.patch_status(["gpujob", "overdue", "-n", late], {
+        "submitTime": _rfc3339(submitted), "firstEstimatedStart": _rfc3339(promised),
+        "firstSimulatedStart": _rfc3339(promised)})
+    world.admin("patch", "projectquota", project, "--type=merge",
+                "-p", json.dumps({"spec": {"namespaces": [team, late]}}))
+    calibrated, (t0, t1) = settled_value("the long job's estimate calibrated", lambda: (
+        s if _epoch((s := alice.status(team, "long"))["estimatedStart"])
+        > simulated + 10 * ROUNDING_S else None))
+    overdue = alice.status(late, "overdue")
+    assert overdue["phase"] == "Queued" and overdue["firstSimulatedStart"] == _rfc3339(promised)
+    # the class's misses are now 9 of x3 and the overdue job's x2 so far: the median, x3,
+    # scales the long job's wait (before its next aging step, an hour on; the core agrees)
+    class_misses = [math.log(3.0)] * (MIN_CLASS_MISSES - 1) + [
+        math.log((t0 - submitted) / (promised - submitted))]  # eta.overdue_miss
+    aging = _epoch(first["submitTime"]) + 3600
+    _between(_epoch(calibrated["estimatedStart"]),
+             (_scaled(t0, simulated, 3.0), _scaled(t1, simulated, 3.0)), 4 * ROUNDING_S,
+             "the long job's wait x3")
+    assert calibrated_start(t0, simulated, class_misses, aging) == pytest.approx(
+        _scaled(t0, simulated, 3.0))
+    assert calibrated["firstSimulatedStart"] == first["firstSimulatedStart"]
