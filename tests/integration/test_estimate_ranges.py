@@ -192,12 +192,15 @@ class Tenant:
                 return cells
         raise AssertionError(f"{name} not listed by kubectl get gpujobs -n {namespace}")
 
-    def carpool(self, *args: str) -> str:
+    def carpool_run(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`kubectl carpool ARGS` with the tenant's own kubeconfig."""
         env = dict(os.environ, PATH=f"{PLUGIN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
                    KUBECONFIG=str(self.kubeconfig))
-        done = subprocess.run([str(self.world.cluster.bin_dir / "kubectl"), "carpool", *args],
+        return subprocess.run([str(self.world.cluster.bin_dir / "kubectl"), "carpool", *args],
                               capture_output=True, text=True, timeout=60, env=env, check=False)
+
+    def carpool(self, *args: str) -> str:
+        done = self.carpool_run(*args)
         assert done.returncode == 0, f"kubectl carpool {' '.join(args)}: {done.stderr}"
         return done.stdout
 
@@ -414,6 +417,9 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     assert "80 % range" in why
     assert f"you may read GpuJobs and pods of namespace {team} only" in why  # not all
     plugin_shows(alice, ["queue", "-n", team], team, "wait")
+    everywhere = alice.carpool_run("queue")  # all namespaces: not the tenant's to read
+    assert everywhere.returncode == 1 and "(to read one namespace's: -n NAMESPACE)" in (
+        everywhere.stderr), everywhere.stderr
 
     # (2) another project's interactive jobs arrive (ten 1-GPU 1h jobs within seconds, on
     # node B: none can take node A's GPU): the range's end stretches by 1 / (1 - rho) with

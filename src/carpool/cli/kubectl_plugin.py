@@ -131,8 +131,20 @@ def _scope(args: argparse.Namespace, default_all: bool) -> str | None:
     return None if default_all else str(args.context_namespace)
 
 
+def _scoped_gpujobs(reader: ClusterReader, args: argparse.Namespace) -> list[Obj]:
+    """The GpuJobs of the command's scope (all namespaces unless -n); refused for all
+    namespaces, as a namespace's user is, the error says how to read one."""
+    scope = _scope(args, default_all=True)
+    try:
+        return reader.list_gpujobs(scope)
+    except NotAllowed as err:
+        if scope is not None:
+            raise
+        raise NotAllowed(f"{err} (to read one namespace's: -n NAMESPACE)") from None
+
+
 def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
-    entries = reporting.waiting_jobs(reader.list_gpujobs(_scope(args, default_all=True)))
+    entries = reporting.waiting_jobs(_scoped_gpujobs(reader, args))
     if args.project:
         entries = [e for e in entries if e.project == args.project]
     groups = reporting.queue_groups(entries)
@@ -277,8 +289,7 @@ def cmd_nodes(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
 def cmd_report(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
     try:
         since = reporting.parse_since(args.since, now)
-        report = reporting.usage_report(reader.list_gpujobs(_scope(args, default_all=True)),
-                                        since, now, by=args.by)
+        report = reporting.usage_report(_scoped_gpujobs(reader, args), since, now, by=args.by)
     except ValueError as err:
         raise PluginError(str(err)) from None
     if args.output == "json":

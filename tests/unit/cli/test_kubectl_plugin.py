@@ -233,6 +233,17 @@ def test_why_for_a_namespace_user_reads_its_namespace_and_says_so() -> None:
     assert "you may read" not in everything
 
 
+@pytest.mark.parametrize("command", ["queue", "report"])
+def test_all_namespaces_refused_says_how_to_read_one(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(command, reader=NamespaceReader()) == (1, "")
+    assert capsys.readouterr().err == (
+        "error: not allowed to read gpujobs: forbidden (to read one namespace's: "
+        "-n NAMESPACE)\n")
+    code, out = run(command, "-n", "vision", reader=NamespaceReader())
+    assert code == 0 and "vision" in out
+
+
 def test_why_on_a_running_job_says_it_does_not_wait() -> None:
     code, out = run("why", "vision/running")
     assert code == 0
