@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from carpool.core import checkpointing, names
 from carpool.core.accounting import forget_gone, retire_deleted
@@ -61,6 +62,9 @@ ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are coun
 # estimated starts are written rounded to one of these steps (`estimate_step`)
 ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)
 ESTIMATE_PRECISION = 0.05  # the coarsest step within this share of the time until the start
+# a range's end moving by more than this share of the time until it is written at once (a
+# surge of higher-class arrivals widens every waiting job's range a little at each arrival)
+RANGE_JUMP = 0.25
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
 GUARD_WORKERS = 2  # background finalizer writes
 
@@ -83,7 +87,8 @@ class ReconcilerConfig:
     write_workers: int = 16
     # A queued job whose reason stays the same gets its position, estimate and message
     # rewritten at most this often (they move every pass; thousands of writes otherwise),
-    # unless its estimate moved by more than `estimate_jump_s`.
+    # unless its estimate moved by more than `estimate_jump_s`, its range appeared or went,
+    # or the range's end moved by more than that and `RANGE_JUMP` of the time until it.
     wait_refresh_s: float = 60.0
     estimate_jump_s: float = 60.0
     # ... and those refreshes together stay under this many writes per second: every queued
@@ -695,10 +700,8 @@ class Reconciler:
         if not changed:
             return
         clock = time.monotonic()
-        urgent = ("reason" in changed or state.patches.get(wait.job_key)
-                  or _moved(status.get("estimatedStart"), estimate,
-                            self.config.estimate_jump_s)
-                  or (status.get("estimatedStart") is None) != (estimate is None))
+        urgent = (state.patches.get(wait.job_key)
+                  or wait_change_is_urgent(status, fields, now, self.config.estimate_jump_s))
         if not urgent and clock - self._wait_written.get(wait.job_key, -math.inf) \
                 < self._refresh_s:
             return  # only the position, message or a small estimate shift: later
@@ -876,6 +879,28 @@ def _changes(current: Obj, patch: Obj) -> Obj:
 
 def _pod_name_of(job: Job) -> str:
     return pod_name(job.name, job.attempts)
+
+
+def wait_change_is_urgent(status: Obj, fields: Mapping[str, Any], now: float,
+                          jump_s: float) -> bool:
+    """Whether a waiting job's new wait `fields` must be written now rather than at its next
+    refresh: its reason changed, its estimate came, went or moved by more than `jump_s`, its
+    range came or went, or the range's end moved by more than `jump_s` and `RANGE_JUMP` of
+    the time until it (what the user plans by; a position or message alone can wait)."""
+    estimate, latest = fields.get("estimatedStart"), fields.get("estimatedStartLatest")
+    before, latest_before = status.get("estimatedStart"), status.get("estimatedStartLatest")
+    return (status.get("reason") != fields.get("reason")
+            or (before is None) != (estimate is None)
+            or _moved(before, estimate, jump_s)
+            or (latest_before is None) != (latest is None)
+            or _moved(latest_before, latest,
+                      max(jump_s, RANGE_JUMP * _until(latest_before, now))))
+
+
+def _until(when: str | None, now: float) -> float:
+    """Seconds from now until a written time (0 if absent or past)."""
+    epoch = parse_time(when) if when else None
+    return max(0.0, epoch - now) if epoch is not None else 0.0
 
 
 def _moved(before: str | None, after: str | None, jump_s: float) -> bool:

@@ -246,11 +246,11 @@ def user_roles(world: World) -> list[Obj]:
 @pytest.fixture(scope="module")
 def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[None]:
-    """Extender and an operator of this module's own: passes every second, and a waiting
-    job's status rewritten every second (by default a range that appears or widens while the
-    estimate holds still is written within `wait_refresh_s`, 60 s)."""
+    """Extender and an operator of this module's own, passing every second. A waiting job's
+    status is rewritten at the default pace: a range that appears, or whose end moves by
+    more than a quarter of the time until it, is written at once."""
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    env = {"CARPOOL_RESYNC_SECONDS": "1", "CARPOOL_WAIT_REFRESH_S": "1"}
+    env = {"CARPOOL_RESYNC_SECONDS": "1"}
     with stack.running_stack(cluster, log_dir, env) as processes:
         yield
         for name, process in processes.items():
