@@ -29,6 +29,7 @@ wait, with the share of jobs each gets within 20 % (a median error <= 20 % needs
         --scale 0.006] [--fork-every 1] [--variants as-is,exact,no-preemption,exact+no-preemption]
         [--futures 8 --runtimes distribution|learned|trace --futures-from trace|last-day
         --dump forks.jsonl]
+    .venv/bin/python bench/eta_oracles.py --summarize forks.jsonl
 """
 
 from __future__ import annotations
@@ -272,6 +273,51 @@ def share(flags: Sequence[bool]) -> float | None:
     return round(sum(flags) / len(flags), 3) if flags else None
 
 
+def futures_summary(forecasts: Sequence[Forecast]) -> dict[str, object]:
+    """Per class and for all jobs that waited >= 60 s: the error of the forks' median, of
+    their likeliest wait and of Carpool's estimate, the share each gets within `NEAR`, and
+    how the likeliest point chosen from fewer forks does on the fork left out
+    (`held_out_within`)."""
+    waited = [f for f in forecasts if f.wait >= queue_replay.MIN_WAIT_S]
+    by_class: dict[str, object] = {}
+    for c in [*sorted({f.job_class for f in waited}), "all"]:
+        mine = [f for f in waited if c in ("all", f.job_class)]
+        by_class[c] = {"jobs": len(mine),
+                       "median_abs_error": med([abs(f.error) for f in mine]),
+                       "median_signed_error": med([f.error for f in mine]),
+                       "likeliest_median_abs_error": med([abs(f.likeliest_error)
+                                                          for f in mine]),
+                       "estimate_median_abs_error": med([abs(f.estimate_error) for f in mine]),
+                       **{f"{name}_within_{NEAR:.0%}": share(
+                           [abs(getattr(f, field)) <= NEAR for f in mine])
+                          for name, field in (("median", "error"),
+                                              ("likeliest", "likeliest_error"),
+                                              ("estimate", "estimate_error"))},
+                       "in_forks_p10_p90": share([f.in_range for f in mine]),
+                       f"held_out_within_{NEAR:.0%}": held_out_within(mine)}
+    return by_class
+
+
+def held_out_within(forecasts: Sequence[Forecast], seed: int = 0) -> dict[int, float | None]:
+    """Whether more forks would lift the oracle's share within `NEAR`: each fork in turn taken
+    as the real wait, the likeliest wait of m of the others (drawn at random), for every m
+    the forks allow; the share of held-out forks within `NEAR` of it. Flat in m: more forks
+    would not help; growing: the oracle's own figure is pessimistic."""
+    rng = random.Random(seed)
+    counts = {len(f.fork_waits) for f in forecasts}
+    if not counts:
+        return {}
+    out: dict[int, float | None] = {}
+    for m in range(1, min(counts)):
+        hits = []
+        for f in forecasts:
+            for i, held in enumerate(f.fork_waits):
+                others = [w for j, w in enumerate(f.fork_waits) if j != i]
+                hits.append(abs(likeliest_wait(rng.sample(others, m)) - held) <= NEAR * held)
+        out[m] = share(hits)
+    return out
+
+
 def med(values: Sequence[float]) -> float | None:
     """The median to 3 places; None (null) where no job qualified."""
     return round(statistics.median(values), 3) if values else None
@@ -334,7 +380,15 @@ def main() -> int:
                         help="where the arrivals after the job come from")
     parser.add_argument("--dump", help="write each followed job's real and forked waits "
                                        "to this file, a JSON object a line")
+    parser.add_argument("--summarize", metavar="DUMP",
+                        help="only summarise the followed jobs of an earlier --dump")
     args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as dump:
+            forecasts = [Forecast(**{**row, "fork_waits": tuple(row["fork_waits"])})
+                         for row in map(json.loads, dump)]
+        print(json.dumps(futures_summary(forecasts)), flush=True)
+        return 0
     root = traces_dir()
     shapes = job_traces.parse_trace((root / DEFAULT_PODS).read_text()).rows
     nodes = queue_replay.trace_nodes(
@@ -356,30 +410,13 @@ def main() -> int:
     if args.futures:
         forecasts = run_futures(jobs, nodes, args.futures, args.fork_every, 4 * 3600.0,
                                 args.seed, args.runtimes, args.futures_from)
-        waited = [f for f in forecasts if f.wait >= queue_replay.MIN_WAIT_S]
-        by_class: dict[str, object] = {}
-        for c in [*sorted({f.job_class for f in waited}), "all"]:
-            mine = [f for f in waited if c in ("all", f.job_class)]
-            by_class[c] = {"jobs": len(mine),
-                           "median_abs_error": med([abs(f.error) for f in mine]),
-                           "median_signed_error": med([f.error for f in mine]),
-                           "likeliest_median_abs_error": med([abs(f.likeliest_error)
-                                                              for f in mine]),
-                           "estimate_median_abs_error": med([abs(f.estimate_error)
-                                                             for f in mine]),
-                           **{f"{name}_within_{NEAR:.0%}": share(
-                               [abs(getattr(f, field)) <= NEAR for f in mine])
-                              for name, field in (("median", "error"),
-                                                  ("likeliest", "likeliest_error"),
-                                                  ("estimate", "estimate_error"))},
-                           "in_forks_p10_p90": share([f.in_range for f in mine])}
         if args.dump:
             with open(args.dump, "w") as out_file:
                 for f in forecasts:
                     out_file.write(json.dumps(asdict(f)) + "\n")
         print(json.dumps({"variant": f"median of {args.futures} resampled futures",
                           "runtimes": args.runtimes, "futures_from": args.futures_from,
-                          "seed": args.seed, **by_class}), flush=True)
+                          "seed": args.seed, **futures_summary(forecasts)}), flush=True)
     return 0
 
 
