@@ -47,6 +47,8 @@ from carpool.core.eta import (
     recent_misses,
     start_miss,
 )
+from carpool.core.eta_accuracy import INSIDE, score_first_estimate
+from carpool.core.eta_accuracy import MIN_WAIT_S as MIN_WAIT_S  # the replay's: one rule
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.job_traces import TraceJob
 from carpool.core.jobs import (
@@ -63,7 +65,6 @@ from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
 
 POLICIES = ("fifo", "slurm", "kueue", "carpool")
-MIN_WAIT_S = 60.0  # relative ETA error only over jobs that waited at least this long
 REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at most this often
 GPU_MEMORY_GIB = {"P100": 16, "T4": 16, "V100M16": 16, "V100M32": 32, "A10": 24, "G2": 32,
                   "G3": 32}
@@ -563,8 +564,8 @@ def _quantile(values: Sequence[float], q: float) -> float | None:
 def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
                           min_wait_s: float = MIN_WAIT_S) -> dict[str, float | int | None]:
     """How far the first estimated starts missed, for (arrival, actual first start, first
-    estimate or None) per job: the one rule for the replay and for bench/admission.py's
-    in-cluster measure.
+    estimate or None) per job, each scored by `eta_accuracy.score_first_estimate` (the rule
+    the operator's `carpool_eta_*` metrics and bench/admission.py's in-cluster measure use).
 
     |estimated start - actual start| / actual wait over jobs that waited at least
     `min_wait_s` and were given an estimate; the signed median (> 0: jobs started later than
@@ -578,18 +579,22 @@ def first_estimate_errors(jobs: Iterable[tuple[float, float, Estimate | None]],
     short_abs: list[float] = []
     covered = ranged = waited = 0
     for arrival, start, estimate in jobs:
-        wait = start - arrival
-        if wait >= min_wait_s:
+        if start - arrival >= min_wait_s:
             waited += 1
-            if estimate is not None:
-                relative.append(abs(estimate.start - start) / wait)
-                signed.append((start - estimate.start) / wait)
-                if estimate.low is not None and estimate.high is not None:
-                    ranged += 1
-                    covered += estimate.low <= start <= estimate.high
-                    widths.append((estimate.high - estimate.low) / wait)
-        elif estimate is not None:
-            short_abs.append(abs(estimate.start - start))
+        if estimate is None:
+            continue
+        scored = score_first_estimate(arrival, start, estimate.start, estimate.low,
+                                      estimate.high, min_wait_s)
+        if scored.short_error_s is not None:
+            short_abs.append(scored.short_error_s)
+            continue
+        assert scored.relative is not None and scored.signed is not None
+        relative.append(scored.relative)
+        signed.append(scored.signed)
+        if scored.range_width is not None:
+            ranged += 1
+            covered += scored.range_result == INSIDE
+            widths.append(scored.range_width)
     return {
         "jobs_waited_60s": waited,
         "jobs_waited_60s_with_estimate": len(relative),
