@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from carpool.core.eta_accuracy import FirstEstimateScore
+
 QUEUE_LENGTH = Gauge("carpool_queue_length", "Waiting GpuJobs", ["project", "job_class"])
 WAIT_SECONDS = Histogram(
     "carpool_wait_seconds", "Time from submission to admission", ["project", "job_class"],
@@ -16,3 +18,35 @@ BUDGET_REMAINING = Gauge("carpool_project_budget_remaining_gpu_hours",
 RUNNING_GPUS = Gauge("carpool_project_running_gpus", "GPU equivalents held", ["project"])
 PASS_SECONDS = Histogram("carpool_reconcile_pass_seconds", "Duration of one reconcile pass",
                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+# How good the estimated starts are, scored once per job when its first run starts, by the
+# replay's rule (carpool.core.eta_accuracy): see docs/operations.md.
+ETA_RELATIVE_ERROR = Histogram(
+    "carpool_eta_first_estimate_relative_error",
+    "|first estimated start - first start| / wait, jobs that waited at least 60 s",
+    ["job_class"], buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5))
+ETA_MISSES = Counter(
+    "carpool_eta_first_estimate_misses_total",
+    "Jobs that waited at least 60 s, by whether they started later or earlier than first said",
+    ["job_class", "direction"])
+ETA_SHORT_WAIT_ERROR = Histogram(
+    "carpool_eta_first_estimate_short_wait_error_seconds",
+    "|first estimated start - first start| in seconds, jobs that waited under 60 s",
+    ["job_class"], buckets=(1, 2, 5, 10, 15, 30, 60, 120, 300, 600))
+ETA_RANGE = Counter(
+    "carpool_eta_first_range_total",
+    "Jobs that waited at least 60 s with a range shown with their first estimate, by where "
+    "the first start fell: inside, before or after it", ["job_class", "result"])
+
+
+def observe_first_estimate(job_class: str, score: FirstEstimateScore) -> None:
+    """One job's first estimate against its first start (call once per job)."""
+    if score.short_error_s is not None:
+        ETA_SHORT_WAIT_ERROR.labels(job_class).observe(score.short_error_s)
+        return
+    if score.relative is not None:
+        ETA_RELATIVE_ERROR.labels(job_class).observe(score.relative)
+    if score.direction is not None:
+        ETA_MISSES.labels(job_class, score.direction).inc()
+    if score.range_result is not None:
+        ETA_RANGE.labels(job_class, score.range_result).inc()

@@ -22,6 +22,7 @@ from typing import Any
 from carpool.core import checkpointing, names
 from carpool.core.accounting import forget_gone, retire_deleted
 from carpool.core.decoding import (
+    first_estimate_score,
     job_from_object,
     quota_from_object,
     retired_from_status,
@@ -197,6 +198,7 @@ class _Told:
 
     derived: set[tuple[str, str]] = field(default_factory=set)  # (reason, note)
     waiting: str | None = None  # the wait reason recorded since the job's last other Event
+    first_start_scored: bool = False  # its first estimate scored (_score_first_start)
 
 
 class CacheBehind(RuntimeError):
@@ -694,6 +696,10 @@ class Reconciler:
                   "estimatedStartLatest": shown(wait.estimated_start_high)}
         if estimate is not None and not status.get("firstEstimatedStart"):
             fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
+            if fields["estimatedStartEarliest"] and fields["estimatedStartLatest"]:
+                # the range shown with it, to score (carpool_eta_first_range_total)
+                fields["firstEstimatedStartEarliest"] = fields["estimatedStartEarliest"]
+                fields["firstEstimatedStartLatest"] = fields["estimatedStartLatest"]
             # what the class calibration learns from (eta.calibrated_start)
             fields["firstSimulatedStart"] = shown(wait.simulated_start)
         changed = {k: v for k, v in fields.items() if status.get(k) != v}
@@ -795,12 +801,28 @@ class Reconciler:
             return
         namespace, name = key.split("/", 1)
         version = self.kube.patch_job_status(namespace, name, patch)
+        if obj is not None and patch.get("startTime") and not current.get("startTime"):
+            self._score_first_start(obj, {**current, **patch})
         if obj is not None:  # a second flush in this pass sees what the first wrote
             # a new object: the cached one is shared with the watch's store
             meta = dict(obj["metadata"], resourceVersion=version or
                         obj["metadata"].get("resourceVersion"))
             state.objects[key] = {**obj, "metadata": meta, "status": {
                 k: v for k, v in {**current, **patch}.items() if v is not None}}
+
+    def _score_first_start(self, obj: Obj, status: Obj) -> None:
+        """The `carpool_eta_*` metrics of a job whose first start was just written. That
+        write happens once per job (a later pass, a restarted or new leader reads the
+        startTime back and derives none; a requeued job keeps it), except when a pass reads
+        the job before its own write shows and derives it again: the job's uid counts once."""
+        with self._told_lock:
+            told = self._told.setdefault(str(obj["metadata"].get("uid", "")), _Told())
+            if told.first_start_scored:
+                return
+            told.first_start_scored = True
+        scored = first_estimate_score(obj, status)
+        if scored is not None:
+            metrics.observe_first_estimate(scored[0].label, scored[1])
 
     def _flush_later(self, state: PassState) -> None:
         """Write the remaining statuses (waits, started and finished runs) in the background:

@@ -24,9 +24,11 @@ import datetime as dt
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool import reporting
 from carpool.core import names
@@ -93,6 +96,7 @@ class World:
 
     cluster: devcluster.Cluster
     tmp: Path
+    metrics_port: int
     suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     namespaces: list[str] = field(default_factory=list)
     projects: list[str] = field(default_factory=list)
@@ -130,6 +134,14 @@ class World:
             "gpus": [{"model": model, "count": 1, "memoryTotalMiB": 80 * 1024}]}]}))
         self.nodes.append(name)
         return name
+
+    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """The operator's samples as its /metrics serves them, by name and labels."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10) as response:
+            text = response.read().decode()
+        return {(sample.name, frozenset(sample.labels.items())): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
 
     def patch_status(self, kind_path: list[str], status: Obj) -> None:
         """Admin: merge `status` into an object's status subresource."""
@@ -243,24 +255,32 @@ def user_roles(world: World) -> list[Obj]:
     return out
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[None]:
-    """Extender and an operator of this module's own, passing every second. A waiting job's
-    status is rewritten at the default pace: a range that appears, or whose end moves by
-    more than a quarter of the time until it, is written at once."""
+                 ) -> Iterator[int]:
+    """Extender and an operator of this module's own, passing every second, serving its
+    metrics on the port yielded. A waiting job's status is rewritten at the default pace: a
+    range that appears, or whose end moves by more than a quarter of the time until it, is
+    written at once."""
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    env = {"CARPOOL_RESYNC_SECONDS": "1"}
+    port = _free_port()
+    env = {"CARPOOL_RESYNC_SECONDS": "1", "CARPOOL_METRICS_PORT": str(port)}
     with stack.running_stack(cluster, log_dir, env) as processes:
-        yield
+        yield port
         for name, process in processes.items():
             if process.poll() is not None:
                 print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
 
 
 @pytest.fixture
-def world(cluster: devcluster.Cluster, ranges_stack: None, tmp_path: Path) -> Iterator[World]:
-    made = World(cluster, tmp_path)
+def world(cluster: devcluster.Cluster, ranges_stack: int, tmp_path: Path) -> Iterator[World]:
+    made = World(cluster, tmp_path, ranges_stack)
     try:
         yield made
     finally:
@@ -480,3 +500,67 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     assert calibrated_start(t0, simulated, class_misses, aging) == pytest.approx(
         _scaled(t0, simulated, 3.0))
     assert calibrated["firstSimulatedStart"] == first["firstSimulatedStart"]
+
+    # (4) the operator's accuracy metrics, scraped from its /metrics: a batch job whose first
+    # estimate came with a range waits over a minute, then starts; its first run adds exactly
+    # one job to each, as its status scores it by hand (|estimated - actual| / wait). Admin,
+    # as for the overdue job: it arrived two minutes before it was created (its submitTime),
+    # in a namespace bound to the project only after that is written, so the first estimate
+    # is the operator's own.
+    model_c = world.name("mc")
+    node_c = world.node("c", model_c)
+    slow = world.namespace("slow")
+    world.admin("create", "rolebinding", "alice-edit", "--clusterrole=edit",
+                f"--serviceaccount={team}:alice", "-n", slow)
+    before = world.metrics()
+    alice.submit(team, "runner", project, "batch", model_c, node_c, "30s", "40s")
+    wait_for("the runner running", lambda: alice.status(team, "runner").get(
+        "phase") == "Running", timeout=30)
+    alice.submit(slow, "measured", project, "batch", model_c, node_c, "1m", "1m")
+    wait_for("the measured job refused until bound", lambda: alice.status(
+        slow, "measured").get("reason") == "UnboundNamespace", timeout=30)
+    world.patch_status(["gpujob", "measured", "-n", slow],
+                       {"submitTime": _rfc3339(round(time.time()) - 120.0)})
+    world.admin("patch", "projectquota", project, "--type=merge",
+                "-p", json.dumps({"spec": {"namespaces": [team, late, slow]}}))
+    measured = wait_for("the measured job started", lambda: (
+        s if (s := alice.status(slow, "measured")).get("startTime") else None), timeout=60)
+    submitted, start = _epoch(measured["submitTime"]), _epoch(measured["startTime"])
+    promised = _epoch(measured["firstEstimatedStart"])
+    # 20 misses: the first estimate came with a range, kept beside it
+    low = _epoch(measured.get("firstEstimatedStartEarliest"))
+    high = _epoch(measured.get("firstEstimatedStartLatest"))
+    wait = start - submitted
+    assert wait >= 120, measured
+    relative = abs(start - promised) / wait
+    direction = "late" if start > promised else "early" if start < promised else "on_time"
+    result = "before" if start < low else "after" if start > high else "inside"
+    # the runner started at once: no estimate, nothing scored (else one short wait)
+    short_waits = 1 if alice.status(team, "runner").get("firstEstimatedStart") else 0
+
+    histogram = "carpool_eta_first_estimate_relative_error"
+    batch = ("job_class", "batch")
+    count = (f"{histogram}_count", frozenset({batch}))
+    wait_for("the measured job scored", lambda: world.metrics().get(count, 0.0)
+             > before.get(count, 0.0), timeout=15, interval=0.3)
+    time.sleep(3)  # three passes more: nothing counted twice
+    after = world.metrics()
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, frozenset({batch, *labels.items()}))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert moved(f"{histogram}_count") == 1
+    assert moved(f"{histogram}_sum") == pytest.approx(relative, abs=1e-9)
+    buckets = {dict(labels)["le"] for name, labels in after
+               if name == f"{histogram}_bucket" and batch in labels}
+    assert len(buckets) == 12  # 11 bounds and +Inf
+    for le in buckets:
+        assert moved(f"{histogram}_bucket", le=le) == (relative <= float(le)), (le, relative)
+    for each in ("late", "early", "on_time"):
+        assert moved("carpool_eta_first_estimate_misses_total", direction=each) == (
+            each == direction), (each, measured)
+    for each in ("inside", "before", "after"):
+        assert moved("carpool_eta_first_range_total", result=each) == (each == result), (
+            each, measured)
+    assert moved("carpool_eta_first_estimate_short_wait_error_seconds_count") == short_waits
