@@ -689,10 +689,18 @@ def _quota_findings(job: Obj, quota: Obj | None, fraction: float, now: float
     return findings
 
 
-def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable[Obj],
-            pods: Iterable[Obj], now: float) -> Explanation:
+UNSEEN_NAMESPACES = ("which nodes have room now and the jobs ahead are not shown: they need "
+                     "every namespace's GpuJobs and pods, which you may not list (the "
+                     "operator's reason, position and estimate above count them)")
+
+
+def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: Iterable[Obj],
+            pods: Iterable[Obj] | None, now: float) -> Explanation:
     """Why `job` waits: the operator's own reason, then quota, budget, capacity and
-    constraints recomputed from the objects, each with its numbers."""
+    constraints recomputed from the objects, each with its numbers. `jobs` and `pods` are
+    every namespace's, or None where the reader may not list them all (a namespace's user):
+    then the jobs ahead and which nodes have room are not shown, rather than counted from
+    one namespace and wrong."""
     status, spec = _status(job), _spec(job)
     key = job_key(job)
     phase = str(status.get("phase") or "")
@@ -718,14 +726,16 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
     findings.append(Finding(Topic.STATUS, bool(reason), summary))
     position = status.get("queuePosition")
     estimate = epoch_of(status.get("estimatedStart"))
-    waiting = waiting_jobs(jobs)
     if isinstance(position, int) and position > 0:
-        ahead = [w for w in waiting if w.position is not None and w.position < position]
-        ahead_gpus = sum(w.gpus for w in ahead)
+        ahead_text = ""
+        if jobs is not None:
+            ahead = [w for w in waiting_jobs(jobs)
+                     if w.position is not None and w.position < position]
+            ahead_text = (f"{len(ahead)} job(s) ahead asking for "
+                          f"{sum(w.gpus for w in ahead)} GPU(s); ")
         findings.append(Finding(
             Topic.QUEUE, False,
-            f"queue position {position}; {len(ahead)} job(s) ahead asking for {ahead_gpus} "
-            f"GPU(s); estimated start {relative(estimate, now)}"
+            f"queue position {position}; {ahead_text}estimated start {relative(estimate, now)}"
             + (f" ({status['estimatedStart']})" if estimate is not None else "")
             + (f", 80 % range {low_high}" if (low_high := relative_range(_range(status), now))
                else "")))
@@ -740,9 +750,12 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj], gpunodes: Iterable
                     default=max(GPU_MODEL_MEMORY_MIB.values()))
     fraction = nominal_fraction(request, reference)
     findings.extend(_quota_findings(job, quota, fraction, now))
-    shares = assignments_by_gpu(pods)
-    states = [NodeState(inv, _grants_on(inv, shares)) for inv in inventories]
-    findings.append(_capacity_finding(request, states))
+    if pods is None:
+        findings.append(Finding(Topic.CAPACITY, False, UNSEEN_NAMESPACES))
+    else:
+        shares = assignments_by_gpu(pods)
+        states = [NodeState(inv, _grants_on(inv, shares)) for inv in inventories]
+        findings.append(_capacity_finding(request, states))
     findings.extend(_constraint_findings(request, inventories))
     stale = [inv.name for inv in inventories if not inv.ready]
     if stale:

@@ -11,7 +11,6 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from carpool import reporting
@@ -191,23 +190,15 @@ def cmd_why(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
                   if (q.get("metadata") or {}).get("name") == project), None)
     phase = (job.get("status") or {}).get("phase") or ""
     waiting = phase in reporting.WAITING_PHASES
-    jobs: list[Obj] = []
-    pods: list[Obj] = []
-    scope = None  # all namespaces
+    jobs: list[Obj] | None = []
+    pods: list[Obj] | None = []
     if waiting:
         try:
             jobs, pods = reader.list_gpujobs(None), reader.list_pods(None)
-        except NotAllowed:  # a namespace's user: what it may see (its job's own status is whole)
-            scope = namespace
-            jobs, pods = reader.list_gpujobs(namespace), reader.list_pods(namespace)
+        except NotAllowed:  # a namespace's user: its job's own status is whole, the rest not
+            jobs, pods = None, None
     explanation = reporting.explain(job, quota, jobs,
                                     reader.list_gpunodes() if waiting else [], pods, now)
-    if scope is not None:
-        explanation = replace(explanation, findings=(*explanation.findings, reporting.Finding(
-            reporting.Topic.QUEUE, False,
-            f"you may read GpuJobs and pods of namespace {scope} only: the jobs ahead and "
-            f"the GPUs in use above leave out other namespaces' (the queue position and "
-            f"estimate are the operator's)")))
     if args.output == "json":
         return explanation
     if not explanation.waiting:

@@ -220,17 +220,18 @@ class NamespaceReader(CannedReader):
         return [p for p in self.pods if p["metadata"]["namespace"] == namespace]
 
 
-def test_why_for_a_namespace_user_reads_its_namespace_and_says_so() -> None:
+def test_why_for_a_namespace_user_shows_what_it_can_know_and_says_what_not() -> None:
     reader = NamespaceReader()
     code, out = run("why", "train", "-n", "vision", reader=reader)
     assert code == 0
-    assert reader.job_namespaces == ["vision"]
-    # the job ahead is another namespace's: the position is the operator's, the count not
-    assert "queue position 2; 0 job(s) ahead" in out
-    (note,) = lines_with(out, "you may read GpuJobs and pods of namespace vision only")
-    assert note.split()[:2] == ["queue", "ok"]
+    # the job ahead is another namespace's: the position is the operator's; no count of the
+    # jobs ahead nor a node with room made up from one namespace's jobs and pods
+    (queue,) = lines_with(out, "queue position 2; estimated start")
+    assert "ahead" not in queue and "fits now" not in out and "no node has room" not in out
+    (note,) = lines_with(out, "which nodes have room now and the jobs ahead are not shown")
+    assert note.split()[:2] == ["capacity", "ok"]
     _, everything = run("why", "train", "-n", "vision")
-    assert "you may read" not in everything
+    assert "are not shown" not in everything and "1 job(s) ahead" in everything
 
 
 @pytest.mark.parametrize("command", ["queue", "report"])
