@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,13 @@ def start_operator(kubeconfig: Path, log_path: Path, env: Mapping[str, str] | No
             [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces",
              "--log-format=plain", "-m", "carpool.operator.handlers"],
             env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process the test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def log_tail(path: Path, lines: int = 30) -> str:

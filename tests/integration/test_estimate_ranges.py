@@ -20,11 +20,9 @@ with the core's own functions.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,6 +53,7 @@ from carpool.core.eta import (
 )
 from carpool.core.jobs import Job, RetiredUsage, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.core.timestamps import epoch_seconds, format_timestamp
 from carpool_testbed import devcluster, simnodes, stack
 from carpool_testbed.waiting import wait_for
 
@@ -69,13 +68,10 @@ ROUNDING_S = 10.0
 BLOCKER_S = 600.0  # the blocker's estimatedDuration: the waiting jobs' estimated wait
 
 
-def _rfc3339(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def _epoch(text: str | None) -> float:
-    assert text, "expected a timestamp"
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    epoch = epoch_seconds(text)
+    assert epoch is not None, f"expected a timestamp, got {text!r}"
+    return epoch
 
 
 def _scaled(now: float, estimate: float, factor: float) -> float:
@@ -86,8 +82,8 @@ def _scaled(now: float, estimate: float, factor: float) -> float:
 def _between(value: float, bounds: tuple[float, float], slack: float, what: str) -> None:
     low, high = min(bounds), max(bounds)
     assert low - slack <= value <= high + slack, (
-        f"{what}: {_rfc3339(value)} not within {_rfc3339(low)}..{_rfc3339(high)} "
-        f"(+-{slack:.0f}s)")
+        f"{what}: {format_timestamp(value)} not within "
+        f"{format_timestamp(low)}..{format_timestamp(high)} (+-{slack:.0f}s)")
 
 
 @dataclass
@@ -255,11 +251,6 @@ def user_roles(world: World) -> list[Obj]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
@@ -269,7 +260,7 @@ def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathF
     range that appears, or whose end moves by more than a quarter of the time until it, is
     written at once."""
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    port = _free_port()
+    port = stack.free_port()
     env = {"CARPOOL_RESYNC_SECONDS": "1", "CARPOOL_METRICS_PORT": str(port)}
     with stack.running_stack(cluster, log_dir, env) as processes:
         yield port
@@ -336,12 +327,12 @@ def finished_job(world: World, namespace: str, project: str, now: float) -> Job:
         return bool((job.get("status") or {}).get("reason") == "NoMatchingGpuModel")
 
     wait_for("the operator's first write to the finished job", seen, timeout=30, interval=0.2)
-    history = [{"attempt": 1, "start": _rfc3339(start), "end": _rfc3339(start + 60),
+    history = [{"attempt": 1, "start": format_timestamp(start), "end": format_timestamp(start + 60),
                 "fraction": 1.0, "node": world.name("gone"), "outcome": "Succeeded"}]
     world.patch_status(["gpujob", name, "-n", namespace], {
-        "phase": "Succeeded", "submitTime": _rfc3339(submitted), "attempts": 1,
-        "firstEstimatedStart": _rfc3339(submitted + PROMISED_S),
-        "startTime": _rfc3339(start), "completionTime": _rfc3339(start + 60),
+        "phase": "Succeeded", "submitTime": format_timestamp(submitted), "attempts": 1,
+        "firstEstimatedStart": format_timestamp(submitted + PROMISED_S),
+        "startTime": format_timestamp(start), "completionTime": format_timestamp(start + 60),
         "history": history, "gpuHours": round(60 / 3600, 6), "reason": "Succeeded",
         "message": "attempt 1 succeeded", "queuePosition": None})
     request = GpuRequest(count=1, memory_mib=10 * 1024, isolation=Isolation.EXCLUSIVE)
@@ -480,15 +471,17 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     arrived = round(time.time())
     submitted, promised = arrived - 600.0, arrived - 300.0
     world.patch_status(["gpujob", "overdue", "-n", late], {
-        "submitTime": _rfc3339(submitted), "firstEstimatedStart": _rfc3339(promised),
-        "firstSimulatedStart": _rfc3339(promised)})
+        "submitTime": format_timestamp(submitted),
+        "firstEstimatedStart": format_timestamp(promised),
+        "firstSimulatedStart": format_timestamp(promised)})
     world.admin("patch", "projectquota", project, "--type=merge",
                 "-p", json.dumps({"spec": {"namespaces": [team, late]}}))
     calibrated, (t0, t1) = settled_value("the long job's estimate calibrated", lambda: (
         s if _epoch((s := alice.status(team, "long"))["estimatedStart"])
         > simulated + 10 * ROUNDING_S else None))
     overdue = alice.status(late, "overdue")
-    assert overdue["phase"] == "Queued" and overdue["firstSimulatedStart"] == _rfc3339(promised)
+    assert overdue["phase"] == "Queued"
+    assert overdue["firstSimulatedStart"] == format_timestamp(promised)
     # the class's misses are now 9 of x3 and the overdue job's x2 so far: the median, x3,
     # scales the long job's wait (before its next aging step, an hour on; the core agrees)
     class_misses = [math.log(3.0)] * (MIN_CLASS_MISSES - 1) + [
@@ -520,7 +513,7 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     wait_for("the measured job refused until bound", lambda: alice.status(
         slow, "measured").get("reason") == "UnboundNamespace", timeout=30)
     world.patch_status(["gpujob", "measured", "-n", slow],
-                       {"submitTime": _rfc3339(round(time.time()) - 120.0)})
+                       {"submitTime": format_timestamp(round(time.time()) - 120.0)})
     world.admin("patch", "projectquota", project, "--type=merge",
                 "-p", json.dumps({"spec": {"namespaces": [team, late, slow]}}))
     measured = wait_for("the measured job started", lambda: (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 
 from carpool.core import names
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB
-from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed import crds, devcluster, simnodes, stack
 
 pytestmark = pytest.mark.cluster
 
@@ -48,11 +47,6 @@ def eventually(probe: Callable[[], T | None], timeout: float, what: str) -> T:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.25)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ExtenderProcess:
@@ -115,7 +109,7 @@ def extender(cluster: devcluster.Cluster, api: Any, tmp_path_factory: pytest.Tem
              ) -> Iterator[ExtenderProcess]:
     crds.apply_crds(api)
     log = tmp_path_factory.mktemp("extender") / "extender.log"
-    process = ExtenderProcess(cluster.kubeconfig, free_port(), log)
+    process = ExtenderProcess(cluster.kubeconfig, stack.free_port(), log)
     process.start()
     yield process
     process.stop()

@@ -39,7 +39,8 @@ from kubernetes.client.exceptions import ApiException
 from carpool.core import names
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
-from carpool_testbed import crds, devcluster
+from carpool_testbed import crds, devcluster, stack
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -52,20 +53,6 @@ DELIBERATE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
 SHARES = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(what: str, probe: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass(frozen=True)
@@ -107,7 +94,7 @@ def world(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
         FakeKubelet(), kubelet)
     kubelet.add_insecure_port(f"unix://{plugin_dir / 'kubelet.sock'}")
     kubelet.start()
-    port = free_port()
+    port = stack.free_port()
     extender = devcluster.start_extender(cluster.kubeconfig, port, logs / "extender.log",
                                          ["--host", "127.0.0.1"], timeout=60)
     with (logs / "plugin.log").open("wb") as out:

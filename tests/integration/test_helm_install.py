@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import pytest
 import yaml
 
 from carpool.core import names
-from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed import crds, devcluster, simnodes, stack
 
 pytestmark = pytest.mark.cluster
 
@@ -291,11 +290,6 @@ def token_kubeconfig(cluster: devcluster.Cluster, release: Release, account: str
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def spawn(args: list[str], log: Path, env: dict[str, str] | None = None
           ) -> subprocess.Popen[bytes]:
@@ -324,7 +318,7 @@ def test_extender_works_with_its_account(cluster: devcluster.Cluster, release: R
                                          tmp_path: Path) -> None:
     """Its watches list and watch nodes, pods and GpuNodes: /healthz turns 200 only then."""
     kubeconfig = token_kubeconfig(cluster, release, "extender", tmp_path)
-    port, log = free_port(), tmp_path / "extender.log"
+    port, log = stack.free_port(), tmp_path / "extender.log"
     process = spawn(["-m", "carpool.extender", "--host", "127.0.0.1", "--port", str(port),
                      "--kubeconfig", str(kubeconfig)], log)
 
@@ -422,7 +416,7 @@ def test_scheduler_runs_the_chart_configuration_with_its_account(
     with log.open("wb") as out:
         process = subprocess.Popen(
             [str(cluster.bin_dir / "kube-scheduler"), f"--config={path}",
-             "--bind-address=127.0.0.1", f"--secure-port={free_port()}", "--v=2"],
+             "--bind-address=127.0.0.1", f"--secure-port={stack.free_port()}", "--v=2"],
             stdout=out, stderr=subprocess.STDOUT)
 
     def holder() -> str:

@@ -15,7 +15,6 @@ that bills a project it is not bound to.
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import subprocess
 import time
@@ -33,7 +32,7 @@ import pytest
 import yaml
 
 from carpool.core import checkpointing, names
-from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed import crds, devcluster, simnodes, stack
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -488,11 +487,6 @@ def test_the_operator_running_on_a_node_still_writes_any_jobs_status(
 # --- the extender over TLS -----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def self_signed(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "tls.crt", directory / "tls.key"
@@ -509,7 +503,7 @@ def test_extender_serves_https_and_refuses_plain_http(cluster: devcluster.Cluste
                                                       tmp_path: Path) -> None:
     crds.apply_crds(cluster.api())
     cert, key = self_signed(tmp_path)
-    port = free_port()
+    port = stack.free_port()
     process = devcluster.start_extender(cluster.kubeconfig, port, tmp_path / "extender.log",
                                         ["--host", "127.0.0.1", "--tls-cert", str(cert),
                                          "--tls-key", str(key)], timeout=60)
