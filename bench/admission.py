@@ -23,7 +23,10 @@ threads) and follows them with a watch until all have started. It reports:
   whose start fell inside the 80 % range shown with that first estimate
   (status.estimatedStartEarliest..Latest); seconds of error for jobs that waited less; the
   same per class (`eta_first_by_class`), and one line per job in the log folder's
-  first_estimates.jsonl.
+  first_estimates.jsonl;
+- beside those, what the operator's own `carpool_eta_*` metrics counted, scraped from its
+  /metrics at the end (`eta_first_operator_metrics`): the same rule from the jobs' status,
+  so a platform team's dashboard and this bench can be checked against each other.
 
 The jobs' `estimatedDuration` is their simulated run time unless `--user-estimates realistic`
 draws it from that run time as users estimate (`carpool.core.job_traces.user_estimate`), and
@@ -54,13 +57,16 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client, watch
+from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.core import names
+from carpool.core.eta_accuracy import score_first_estimate
 from carpool.core.job_traces import user_estimate
 from carpool.core.queue_replay import Estimate, first_estimate_errors
 from carpool.core.timestamps import epoch_seconds
@@ -411,7 +417,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                if args.ceiling else {})
     if args.create_first:
         _, created_s = create_all()
-    env = {"CARPOOL_RESYNC_SECONDS": "5"}
+    metrics_port = stack.free_port()
+    env = {"CARPOOL_RESYNC_SECONDS": "5", "CARPOOL_METRICS_PORT": str(metrics_port)}
     paused: list[int] = []
     if args.pause_scheduler:
         scheduler = _component_pids(args.cluster).get("kube-scheduler")
@@ -470,6 +477,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     break  # bench/peers.py: the admissions are all it compares
                 time.sleep(5)
             peak_kib = _rss_kib(operator_pid, "VmHWM")
+            operator_scores = _operator_eta_scores(metrics_port)
             window = time.time() - operator_start
             cpu_seconds = {name: _cpu_seconds(pid) - cpu_before[name]
                            for name, pid in pids.items()}
@@ -525,6 +533,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    if k in estimates else None)
                for k in first_starts if k in created}
     first = first_estimate_errors(samples.values())
+    scores = [score_first_estimate(arrival, start, e.start, e.low, e.high)
+              for arrival, start, e in samples.values() if e is not None]
+    first["jobs_within_20pct"] = sum(1 for x in scores
+                                     if x.relative is not None and x.relative <= 0.2)
     classes = {f"{m['metadata']['namespace']}/{m['metadata']['name']}": m["spec"]["class"]
                for m in manifests}
     first_by_class = {c: first_estimate_errors(s for k, s in samples.items() if classes[k] == c)
@@ -549,6 +561,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eta_admit_minus_estimate_p50": statistics.median(to_admit) if to_admit else None,
         "eta_start_minus_admit_p50": statistics.median(to_start) if to_start else None,
         "eta_first": first, "eta_first_by_class": first_by_class,
+        "eta_first_operator_metrics": operator_scores,
         "user_estimates": args.user_estimates, "templates": args.templates,
         "arrival_rate": args.arrival_rate,
         "started": len(starts), "finished": finished, "wait_reasons": reasons, "log": str(log_dir),
@@ -571,6 +584,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                 names.PROJECTQUOTA_PLURAL, project)
         simnodes.delete_nodes(api, [n.name for n in nodes])
     return result
+
+
+def _operator_eta_scores(port: int) -> dict[str, float]:
+    """What the operator's own `carpool_eta_*` metrics counted over the run, summed over the
+    classes: the jobs scored (waited >= 60 s, shown a first estimate), those within 20 %, and
+    where their first start fell against the first range. They score by the rule the bench
+    applies (`eta_accuracy.score_first_estimate`) from the jobs' status, so the two should
+    agree but for jobs whose wait the bench and the operator's second-rounded timestamps put
+    on either side of 60 s or of a bucket's edge."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = {
+                "carpool_eta_first_estimate_relative_error_count": "scored",
+                "carpool_eta_first_estimate_relative_error_bucket":
+                    "within_20pct" if sample.labels.get("le") == "0.2" else "",
+                "carpool_eta_first_range_total": f"range_{sample.labels.get('result')}",
+            }.get(sample.name, "")
+            if key:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def _operator_metrics_row(scores: dict[str, float], first: dict[str, Any]) -> str:
+    ranged = sum(v for k, v in scores.items() if k.startswith("range_"))
+    covered = first.get("eta_interval_coverage")
+    return (f"{scores.get('scored', 0):.0f} scored ({first.get('jobs_waited_60s_with_estimate')}),"
+            f" {scores.get('within_20pct', 0):.0f} within 20 % "
+            f"({first.get('jobs_within_20pct')}), range inside / before / after "
+            f"{scores.get('range_inside', 0):.0f} / {scores.get('range_before', 0):.0f} / "
+            f"{scores.get('range_after', 0):.0f} of {ranged:.0f} "
+            f"({round(covered * first['eta_ranged_jobs']) if covered is not None else 0} of "
+            f"{first.get('eta_ranged_jobs') or 0} inside)")
 
 
 def _first_estimate_row(first: dict[str, Any]) -> str:
@@ -615,6 +663,9 @@ def table(result: dict[str, Any]) -> str:
         *((f"  {c} jobs", _first_estimate_row(errors))
           for c, errors in (result.get("eta_first_by_class") or {}).items()
           if errors.get("jobs_waited_60s")),
+        ("the operator's carpool_eta_* metrics (the bench's own count)",
+         _operator_metrics_row(result.get("eta_first_operator_metrics") or {},
+                               result.get("eta_first") or {})),
         ("first estimate, waited < 60 s: median abs. error",
          f"{first['eta_short_wait_median_abs_error_s']:.1f} s over "
          f"{first['eta_short_wait_jobs']} jobs"
