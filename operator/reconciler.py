@@ -892,11 +892,19 @@ class Reconciler:
                 metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
 
 
+# a job's first estimate and what came with it, and when it was submitted: written once (a
+# pass that read the job before that write showed would derive them again, from later)
+WRITE_ONCE = frozenset({"submitTime", "firstEstimatedStart", "firstSimulatedStart",
+                        "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})
+
+
 def _changes(current: Obj, patch: Obj) -> Obj:
     """The fields of `patch` that change `current` (an absent field equals null and, for
-    the history of a pod not started yet, an empty list)."""
+    the history of a pod not started yet, an empty list), but for `WRITE_ONCE` fields
+    `current` already has."""
     return {k: v for k, v in patch.items()
-            if current.get(k) != v and not (v == [] and current.get(k) is None)}
+            if current.get(k) != v and not (v == [] and current.get(k) is None)
+            and not (k in WRITE_ONCE and current.get(k))}
 
 
 def _pod_name_of(job: Job) -> str:

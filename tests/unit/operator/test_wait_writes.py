@@ -1,12 +1,18 @@
 """Which changes of a waiting job's status are written at once and which wait for its next
-refresh (`wait_change_is_urgent`): what a user plans by goes out at once."""
+refresh (`wait_change_is_urgent`): what a user plans by goes out at once; and that a job's
+first estimate, once written, stays."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from carpool.core.timestamps import format_timestamp
-from carpool.operator.reconciler import wait_change_is_urgent
+from carpool.operator.reconciler import (
+    PassState,
+    Reconciler,
+    ReconcilerConfig,
+    wait_change_is_urgent,
+)
 
 NOW = 1_800_000_000.0
 JUMP = 60.0
@@ -51,3 +57,34 @@ def test_the_range_end_is_urgent_past_a_quarter_of_the_time_until_it() -> None:
     # near ends: at least the estimate's own jump
     assert not urgent(wait(20, 100), wait(20, 150))
     assert urgent(wait(20, 100), wait(20, 170))
+
+
+class Writes:
+    """The API port's status writes, recorded."""
+
+    def __init__(self) -> None:
+        self.statuses: list[dict[str, Any]] = []
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> str:
+        self.statuses.append(status)
+        return str(len(self.statuses))
+
+
+def test_a_first_estimate_is_never_rewritten_by_a_pass_that_read_the_job_before_it() -> None:
+    kube = Writes()
+    reconciler = Reconciler(kube, ReconcilerConfig(), None)  # type: ignore[arg-type]
+    first = {"firstEstimatedStart": format_timestamp(NOW + 300),
+             "firstSimulatedStart": format_timestamp(NOW + 250),
+             "firstEstimatedStartEarliest": format_timestamp(NOW + 200),
+             "firstEstimatedStartLatest": format_timestamp(NOW + 450),
+             "submitTime": format_timestamp(NOW - 60)}
+    obj = {"metadata": {"name": "job", "namespace": "team", "uid": "u", "resourceVersion": "7"},
+           "spec": {"class": "batch"}, "status": {"phase": "Queued", **first}}
+    # a pass that read the job before its first estimate showed derives one again, later
+    later = {k: format_timestamp(NOW + 900) for k in first}
+    patch = {**wait(900, 1200), **later}
+    reconciler._flush_one(PassState(objects={"team/job": obj}, patches={"team/job": patch}),
+                          "team/job")
+    (written,) = kube.statuses
+    assert not set(first) & set(written)
+    assert written["estimatedStart"] == format_timestamp(NOW + 900)
