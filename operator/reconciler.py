@@ -892,19 +892,24 @@ class Reconciler:
                 metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
 
 
-# a job's first estimate and what came with it, and when it was submitted: written once (a
-# pass that read the job before that write showed would derive them again, from later)
-WRITE_ONCE = frozenset({"submitTime", "firstEstimatedStart", "firstSimulatedStart",
-                        "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})
+# written once, each group whole once its first field is there: when the job was submitted,
+# and its first estimate with what came with it (a pass that read the job before that write
+# showed would derive them again, from a later estimate that may come with a range)
+WRITE_ONCE = {"submitTime": frozenset({"submitTime"}),
+              "firstEstimatedStart": frozenset({
+                  "firstEstimatedStart", "firstSimulatedStart",
+                  "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})}
 
 
 def _changes(current: Obj, patch: Obj) -> Obj:
     """The fields of `patch` that change `current` (an absent field equals null and, for
-    the history of a pod not started yet, an empty list), but for `WRITE_ONCE` fields
+    the history of a pod not started yet, an empty list), but for `WRITE_ONCE` groups
     `current` already has."""
+    written = frozenset().union(*(group for first, group in WRITE_ONCE.items()
+                                  if current.get(first)))
     return {k: v for k, v in patch.items()
             if current.get(k) != v and not (v == [] and current.get(k) is None)
-            and not (k in WRITE_ONCE and current.get(k))}
+            and k not in written}
 
 
 def _pod_name_of(job: Job) -> str:

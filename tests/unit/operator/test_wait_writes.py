@@ -88,3 +88,8 @@ def test_a_first_estimate_is_never_rewritten_by_a_pass_that_read_the_job_before_
     (written,) = kube.statuses
     assert not set(first) & set(written)
     assert written["estimatedStart"] == format_timestamp(NOW + 900)
+    # a first estimate written without a range is not given a later estimate's range
+    del obj["status"]["firstEstimatedStartEarliest"], obj["status"]["firstEstimatedStartLatest"]
+    reconciler._flush_one(PassState(objects={"team/job": obj}, patches={"team/job": patch}),
+                          "team/job")
+    assert not set(first) & set(kube.statuses[-1])
