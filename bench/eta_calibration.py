@@ -3,14 +3,16 @@ traces: Carpool's replay (`carpool simulate queue`'s Carpool policy) with the se
 on, alternating, one trace after another. `--setting calibration` (the default): the class
 calibration (`AdmissionConfig.class_calibration`, eta.calibrated_start); `--setting
 arrivals`: higher-class arrivals widening the ranges' end (`AdmissionConfig.
-arrival_window_s` 0 against its default, eta.higher_class_stretch).
+arrival_window_s` 0 against its default, eta.higher_class_stretch); `--setting promises`: jobs
+queued past their first promised start ranking ahead of work that would overtake them
+(`AdmissionConfig.keep_promises`, fairshare).
 
 Per replay: the median and P90 relative error of the estimate given at arrival over jobs
 that waited at least 60 s, per class, the signed median, how many starts the 80 % range
 held and how wide it was, and the replay's CPU seconds (the setting's cost in the admission
 cycle). Then per setting the median over traces and their spread (min-max).
 
-    .venv/bin/python bench/eta_calibration.py [--setting calibration|arrivals]
+    .venv/bin/python bench/eta_calibration.py [--setting calibration|arrivals|promises]
         [--traces gen:0:80,load:0:0.85,openb:0.004]
 
 Trace specs: `gen:SEED:INTERARRIVAL` and `load:SEED:LOAD` (5,000 generated jobs on openb's
@@ -74,6 +76,8 @@ def config_for(setting: str, on: bool) -> AdmissionConfig:
     config = AdmissionConfig(node_placer=extender_placer())
     if setting == "calibration":
         return replace(config, class_calibration=on)
+    if setting == "promises":
+        return replace(config, keep_promises=on)
     return config if on else replace(config, arrival_window_s=0.0)
 
 
@@ -88,7 +92,8 @@ def replay(trace: Trace, setting: str, on: bool) -> Result:
             "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
             "eta_range_median_rel_width",
             "eta_median_abs_rel_error_by_class",
-            "jobs_waited_60s_with_estimate", "preemptions")
+            "jobs_waited_60s_with_estimate", "preemptions", "wait_p50_s", "wait_p99_s",
+            "gpu_utilization")
     error = scores["eta_median_abs_rel_error"]
     return Result(trace.spec, on, cpu, error if isinstance(error, float) else None,
                   {k: scores[k] for k in keys})
@@ -102,7 +107,8 @@ def spread(values: Sequence[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", choices=("calibration", "arrivals"), default="calibration")
+    parser.add_argument("--setting", choices=("calibration", "arrivals", "promises"),
+                        default="calibration")
     parser.add_argument("--traces", default=DEFAULT_TRACES)
     args = parser.parse_args()
     results: list[Result] = []

@@ -118,11 +118,25 @@ class ReconcilerConfig:
             fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
             aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
             arrival_window_s=float(env.get("CARPOOL_ARRIVAL_WINDOW_S", 3600)),
+            keep_promises=_switch(env, "CARPOOL_KEEP_PROMISES", True),
         ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
             admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
             admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")))
+
+
+def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on/off setting: true or false (1 or 0); anything else stops the operator with the
+    variable's name, rather than guessing."""
+    value = env.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in ("true", "1"):
+        return True
+    if value.strip().lower() in ("false", "0"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")
 
 
 def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:

@@ -1,10 +1,16 @@
 """Weighted fair share and aging: the order of the queue.
 
-Queue order is (effective level, fair-share usage, submit time, job key):
+Queue order is (effective level, promised start, fair-share usage, submit time, job key):
 
 - The level is the job's class (interactive 0 < short 1 < long 2 < batch 3) lowered by one for
   every `aging_step_s` it has waited. At level -1 a job is *overdue*: overdue jobs come before
   all others and are ordered by submit time alone.
+- A job still queued past the start it was first promised (`Job.first_estimated_start`) is
+  *due*: it ranks at least at `PROMISE_LEVEL` (as a short job), and within its level before
+  the jobs not due, earliest promise first. Higher-class work may overtake a waiting job until
+  its promised start, not after it, so the estimate shown at arrival is one the queue keeps.
+  Interactive jobs still come first; being due never lets a job preempt (`preemption`
+  compares classes after aging only).
 - Within a level, projects take turns by weighted usage: a project's usage (GPU-hours decayed
   with a half-life, `decayed_gpu_hours`) divided by its weight, plus the GPU-hours its own
   earlier jobs in that level are expected to use; so a project with twice the weight gets
@@ -28,6 +34,8 @@ from carpool.core.jobs import Job
 from carpool.core.resources import MIG_SLICES_PER_GPU, GpuRequest, Isolation
 
 OVERDUE_LEVEL = -1
+PROMISE_LEVEL = 1  # a due job ranks at least as a short job: only interactive work still passes it
+NOT_DUE = math.inf
 DEFAULT_REFERENCE_MEMORY_MIB = 80 * 1024
 
 
@@ -87,11 +95,23 @@ def next_aging(job: Job, now: float, aging_step_s: float) -> float | None:
     return job.submitted_at + steps * aging_step_s
 
 
+def promised_start(job: Job) -> float | None:
+    """The start a job never started yet was first promised (None: none, or it has run)."""
+    return None if job.runs else job.first_estimated_start
+
+
+def promised_start_due(job: Job, now: float) -> float:
+    """The job's promised start if that has passed (the job is due), else NOT_DUE."""
+    promised = promised_start(job)
+    return NOT_DUE if promised is None or promised > now else promised
+
+
 @dataclass(frozen=True, order=True)
 class RankKey:
     """A queued job's place in the queue; smaller is served first."""
 
     level: int
+    promised: float  # the passed promised start of a due job (NOT_DUE: not due, or overdue)
     share: float  # weighted usage ahead of this job; 0 for overdue jobs
     submitted_at: float
     key: str
@@ -104,18 +124,25 @@ def rank_queue(
     now: float,
     aging_step_s: float,
     expected_gpu_hours: Mapping[str, float],
+    keep_promises: bool = True,
 ) -> list[tuple[RankKey, Job]]:
     """Waiting jobs in queue order with their keys.
 
     `usage` is each project's decayed GPU-hours, `weights` its fair-share weight (missing: 1),
     `expected_gpu_hours` each job's expected use (by key), charged to its project for the jobs
-    that follow it in the same level. Independent of the order of `waiting`.
+    that follow it in the same level. `keep_promises`: due jobs rank as described above.
+    Independent of the order of `waiting`.
     """
     by_level_project: dict[tuple[int, str], list[Job]] = {}
-    levels: dict[str, int] = {}
+    promised: dict[str, float] = {}
     for job in waiting:
         level = effective_level(job, now, aging_step_s)
-        levels[job.key] = level
+        due = promised_start_due(job, now) if keep_promises else NOT_DUE
+        if level == OVERDUE_LEVEL:
+            due = NOT_DUE  # overdue jobs keep their own order, by submit time
+        elif due != NOT_DUE:
+            level = min(level, PROMISE_LEVEL)
+        promised[job.key] = due
         by_level_project.setdefault((level, job.project), []).append(job)
     ranked: list[tuple[RankKey, Job]] = []
     for (level, project), jobs in by_level_project.items():
@@ -124,7 +151,8 @@ def rank_queue(
         ahead = usage.get(project, 0.0)
         for job in jobs:
             share = 0.0 if level == OVERDUE_LEVEL else ahead / weight
-            ranked.append((RankKey(level, share, job.submitted_at, job.key), job))
+            ranked.append((RankKey(level, promised[job.key], share, job.submitted_at, job.key),
+                           job))
             ahead += expected_gpu_hours.get(job.key, 0.0)
     ranked.sort(key=lambda pair: pair[0])
     return ranked

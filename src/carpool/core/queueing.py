@@ -69,6 +69,7 @@ from carpool.core.fairshare import (
     effective_level,
     next_aging,
     nominal_fraction,
+    promised_start,
     rank_queue,
 )
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
@@ -143,6 +144,9 @@ class AdmissionConfig:
     # scale simulated starts by how their class's recent ones missed, up to the next aging
     # step (eta.calibrated_start); off: the forward simulation's start as it is
     class_calibration: bool = True
+    # a job queued past its first promised start ranks ahead of work that would overtake it
+    # (fairshare: due jobs); off: classes and aging alone order the queue
+    keep_promises: bool = True
     # weight of the newest finished run in learned durations, once a group has 1/rate runs
     # (before that, runs are averaged: eta.update_duration_estimate)
     duration_learning_rate: float = DURATION_LEARNING_RATE
@@ -489,7 +493,8 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         for j in waiting}
     weights = {name: q.weight for name, q in snapshot.quotas.items()}
     decayed = {name: u.decayed_gpu_hours for name, u in cycle.usage.items()}
-    ranked = rank_queue(waiting, decayed, weights, now, config.aging_step_s, expected_gpu_hours)
+    ranked = rank_queue(waiting, decayed, weights, now, config.aging_step_s, expected_gpu_hours,
+                        config.keep_promises)
 
     walk = _Walk(cycle, durations, expected_gpu_hours)
     borrowers: list[tuple[int, Job]] = []
@@ -515,7 +520,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_told(_with_range(
-        _calibrated(w, by_key, now, by_class, config.aging_step_s), now, misses,
+        _calibrated(w, by_key, now, by_class, config), now, misses,
         stretch.get(int(by_key[w.job_key].job_class), 1.0)), now,
         walk.told_after.get(w.job_key))
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
@@ -548,15 +553,19 @@ def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, 
 
 
 def _calibrated(wait: Wait, jobs: Mapping[str, Job], now: float,
-                misses: Mapping[int, list[float]], aging_step_s: float) -> Wait:
+                misses: Mapping[int, list[float]], config: AdmissionConfig) -> Wait:
     """The wait with its simulated start calibrated by its class's misses (eta.
-    calibrated_start)."""
+    calibrated_start), and no later than the start the job was promised: from then on it
+    is due and ranks ahead of the work that would delay it (fairshare)."""
     job = jobs.get(wait.job_key)
     simulated = wait.estimated_start
     if simulated is None or wait.simulated_start is None or job is None:
         return wait
     start = calibrated_start(now, simulated, misses.get(int(job.job_class), ()),
-                             next_aging(job, now, aging_step_s))
+                             next_aging(job, now, config.aging_step_s))
+    promised = promised_start(job) if config.keep_promises else None
+    if promised is not None and promised > now:
+        start = min(start, promised)
     return replace(wait, estimated_start=start, simulated_start=simulated)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -17,7 +18,7 @@ from carpool.core.fairshare import (
     nominal_fraction,
     rank_queue,
 )
-from carpool.core.jobs import Job
+from carpool.core.jobs import Job, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass
 
 GIB = 1024
@@ -25,8 +26,9 @@ HOUR = 3600.0
 
 
 def job(key: str, project: str = "a", cls: JobClass = JobClass.BATCH,
-        submitted: float = 0.0) -> Job:
-    return Job(key, project, cls, GpuRequest(1, 10 * GIB), submitted, HOUR)
+        submitted: float = 0.0, promised: float | None = None) -> Job:
+    return Job(key, project, cls, GpuRequest(1, 10 * GIB), submitted, HOUR,
+               first_estimated_start=promised)
 
 
 def test_decay_halves_every_half_life() -> None:
@@ -113,15 +115,52 @@ def test_overdue_jobs_go_first_by_submit_time_only() -> None:
     assert order == ["h/old", "l/new"]
 
 
+def test_a_due_job_ranks_ahead_of_all_but_interactive_work() -> None:
+    """Past its promised start (100) a batch job is due: the short job that arrived later and
+    would overtake it no longer does, the interactive one still does, and a batch job whose
+    promise is still ahead keeps its class."""
+    due = job("a/due", cls=JobClass.BATCH, submitted=0, promised=100)
+    short = job("b/short", "b", JobClass.SHORT, submitted=50)
+    inter = job("b/inter", "b", JobClass.INTERACTIVE, submitted=60)
+    later = job("a/later", cls=JobClass.BATCH, submitted=1, promised=500)
+    jobs = [later, short, inter, due]
+    assert [j.key for _, j in rank_queue(jobs, {}, {}, 99, 3600, {})] == [
+        "b/inter", "b/short", "a/due", "a/later"]
+    assert [j.key for _, j in rank_queue(jobs, {}, {}, 100, 3600, {})] == [
+        "b/inter", "a/due", "b/short", "a/later"]
+    assert [j.key for _, j in rank_queue(jobs, {}, {}, 100, 3600, {}, keep_promises=False)] == [
+        "b/inter", "b/short", "a/due", "a/later"]
+
+
+def test_due_jobs_go_by_promise_and_a_started_job_is_never_due() -> None:
+    """Earliest promise first, whatever the fair share says; a job that has run (requeued
+    after a preemption) was promised its first start only, which it had."""
+    early = job("h/early", "heavy", JobClass.LONG, submitted=20, promised=50)
+    late = job("l/late", "light", JobClass.BATCH, submitted=10, promised=80)
+    usage = {"heavy": 1e6}
+    assert [j.key for _, j in rank_queue([late, early], usage, {}, 100, 3600, {})] == [
+        "h/early", "l/late"]
+    ran = replace(job("l/ran", "light", JobClass.BATCH, submitted=0, promised=10),
+                  runs=(RunRecord(1, 10, 40, 1.0),))
+    short = job("h/short", "heavy", JobClass.SHORT, submitted=30)
+    assert [j.key for _, j in rank_queue([ran, short], usage, {}, 100, 3600, {})] == [
+        "h/short", "l/ran"]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(list(JobClass)),
-                          st.integers(0, 1000)), min_size=1, max_size=12),
+                          st.integers(0, 1000), st.none() | st.integers(0, 6000)),
+                min_size=1, max_size=12),
        st.integers(0, 5000), st.randoms(use_true_random=False))
-def test_no_later_job_overtakes_an_overdue_one(specs: list[tuple[str, JobClass, int]],
-                                               now_offset: int, rnd: random.Random) -> None:
-    """The aging bound: once overdue, only jobs submitted earlier are ranked ahead."""
+def test_no_later_job_overtakes_an_overdue_one(
+        specs: list[tuple[str, JobClass, int, int | None]], now_offset: int,
+        rnd: random.Random) -> None:
+    """The aging bound: once overdue, only jobs submitted earlier are ranked ahead, however
+    many jobs are due; and a due job has only interactive, overdue or earlier-promised due
+    jobs ahead of it."""
     step = 100.0
-    jobs = [job(f"{p}/{i}", p, cls, float(sub)) for i, (p, cls, sub) in enumerate(specs)]
+    jobs = [job(f"{p}/{i}", p, cls, float(sub), None if promise is None else sub + promise)
+            for i, (p, cls, sub, promise) in enumerate(specs)]
     now = 1000.0 + now_offset
     usage = {"a": 0.0, "b": 50.0, "c": 1e9}
     ranked = [j for _, j in rank_queue(jobs, usage, {"b": 3.0}, now, step, {})]
@@ -135,6 +174,14 @@ def test_no_later_job_overtakes_an_overdue_one(specs: list[tuple[str, JobClass, 
         assert now - overdue.submitted_at >= (int(overdue.job_class) + 1) * step
         for earlier in ranked[:i]:
             assert (earlier.submitted_at, earlier.key) < (overdue.submitted_at, overdue.key)
+    for i, due in enumerate(ranked):
+        promised = due.first_estimated_start
+        if (promised is None or promised > now
+                or effective_level(due, now, step) == OVERDUE_LEVEL):
+            continue
+        for ahead in ranked[:i]:
+            level = effective_level(ahead, now, step)
+            assert level <= 0 or (ahead.first_estimated_start or math.inf) <= promised
 
 
 def test_rank_keys_are_finite() -> None:

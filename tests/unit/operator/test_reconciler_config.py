@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from carpool.operator.reconciler import ReconcilerConfig, estimate_step
 
 
@@ -9,6 +11,15 @@ def test_defaults_look_an_hour_back_at_arrivals() -> None:
     config = ReconcilerConfig.from_environment({})
     assert config.admission.arrival_window_s == 3600.0
     assert config.admission.aging_step_s == 3600.0
+    assert config.admission.keep_promises
+
+
+def test_keeping_promises_is_switched_by_true_or_false_only() -> None:
+    for value, expected in (("false", False), ("0", False), (" True", True), ("1", True)):
+        config = ReconcilerConfig.from_environment({"CARPOOL_KEEP_PROMISES": value})
+        assert config.admission.keep_promises is expected
+    with pytest.raises(ValueError, match="CARPOOL_KEEP_PROMISES must be true or false, not 'no'"):
+        ReconcilerConfig.from_environment({"CARPOOL_KEEP_PROMISES": "no"})
 
 
 def test_the_environment_sets_the_arrival_window_and_the_aging_step() -> None:
