@@ -63,6 +63,7 @@ from carpool.core.jobs import (
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
+from carpool.core.timestamps import as_written
 
 POLICIES = ("fifo", "slurm", "kueue", "carpool")
 REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at most this often
@@ -519,8 +520,10 @@ class Replay:
             if record.arrival_estimate is None and now == record.arrival:
                 record.arrival_estimate = estimate
                 record.last_sample = now
-                state.jobs[key] = replace(state.jobs[key], first_estimated_start=estimate.start,
-                                          first_simulated_start=estimate.simulated)
+                state.jobs[key] = replace(
+                    state.jobs[key], first_estimated_start=as_written(estimate.start),
+                    first_simulated_start=(None if estimate.simulated is None
+                                           else as_written(estimate.simulated)))
             elif now - record.last_sample >= REFRESH_SAMPLE_S:
                 record.refreshed.append((now, estimate.start))
                 record.last_sample = now

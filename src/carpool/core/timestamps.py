@@ -7,6 +7,7 @@ guessed at in the machine's local zone.
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 
 
@@ -38,6 +39,12 @@ def epoch_of(text: object) -> float | None:
         return parse_timestamp(text).timestamp()
     except ValueError:
         return None
+
+
+def as_written(epoch: float) -> float:
+    """`epoch` as a status holds it once written with `format_timestamp` (to the second):
+    what a replay keeps of the times the operator writes, so both decide from the same."""
+    return float(math.floor(epoch))
 
 
 def format_timestamp(epoch: float) -> str:
