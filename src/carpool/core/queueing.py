@@ -66,10 +66,12 @@ from carpool.core.eta import (
 )
 from carpool.core.fairshare import (
     DEFAULT_REFERENCE_MEMORY_MIB,
+    NOT_DUE,
     effective_level,
     next_aging,
     nominal_fraction,
     promised_start,
+    promised_start_due,
     rank_queue,
 )
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
@@ -519,10 +521,10 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
-    ordered = sorted((_told(_with_range(
+    ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
         stretch.get(int(by_key[w.job_key].job_class), 1.0)), now,
-        walk.told_after.get(w.job_key))
+        walk.told_after.get(w.job_key)), by_key, now, config.keep_promises)
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
@@ -579,6 +581,16 @@ def _told(wait: Wait, now: float, after: str | None) -> Wait:
     if wait.estimated_start is not None:
         told += f"; estimated start in {_fmt_time(wait.estimated_start - now)}"
     return replace(wait, message=told + after)
+
+
+def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, keep_promises: bool) -> Wait:
+    """The wait of a due job (fairshare) saying so: why it now ranks ahead of work of higher
+    classes that arrived after it."""
+    job = jobs.get(wait.job_key)
+    if not keep_promises or job is None or promised_start_due(job, now) == NOT_DUE:
+        return wait
+    return replace(wait, message=f"{wait.message}; past its first estimated start, it ranks "
+                                 "ahead of all but interactive work")
 
 
 def _with_range(wait: Wait, now: float, misses: list[float], stretch: float) -> Wait:
