@@ -476,23 +476,31 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
         "firstSimulatedStart": format_timestamp(promised)})
     world.admin("patch", "projectquota", project, "--type=merge",
                 "-p", json.dumps({"spec": {"namespaces": [team, late]}}))
-    calibrated, (t0, t1) = settled_value("the long job's estimate calibrated", lambda: (
-        s if _epoch((s := alice.status(team, "long"))["estimatedStart"])
-        > simulated + 10 * ROUNDING_S else None))
+    wait_for("the overdue job bound", lambda: alice.status(late, "overdue").get(
+        "reason") not in (None, "UnboundNamespace"), timeout=30)
+    # the class's misses are now 9 of x3 and the overdue job's x2 so far: the median, x3,
+    # scales the wait of a long job arriving now (before its next aging step, an hour on;
+    # the core agrees). The first long job's estimate stays at its first: a waiting job is
+    # never told a start later than the one it was promised (fairshare: due jobs).
+    alice.submit(team, "long-2", project, "long", model_a, node_a, "5m", "5m")
+    calibrated, (t0, t1) = settled_value("the second long job's first estimate", lambda: (
+        s if (s := alice.status(team, "long-2")).get("firstEstimatedStart") else None))
     overdue = alice.status(late, "overdue")
     assert overdue["phase"] == "Queued"
     assert overdue["firstSimulatedStart"] == format_timestamp(promised)
-    # the class's misses are now 9 of x3 and the overdue job's x2 so far: the median, x3,
-    # scales the long job's wait (before its next aging step, an hour on; the core agrees)
+    simulated_2 = _epoch(calibrated["firstSimulatedStart"])
+    _between(simulated_2, (simulated + 300, simulated + 300), 2 * ROUNDING_S,
+             "the second long job's simulated start: after the first")
     class_misses = [math.log(3.0)] * (MIN_CLASS_MISSES - 1) + [
         math.log((t0 - submitted) / (promised - submitted))]  # eta.overdue_miss
-    aging = _epoch(first["submitTime"]) + 3600
-    _between(_epoch(calibrated["estimatedStart"]),
-             (_scaled(t0, simulated, 3.0), _scaled(t1, simulated, 3.0)), 4 * ROUNDING_S,
-             "the long job's wait x3")
-    assert calibrated_start(t0, simulated, class_misses, aging) == pytest.approx(
-        _scaled(t0, simulated, 3.0))
-    assert calibrated["firstSimulatedStart"] == first["firstSimulatedStart"]
+    aging = _epoch(calibrated["submitTime"]) + 3600
+    _between(_epoch(calibrated["firstEstimatedStart"]),
+             (_scaled(t0, simulated_2, 3.0), _scaled(t1, simulated_2, 3.0)), 4 * ROUNDING_S,
+             "the second long job's wait x3")
+    assert calibrated_start(t0, simulated_2, class_misses, aging) == pytest.approx(
+        _scaled(t0, simulated_2, 3.0))
+    _between(_epoch(alice.status(team, "long")["estimatedStart"]),
+             (simulated, simulated), 2 * ROUNDING_S, "the first long job's estimate, kept")
 
     # (4) the operator's accuracy metrics, scraped from its /metrics: a batch job whose first
     # estimate came with a range waits over a minute, then starts; its first run adds exactly
