@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from carpool.core.eta_accuracy import FirstEstimateScore
+from carpool.core.eta_accuracy import FirstStart
 
 QUEUE_LENGTH = Gauge("carpool_queue_length", "Waiting GpuJobs", ["project", "job_class"])
 WAIT_SECONDS = Histogram(
@@ -21,6 +21,11 @@ PASS_SECONDS = Histogram("carpool_reconcile_pass_seconds", "Duration of one reco
 
 # How good the estimated starts are, scored once per job when its first run starts, by the
 # replay's rule (carpool.core.eta_accuracy): see docs/operations.md.
+ETA_FIRST_STARTS = Counter(
+    "carpool_eta_first_starts_total",
+    "Jobs whose first run started, by whether their first estimate was scored (false: "
+    "started without one) and whether they waited under 60 s (short) or longer (long)",
+    ["job_class", "scored", "wait"])
 ETA_RELATIVE_ERROR = Histogram(
     "carpool_eta_first_estimate_relative_error",
     "|first estimated start - first start| / wait, jobs that waited at least 60 s",
@@ -39,8 +44,12 @@ ETA_RANGE = Counter(
     "the first start fell: inside, before or after it", ["job_class", "result"])
 
 
-def observe_first_estimate(job_class: str, score: FirstEstimateScore) -> None:
-    """One job's first estimate against its first start (call once per job)."""
+def observe_first_start(job_class: str, first: FirstStart) -> None:
+    """One job's first start, and its first estimate against it (call once per job)."""
+    ETA_FIRST_STARTS.labels(job_class, "true" if first.scored else "false", first.wait).inc()
+    score = first.score
+    if score is None:
+        return
     if score.short_error_s is not None:
         ETA_SHORT_WAIT_ERROR.labels(job_class).observe(score.short_error_s)
         return

@@ -22,7 +22,7 @@ from typing import Any
 from carpool.core import checkpointing, names
 from carpool.core.accounting import forget_gone, retire_deleted
 from carpool.core.decoding import (
-    first_estimate_score,
+    first_start,
     job_from_object,
     quota_from_object,
     retired_from_status,
@@ -212,7 +212,7 @@ class _Told:
 
     derived: set[tuple[str, str]] = field(default_factory=set)  # (reason, note)
     waiting: str | None = None  # the wait reason recorded since the job's last other Event
-    first_start_scored: bool = False  # its first estimate scored (_score_first_start)
+    first_start_counted: bool = False  # its first start counted (_score_first_start)
 
 
 class CacheBehind(RuntimeError):
@@ -825,18 +825,19 @@ class Reconciler:
                 k: v for k, v in {**current, **patch}.items() if v is not None}}
 
     def _score_first_start(self, obj: Obj, status: Obj) -> None:
-        """The `carpool_eta_*` metrics of a job whose first start was just written. That
-        write happens once per job (a later pass, a restarted or new leader reads the
-        startTime back and derives none; a requeued job keeps it), except when a pass reads
-        the job before its own write shows and derives it again: the job's uid counts once."""
+        """The `carpool_eta_*` metrics of a job whose first start was just written: the start
+        counted, and scored where it had a first estimate. That write happens once per job
+        (a later pass, a restarted or new leader reads the startTime back and derives none; a
+        requeued job keeps it), except when a pass reads the job before its own write shows
+        and derives it again: the job's uid counts once."""
         with self._told_lock:
             told = self._told.setdefault(str(obj["metadata"].get("uid", "")), _Told())
-            if told.first_start_scored:
+            if told.first_start_counted:
                 return
-            told.first_start_scored = True
-        scored = first_estimate_score(obj, status)
-        if scored is not None:
-            metrics.observe_first_estimate(scored[0].label, scored[1])
+            told.first_start_counted = True
+        first = first_start(obj, status)
+        if first is not None:
+            metrics.observe_first_start(first[0].label, first[1])
 
     def _flush_later(self, state: PassState) -> None:
         """Write the remaining statuses (waits, started and finished runs) in the background:

@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
 from carpool.core.eta import recent_misses
-from carpool.core.eta_accuracy import FirstEstimateScore, score_first_estimate
+from carpool.core.eta_accuracy import FirstStart, score_first_start
 from carpool.core.jobs import (
     BudgetPolicy,
     DurationEstimate,
@@ -132,25 +132,25 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
     )
 
 
-def first_estimate_score(obj: Mapping[str, Any], status: Mapping[str, Any]
-                         ) -> tuple[JobClass, FirstEstimateScore] | None:
-    """The job's class and how its first estimate (`firstEstimatedStart`, with the range
-    `firstEstimatedStartEarliest`..`firstEstimatedStartLatest` where one was shown) missed
-    the first start `status` records (`startTime`), from its `submitTime` (the object's
-    creation if absent); None without a first start or a first estimate, or with a class
-    that does not parse (such a job never runs)."""
+def first_start(obj: Mapping[str, Any], status: Mapping[str, Any]
+                ) -> tuple[JobClass, FirstStart] | None:
+    """The job's class and its first start as `status` records it (`startTime`), from its
+    `submitTime` (the object's creation if absent), scored against its first estimate
+    (`firstEstimatedStart`, with the range `firstEstimatedStartEarliest`..
+    `firstEstimatedStartLatest` where one was shown) where it had one; None without a first
+    start, or with a class that does not parse (such a job never runs)."""
     start = epoch_of(status.get("startTime"))
-    estimate = epoch_of(status.get("firstEstimatedStart"))
     submitted = (epoch_of(status.get("submitTime"))
                  or epoch_of(obj["metadata"].get("creationTimestamp")))
-    if start is None or estimate is None or submitted is None:
+    if start is None or submitted is None:
         return None
     try:
         job_class = JobClass.parse(str((obj.get("spec") or {}).get("class", "batch")))
     except ValueError:
         return None
-    return job_class, score_first_estimate(
-        submitted, start, estimate, epoch_of(status.get("firstEstimatedStartEarliest")),
+    return job_class, score_first_start(
+        submitted, start, epoch_of(status.get("firstEstimatedStart")),
+        epoch_of(status.get("firstEstimatedStartEarliest")),
         epoch_of(status.get("firstEstimatedStartLatest")))
 
 

@@ -1,19 +1,24 @@
 """One job's first estimate scored against its first start (the replay's rule, also the
-operator's `carpool_eta_*` metrics), with numbers checked by hand."""
+operator's `carpool_eta_*` metrics), and which first starts are scored, with numbers checked
+by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from carpool.core.decoding import first_estimate_score
+from carpool.core.decoding import first_start
 from carpool.core.eta_accuracy import (
     AFTER,
     BEFORE,
     EARLY,
     INSIDE,
     LATE,
+    LONG_WAIT,
     ON_TIME,
+    SHORT_WAIT,
+    FirstStart,
     score_first_estimate,
+    score_first_start,
 )
 from carpool.core.resources import JobClass
 from carpool.core.timestamps import format_timestamp
@@ -57,18 +62,36 @@ def _status(**epochs: float) -> dict[str, str]:
     return {k: format_timestamp(T0 + v) for k, v in epochs.items()}
 
 
+def test_a_first_start_is_scored_only_where_it_had_a_first_estimate() -> None:
+    # told 300, started 400 of a 400 s wait: the long wait's score
+    assert score_first_start(0, 400, 300, 200, 450) == FirstStart(
+        400, LONG_WAIT, score_first_estimate(0, 400, 300, 200, 450))
+    # never told: started after 400 s, or 5 s, unscored
+    unscored = score_first_start(0, 400, None)
+    assert (unscored.wait_s, unscored.wait, unscored.score, unscored.scored) == (
+        400, LONG_WAIT, None, False)
+    assert score_first_start(10, 15, None) == FirstStart(5, SHORT_WAIT, None)
+    # 59 s is short, 60 s long, as for the score itself
+    short = score_first_start(0, 59, 30)
+    assert short.wait == SHORT_WAIT and short.scored
+    assert short.score is not None and short.score.short_error_s == 29
+    assert score_first_start(0, 60, 30).wait == LONG_WAIT
+
+
 def test_decoded_from_a_status_that_records_a_first_start() -> None:
     obj = {"metadata": {"name": "a", "namespace": "t", "creationTimestamp":
                         format_timestamp(T0 - 1000)}, "spec": {"class": "long"}}
     status = _status(submitTime=0, firstEstimatedStart=300, firstEstimatedStartEarliest=200,
                      firstEstimatedStartLatest=450, startTime=400)
-    decoded = first_estimate_score(obj, status)
-    assert decoded is not None
-    assert decoded == (JobClass.LONG, score_first_estimate(0, 400, 300, 200, 450))
+    assert first_start(obj, status) == (JobClass.LONG, FirstStart(
+        400, LONG_WAIT, score_first_estimate(0, 400, 300, 200, 450)))
     # no submitTime: from the object's creation; no range: none scored
-    bare = first_estimate_score(obj, _status(firstEstimatedStart=300, startTime=400))
-    assert bare is not None and bare[1].wait_s == 1400 and bare[1].range_result is None
-    assert bare[1].relative == pytest.approx(100 / 1400)
-    assert first_estimate_score(obj, _status(submitTime=0, startTime=400)) is None
-    assert first_estimate_score(obj, _status(submitTime=0, firstEstimatedStart=300)) is None
-    assert first_estimate_score({**obj, "spec": {"class": "bogus"}}, status) is None
+    bare = first_start(obj, _status(firstEstimatedStart=300, startTime=400))
+    assert bare is not None and bare[1].wait_s == 1400 and bare[1].score is not None
+    assert bare[1].score.range_result is None
+    assert bare[1].score.relative == pytest.approx(100 / 1400)
+    # started without a first estimate: counted, not scored
+    assert first_start(obj, _status(submitTime=0, startTime=400)) == (
+        JobClass.LONG, FirstStart(400, LONG_WAIT, None))
+    assert first_start(obj, _status(submitTime=0, firstEstimatedStart=300)) is None
+    assert first_start({**obj, "spec": {"class": "bogus"}}, status) is None

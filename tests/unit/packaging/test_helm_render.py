@@ -420,7 +420,7 @@ def test_dashboard_queries_only_metrics_that_exist(default: list[Obj]) -> None:
                    "carpool_project_gpu_hours", "carpool_project_budget_remaining_gpu_hours",
                    "carpool_gpu_temperature_celsius", "carpool_gpu_memory_used_mib",
                    "carpool_eta_first_estimate_relative_error_bucket",
-                   "carpool_eta_first_range_total"):
+                   "carpool_eta_first_range_total", "carpool_eta_first_starts_total"):
         assert wanted in used
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
