@@ -507,9 +507,11 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     # one job to each, as its status scores it by hand (|estimated - actual| / wait). Admin,
     # as for the overdue job: it arrived two minutes before it was created (its submitTime),
     # in a namespace bound to the project only after that is written, so the first estimate
-    # is the operator's own.
-    model_c = world.name("mc")
-    node_c = world.node("c", model_c)
+    # is the operator's own. Another such job, whose node is free, is admitted in the pass
+    # that binds it: it waited two minutes without ever being shown an estimate (unscored);
+    # a job that then waits for it briefly is shown one and starts within the minute.
+    model_c, model_d = world.name("mc"), world.name("md")
+    node_c, node_d = world.node("c", model_c), world.node("d", model_d)
     slow = world.namespace("slow")
     world.admin("create", "rolebinding", "alice-edit", "--clusterrole=edit",
                 f"--serviceaccount={team}:alice", "-n", slow)
@@ -518,12 +520,19 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     wait_for("the runner running", lambda: alice.status(team, "runner").get(
         "phase") == "Running", timeout=30)
     alice.submit(slow, "measured", project, "batch", model_c, node_c, "1m", "1m")
-    wait_for("the measured job refused until bound", lambda: alice.status(
-        slow, "measured").get("reason") == "UnboundNamespace", timeout=30)
-    world.patch_status(["gpujob", "measured", "-n", slow],
-                       {"submitTime": format_timestamp(round(time.time()) - 120.0)})
+    alice.submit(slow, "unestimated", project, "batch", model_d, node_d, "20s", "20s")
+    for name in ("measured", "unestimated"):
+        def refused(name: str = name) -> bool:
+            return alice.status(slow, name).get("reason") == "UnboundNamespace"
+
+        wait_for(f"the {name} job refused until bound", refused, timeout=30)
+        world.patch_status(["gpujob", name, "-n", slow],
+                           {"submitTime": format_timestamp(round(time.time()) - 120.0)})
     world.admin("patch", "projectquota", project, "--type=merge",
                 "-p", json.dumps({"spec": {"namespaces": [team, late, slow]}}))
+    wait_for("the unestimated job running", lambda: alice.status(slow, "unestimated").get(
+        "phase") == "Running", timeout=30)
+    alice.submit(team, "brief", project, "batch", model_d, node_d, "20s", "20s")
     measured = wait_for("the measured job started", lambda: (
         s if (s := alice.status(slow, "measured")).get("startTime") else None), timeout=60)
     submitted, start = _epoch(measured["submitTime"]), _epoch(measured["startTime"])
@@ -536,14 +545,38 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     relative = abs(start - promised) / wait
     direction = "late" if start > promised else "early" if start < promised else "on_time"
     result = "before" if start < low else "after" if start > high else "inside"
-    # the runner started at once: no estimate, nothing scored (else one short wait)
-    short_waits = 1 if alice.status(team, "runner").get("firstEstimatedStart") else 0
+    wait_for("the brief job started", lambda: alice.status(team, "brief").get("startTime"),
+             timeout=60)
+    # each first start as its status records it: whether it was shown a first estimate,
+    # whether it waited at least 60 s, and a short wait's error in seconds
+    started = {name: alice.status(ns, name) for ns, name in (
+        (team, "runner"), (slow, "measured"), (slow, "unestimated"), (team, "brief"))}
+    starts: dict[tuple[str, str], int] = {}
+    short_errors: list[float] = []
+    for status in started.values():
+        waited = _epoch(status["startTime"]) - _epoch(status["submitTime"])
+        key = ("true" if status.get("firstEstimatedStart") else "false",
+               "long" if waited >= 60 else "short")
+        starts[key] = starts.get(key, 0) + 1
+        if key == ("true", "short"):
+            short_errors.append(abs(_epoch(status["startTime"])
+                                    - _epoch(status["firstEstimatedStart"])))
+    assert "firstEstimatedStart" not in started["unestimated"], started["unestimated"]
+    assert "firstEstimatedStart" in started["brief"], started["brief"]
+    brief_wait = _epoch(started["brief"]["startTime"]) - _epoch(started["brief"]["submitTime"])
+    assert brief_wait < 60, started["brief"]
+    assert starts.get(("false", "long")) == 1 and starts.get(("true", "long")) == 1, started
 
     histogram = "carpool_eta_first_estimate_relative_error"
     batch = ("job_class", "batch")
-    count = (f"{histogram}_count", frozenset({batch}))
-    wait_for("the measured job scored", lambda: world.metrics().get(count, 0.0)
-             > before.get(count, 0.0), timeout=15, interval=0.3)
+    first_starts = "carpool_eta_first_starts_total"
+
+    def counted(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> float:
+        return sum(v for (name, labels), v in samples.items()
+                   if name == first_starts and batch in labels)
+
+    wait_for("the four first starts counted", lambda: counted(world.metrics())
+             >= counted(before) + 4, timeout=15, interval=0.3)
     time.sleep(3)  # three passes more: nothing counted twice
     after = world.metrics()
 
@@ -551,6 +584,10 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
         key = (name, frozenset({batch, *labels.items()}))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
+    for scored in ("true", "false"):
+        for each in ("short", "long"):
+            assert moved(first_starts, scored=scored, wait=each) == starts.get(
+                (scored, each), 0), (scored, each, started)
     assert moved(f"{histogram}_count") == 1
     assert moved(f"{histogram}_sum") == pytest.approx(relative, abs=1e-9)
     buckets = {dict(labels)["le"] for name, labels in after
@@ -564,4 +601,13 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     for each in ("inside", "before", "after"):
         assert moved("carpool_eta_first_range_total", result=each) == (each == result), (
             each, measured)
-    assert moved("carpool_eta_first_estimate_short_wait_error_seconds_count") == short_waits
+    # the brief job (and the runner, had it been shown an estimate): |estimated - actual| s
+    short = "carpool_eta_first_estimate_short_wait_error_seconds"
+    assert moved(f"{short}_count") == len(short_errors)
+    assert moved(f"{short}_sum") == pytest.approx(sum(short_errors), abs=1e-9)
+    short_buckets = {dict(labels)["le"] for name, labels in after
+                     if name == f"{short}_bucket" and batch in labels}
+    assert len(short_buckets) == 11  # 10 bounds and +Inf
+    for le in short_buckets:
+        assert moved(f"{short}_bucket", le=le) == sum(
+            1 for e in short_errors if e <= float(le)), (le, short_errors)
