@@ -7,8 +7,11 @@ Queue order is (effective level, promised start, fair-share usage, submit time, 
   all others and are ordered by submit time alone.
 - A job still queued past the start it was first promised (`Job.first_estimated_start`) is
   *due*: it ranks at least at `PROMISE_LEVEL` (as a short job), and within its level before
-  the jobs not due, earliest promise first. Higher-class work may overtake a waiting job until
-  its promised start, not after it, so the estimate shown at arrival is one the queue keeps.
+  the jobs not due, earliest promise first, then by submit time. Higher-class work may
+  overtake a waiting job until its promised start, not after it, so the estimate shown at
+  arrival is one the queue keeps. Equal promises are common: a job that overtakes a waiting
+  one is promised the slot the waiting one was (the end of the job both wait for), and the
+  promise given first is the one kept.
   Interactive jobs still come first; being due never lets a job preempt (`preemption`
   compares classes after aging only).
 - Within a level, projects take turns by weighted usage: a project's usage (GPU-hours decayed
@@ -112,7 +115,7 @@ class RankKey:
 
     level: int
     promised: float  # the passed promised start of a due job (NOT_DUE: not due, or overdue)
-    share: float  # weighted usage ahead of this job; 0 for overdue jobs
+    share: float  # weighted usage ahead of this job; 0 for overdue and due jobs
     submitted_at: float
     key: str
 
@@ -150,7 +153,8 @@ def rank_queue(
         weight = weights.get(project, 1.0)
         ahead = usage.get(project, 0.0)
         for job in jobs:
-            share = 0.0 if level == OVERDUE_LEVEL else ahead / weight
+            share = (0.0 if level == OVERDUE_LEVEL or promised[job.key] != NOT_DUE
+                     else ahead / weight)
             ranked.append((RankKey(level, promised[job.key], share, job.submitted_at, job.key),
                            job))
             ahead += expected_gpu_hours.get(job.key, 0.0)

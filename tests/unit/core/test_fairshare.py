@@ -147,6 +147,19 @@ def test_due_jobs_go_by_promise_and_a_started_job_is_never_due() -> None:
         "h/short", "l/ran"]
 
 
+def test_of_due_jobs_promised_the_same_start_the_first_submitted_goes_first() -> None:
+    """A short job that overtook a waiting batch job was promised the same slot (the end of
+    the job both wait for); once both are due, the promise given first is kept, however much
+    more the first job's project has used."""
+    first = job("h/first", "heavy", JobClass.BATCH, submitted=10, promised=60)
+    overtook = job("l/overtook", "light", JobClass.SHORT, submitted=20, promised=60)
+    usage = {"heavy": 1e6}
+    assert [j.key for _, j in rank_queue([overtook, first], usage, {}, 59, 3600, {})] == [
+        "l/overtook", "h/first"]
+    assert [j.key for _, j in rank_queue([overtook, first], usage, {}, 60, 3600, {})] == [
+        "h/first", "l/overtook"]
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(list(JobClass)),
                           st.integers(0, 1000), st.none() | st.integers(0, 6000)),
@@ -156,8 +169,8 @@ def test_no_later_job_overtakes_an_overdue_one(
         specs: list[tuple[str, JobClass, int, int | None]], now_offset: int,
         rnd: random.Random) -> None:
     """The aging bound: once overdue, only jobs submitted earlier are ranked ahead, however
-    many jobs are due; and a due job has only interactive, overdue or earlier-promised due
-    jobs ahead of it."""
+    many jobs are due; and a due job has only interactive, overdue, earlier-promised due jobs
+    or due jobs promised the same start and submitted earlier ahead of it."""
     step = 100.0
     jobs = [job(f"{p}/{i}", p, cls, float(sub), None if promise is None else sub + promise)
             for i, (p, cls, sub, promise) in enumerate(specs)]
@@ -181,7 +194,8 @@ def test_no_later_job_overtakes_an_overdue_one(
             continue
         for ahead in ranked[:i]:
             level = effective_level(ahead, now, step)
-            assert level <= 0 or (ahead.first_estimated_start or math.inf) <= promised
+            assert level <= 0 or (ahead.first_estimated_start or math.inf, ahead.submitted_at,
+                                  ahead.key) < (promised, due.submitted_at, due.key)
 
 
 def test_rank_keys_are_finite() -> None:
