@@ -22,16 +22,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -54,13 +49,11 @@ from carpool.core.eta import (
 from carpool.core.jobs import Job, RetiredUsage, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
-from carpool_testbed import devcluster, simnodes, stack
+from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed.tenants import Obj, Tenant, tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-Obj = dict[str, Any]
-PLUGIN = Path(sys.executable).parent / "kubectl-carpool"
-USER_ROLES = devcluster.repo_root() / "hack" / "policies" / "user-roles.yaml"
 PROMISED_S = 120.0  # each seeded job was told it would wait this long
 # starts minutes ahead are written rounded to 10 s (estimate_step), and all of them later by
 # the recent admission-to-running delay rounded to 10 s (0 s on an idle machine)
@@ -87,49 +80,10 @@ def _between(value: float, bounds: tuple[float, float], slack: float, what: str)
 
 
 @dataclass
-class World:
-    """One test's namespaces, projects, tenants and nodes (unique names), torn down after."""
+class World(tenants.World):
+    """The test's world (`carpool_testbed.tenants`) and its operator's metrics."""
 
-    cluster: devcluster.Cluster
-    tmp: Path
-    metrics_port: int
-    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
-    namespaces: list[str] = field(default_factory=list)
-    projects: list[str] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)
-    cluster_objects: list[Obj] = field(default_factory=list)
-
-    def name(self, what: str) -> str:
-        return f"rng-{what}-{self.suffix}"
-
-    def admin(self, *args: str, stdin: str | None = None) -> str:
-        return self.cluster.kubectl(*args, stdin=stdin).stdout
-
-    def apply_cluster_scoped(self, objects: list[Obj]) -> None:
-        self.admin("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
-        self.cluster_objects.extend(objects)
-
-    def namespace(self, what: str) -> str:
-        name = self.name(what)
-        self.admin("create", "namespace", name)
-        self.namespaces.append(name)
-        return name
-
-    def project(self, what: str, namespaces: list[str]) -> str:
-        name = self.name(what)
-        self.apply_cluster_scoped([{"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
-                                    "metadata": {"name": name},
-                                    "spec": {"namespaces": namespaces}}])
-        self.projects.append(name)
-        return name
-
-    def node(self, what: str, model: str) -> str:
-        name = self.name(what)
-        simnodes.apply_nodes(self.cluster.api(), simnodes.parse_nodes({"nodes": [{
-            "name": name, "zone": "zone-a", "sharing": "mps",
-            "gpus": [{"model": model, "count": 1, "memoryTotalMiB": 80 * 1024}]}]}))
-        self.nodes.append(name)
-        return name
+    metrics_port: int = 0
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """The operator's samples as its /metrics serves them, by name and labels."""
@@ -138,118 +92,6 @@ class World:
             text = response.read().decode()
         return {(sample.name, frozenset(sample.labels.items())): sample.value
                 for family in text_string_to_metric_families(text) for sample in family.samples}
-
-    def patch_status(self, kind_path: list[str], status: Obj) -> None:
-        """Admin: merge `status` into an object's status subresource."""
-        self.admin("patch", *kind_path, "--subresource=status", "--type=merge",
-                   "-p", json.dumps({"status": status}))
-
-    def cleanup(self) -> None:
-        """Everything deleted; the namespaces waited for while the operator still runs (it
-        lets its finalized jobs go), so none of these jobs is left for later tests' operators
-        to count."""
-        for namespace in self.namespaces:
-            self.cluster.kubectl("delete", "gpujobs", "--all", "-n", namespace, "--wait=false",
-                                 check=False)
-        for namespace in self.namespaces:
-            self.cluster.kubectl("wait", "--for=delete", "gpujobs", "--all", "-n", namespace,
-                                 "--timeout=30s", check=False)
-            self.cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-        self.cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
-                             stdin=yaml.safe_dump_all(self.cluster_objects), check=False)
-        simnodes.delete_nodes(self.cluster.api(), self.nodes)
-
-
-@dataclass
-class Tenant:
-    """A namespace user: a ServiceAccount with the namespace's `edit` role."""
-
-    world: World
-    account: str  # system:serviceaccount:NS:NAME
-    kubeconfig: Path
-
-    def kubectl(self, *args: str, stdin: str | None = None) -> str:
-        return self.world.cluster.kubectl(*args, f"--as={self.account}", stdin=stdin).stdout
-
-    def submit(self, namespace: str, name: str, project: str, cls: str, model: str,
-               node: str, estimated: str, simulated: str) -> None:
-        self.kubectl("create", "-n", namespace, "-f", "-", stdin=yaml.safe_dump({
-            "apiVersion": names.API_VERSION, "kind": "GpuJob",
-            "metadata": {"name": name},
-            "spec": {"project": project, "class": cls,
-                     "gpu": {"count": 1, "memory": "10Gi", "isolation": "exclusive",
-                             "models": [model]},
-                     "estimatedDuration": estimated, "simulatedDuration": simulated,
-                     "template": {"spec": {
-                         "nodeSelector": {"kubernetes.io/hostname": node},
-                         "containers": [{"name": "main", "image": "trainer"}]}}}}))
-
-    def status(self, namespace: str, name: str) -> Obj:
-        job = json.loads(self.kubectl("get", "gpujob", name, "-n", namespace, "-o", "json"))
-        return dict(job.get("status") or {})
-
-    def columns(self, namespace: str, name: str) -> dict[str, str]:
-        """The job's row of `kubectl get gpujobs`, by column header."""
-        header, *rows = self.kubectl("get", "gpujobs", "-n", namespace).splitlines()
-        starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
-        spans = list(zip(starts, [*starts[1:], None], strict=True))
-        titles = [header[a:b].strip() for a, b in spans]
-        for row in rows:
-            cells = dict(zip(titles, (row[a:b].strip() for a, b in spans), strict=True))
-            if cells["NAME"] == name:
-                return cells
-        raise AssertionError(f"{name} not listed by kubectl get gpujobs -n {namespace}")
-
-    def carpool_run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """`kubectl carpool ARGS` with the tenant's own kubeconfig."""
-        env = dict(os.environ, PATH=f"{PLUGIN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                   KUBECONFIG=str(self.kubeconfig))
-        return subprocess.run([str(self.world.cluster.bin_dir / "kubectl"), "carpool", *args],
-                              capture_output=True, text=True, timeout=60, env=env, check=False)
-
-    def carpool(self, *args: str) -> str:
-        done = self.carpool_run(*args)
-        assert done.returncode == 0, f"kubectl carpool {' '.join(args)}: {done.stderr}"
-        return done.stdout
-
-
-def tenant(world: World, namespace: str, user: str, *edit_in: str) -> Tenant:
-    """A ServiceAccount in `namespace` with `edit` in it and `edit_in`, a kubeconfig of its
-    own token, and read access to quotas and nodes (`carpool-cluster-view`)."""
-    world.admin("create", "serviceaccount", user, "-n", namespace)
-    account = f"system:serviceaccount:{namespace}:{user}"
-    for ns in (namespace, *edit_in):
-        world.admin("create", "rolebinding", f"{user}-edit", "--clusterrole=edit",
-                    f"--serviceaccount={namespace}:{user}", "-n", ns)
-    world.apply_cluster_scoped([{
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": world.name(f"{user}-view")},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": world.name("cluster-view")},
-        "subjects": [{"kind": "ServiceAccount", "name": user, "namespace": namespace}]}])
-    token = world.admin("create", "token", user, "-n", namespace, "--duration=1h").strip()
-    admin = yaml.safe_load(world.cluster.kubeconfig.read_text())
-    cluster_entry = admin["clusters"][0]
-    path = world.tmp / f"{user}.kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "c", "cluster": cluster_entry["cluster"]}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": user, "context": {"cluster": "c", "user": user,
-                                                  "namespace": namespace}}],
-        "current-context": user}))
-    return Tenant(world, account, path)
-
-
-def user_roles(world: World) -> list[Obj]:
-    """The chart's roles for people (hack/policies/user-roles.yaml), renamed for this test."""
-    out = []
-    for obj in yaml.safe_load_all(USER_ROLES.read_text()):
-        if obj and obj["kind"] == "ClusterRole":
-            obj["metadata"]["name"] = world.name(obj["metadata"]["name"].removeprefix("carpool-"))
-            out.append(obj)
-    return out
-
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +113,7 @@ def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture
 def world(cluster: devcluster.Cluster, ranges_stack: int, tmp_path: Path) -> Iterator[World]:
-    made = World(cluster, tmp_path, ranges_stack)
+    made = World(cluster, tmp_path, "rng", metrics_port=ranges_stack)
     try:
         yield made
     finally:
@@ -376,9 +218,8 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
                                world.project("hist", [hist]))
     alice = tenant(world, team, "alice", late)
     bob = tenant(world, rush, "bob")
-    wait_for("the GpuJob roles to aggregate into edit", lambda: world.cluster.kubectl(
-        "auth", "can-i", "create", "gpujobs.carpool.dev", f"--as={alice.account}", "-n", team,
-        check=False).stdout.strip() == "yes")
+    wait_for("the GpuJob roles to aggregate into edit",
+             lambda: tenants.can_create_gpujobs(world, alice, team))
 
     # Admin: 19 deleted jobs' misses (one short of a range) and 9 long jobs' (one short of a
     # class calibration) in a project's status, as the operator keeps them.
