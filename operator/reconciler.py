@@ -41,6 +41,7 @@ from carpool.core.lifecycle import (
 )
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
+    DUE_NOTE,
     Admission,
     AdmissionConfig,
     CycleResult,
@@ -934,12 +935,16 @@ def _pod_name_of(job: Job) -> str:
 def wait_change_is_urgent(status: Obj, fields: Mapping[str, Any], now: float,
                           jump_s: float) -> bool:
     """Whether a waiting job's new wait `fields` must be written now rather than at its next
-    refresh: its reason changed, its estimate came, went or moved by more than `jump_s`, its
-    range came or went, or the range's end moved by more than `jump_s` and `RANGE_JUMP` of
-    the time until it (what the user plans by; a position or message alone can wait)."""
+    refresh: its reason changed, it became due or stopped being due (`queueing.DUE_NOTE`: it
+    now ranks ahead of work that passed it), its estimate came, went or moved by more than
+    `jump_s`, its range came or went, or the range's end moved by more than `jump_s` and
+    `RANGE_JUMP` of the time until it (what the user plans by; a position or message alone
+    can wait)."""
     estimate, latest = fields.get("estimatedStart"), fields.get("estimatedStartLatest")
     before, latest_before = status.get("estimatedStart"), status.get("estimatedStartLatest")
     return (status.get("reason") != fields.get("reason")
+            or (DUE_NOTE in (status.get("message") or ""))
+            != (DUE_NOTE in (fields.get("message") or ""))
             or (before is None) != (estimate is None)
             or _moved(before, estimate, jump_s)
             or (latest_before is None) != (latest is None)

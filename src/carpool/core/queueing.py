@@ -583,14 +583,17 @@ def _told(wait: Wait, now: float, after: str | None) -> Wait:
     return replace(wait, message=told + after)
 
 
+# how a due job's wait message ends (`_due_told`); the operator writes its appearance at once
+DUE_NOTE = "past its first estimated start, it ranks ahead of all but interactive work"
+
+
 def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, keep_promises: bool) -> Wait:
     """The wait of a due job (fairshare) saying so: why it now ranks ahead of work of higher
     classes that arrived after it."""
     job = jobs.get(wait.job_key)
     if not keep_promises or job is None or promised_start_due(job, now) == NOT_DUE:
         return wait
-    return replace(wait, message=f"{wait.message}; past its first estimated start, it ranks "
-                                 "ahead of all but interactive work")
+    return replace(wait, message=f"{wait.message}; {DUE_NOTE}")
 
 
 def _with_range(wait: Wait, now: float, misses: list[float], stretch: float) -> Wait:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from carpool.core.queueing import DUE_NOTE
 from carpool.core.timestamps import format_timestamp
 from carpool.operator.reconciler import (
     PassState,
@@ -19,9 +20,10 @@ JUMP = 60.0
 
 
 def wait(estimate_in: float | None, latest_in: float | None = None,
-         reason: str = "Queued", position: int = 3) -> dict[str, Any]:
+         reason: str = "Queued", position: int = 3, message: str = "no node has room now"
+         ) -> dict[str, Any]:
     """A wait as written: estimate and range end `*_in` seconds from NOW."""
-    return {"reason": reason, "queuePosition": position,
+    return {"reason": reason, "queuePosition": position, "message": message,
             "estimatedStart": None if estimate_in is None
             else format_timestamp(NOW + estimate_in),
             "estimatedStartLatest": None if latest_in is None
@@ -42,6 +44,14 @@ def test_reason_and_estimate_changes_are_urgent() -> None:
     assert urgent(wait(600), wait(661))
     assert urgent(wait(None), wait(600))
     assert urgent(wait(600), wait(None))
+
+
+def test_becoming_due_is_urgent_other_message_changes_wait() -> None:
+    due = f"no node has room now; {DUE_NOTE}"
+    assert urgent(wait(600), wait(600, message=due, position=1))
+    assert urgent(wait(600, message=due), wait(600))
+    assert not urgent(wait(600), wait(600, message="no node has room now; 3 ahead"))
+    assert not urgent(wait(600, message=due), wait(600, message=due, position=2))
 
 
 def test_a_range_that_appears_or_goes_is_urgent() -> None:
