@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from carpool.core.queueing import DUE_NOTE as DUE
 from carpool.core.timestamps import epoch_seconds
 from carpool_testbed import devcluster, tenants
 from carpool_testbed.tenants import Obj, Tenant, tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-DUE = "past its first estimated start, it ranks ahead of all but interactive work"
 R_EXPECTED_S = 10  # what R is expected to take: B's promise is about this long after R starts
 R_RUNS_S = 35  # how long R runs: B's promise passes while R still holds the GPU
 SETTLE_S = 8  # the operator's passes (every 2 s here) and status writes after a change
