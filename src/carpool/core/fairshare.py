@@ -103,10 +103,14 @@ def promised_start(job: Job) -> float | None:
     return None if job.runs else job.first_estimated_start
 
 
-def promised_start_due(job: Job, now: float) -> float:
-    """The job's promised start if that has passed (the job is due), else NOT_DUE."""
+def promised_start_due(job: Job, now: float, aging_step_s: float) -> float:
+    """The job's promised start if that has passed and it is not overdue (the job is due),
+    else NOT_DUE. An overdue job ranks higher still, in its own order."""
     promised = promised_start(job)
-    return NOT_DUE if promised is None or promised > now else promised
+    if (promised is None or promised > now
+            or effective_level(job, now, aging_step_s) == OVERDUE_LEVEL):
+        return NOT_DUE
+    return promised
 
 
 @dataclass(frozen=True, order=True)
@@ -140,10 +144,8 @@ def rank_queue(
     promised: dict[str, float] = {}
     for job in waiting:
         level = effective_level(job, now, aging_step_s)
-        due = promised_start_due(job, now) if keep_promises else NOT_DUE
-        if level == OVERDUE_LEVEL:
-            due = NOT_DUE  # overdue jobs keep their own order, by submit time
-        elif due != NOT_DUE:
+        due = promised_start_due(job, now, aging_step_s) if keep_promises else NOT_DUE
+        if due != NOT_DUE:
             level = min(level, PROMISE_LEVEL)
         promised[job.key] = due
         by_level_project.setdefault((level, job.project), []).append(job)

@@ -524,7 +524,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
         stretch.get(int(by_key[w.job_key].job_class), 1.0)), now,
-        walk.told_after.get(w.job_key)), by_key, now, config.keep_promises)
+        walk.told_after.get(w.job_key)), by_key, now, config)
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
@@ -587,11 +587,13 @@ def _told(wait: Wait, now: float, after: str | None) -> Wait:
 DUE_NOTE = "past its first estimated start, it ranks ahead of all but interactive work"
 
 
-def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, keep_promises: bool) -> Wait:
+def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, config: AdmissionConfig
+              ) -> Wait:
     """The wait of a due job (fairshare) saying so: why it now ranks ahead of work of higher
     classes that arrived after it."""
     job = jobs.get(wait.job_key)
-    if not keep_promises or job is None or promised_start_due(job, now) == NOT_DUE:
+    if (not config.keep_promises or job is None
+            or promised_start_due(job, now, config.aging_step_s) == NOT_DUE):
         return wait
     return replace(wait, message=f"{wait.message}; {DUE_NOTE}")
 

@@ -101,6 +101,18 @@ def test_a_job_past_its_promised_start_goes_before_a_later_higher_class_one() ->
     assert "past its first estimated start" not in wait.message
     wait = cycle([later, inter], now=100, config=off).wait_for("a/batch")
     assert wait is not None and wait.estimated_start == pytest.approx(100 + HOUR)
+    # overdue (four aging steps for a batch job), it ranks above even interactive work: its
+    # wait does not say it is merely due
+    overdue = replace(promised, submitted_at=100 - 4 * HOUR, first_estimated_start=50.0)
+    result = cycle([overdue, inter], now=100)
+    assert admitted(result) == ["a/batch"]
+    wait = result.wait_for("b/inter")
+    assert wait is not None and "past its first estimated start" not in wait.message
+    blocked = run_on(job("c/r", "c", count=2), [0, 1], started=0)
+    wait = cycle([blocked, overdue], now=100).wait_for("a/batch")
+    assert wait is not None and "past its first estimated start" not in wait.message
+    wait = cycle([blocked, promised], now=100).wait_for("a/batch")
+    assert wait is not None and "past its first estimated start" in wait.message
 
 
 def test_a_cycle_never_hands_the_same_gpus_out_twice() -> None:
