@@ -26,7 +26,7 @@ forks come within 20 % of: the best point for a median of relative errors), agai
 wait, with the share of jobs each gets within 20 % (a median error <= 20 % needs half).
 
     .venv/bin/python bench/eta_oracles.py [--generate 5000 --interarrival 80 --seed 0
-        --scale 0.006] [--fork-every 1] [--variants as-is,exact,no-preemption,exact+no-preemption]
+        --scale 0.006 | --generate 0 --scale 0.004 (openb itself)] [--fork-every 1] [--variants as-is,exact,no-preemption,exact+no-preemption]
         [--futures 8 --runtimes distribution|learned|trace --futures-from trace|last-day
         --dump forks.jsonl]
     .venv/bin/python bench/eta_oracles.py --summarize forks.jsonl
@@ -363,7 +363,8 @@ def summary(rows: Sequence[Row]) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--generate", type=int, default=5000)
+    parser.add_argument("--generate", type=int, default=5000,
+                        help="jobs to generate; 0: replay openb's pod list itself")
     parser.add_argument("--interarrival", type=float, default=80.0)
     parser.add_argument("--load", type=float, help="offered load instead of --interarrival")
     parser.add_argument("--seed", type=int, default=0)
@@ -394,10 +395,13 @@ def main() -> int:
     nodes = queue_replay.trace_nodes(
         ((n.name, n.gpus, n.model)
          for n in simulation.parse_nodes_csv((root / NODE_LIST).read_text())), args.scale)
-    busy = args.load * queue_replay.capacity_gpus(nodes) if args.load else None
-    text = job_traces.generate(shapes, args.generate, args.seed, args.interarrival,
-                               busy_gpus=busy)
-    jobs = job_traces.annotate(job_traces.parse_trace(text).rows, args.seed)
+    if args.generate:
+        busy = args.load * queue_replay.capacity_gpus(nodes) if args.load else None
+        text = job_traces.generate(shapes, args.generate, args.seed, args.interarrival,
+                                   busy_gpus=busy)
+        jobs = job_traces.annotate(job_traces.parse_trace(text).rows, args.seed)
+    else:
+        jobs = job_traces.annotate(shapes, args.seed)
     print(json.dumps({"run-time prediction": runtime_prediction(
         jobs, AdmissionConfig().duration_learning_rate)}), flush=True)
     for variant in [v for v in args.variants.split(",") if v]:
