@@ -26,7 +26,8 @@ forks come within 20 % of: the best point for a median of relative errors), agai
 wait, with the share of jobs each gets within 20 % (a median error <= 20 % needs half).
 
     .venv/bin/python bench/eta_oracles.py [--generate 5000 --interarrival 80 --seed 0
-        --scale 0.006 | --generate 0 --scale 0.004 (openb itself)] [--fork-every 1] [--variants as-is,exact,no-preemption,exact+no-preemption]
+        --scale 0.006 | --generate 0 --scale 0.004 (openb itself)] [--fork-every 1]
+        [--variants as-is,exact,no-preemption,exact+no-preemption]
         [--futures 8 --runtimes distribution|learned|trace --futures-from trace|last-day
         --dump forks.jsonl]
     .venv/bin/python bench/eta_oracles.py --summarize forks.jsonl
