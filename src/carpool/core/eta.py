@@ -187,17 +187,16 @@ def arrival_work(job: Job, fraction: float, learned: Mapping[LearnKey, DurationE
     return fraction * expected_duration(job, learned)
 
 
-def higher_class_stretch(now: float, window_s: float, capacity_gpus: float,
-                         arrivals: Iterable[tuple[float, int, float]]) -> dict[int, float]:
-    """Per class level: how much longer its jobs wait than the queue alone says if jobs of
-    higher classes keep arriving at their recent rate, served first.
+def higher_class_load(now: float, window_s: float, capacity_gpus: float,
+                      arrivals: Iterable[tuple[float, int, float]]) -> dict[int, float]:
+    """Per class level c: rho_c, the share of capacity that jobs of the classes above c take
+    if they keep arriving at their recent rate (`wait_stretch` turns it into how much longer
+    a class-c wait becomes).
 
-    `arrivals` are (submitted at, class level, GPU-seconds). For class c, the latest
-    `RATE_ARRIVALS` arrivals of classes above c within `window_s` bring W GPU-seconds since
-    the earliest of them, T seconds ago: rho_c = W / (T x capacity), and a class-c wait
-    stretches by 1 / (1 - rho_c), the factor by which higher-priority load stretches a
-    lower class's wait in a priority queue (rho_c capped at `MAX_HIGHER_LOAD`; no stretch
-    while fewer than `MIN_HIGHER_ARRIVALS` arrived above c). Measured over a number of
+    `arrivals` are (submitted at, class level, GPU-seconds). The latest `RATE_ARRIVALS`
+    arrivals of classes above c within `window_s` bring W GPU-seconds since the earliest of
+    them, T seconds ago: rho_c = W / (T x capacity), capped at `MAX_HIGHER_LOAD`; no entry
+    while fewer than `MIN_HIGHER_ARRIVALS` arrived above c. Measured over a number of
     arrivals rather than a fixed span, the rate follows a surge within seconds and fades as
     time passes without arrivals.
     """
@@ -205,16 +204,31 @@ def higher_class_stretch(now: float, window_s: float, capacity_gpus: float,
         return {}
     recent = sorted(((submitted, level, work) for submitted, level, work in arrivals
                      if now - window_s <= submitted <= now), reverse=True)
-    stretch: dict[int, float] = {}
+    load: dict[int, float] = {}
     for level in range(int(JobClass.SHORT), len(JobClass)):
         above = [(submitted, work) for submitted, lvl, work in recent
                  if lvl < level][:RATE_ARRIVALS]
         if len(above) < MIN_HIGHER_ARRIVALS:
             continue
         span = max(now - above[-1][0], 1.0)
-        rho = min(MAX_HIGHER_LOAD, sum(work for _, work in above) / (span * capacity_gpus))
-        stretch[level] = 1.0 / (1.0 - rho)
-    return stretch
+        load[level] = min(MAX_HIGHER_LOAD,
+                          sum(work for _, work in above) / (span * capacity_gpus))
+    return load
+
+
+def wait_stretch(overtaking: float, passing_when_due: float) -> float:
+    """How much longer a wait becomes if higher classes keep arriving as they lately have:
+    1 + rho_o / (1 - rho_d).
+
+    Until its promised start, the work of the classes allowed to overtake the job (their load
+    rho_o, `higher_class_load`) goes first: over a wait w it takes rho_o x w of the capacity
+    the job was counting on. Once the promise has passed the job is due (fairshare) and
+    waits only for that work, during which just the classes that may still pass a due job
+    (rho_d) go first, stretching it by 1 / (1 - rho_d). Without promises the same classes
+    pass throughout (rho_d = rho_o) and the stretch is 1 / (1 - rho), the factor by which
+    higher-priority load stretches a lower class's wait in a priority queue.
+    """
+    return 1.0 + overtaking / (1.0 - passing_when_due)
 
 
 # ---------------------------------------------------------------- estimate ranges

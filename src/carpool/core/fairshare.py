@@ -103,6 +103,12 @@ def promised_start(job: Job) -> float | None:
     return None if job.runs else job.first_estimated_start
 
 
+def due_level(level: int) -> int:
+    """The level a job at `level` ranks at once it is due: at least `PROMISE_LEVEL`, so only
+    the classes above that may still pass it."""
+    return min(level, PROMISE_LEVEL)
+
+
 def promised_start_due(job: Job, now: float, aging_step_s: float) -> float:
     """The job's promised start if that has passed and it is not overdue (the job is due),
     else NOT_DUE. An overdue job ranks higher still, in its own order."""
@@ -146,7 +152,7 @@ def rank_queue(
         level = effective_level(job, now, aging_step_s)
         due = promised_start_due(job, now, aging_step_s) if keep_promises else NOT_DUE
         if due != NOT_DUE:
-            level = min(level, PROMISE_LEVEL)
+            level = due_level(level)
         promised[job.key] = due
         by_level_project.setdefault((level, job.project), []).append(job)
     ranked: list[tuple[RankKey, Job]] = []

@@ -58,15 +58,17 @@ from carpool.core.eta import (
     expected_duration,
     expected_remaining,
     fluid_start,
-    higher_class_stretch,
+    higher_class_load,
     learn_durations,
     start_range,
     started_misses,
     wait_misses,
+    wait_stretch,
 )
 from carpool.core.fairshare import (
     DEFAULT_REFERENCE_MEMORY_MIB,
     NOT_DUE,
+    due_level,
     effective_level,
     next_aging,
     nominal_fraction,
@@ -141,7 +143,7 @@ class AdmissionConfig:
     preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
     # higher-class arrivals within this window widen the end of lower classes' ranges (eta.
-    # higher_class_stretch); 0: off
+    # higher_class_load, wait_stretch); 0: off
     arrival_window_s: float = 3600.0
     # scale simulated starts by how their class's recent ones missed, up to the next aging
     # step (eta.calibrated_start); off: the forward simulation's start as it is
@@ -516,14 +518,14 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
     recent = started_misses(snapshot.jobs, snapshot.start_misses)
     misses = wait_misses(recent)
-    stretch = (higher_class_stretch(now, config.arrival_window_s, cycle.capacity_gpus,
-                                    _counted_arrivals(cycle, config.arrival_window_s))
-               if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
+    loads = (higher_class_load(now, config.arrival_window_s, cycle.capacity_gpus,
+                               _counted_arrivals(cycle, config.arrival_window_s))
+             if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
-        stretch.get(int(by_key[w.job_key].job_class), 1.0)), now,
+        _range_stretch(by_key[w.job_key].job_class, loads, config)), now,
         walk.told_after.get(w.job_key)), by_key, now, config)
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
@@ -536,7 +538,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
 
 def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, float]]:
-    """What `eta.higher_class_stretch` may count: the snapshot's arrivals of jobs gone, and
+    """What `eta.higher_class_load` may count: the snapshot's arrivals of jobs gone, and
     of the jobs present within the window the latest `RATE_ARRIVALS` of each class above
     batch (no class is below batch, and no class counts more of those above it), so the
     work they bring is computed for those only."""
@@ -598,9 +600,19 @@ def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, config: Admission
     return replace(wait, message=f"{wait.message}; {DUE_NOTE}")
 
 
+def _range_stretch(job_class: JobClass, loads: Mapping[int, float],
+                   config: AdmissionConfig) -> float:
+    """How much a class's wait stretches if higher classes keep arriving (`eta.wait_stretch`):
+    all classes above it may overtake it until its promised start, and with promises kept
+    only those above the level it is then due at (`fairshare.due_level`) after it."""
+    level = int(job_class)
+    when_due = due_level(level) if config.keep_promises else level
+    return wait_stretch(loads.get(level, 0.0), loads.get(when_due, 0.0))
+
+
 def _with_range(wait: Wait, now: float, misses: list[float], stretch: float) -> Wait:
     """The wait with its 80 % range (`eta.start_range`), whose end reaches at least the
-    estimated wait stretched by `stretch` (`eta.higher_class_stretch`): the estimate is the
+    estimated wait stretched by `stretch` (`_range_stretch`): the estimate is the
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
     they lately have (a surge the misses of started jobs show only a wait later)."""
     if wait.estimated_start is None:

@@ -133,7 +133,8 @@ def test_the_operator_decodes_the_first_simulated_start() -> None:
 
 
 def _batch_wait(window_s: float, *present: Job,
-                arrivals: tuple[tuple[float, int, float], ...] = ()) -> Wait:
+                arrivals: tuple[tuple[float, int, float], ...] = (),
+                keep_promises: bool = True) -> Wait:
     """c/batch's wait behind a/run, which holds both GPUs of n1 until 3600; 20 batch jobs
     that started on time make its range the estimate itself."""
     grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
@@ -145,7 +146,8 @@ def _batch_wait(window_s: float, *present: Job,
                     for i in range(MIN_RANGE_SAMPLES))
     snapshot = ClusterSnapshot(1800.0, (running, batch, *present), quotas, {"n1": gpu_node()},
                                start_misses=on_time, recent_arrivals=arrivals)
-    config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=window_s)
+    config = AdmissionConfig(node_placer=packing_placer, arrival_window_s=window_s,
+                             keep_promises=keep_promises)
     found = admission_cycle(snapshot, config).wait_for("c/batch")
     assert found is not None
     return found
@@ -157,6 +159,7 @@ def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
     # message stay the queue's, the range ends at the stretched start
     surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR)
                   for i in range(MIN_HIGHER_ARRIVALS))
+    # (interactive work may pass a due job too, so promises change nothing here)
     widened, off = _batch_wait(600.0, arrivals=surge), _batch_wait(0.0, arrivals=surge)
     assert widened.estimated_start == off.estimated_start == HOUR
     assert widened.message == off.message
@@ -168,13 +171,17 @@ def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
 
 def test_arrivals_of_jobs_still_present_count_too() -> None:
     # ten short jobs of another project, submitted 600-591 s ago, ran 300 s on one GPU
-    # each: 3000 GPU-s over 600 s on 2 GPUs, rho = 2.5, capped at 0.8; batch jobs arriving
-    # count for no class
+    # each: 3000 GPU-s over 600 s on 2 GPUs, rho = 2.5, capped at 0.8. They may overtake the
+    # batch job until its promised start, not once it is due (only interactive work may):
+    # its 1800 s wait stretches by 1 + 0.8 / (1 - 0), the work that overtook it; without
+    # promises they pass it throughout, 1 / (1 - 0.8). Batch jobs arriving count for no class.
     done = tuple(gpu_job(f"d/s{i}", "d", JobClass.SHORT, submitted=1200.0 + i,
                          phase=Phase.SUCCEEDED, attempts=1,
                          runs=(RunRecord(1, 1200.0 + i, 1500.0 + i, 1.0),))
                  for i in range(MIN_HIGHER_ARRIVALS))
-    assert _batch_wait(600.0, *done).estimated_start_high == pytest.approx(1800 + 5 * 1800)
+    assert _batch_wait(600.0, *done).estimated_start_high == pytest.approx(1800 + 1.8 * 1800)
+    assert _batch_wait(600.0, *done, keep_promises=False).estimated_start_high == (
+        pytest.approx(1800 + 5 * 1800))
     assert _batch_wait(600.0, *done[1:]).estimated_start_high == HOUR  # too few
     batch_done = tuple(replace(job, job_class=JobClass.BATCH) for job in done)
     assert _batch_wait(600.0, *batch_done).estimated_start_high == HOUR

@@ -8,15 +8,17 @@ import pytest
 
 from carpool.core.decoding import job_from_object
 from carpool.core.eta import (
+    MAX_HIGHER_LOAD,
     MIN_HIGHER_ARRIVALS,
     MIN_RANGE_SAMPLES,
     RATE_ARRIVALS,
     RECENT_MISSES,
-    higher_class_stretch,
+    higher_class_load,
     start_range,
     started_misses,
     wait_miss,
     wait_misses,
+    wait_stretch,
 )
 from carpool.core.jobs import Job, RunRecord, StartMiss, job_template
 from carpool.core.resources import JobClass, Phase
@@ -62,30 +64,42 @@ def test_ranges_follow_the_latest_misses_only() -> None:
     assert wait_misses(started_misses(late[:10], gone)).count(-1.0) == RECENT_MISSES - 10
 
 
-def test_higher_class_arrivals_stretch_lower_classes_only() -> None:
+def test_higher_class_arrivals_load_lower_classes_only() -> None:
     # the latest 20 interactive arrivals, 360 GPU-seconds each, came over the last hour on
     # 4 GPUs: rho = 7200 / (3600 x 4) = 0.5
     arrivals = [(3420.0 - 180.0 * i, int(JobClass.INTERACTIVE), 360.0) for i in range(20)]
-    stretch = higher_class_stretch(3600.0, 7200.0, 4.0, arrivals)
-    assert JobClass.INTERACTIVE not in stretch  # nothing above it
-    assert stretch[JobClass.BATCH] == pytest.approx(2.0)
-    assert stretch[JobClass.SHORT] == pytest.approx(2.0)
+    load = higher_class_load(3600.0, 7200.0, 4.0, arrivals)
+    assert JobClass.INTERACTIVE not in load  # nothing above it
+    assert load[JobClass.BATCH] == pytest.approx(0.5)
+    assert load[JobClass.SHORT] == pytest.approx(0.5)
     # only the latest RATE_ARRIVALS count: a busier past does not
     older = [(-1000.0 - i, int(JobClass.SHORT), 1e9) for i in range(20)]
-    assert higher_class_stretch(3600.0, 7200.0, 4.0, [*arrivals, *older])[
-        JobClass.BATCH] == pytest.approx(2.0)
+    assert higher_class_load(3600.0, 7200.0, 4.0, [*arrivals, *older])[
+        JobClass.BATCH] == pytest.approx(0.5)
     assert RATE_ARRIVALS == 20
     # an hour later with nothing new: the same work over twice the time, rho = 0.25
-    assert higher_class_stretch(7200.0, 7200.0, 4.0, arrivals)[
-        JobClass.BATCH] == pytest.approx(4 / 3)
-    assert higher_class_stretch(3600.0, 7200.0, 4.0, arrivals[:MIN_HIGHER_ARRIVALS - 1]) == {}
-    assert higher_class_stretch(3600.0, 0.0, 4.0, arrivals) == {}  # off
+    assert higher_class_load(7200.0, 7200.0, 4.0, arrivals)[
+        JobClass.BATCH] == pytest.approx(0.25)
+    assert higher_class_load(3600.0, 7200.0, 4.0, arrivals[:MIN_HIGHER_ARRIVALS - 1]) == {}
+    assert higher_class_load(3600.0, 0.0, 4.0, arrivals) == {}  # off
     old = [(0.0, int(JobClass.INTERACTIVE), 1e9)] * 20  # outside the window
-    assert higher_class_stretch(7200.0, 3600.0, 4.0, old) == {}
+    assert higher_class_load(7200.0, 3600.0, 4.0, old) == {}
     flood = [(3600.0, int(JobClass.SHORT), 1e9)] * 20
-    flooded = higher_class_stretch(3600.0, 3600.0, 4.0, flood)
+    flooded = higher_class_load(3600.0, 3600.0, 4.0, flood)
     assert JobClass.SHORT not in flooded
-    assert flooded[JobClass.LONG] == pytest.approx(5.0)  # capped at MAX_HIGHER_LOAD
+    assert flooded[JobClass.LONG] == pytest.approx(MAX_HIGHER_LOAD)  # capped
+
+
+def test_a_wait_stretches_by_what_overtakes_it_then_by_what_passes_it_when_due() -> None:
+    # half the capacity taken by classes that may overtake the job until its promise, none by
+    # those that may pass it once due: the work that overtook it is all it waits for
+    assert wait_stretch(0.5, 0.0) == pytest.approx(1.5)
+    # the same classes pass throughout (promises off, or an interactive surge): a priority
+    # queue's 1 / (1 - rho)
+    assert wait_stretch(0.5, 0.5) == pytest.approx(2.0)
+    assert wait_stretch(MAX_HIGHER_LOAD, MAX_HIGHER_LOAD) == pytest.approx(5.0)
+    assert wait_stretch(MAX_HIGHER_LOAD, 0.25) == pytest.approx(1 + 0.8 / 0.75)
+    assert wait_stretch(0.0, 0.0) == 1.0
 
 
 def test_the_operator_decodes_the_template_and_the_first_estimate() -> None:
