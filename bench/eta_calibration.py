@@ -5,7 +5,10 @@ calibration (`AdmissionConfig.class_calibration`, eta.calibrated_start); `--sett
 arrivals`: higher-class arrivals widening the ranges' end (`AdmissionConfig.
 arrival_window_s` 0 against its default, eta.higher_class_stretch); `--setting promises`: jobs
 queued past their first promised start ranking ahead of work that would overtake them
-(`AdmissionConfig.keep_promises`, fairshare).
+(`AdmissionConfig.keep_promises`, fairshare). `--against DIR`: no setting; Carpool's replay
+with its defaults in another checkout of this repository (DIR, set up with `make dev`) against
+this one, for a change that no setting switches: each replay runs in a process of its own,
+this bench's code on DIR's Python (and so DIR's carpool), then on this checkout's.
 
 Per replay: the median and P90 relative error of the estimate given at arrival over jobs
 that waited at least 60 s, per class, the signed median, how many starts the 80 % range
@@ -14,6 +17,7 @@ cycle). Then per setting the median over traces and their spread (min-max).
 
     .venv/bin/python bench/eta_calibration.py [--setting calibration|arrivals|promises]
         [--traces gen:0:80,load:0:0.85,openb:0.004]
+    .venv/bin/python bench/eta_calibration.py --against ../other-checkout [--traces ...]
 
 Trace specs: `gen:SEED:INTERARRIVAL` and `load:SEED:LOAD` (5,000 generated jobs on openb's
 nodes at --scale 0.006), `openb:SCALE` (openb's default pod list itself).
@@ -24,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.placement import NodeState
@@ -74,6 +80,8 @@ class Result:
 
 def config_for(setting: str, on: bool) -> AdmissionConfig:
     config = AdmissionConfig(node_placer=extender_placer())
+    if setting == "defaults":
+        return config
     if setting == "calibration":
         return replace(config, class_calibration=on)
     if setting == "promises":
@@ -99,6 +107,19 @@ def replay(trace: Trace, setting: str, on: bool) -> Result:
                   {k: scores[k] for k in keys})
 
 
+def replay_in(checkout: Path, spec: str, on: bool) -> Result:
+    """One replay with the defaults, by `checkout`'s Python (its carpool) in its own process."""
+    found = subprocess.run(
+        [str(checkout / ".venv" / "bin" / "python"), str(Path(__file__).resolve()),
+         "--one", spec], check=True, capture_output=True, text=True, cwd=checkout)
+    return replace(Result(**json.loads(found.stdout.splitlines()[-1])), on=on)
+
+
+def commit_of(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
 def spread(values: Sequence[float]) -> str:
     return (f"median {statistics.median(values):.3f} (min {min(values):.3f}, "
             f"max {max(values):.3f})")
@@ -110,29 +131,45 @@ def main() -> int:
     parser.add_argument("--setting", choices=("calibration", "arrivals", "promises"),
                         default="calibration")
     parser.add_argument("--traces", default=DEFAULT_TRACES)
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="another checkout (with its .venv): its defaults, then this one's")
+    parser.add_argument("--one", metavar="TRACE", help=argparse.SUPPRESS)  # for --against
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(asdict(replay(load(args.one), "defaults", True))))
+        return 0
+    here = Path(__file__).resolve().parent.parent
+    names = {False: "off", True: "on "}
+    if args.against:  # "on": this checkout
+        names = {False: commit_of(args.against), True: commit_of(here)}
+        args.setting = "commit"
     results: list[Result] = []
     for spec in args.traces.split(","):
-        trace = load(spec)
+        trace = None if args.against else load(spec)
         for on in (False, True):
-            result = replay(trace, args.setting, on)
+            if args.against:
+                result = replay_in(here if on else args.against, spec, on)
+            else:
+                assert trace is not None
+                result = replay(trace, args.setting, on)
             results.append(result)
-            print(json.dumps({"trace": result.trace, args.setting: result.on,
+            label = names[on] if args.against else result.on
+            print(json.dumps({"trace": result.trace, args.setting: label,
                               "cpu_s": round(result.cpu_s, 1), **result.scores}), flush=True)
     for on in (False, True):
         errors = [r.error for r in results if r.on is on and r.error is not None]
         if errors:
-            print(f"{args.setting} {'on ' if on else 'off'}: median error over traces "
+            print(f"{args.setting} {names[on]}: median error over traces "
                   f"{spread(errors)}")
     for on in (False, True):
         held = [c for r in results if r.on is on
                 and isinstance(c := r.scores["eta_interval_coverage"], float)]
         if held:
-            print(f"{args.setting} {'on ' if on else 'off'}: in 80 % range {spread(held)}")
+            print(f"{args.setting} {names[on]}: in 80 % range {spread(held)}")
     off = {r.trace: r.cpu_s for r in results if not r.on}
     ratios = [r.cpu_s / off[r.trace] for r in results if r.on and off.get(r.trace)]
     if ratios:
-        print(f"replay CPU time, on / off: {spread(ratios)}")
+        print(f"replay CPU time, {names[True].strip()} / {names[False]}: {spread(ratios)}")
     return 0
 
 
