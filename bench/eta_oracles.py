@@ -325,19 +325,28 @@ def med(values: Sequence[float]) -> float | None:
 
 
 def runtime_prediction(jobs: Sequence[job_traces.TraceJob], alpha: float) -> dict[str, object]:
-    """Median |ln(actual / predicted)| of each run-time predictor over the trace's jobs."""
+    """Median |ln(actual / predicted)| of each run-time predictor over the trace's jobs:
+    learned (from the runs that ended before), the user's estimate, and two that no predictor
+    can know, in hindsight over the whole trace: the template's median run time, and the
+    user's estimate times the template's median ratio of run time to estimate."""
     by_template: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
     for t in jobs:
         by_template.setdefault(t.template, []).append(t.runtime_s)
+        ratios.setdefault(t.template, []).append(t.runtime_s / t.user_estimate_s)
     hindsight = {k: statistics.median(v) for k, v in by_template.items()}
+    hindsight_ratio = {k: statistics.median(v) for k, v in ratios.items()}
     learned: dict[LearnKey, DurationEstimate] = {}
-    errors: dict[str, list[float]] = {"learned": [], "user estimate": [], "hindsight": []}
+    errors: dict[str, list[float]] = {"learned": [], "user estimate": [], "hindsight": [],
+                                      "hindsight ratio": []}
     for t in sorted(jobs, key=lambda j: (j.arrival + j.runtime_s, j.key)):
         job = Job(t.key, t.project, t.job_class, t.request, t.arrival, t.user_estimate_s,
                   template=t.template)
         for name, predicted in (("learned", expected_duration(job, learned)),
                                 ("user estimate", t.user_estimate_s),
-                                ("hindsight", hindsight[t.template])):
+                                ("hindsight", hindsight[t.template]),
+                                ("hindsight ratio",
+                                 t.user_estimate_s * hindsight_ratio[t.template])):
             errors[name].append(abs(math.log(t.runtime_s / predicted)))
         fold_finished(learned, job, t.runtime_s, alpha)
     return {"jobs": len(jobs), "learning_rate": alpha,
