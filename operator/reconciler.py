@@ -709,6 +709,7 @@ class Reconciler:
                   "queuePosition": wait.position or None, "estimatedStart": estimate,
                   "estimatedStartEarliest": shown(wait.estimated_start_low),
                   "estimatedStartLatest": shown(wait.estimated_start_high)}
+        # (never written for a job that has started: `_changes`)
         if estimate is not None and not status.get("firstEstimatedStart"):
             fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
             if fields["estimatedStartEarliest"] and fields["estimatedStartLatest"]:
@@ -911,18 +912,22 @@ class Reconciler:
 # written once, each group whole once its first field is there: when the job was submitted,
 # and its first estimate with what came with it (a pass that read the job before that write
 # showed would derive them again, from a later estimate that may come with a range)
-WRITE_ONCE = {"submitTime": frozenset({"submitTime"}),
-              "firstEstimatedStart": frozenset({
-                  "firstEstimatedStart", "firstSimulatedStart",
-                  "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})}
+FIRST_ESTIMATE = frozenset({"firstEstimatedStart", "firstSimulatedStart",
+                            "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})
+WRITE_ONCE = {"submitTime": frozenset({"submitTime"}), "firstEstimatedStart": FIRST_ESTIMATE}
 
 
 def _changes(current: Obj, patch: Obj) -> Obj:
     """The fields of `patch` that change `current` (an absent field equals null and, for
     the history of a pod not started yet, an empty list), but for `WRITE_ONCE` groups
-    `current` already has."""
+    `current` already has, and for a first estimate once the job has started: it is the
+    estimate shown before the first start, what the ranges, the class calibration and the
+    `carpool_eta_*` scores compare that start with. A job requeued after its first run
+    (preempted before it was ever estimated) is shown estimates, never a first one."""
     written = frozenset().union(*(group for first, group in WRITE_ONCE.items()
                                   if current.get(first)))
+    if current.get("startTime"):
+        written |= FIRST_ESTIMATE
     return {k: v for k, v in patch.items()
             if current.get(k) != v and not (v == [] and current.get(k) is None)
             and k not in written}

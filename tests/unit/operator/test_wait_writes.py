@@ -103,3 +103,26 @@ def test_a_first_estimate_is_never_rewritten_by_a_pass_that_read_the_job_before_
     reconciler._flush_one(PassState(objects={"team/job": obj}, patches={"team/job": patch}),
                           "team/job")
     assert not set(first) & set(kube.statuses[-1])
+
+
+def test_a_job_that_has_started_is_never_given_a_first_estimate() -> None:
+    # preempted before it was ever estimated, it waits again: its estimate is shown, but a
+    # first estimate now would be compared with a start that came before it
+    kube = Writes()
+    reconciler = Reconciler(kube, ReconcilerConfig(), None)  # type: ignore[arg-type]
+    status = {"phase": "Preempted", "submitTime": format_timestamp(NOW - 600),
+              "startTime": format_timestamp(NOW - 590)}
+    obj = {"metadata": {"name": "job", "namespace": "team", "uid": "u", "resourceVersion": "7"},
+           "spec": {"class": "batch"}, "status": status}
+    first = {"firstEstimatedStart": format_timestamp(NOW + 300),
+             "firstSimulatedStart": format_timestamp(NOW + 250)}
+    reconciler._flush_one(PassState(objects={"team/job": obj},
+                                    patches={"team/job": {**wait(300), **first}}), "team/job")
+    (written,) = kube.statuses
+    assert written["estimatedStart"] == format_timestamp(NOW + 300)
+    assert not set(first) & set(written)
+    # never started: the same wait writes its first estimate
+    del status["startTime"]
+    reconciler._flush_one(PassState(objects={"team/job": obj},
+                                    patches={"team/job": {**wait(300), **first}}), "team/job")
+    assert set(first) <= set(kube.statuses[-1])
