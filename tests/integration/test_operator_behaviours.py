@@ -184,6 +184,9 @@ def test_short_job_preempts_another_projects_borrowed_batch_job(scenario: Scenar
     first, second = _history(done)
     assert first["outcome"] == "Preempted" and second["outcome"] == "Succeeded"
     assert _parse(second["start"]) >= _parse(first["end"])
+    # it started before it was ever estimated: the estimates of its second wait are not a
+    # first estimate (one would be scored against a start that came before it)
+    assert "firstEstimatedStart" not in done and "firstSimulatedStart" not in done
     short_done = scenario.wait_phase(ns_a, "short", {"Succeeded"}, timeout=20)
     assert _parse(second["start"]) >= _parse(short_done["startTime"])
     wait_for("Preempted and Requeued events", lambda: {"Preempted", "Requeued"} <= {
