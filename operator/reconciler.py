@@ -709,7 +709,6 @@ class Reconciler:
                   "queuePosition": wait.position or None, "estimatedStart": estimate,
                   "estimatedStartEarliest": shown(wait.estimated_start_low),
                   "estimatedStartLatest": shown(wait.estimated_start_high)}
-        # (never written for a job that has started: `_changes`)
         if estimate is not None and not status.get("firstEstimatedStart"):
             fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
             if fields["estimatedStartEarliest"] and fields["estimatedStartLatest"]:
@@ -718,7 +717,7 @@ class Reconciler:
                 fields["firstEstimatedStartLatest"] = fields["estimatedStartLatest"]
             # what the class calibration learns from (eta.calibrated_start)
             fields["firstSimulatedStart"] = shown(wait.simulated_start)
-        changed = {k: v for k, v in fields.items() if status.get(k) != v}
+        changed = _changes(status, fields)  # (no first estimate once the job has started)
         if not changed:
             return
         clock = time.monotonic()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from carpool.core.queueing import DUE_NOTE
+from carpool.core.queueing import DUE_NOTE, Wait, WaitReason
 from carpool.core.timestamps import format_timestamp
 from carpool.operator.reconciler import (
     PassState,
@@ -126,3 +126,25 @@ def test_a_job_that_has_started_is_never_given_a_first_estimate() -> None:
     reconciler._flush_one(PassState(objects={"team/job": obj},
                                     patches={"team/job": {**wait(300), **first}}), "team/job")
     assert set(first) <= set(kube.statuses[-1])
+
+
+def test_a_started_jobs_wait_is_recorded_without_a_first_estimate() -> None:
+    # the wait is written, never with a first estimate, and once written it has nothing more
+    # to write (no patch of first-estimate fields alone at every refresh)
+    reconciler = Reconciler(Writes(), ReconcilerConfig(wait_refresh_s=0.0),
+                            None)  # type: ignore[arg-type]
+    status: dict[str, Any] = {"phase": "Queued", "reason": WaitReason.CAPACITY.value,
+                              "submitTime": format_timestamp(NOW - 600),
+                              "startTime": format_timestamp(NOW - 590)}
+    obj = {"metadata": {"name": "job", "namespace": "team", "uid": "u"},
+           "spec": {"class": "batch"}, "status": status}
+    waiting = Wait("team/job", WaitReason.CAPACITY, "no node has room now", 1, 0, NOW + 300,
+                   simulated_start=NOW + 250)
+    state = PassState(objects={"team/job": obj})
+    reconciler._record_wait(state, waiting, NOW)
+    written = state.patches["team/job"]
+    assert written["estimatedStart"] and not any(k.startswith("first") for k in written)
+    status.update(written)
+    again = PassState(objects={"team/job": obj})
+    reconciler._record_wait(again, waiting, NOW)
+    assert "team/job" not in again.patches
