@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from carpool.core.gpunode import SHARING_MODES
+from carpool.deviceplugin.cdi import DEFAULT_SPEC_DIR, CdiSettings, DeviceDelivery, DriverMount
 from carpool.deviceplugin.plugin import DEFAULT_PLUGIN_DIR, ENDPOINT, PluginConfig
 
 log = logging.getLogger("carpool.deviceplugin")
@@ -48,6 +49,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mps-ceiling", type=int, default=50, metavar="PERCENT",
                    help="the most one MPS client may hold of each GPU's memory and SMs, set on "
                         "the control daemon before any server starts (1-100)")
+    p.add_argument("--device-delivery", choices=("cdi", "env"), default="cdi",
+                   help="hand GPUs to containers as CDI devices (the runtime adds exactly their "
+                        "device nodes) or through NVIDIA_VISIBLE_DEVICES (runtimes without CDI)")
+    p.add_argument("--cdi-spec-dir", default=DEFAULT_SPEC_DIR,
+                   help="where the node's CDI spec is written (a directory the runtime reads)")
+    p.add_argument("--cdi-driver-mount", action="append", default=[], metavar="HOST[:CONTAINER]",
+                   help="a driver directory or file bound read-only into every GPU container "
+                        "(repeatable), e.g. the driver's library directory")
+    p.add_argument("--cdi-driver-spec", type=Path,
+                   help="a CDI spec (e.g. from `nvidia-ctk cdi generate`) whose spec-wide edits "
+                        "(driver libraries, binaries, hooks) every GPU container also gets")
     p.add_argument("--allow-unowned-pods", action="store_true",
                    help="serve pods that no GpuJob owns (test beds only)")
     p.add_argument("--dataset-dir", type=Path,
@@ -75,7 +87,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--mps-ceiling must be between 1 and 100")
     if args.backend == "fake" and not (args.fake_spec or args.openb_node_list):
         p.error("--backend fake needs --fake-spec or --openb-node-list")
+    try:
+        args.cdi_driver_mount = [DriverMount.parse(m) for m in args.cdi_driver_mount]
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def cdi_settings(args: argparse.Namespace) -> CdiSettings:
+    """The node's CDI spec settings; a fake node backs its device nodes with /dev/null."""
+    import yaml
+
+    from carpool.deviceplugin.cdi import CDI_VERSION, driver_edits
+
+    edits: dict[str, Any] = {}
+    version = CDI_VERSION
+    if args.cdi_driver_spec:
+        source = str(args.cdi_driver_spec)
+        try:
+            other = yaml.safe_load(args.cdi_driver_spec.read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise SystemExit(f"--cdi-driver-spec {source}: {err}") from None
+        try:
+            edits, version = driver_edits(other, source)
+        except ValueError as err:
+            raise SystemExit(f"--cdi-driver-spec: {err}") from None
+    return CdiSettings(args.cdi_spec_dir, tuple(args.cdi_driver_mount),
+                       "/dev/null" if args.backend == "fake" else "", edits, version)
 
 
 def make_backend(args: argparse.Namespace) -> Any:
@@ -130,8 +168,11 @@ async def run(args: argparse.Namespace) -> None:
                           MpsSettings(str(args.mps_pipe_dir), args.mps_shm_dir,
                                       args.mps_ceiling if args.sharing_mode == "mps" else 100),
                           serve_unowned=args.allow_unowned_pods,
-                          reports_root=args.reports_dir)
+                          reports_root=args.reports_dir,
+                          delivery=DeviceDelivery(args.device_delivery),
+                          cdi=cdi_settings(args))
     state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
+    await asyncio.to_thread(state.write_cdi_spec)  # before registering: Allocate names its devices
     if args.metrics_port:
         start_http_server(args.metrics_port, registry=state.metrics.registry)
     server = PluginServer(state, args.plugin_dir, args.endpoint)

@@ -62,6 +62,7 @@ async def health_step(state: PluginState, wait_s: float) -> bool:
     health_changed |= await asyncio.to_thread(state.health.recheck, backend.probe, now)
     state.gpus = await asyncio.to_thread(backend.inventory)
     state.metrics.observe(state.gpus, state.health.unhealthy)
+    await asyncio.to_thread(state.refresh_cdi_spec)  # a new MIG layout: its devices first
     if health_changed:
         sick = sorted(state.health.unhealthy)
         log.warning("GPU health changed; unhealthy now: %s", sick or "none")

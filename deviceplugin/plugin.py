@@ -27,6 +27,7 @@ from carpool.core.shares import ShareId
 from carpool.deviceplugin import reports
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.base import GpuBackend, GpuFacts
+from carpool.deviceplugin.cdi import CdiSettings, DeviceDelivery, node_spec, write_spec
 from carpool.deviceplugin.devices import advertised_shares
 from carpool.deviceplugin.handshake import (
     HandshakeError,
@@ -67,6 +68,8 @@ class PluginConfig:
     # Serve pods that no GpuJob owns (a test bed's bare pods); off: they get PERMISSION_DENIED.
     serve_unowned: bool = False
     reports_root: Path | None = None  # per-pod report directories (reports.py); None: none
+    delivery: DeviceDelivery = DeviceDelivery.CDI
+    cdi: CdiSettings = field(default_factory=CdiSettings)  # the node's CDI spec (cdi.py)
 
 
 MARK_WAIT_S = 2.0  # how long Allocate waits for the allocated mark before answering anyway
@@ -94,6 +97,27 @@ class PluginState:
         self._version = 0
         self._cond = asyncio.Condition()
         self._closed = False
+        self._written_spec: dict[str, object] | None = None
+
+    def write_cdi_spec(self) -> bool:
+        """Write the node's CDI spec for the current GPUs (CDI delivery only) when it changed
+        (a MIG layout did); returns whether it wrote. Run before registering: the runtime must
+        know every device Allocate can name."""
+        if self.config.delivery is not DeviceDelivery.CDI:
+            return False
+        cdi = self.config.cdi
+        spec = node_spec(self.gpus, cdi.control_nodes(), cdi)
+        if spec == self._written_spec:
+            return False
+        path = write_spec(spec, cdi.spec_dir)
+        self._written_spec = spec
+        log.info("wrote the CDI spec %s (%d devices)", path, len(spec["devices"]))
+        return True
+
+    def refresh_cdi_spec(self) -> bool:
+        """Rewrite the spec if the GPUs' devices changed since the plugin wrote it at start
+        (nothing before that first write)."""
+        return self._written_spec is not None and self.write_cdi_spec()
 
     @property
     def version(self) -> int:
@@ -279,7 +303,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         isolation = self._isolation(match)
         self._check_honourable(match.pod.key, match.gpus)
         setup = container_setup(isolation, match.gpus, state.config.mps,
-                                {g.uuid: g.memory_total_mib for g in state.gpus})
+                                {g.uuid: g.memory_total_mib for g in state.gpus},
+                                state.config.delivery)
         assigned = [g.uuid for g in match.gpus]
         if {s.gpu_uuid for s in shares} != set(assigned):
             log.warning("kubelet chose %s for %s/%s but the extender assigned %s; the container "
@@ -310,7 +335,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 envs[checkpointing.ENV_REPORT_DIR] = checkpointing.REPORT_MOUNT
                 mounts.append(api_pb2.Mount(container_path=checkpointing.REPORT_MOUNT,
                                             host_path=str(host), read_only=False))
-        return api_pb2.ContainerAllocateResponse(envs=envs, mounts=mounts)
+        return api_pb2.ContainerAllocateResponse(
+            envs=envs, mounts=mounts,
+            cdi_devices=[api_pb2.CDIDevice(name=name) for name in setup.cdi_devices])
 
     def _isolation(self, match: Match) -> Isolation:
         mode = self.state.config.sharing_mode

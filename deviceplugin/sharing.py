@@ -1,24 +1,32 @@
-"""What a container gets for its GPUs in each sharing mode: environment and mounts.
+"""What a container gets for its GPUs in each sharing mode: devices, environment and mounts.
 
 Pure: the container's assigned GPUs and the node's settings in, a `ContainerSetup` out. The gRPC
 layer copies it into a `ContainerAllocateResponse`; the GPU benchmark runs real CUDA work with
 exactly this environment.
+
+Devices: with CDI delivery (the default) the GPUs are CDI device names the runtime resolves
+from the node's spec (`cdi.py`), and `NVIDIA_VISIBLE_DEVICES` is `void`, so that a runtime that
+still reads it adds nothing, whatever the image sets. With environment delivery (runtimes
+without CDI) the GPUs are `NVIDIA_VISIBLE_DEVICES`, which the NVIDIA runtime turns into devices.
+`CUDA_VISIBLE_DEVICES` names the same GPUs by UUID in both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import PurePosixPath
 
 from carpool.core.assignment import AssignedGpu
 from carpool.core.gpuhours import sm_share_pct
 from carpool.core.resources import Isolation
+from carpool.deviceplugin.cdi import DeviceDelivery, qualified_names
 from carpool.deviceplugin.handshake import HandshakeError
 from carpool.deviceplugin.mps import mps_memory_limit
 
 CONTAINER_MPS_PIPE_DIR = "/run/carpool/mps"
 CONTAINER_SHM_DIR = "/dev/shm"
+NO_DEVICES = "void"  # NVIDIA_VISIBLE_DEVICES that makes the NVIDIA runtime add no GPU
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class MountSpec:
 class ContainerSetup:
     envs: dict[str, str] = field(default_factory=dict)
     mounts: tuple[MountSpec, ...] = ()
+    cdi_devices: tuple[str, ...] = ()  # fully qualified CDI names
 
 
 def container_setup(
@@ -50,6 +59,7 @@ def container_setup(
     gpus: Sequence[AssignedGpu],
     mps: MpsSettings = MpsSettings(),
     memory_totals: Mapping[str, int] | None = None,
+    delivery: DeviceDelivery = DeviceDelivery.CDI,
 ) -> ContainerSetup:
     """Environment and mounts that give a container exactly its assigned GPUs.
 
@@ -68,17 +78,20 @@ def container_setup(
                 "FAILED_PRECONDITION",
                 f"MIG isolation but the assignment names no MIG instance on {', '.join(missing)}",
             )
-        visible = ",".join(g.mig_instance for g in gpus)
+    else:
+        gpus = [replace(g, mig_instance="") for g in gpus]
+    visible = ",".join(g.mig_instance or g.uuid for g in gpus)
+    cdi: tuple[str, ...] = ()
+    if delivery is DeviceDelivery.CDI:
+        cdi = tuple(qualified_names(gpus))
+        envs |= {"NVIDIA_VISIBLE_DEVICES": NO_DEVICES, "CUDA_VISIBLE_DEVICES": visible}
+    else:
         envs |= {"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible}
-        return ContainerSetup(envs)
-
-    visible = ",".join(g.uuid for g in gpus)
-    envs |= {"NVIDIA_VISIBLE_DEVICES": visible, "CUDA_VISIBLE_DEVICES": visible}
-    if isolation is Isolation.EXCLUSIVE:
-        return ContainerSetup(envs)
+    if isolation in (Isolation.MIG, Isolation.EXCLUSIVE):
+        return ContainerSetup(envs, cdi_devices=cdi)
     envs["CARPOOL_GPU_MEMORY_LIMIT_MIB"] = ",".join(str(g.memory_mib) for g in gpus)
     if isolation is Isolation.TIMESLICE:
-        return ContainerSetup(envs)  # no hard limit: the watchdog enforces memory
+        return ContainerSetup(envs, cdi_devices=cdi)  # no hard limit: the watchdog enforces memory
 
     # MPS: the client joins the node's daemon through the mounted pipe directory, with its own
     # pinned-memory cap per visible device and a share of the SMs.
@@ -96,7 +109,7 @@ def container_setup(
     mounts = [MountSpec(CONTAINER_MPS_PIPE_DIR, mps.pipe_dir)]
     if mps.shm_dir:
         mounts.append(MountSpec(CONTAINER_SHM_DIR, mps.shm_dir))
-    return ContainerSetup(envs, tuple(mounts))
+    return ContainerSetup(envs, tuple(mounts), cdi)
 
 
 def host_view(setup: ContainerSetup) -> dict[str, str]:

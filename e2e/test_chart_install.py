@@ -93,7 +93,8 @@ class Release:
             "operator": {"resyncSeconds": 2, **on_node},
             "extender": {"serviceClusterIP": EXTENDER_IP, **on_node},
             "devicePlugin": {"backend": "fake", "sharingModes": ["mps"], "sharesPerGpu": 16,
-                             "publishInterval": 5, "tolerations": [toleration()]},
+                             "publishInterval": 5, "tolerations": [toleration()],
+                             "deviceDelivery": "env"},
         }
 
     def pods(self) -> list[dict[str, Any]]:

@@ -831,6 +831,8 @@ class RealNode:
             "--publish-interval", "5",
             "--reports-dir", str(p.reports),
             "--kubeconfig", str(self.cluster.kubeconfig),
+            # containerd 1.6 applies no CDI device: the GPUs go through the environment
+            "--device-delivery", "env",
         ] + (["--allow-unowned-pods"] if self.settings.serve_unowned else [])
 
     def start_plugin(self) -> None:

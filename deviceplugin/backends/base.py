@@ -19,6 +19,9 @@ class MigFacts:
     profile: str  # e.g. "1g.18gb"
     slices: int  # compute slices, the "1g" part
     memory_mib: int
+    # The capability device nodes that open this instance (/dev/nvidia-caps/nvidia-cap<N>, its
+    # GPU instance's and compute instance's), which a container needs beside its GPU's node.
+    cap_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class GpuFacts:
     healthy: bool = True
     mig_enabled: bool = False
     mig_instances: tuple[MigFacts, ...] = ()
+    minor_number: int | None = None  # the driver's minor (/dev/nvidia<N>); None: the index
+
+    @property
+    def minor(self) -> int:
+        return self.index if self.minor_number is None else self.minor_number
 
 
 @dataclass(frozen=True)

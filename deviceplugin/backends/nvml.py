@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pynvml
@@ -21,6 +22,7 @@ from carpool.deviceplugin.backends.base import (
     MigFacts,
     ProcessMemory,
 )
+from carpool.deviceplugin.cdi import MIG_MINORS, mig_cap_nodes
 
 T = TypeVar("T")
 MIB = 1024 * 1024
@@ -86,10 +88,14 @@ class NvmlBackend:
         return int(_or(0, lambda: pynvml.nvmlDeviceGetTotalEccErrors(
             handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)))
 
-    def _mig(self, handle: Any) -> tuple[bool, tuple[MigFacts, ...]]:
+    def _mig(self, handle: Any, minor: int) -> tuple[bool, tuple[MigFacts, ...]]:
         current, _pending = _or((0, 0), lambda: pynvml.nvmlDeviceGetMigMode(handle))
         if current != pynvml.NVML_DEVICE_MIG_ENABLE:
             return False, ()
+        try:
+            minors = Path(MIG_MINORS).read_text()
+        except OSError:
+            minors = ""  # no capability table: MIG devices get only their GPU's node
         out = []
         for i in range(_or(0, lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
             try:
@@ -104,14 +110,21 @@ class NvmlBackend:
             except pynvml.NVMLError:
                 slices = 0
             profile = found.group(0) if found else f"{slices}g.{round(memory / 1024)}gb"
+            try:
+                ids = (pynvml.nvmlDeviceGetGpuInstanceId(mig),
+                       pynvml.nvmlDeviceGetComputeInstanceId(mig))
+            except pynvml.NVMLError:
+                ids = (-1, -1)
+            caps = mig_cap_nodes(minors, minor, int(ids[0]), int(ids[1]))
             out.append(MigFacts(_text(pynvml.nvmlDeviceGetUUID(mig)), profile,
-                                slices or (int(found.group(1)) if found else 0), memory))
+                                slices or (int(found.group(1)) if found else 0), memory, caps))
         return True, tuple(out)
 
     def _facts(self, index: int, handle: Any) -> GpuFacts:
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         total = int(memory.total) // MIB
-        mig_enabled, migs = self._mig(handle)
+        minor = int(_or(index, lambda: pynvml.nvmlDeviceGetMinorNumber(handle)))
+        mig_enabled, migs = self._mig(handle, minor)
         return GpuFacts(
             index=index,
             uuid=self._uuids[index],
@@ -127,6 +140,7 @@ class NvmlBackend:
             healthy=True,
             mig_enabled=mig_enabled,
             mig_instances=migs,
+            minor_number=minor,
         )
 
     def inventory(self) -> list[GpuFacts]:

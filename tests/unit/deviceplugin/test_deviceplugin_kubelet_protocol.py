@@ -23,6 +23,7 @@ from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, A
 from carpool.deviceplugin.agent import health_step
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
+from carpool.deviceplugin.cdi import SPEC_FILE, CdiSettings, DeviceDelivery
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
@@ -108,15 +109,18 @@ Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
 @asynccontextmanager
 async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
                   pods: list[PodView] | None = None, source: StaticPodSource | None = None,
-                  reports_root: Path | None = None) -> AsyncIterator[Running]:
+                  reports_root: Path | None = None,
+                  delivery: DeviceDelivery = DeviceDelivery.CDI) -> AsyncIterator[Running]:
     backend = FakeBackend.from_spec(spec)
     source = source or StaticPodSource(pods)
     state = PluginState(
         PluginConfig(NODE, sharing_mode=mode, shares_per_gpu=4,
                      mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm"),
-                     reports_root=reports_root),
+                     reports_root=reports_root, delivery=delivery,
+                     cdi=CdiSettings(spec_dir=str(plugin_dir / "cdi"), stand_in="/dev/null")),
         backend, source, health=HealthTracker(recover_after_s=0.0), clock=lambda: NOW,
     )
+    state.write_cdi_spec()
     kubelet = FakeKubelet(plugin_dir)
     await kubelet.start()
     server = PluginServer(state, plugin_dir, poll_s=0.05)
@@ -215,9 +219,10 @@ def test_allocate_mps_follows_the_assignment_and_marks_the_pod(plugin_dir: Path)
             assert list(preferred.container_responses[0].deviceIDs) == [f"{gpu1}::3"]
             response = await allocate(stub, f"{gpu1}::3")
             [container] = response.container_responses
+            assert [d.name for d in container.cdi_devices] == [f"carpool.dev/gpu={gpu1}"]
             assert dict(container.envs) == {
                 "CARPOOL_ISOLATION": "mps",
-                "NVIDIA_VISIBLE_DEVICES": gpu1,
+                "NVIDIA_VISIBLE_DEVICES": "void",
                 "CUDA_VISIBLE_DEVICES": gpu1,
                 "CARPOOL_GPU_MEMORY_LIMIT_MIB": "8192",
                 "CUDA_MPS_PIPE_DIRECTORY": "/run/carpool/mps",
@@ -299,8 +304,9 @@ def test_allocate_mig_timeslice_and_exclusive(plugin_dir: Path) -> None:
 
             source.add(pod("infer", [{"uuid": mig_gpu.uuid, "index": 0, "memoryMiB": 9856,
                                       "cores": 0, "migInstance": mig}], isolation="mig"))
-            envs = dict((await allocate(stub, f"{mig_gpu.uuid}::1")).container_responses[0].envs)
-            assert envs["CUDA_VISIBLE_DEVICES"] == mig == envs["NVIDIA_VISIBLE_DEVICES"]
+            [answer] = (await allocate(stub, f"{mig_gpu.uuid}::1")).container_responses
+            assert answer.envs["CUDA_VISIBLE_DEVICES"] == mig
+            assert [d.name for d in answer.cdi_devices] == [f"carpool.dev/gpu={mig}"]
 
             source.add(pod("notebook", [{"uuid": gpu1.uuid, "index": 1, "memoryMiB": 4096,
                                          "cores": 30}], isolation="timeslice"))
@@ -317,7 +323,12 @@ def test_allocate_mig_timeslice_and_exclusive(plugin_dir: Path) -> None:
             envs = dict(response.container_responses[0].envs)
             assert envs == {"CARPOOL_ISOLATION": "exclusive",
                             "CUDA_VISIBLE_DEVICES": f"{gpu1.uuid},{gpu2.uuid}",
-                            "NVIDIA_VISIBLE_DEVICES": f"{gpu1.uuid},{gpu2.uuid}"}
+                            "NVIDIA_VISIBLE_DEVICES": "void"}
+            assert [d.name for d in response.container_responses[0].cdi_devices] == [
+                f"carpool.dev/gpu={gpu1.uuid}", f"carpool.dev/gpu={gpu2.uuid}"]
+            # every device Allocate named is in the node's spec
+            written = json.loads((plugin_dir / "cdi" / SPEC_FILE).read_text())
+            assert {mig, gpu1.uuid, gpu2.uuid} <= {d["name"] for d in written["devices"]}
 
             source.add(pod("wants-mps", [{"uuid": gpu2.uuid, "index": 2, "memoryMiB": 1024,
                                           "cores": 10}], isolation="mps"))
@@ -418,4 +429,19 @@ def test_a_lost_allocated_mark_is_retried_until_it_lands(plugin_dir: Path) -> No
                 await asyncio.sleep(0.01)
             assert source.marked == [("lab/first", '{"containers": {}}')]
             assert source.failures == 0
+    run(scenario())
+
+
+def test_allocate_in_env_mode_names_the_gpus_in_the_runtime_variable(plugin_dir: Path) -> None:
+    """For runtimes without CDI: no CDI device, the GPUs in NVIDIA_VISIBLE_DEVICES, no spec."""
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200, delivery=DeviceDelivery.ENV) as (
+                kubelet, _server, backend, source):
+            gpu0 = backend.inventory()[0].uuid
+            source.add(pod("train", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192,
+                                      "cores": 25}], isolation="mps"))
+            [answer] = (await allocate(kubelet.stub(), f"{gpu0}::0")).container_responses
+            assert list(answer.cdi_devices) == []
+            assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == gpu0
+            assert not (plugin_dir / "cdi").exists()
     run(scenario())

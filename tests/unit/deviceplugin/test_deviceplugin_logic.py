@@ -141,7 +141,8 @@ def test_mps_limits_and_mounts_per_visible_device() -> None:
 def test_mig_needs_an_instance_and_uses_its_uuid() -> None:
     setup = container_setup(Isolation.MIG, [AssignedGpu("A", 0, 9856, 0, "MIG-1")])
     assert setup == ContainerSetup({"CARPOOL_ISOLATION": "mig", "CUDA_VISIBLE_DEVICES": "MIG-1",
-                                    "NVIDIA_VISIBLE_DEVICES": "MIG-1"})
+                                    "NVIDIA_VISIBLE_DEVICES": "void"},
+                                   cdi_devices=("carpool.dev/gpu=MIG-1",))
     with pytest.raises(HandshakeError, match="names no MIG instance"):
         container_setup(Isolation.MIG, [AssignedGpu("A", 0, 9856, 0)])
 

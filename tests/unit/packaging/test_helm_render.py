@@ -298,6 +298,20 @@ def test_device_plugin_per_sharing_label(default: list[Obj], mode: str) -> None:
         assert str(args.mps_pipe_dir) == "/run/carpool/mps/pipe"
         assert "/run/carpool/mps" in mounts
     assert not args.allow_unowned_pods
+    # NVML (and in MPS mode nvidia-cuda-mps-control, which only `compute` mounts) from the
+    # NVIDIA runtime, asked for by a volume mount too: it may ignore NVIDIA_VISIBLE_DEVICES
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == ("compute,utility" if mode == "mps"
+                                                 else "utility")
+    gpus = next(m for m in c["volumeMounts"]
+                if m["mountPath"] == "/var/run/nvidia-container-devices/all")
+    assert {"name": gpus["name"], "hostPath": {"path": "/dev/null", "type": "CharDevice"}
+            } in spec["volumes"]
+    # GPUs reach job containers as CDI devices from the spec the plugin writes on the host
+    assert args.device_delivery == "cdi" and args.cdi_spec_dir == "/var/run/cdi"
+    cdi = next(m for m in c["volumeMounts"] if m["mountPath"] == "/var/run/cdi")
+    assert {"name": cdi["name"], "hostPath": {"path": "/var/run/cdi",
+                                               "type": "DirectoryOrCreate"}} in spec["volumes"]
     # the memory watchdog maps GPU processes to pods through the host's /proc
     assert spec["hostPID"] is (mode in ("timeslice", "mps"))
 
@@ -310,7 +324,10 @@ def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/run/carpool/mps/pipe"
     assert env["CARPOOL_MPS_CEILING_PERCENT"] == "50"  # the fence, set before any server
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"]}
-    assert host_paths == {"/run/carpool/mps", "/run/carpool/mps/shm"}
+    assert host_paths == {"/run/carpool/mps", "/run/carpool/mps/shm", "/dev/null"}
+    for c in (container(daemonset), spec["initContainers"][0]):
+        assert "/var/run/nvidia-container-devices/all" in {
+            m["mountPath"] for m in c["volumeMounts"]}
     # EXCLUSIVE_PROCESS by default, from a privileged init container that exits; the daemon
     # itself stays unprivileged
     [init] = spec["initContainers"]
@@ -349,6 +366,29 @@ def test_fake_backend_is_a_value(helm: Path, tmp_path: Path) -> None:
     assert not [o for o in objects(helm) if o["metadata"]["name"].endswith("-fake-gpus")]
 
 
+def test_device_delivery_values(helm: Path) -> None:
+    """env delivery: no spec, no spec directory; cdi: driver mounts and an nvidia-ctk spec
+    reach the plugin's flags, the spec from the host file the value names."""
+    from carpool.deviceplugin.__main__ import parse_args
+
+    env = container(find(objects(helm, "--set", "devicePlugin.deviceDelivery=env"),
+                         "DaemonSet", "carpool-device-plugin-mps"))
+    assert parse_args([*env["args"], "--node-name", "n"]).device_delivery == "env"
+    assert "/var/run/cdi" not in {m["mountPath"] for m in env["volumeMounts"]}
+    objs = objects(helm, "--set", "devicePlugin.cdi.specDir=/etc/cdi",
+                   "--set", "devicePlugin.cdi.driverMounts={/usr/local/nvidia/lib64}",
+                   "--set", "devicePlugin.cdi.driverSpec=/etc/nvidia/cdi.yaml")
+    daemonset = find(objs, "DaemonSet", "carpool-device-plugin-mps")
+    args = parse_args([*container(daemonset)["args"], "--node-name", "n"])
+    assert args.cdi_spec_dir == "/etc/cdi"
+    assert [m.host_path for m in args.cdi_driver_mount] == ["/usr/local/nvidia/lib64"]
+    mount = next(m for m in container(daemonset)["volumeMounts"]
+                 if m["mountPath"] == str(args.cdi_driver_spec))
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    assert volume["hostPath"] == {"path": "/etc/nvidia/cdi.yaml", "type": "File"}
+
+
 def test_values_switch_components(helm: Path) -> None:
     objs = objects(helm, "--set", "devicePlugin.sharingModes={mig}", "--set",
                    "scheduler.enabled=false", "--set", "metrics.serviceMonitor.enabled=true",
@@ -369,6 +409,8 @@ def test_values_switch_components(helm: Path) -> None:
     ("devicePlugin.sharingModes={mps,gpu}", "/devicePlugin/sharingModes/1"),
     ("extender.policy=random", "/extender/policy"),
     ("devicePlugin.backend=cuda", "/devicePlugin/backend"),
+    ("devicePlugin.deviceDelivery=volume", "/devicePlugin/deviceDelivery"),
+    ("devicePlugin.cdi.driverMounts={lib64}", "/devicePlugin/cdi/driverMounts/0"),
     ("operatr.enabled=false", "additional properties 'operatr' not allowed"),
 ])
 def test_schema_refuses_bad_values(helm: Path, flag: str, message: str) -> None:
