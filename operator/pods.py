@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import checkpointing, names
 from carpool.core.durations import parse_duration
 from carpool.core.quantities import gib_ceil, quantity_mib
-from carpool.core.resources import GpuRequest
+from carpool.core.resources import GpuRequest, Isolation
 
 MAX_NAME = 63
 CHECKPOINT_VOLUME = "carpool-checkpoint"
@@ -166,3 +168,55 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
         },
         "spec": pod_spec,
     }
+
+
+@dataclass(frozen=True)
+class PlatformPodSettings:
+    """What the platform, never the tenant, decides on every job pod (chart values)."""
+
+    # The GPU nodes' RuntimeClass (devicePlugin.runtimeClassName): "" leaves the template's.
+    runtime_class: str = ""
+    # The one user (and group) every MPS client runs as (mpsDaemon.clientUid/clientGid). An MPS
+    # control daemon runs one server at a time per user and holds the clients of any other
+    # user until that server exits, so clients of two projects with two users would run one
+    # after the other; under one user they share the GPU at once (docs/concepts.md, MPS).
+    # None: the template's user.
+    mps_uid: int | None = None
+    mps_gid: int | None = None
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> PlatformPodSettings:
+        """CARPOOL_JOB_RUNTIME_CLASS, CARPOOL_MPS_CLIENT_UID, CARPOOL_MPS_CLIENT_GID."""
+        ids: dict[str, int | None] = {}
+        for name in ("CARPOOL_MPS_CLIENT_UID", "CARPOOL_MPS_CLIENT_GID"):
+            text = env.get(name, "").strip()
+            if not text:
+                ids[name] = None
+                continue
+            if not text.isdigit() or int(text) == 0:
+                raise ValueError(f"{name} must be a user or group ID above 0, got {text!r}")
+            ids[name] = int(text)
+        return cls(env.get("CARPOOL_JOB_RUNTIME_CLASS", "").strip(),
+                   ids["CARPOOL_MPS_CLIENT_UID"], ids["CARPOOL_MPS_CLIENT_GID"])
+
+
+def apply_platform_settings(pod: dict[str, Any], isolation: Isolation,
+                            settings: PlatformPodSettings) -> dict[str, Any]:
+    """`pod` (from `build_pod`) with the platform's runtime class and, for an MPS job, the MPS
+    client user and group on the pod and on every container, overriding the template's (a
+    container's own setting would win over the pod's)."""
+    spec = pod["spec"]
+    if settings.runtime_class:
+        spec["runtimeClassName"] = settings.runtime_class
+    if isolation is not Isolation.MPS:
+        return pod
+    ids = {key: value for key, value in (("runAsUser", settings.mps_uid),
+                                         ("runAsGroup", settings.mps_gid)) if value is not None}
+    if not ids:
+        return pod
+    spec["securityContext"] = {**(spec.get("securityContext") or {}), **ids}
+    for kind in ("initContainers", "containers"):
+        for container in spec.get(kind) or []:
+            if container.get("securityContext"):
+                container["securityContext"] = {**container["securityContext"], **ids}
+    return pod

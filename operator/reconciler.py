@@ -57,7 +57,13 @@ from carpool.operator import metrics
 from carpool.operator.following import PodView, format_time, parse_time, view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
-from carpool.operator.pods import build_checkpoint_claim, build_pod, pod_name
+from carpool.operator.pods import (
+    PlatformPodSettings,
+    apply_platform_settings,
+    build_checkpoint_claim,
+    build_pod,
+    pod_name,
+)
 
 log = logging.getLogger(__name__)
 ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are counted rounded
@@ -112,6 +118,8 @@ class ReconcilerConfig:
     # leaves the API server idle for the next pass's read and decide, a fifth of a burst),
     # and what finished meanwhile is seen within this long.
     admission_budget_max_s: float = 60.0
+    # the runtime class and MPS client user the platform sets on every job pod
+    platform: PlatformPodSettings = field(default_factory=PlatformPodSettings)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
@@ -124,7 +132,8 @@ class ReconcilerConfig:
             wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
             admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
-            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")))
+            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")),
+            platform=PlatformPodSettings.from_environment(env))
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -736,7 +745,8 @@ class Reconciler:
     def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
         obj = state.objects[job.key]
         try:
-            pod = build_pod(obj, job.request, admission.attempt)
+            pod = apply_platform_settings(build_pod(obj, job.request, admission.attempt),
+                                          job.request.isolation, self.config.platform)
             claim = build_checkpoint_claim(obj)
             if claim is not None:
                 self.kube.ensure_claim(claim)

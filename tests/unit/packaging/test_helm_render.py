@@ -258,6 +258,10 @@ def test_operator_deployment(default: list[Obj]) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    # every MPS job runs as the one client user (docs/concepts.md, MPS)
+    assert env["CARPOOL_MPS_CLIENT_UID"]["value"] == "1000"
+    assert env["CARPOOL_MPS_CLIENT_GID"]["value"] == "1000"
+    assert "CARPOOL_JOB_RUNTIME_CLASS" not in env
     # every CARPOOL_* variable the chart sets is one the operator reads
     source = "".join(p.read_text() for p in (REPO / "operator").glob("*.py"))
     for name in env:
@@ -366,6 +370,17 @@ def test_fake_backend_is_a_value(helm: Path, tmp_path: Path) -> None:
     assert not [o for o in objects(helm) if o["metadata"]["name"].endswith("-fake-gpus")]
 
 
+def test_the_runtime_class_reaches_job_pods_through_the_operator(helm: Path) -> None:
+    objs = objects(helm, "--set", "devicePlugin.runtimeClassName=nvidia",
+                   "--set", "mpsDaemon.clientUid=null")
+    env = {e["name"]: e.get("value") for e in container(
+        find(objs, "Deployment", "carpool-operator"))["env"]}
+    assert env["CARPOOL_JOB_RUNTIME_CLASS"] == "nvidia"
+    assert "CARPOOL_MPS_CLIENT_UID" not in env
+    plugin = find(objs, "DaemonSet", "carpool-device-plugin-mps")
+    assert plugin["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+
+
 def test_device_delivery_values(helm: Path) -> None:
     """env delivery: no spec, no spec directory; cdi: driver mounts and an nvidia-ctk spec
     reach the plugin's flags, the spec from the host file the value names."""
@@ -410,6 +425,7 @@ def test_values_switch_components(helm: Path) -> None:
     ("extender.policy=random", "/extender/policy"),
     ("devicePlugin.backend=cuda", "/devicePlugin/backend"),
     ("devicePlugin.deviceDelivery=volume", "/devicePlugin/deviceDelivery"),
+    ("mpsDaemon.clientUid=0", "/mpsDaemon/clientUid"),
     ("devicePlugin.cdi.driverMounts={lib64}", "/devicePlugin/cdi/driverMounts/0"),
     ("operatr.enabled=false", "additional properties 'operatr' not allowed"),
 ])
