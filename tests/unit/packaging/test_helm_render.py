@@ -269,6 +269,24 @@ def test_operator_deployment(default: list[Obj]) -> None:
             assert f'"{name}"' in source, f"the operator never reads {name}"
 
 
+def test_the_extender_scores_with_carpools_policy_unless_a_weight_is_set(
+        default: list[Obj], helm: Path) -> None:
+    """One source for the weights: scoring.CARPOOL, which the benchmarks and tests run."""
+    from carpool.core.scoring import CARPOOL
+    from carpool.extender.__main__ import parse_args
+
+    def weights(objs: list[Obj]) -> dict[str, float]:
+        c = container(find(objs, "Deployment", "carpool-extender"))
+        args = vars(parse_args(c["args"]))
+        return {k.removeprefix("weight_"): v for k, v in args.items() if k.startswith("weight_")}
+
+    terms = ("fragmentation", "balance", "scarcity", "packing", "alignment", "temperature",
+             "locality")
+    assert weights(default) == {t: getattr(CARPOOL, t) for t in terms}
+    changed = weights(objects(helm, "--set-json", "extender.weights.locality=1.5"))
+    assert changed == {t: 1.5 if t == "locality" else getattr(CARPOOL, t) for t in terms}
+
+
 def test_extender_flags_parse(default: list[Obj]) -> None:
     from carpool.extender.__main__ import parse_args
 
@@ -426,6 +444,7 @@ def test_values_switch_components(helm: Path) -> None:
     ("devicePlugin.backend=cuda", "/devicePlugin/backend"),
     ("devicePlugin.deviceDelivery=volume", "/devicePlugin/deviceDelivery"),
     ("mpsDaemon.clientUid=0", "/mpsDaemon/clientUid"),
+    ("extender.weights.spread=1", "additional properties 'spread' not allowed"),
     ("devicePlugin.cdi.driverMounts={lib64}", "/devicePlugin/cdi/driverMounts/0"),
     ("operatr.enabled=false", "additional properties 'operatr' not allowed"),
 ])
