@@ -150,9 +150,11 @@ class Pods:
         self.timings = TIMINGS
 
     def manifest(self, name: str, gpus: int, memory_gib: int = 0, cores: int = 0,
-                 isolation: str = "mps", script: str = "") -> dict[str, Any]:
-        """A pod that prints its GPU environment, marks the end with DONE, then sleeps."""
-        limits = {names.RESOURCE_GPU: str(gpus)}
+                 isolation: str = "mps", script: str = "",
+                 image: str = realnode.TEST_IMAGE) -> dict[str, Any]:
+        """A pod that prints its GPU environment, marks the end with DONE, then sleeps; with
+        `gpus` 0 it asks Carpool for nothing."""
+        limits = {names.RESOURCE_GPU: str(gpus)} if gpus else {}
         if memory_gib:
             limits[names.RESOURCE_GPU_MEMORY] = str(memory_gib)
         if cores:
@@ -161,7 +163,7 @@ class Pods:
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": self.namespace,
                          "annotations": {names.ANN_ISOLATION: isolation}},
-            "spec": real_node_pod_spec(self.node, limits, script or SLEEP_AFTER_ENV),
+            "spec": real_node_pod_spec(self.node, limits, script or SLEEP_AFTER_ENV, image),
         }
 
     def create(self, manifest: dict[str, Any]) -> str:
@@ -219,11 +221,11 @@ class Pods:
         self.created.clear()
 
 
-# Prints the CUDA_*/NVIDIA_*/CARPOOL_* environment, whether the MPS pipe mount is there and the
-# container's cgroup (the kubelet's per-pod cgroup when cgroups work), then sleeps (exit 0 on
-# SIGTERM: pod deletion is quick).
+# Prints the CUDA_*/NVIDIA_*/CARPOOL_* environment, the NVIDIA device nodes the runtime put in
+# /dev, whether the MPS pipe mount is there and the container's cgroup (the kubelet's per-pod
+# cgroup when cgroups work), then sleeps (exit 0 on SIGTERM: pod deletion is quick).
 SLEEP_AFTER_ENV = (
-    "env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; "
+    "env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; " + realnode.PRINT_DEVICE_NODES +
     "if [ -d \"$CUDA_MPS_PIPE_DIRECTORY\" ]; then echo MPS_PIPE_MOUNTED=yes; fi; "
     "echo POD_CGROUP=$(grep -m1 kubepods /proc/self/cgroup | cut -d: -f3); "
     "echo DONE; trap 'exit 0' TERM; sleep 3600 & wait"
@@ -231,7 +233,7 @@ SLEEP_AFTER_ENV = (
 
 
 def real_node_pod_spec(node: realnode.RealNode, limits: dict[str, str],
-                       script: str) -> dict[str, Any]:
+                       script: str, image: str = realnode.TEST_IMAGE) -> dict[str, Any]:
     """Scheduled by Carpool onto the real node (it carries a taint nothing else tolerates)."""
     taint = realnode.REAL_NODE_TAINT
     return {
@@ -243,7 +245,7 @@ def real_node_pod_spec(node: realnode.RealNode, limits: dict[str, str],
         "terminationGracePeriodSeconds": 5,
         "containers": [{
             "name": "main",
-            "image": realnode.TEST_IMAGE,
+            "image": image,
             "imagePullPolicy": "Never",  # built locally; no registry to pull from
             "command": ["/bin/sh", "-c", script],
             "resources": {"limits": limits},

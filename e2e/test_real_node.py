@@ -1,8 +1,10 @@
 """A real kubelet runs Carpool GPU pods: scheduler + extender → kubelet → device plugin → container.
 
-The node is real (kubelet v1.35.4, containerd, runc, a CNI bridge); its GPUs come from the device
-plugin's fake backend (2 × H200, 4 shares each). Each test checks what the container itself
-sees against what the extender decided at bind (`carpool.dev/assignment`).
+The node is real (kubelet v1.35.4, containerd 1.7 with CDI, runc, a CNI bridge); its GPUs come
+from the device plugin's fake backend (2 × H200, 4 shares each), whose CDI spec backs each GPU's
+device node with /dev/null. Each test checks what the container itself sees (its environment
+and the device nodes the runtime gave it) against what the extender decided at bind
+(`carpool.dev/assignment`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,22 @@ def _annotation(pod: dict[str, Any], key: str) -> dict[str, Any]:
     return dict(json.loads(text))
 
 
+CONTROL_NODES = {"nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}
+
+
+def _device_nodes(env: dict[str, str]) -> set[str]:
+    return {n for n in env.get("DEVICE_NODES", "").split(",") if n}
+
+
 def _assert_env_matches_assignment(env: dict[str, str], assignment: dict[str, Any],
                                    isolation: str) -> None:
     uuids = [g["uuid"] for g in assignment["gpus"]]
     assert env["CUDA_VISIBLE_DEVICES"] == ",".join(uuids)
-    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids)
+    # the GPUs come from the runtime through CDI: exactly the assigned GPUs' device nodes (and
+    # the control nodes), and nothing for a runtime that would read the variable
+    assert _device_nodes(env) == {f"nvidia{g['index']}" for g in assignment["gpus"]
+                                  } | CONTROL_NODES, env
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert env["CARPOOL_ISOLATION"] == isolation
     if isolation != "mps":
         assert not any(key.startswith("CUDA_MPS_") for key in env), env
@@ -84,7 +97,7 @@ def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode,
     main = dict(spec["containers"][0])
     main.pop("resources")
     main["command"] = ["/bin/sh", "-c", "env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; "
-                                        "echo DONE"]
+                       + realnode.PRINT_DEVICE_NODES + "echo DONE"]
     template["spec"]["containers"] = [main]
     manifests = [
         {"apiVersion": names.API_VERSION, "kind": "ProjectQuota", "metadata": {"name": project},
@@ -127,6 +140,26 @@ def test_gpujob_runs_on_the_real_node(pods: Any, real_node: realnode.RealNode,
     finally:
         real_node.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
         real_node.kubectl("delete", "projectquota", project, check=False)
+
+
+def test_an_image_asking_for_every_gpu_gets_none_without_a_grant_and_only_its_own_with_one(
+        pods: Any, real_node: realnode.RealNode) -> None:
+    """CUDA images set NVIDIA_VISIBLE_DEVICES=all. Without a Carpool grant such a pod gets no
+    GPU device node, nor does one that names a CDI device in its annotations; with a grant it
+    gets exactly its GPU, and Carpool's answer overrides the image's variable."""
+    gpunode = json.loads(real_node.kubectl("get", "gpunode", real_node.name, "-o",
+                                           "json").stdout)
+    gpu = gpunode["status"]["gpus"][0]["uuid"]
+    bare = pods.manifest("image-all-gpus", 0, image=realnode.ALL_GPUS_IMAGE)
+    bare["metadata"]["annotations"]["cdi.k8s.io/carpool"] = f"carpool.dev/gpu={gpu}"
+    env = pods.wait_printed(pods.create(bare))
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"  # the image's own, as the runtime saw it
+    assert _device_nodes(env) == set(), env
+    granted = pods.create(pods.manifest("image-all-gpus-granted", 1, 8, 25,
+                                        image=realnode.ALL_GPUS_IMAGE))
+    env = pods.wait_printed(granted)
+    _assert_env_matches_assignment({**env, "MPS_PIPE_MOUNTED": "yes"},
+                                   _annotation(pods.get(granted), names.ANN_ASSIGNMENT), "mps")
 
 
 def test_pod_resources_api_reports_the_assigned_shares(

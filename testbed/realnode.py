@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -55,6 +56,11 @@ LABEL_REAL_NODE: Final = f"{names.GROUP}/real-node"
 IMAGE_REPOSITORY: Final = "carpool.local"
 PAUSE_IMAGE: Final = f"{IMAGE_REPOSITORY}/pause:1"
 TEST_IMAGE: Final = f"{IMAGE_REPOSITORY}/busybox:1"
+# The test image as CUDA and PyTorch images are: NVIDIA_VISIBLE_DEVICES=all in its config.
+ALL_GPUS_IMAGE: Final = f"{IMAGE_REPOSITORY}/busybox-all-gpus:1"
+# A shell line for the test image: the NVIDIA device nodes the runtime put into the container.
+PRINT_DEVICE_NODES: Final = (
+    "echo DEVICE_NODES=$(cd /dev && ls -d nvidia* 2>/dev/null | tr '\\n' ,); ")
 CRI_NAMESPACE: Final = "k8s.io"
 KUBELET_DEVICE_PLUGIN_DIR: Final = Path("/var/lib/kubelet/device-plugins")
 BUSYBOX: Final = Path("/bin/busybox")
@@ -169,6 +175,11 @@ class NodePaths:
         return self.base / "mps"
 
     @property
+    def cdi_spec_dir(self) -> Path:
+        """The CDI spec directory: the device plugin writes the node's spec, containerd reads."""
+        return self.base / "cdi"
+
+    @property
     def logs(self) -> Path:
         return self.base / "logs"
 
@@ -215,8 +226,23 @@ class Timings:
 # Host packages
 
 
+@functools.cache
+def containerd_bin_dir() -> Path:
+    """containerd, its runc shim and ctr, built once per machine by hack/build-containerd.sh
+    (Debian bookworm's containerd 1.6 cannot apply CDI devices)."""
+    script = devcluster.repo_root() / "hack" / "build-containerd.sh"
+    done = subprocess.run(["bash", str(script)], stdout=subprocess.PIPE, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise NodeError(f"{script} failed (exit {done.returncode})")
+    for line in lines[:-1]:
+        print(f"    {line}", file=sys.stderr)
+    return Path(lines[-1])
+
+
 def install_packages(timings: Timings) -> None:
-    """containerd, runc, CNI plugins and static busybox from Debian (hack/node/install.sh)."""
+    """runc, CNI plugins and static busybox from Debian (hack/node/install.sh); containerd
+    built from the Go module proxy (`containerd_bin_dir`)."""
     script = devcluster.repo_root() / "hack" / "node" / "install.sh"
     with timings.stage("host packages (hack/node/install.sh: apt-get when missing)"):
         done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
@@ -224,6 +250,8 @@ def install_packages(timings: Timings) -> None:
             print(f"    {line}", file=sys.stderr)
         if done.returncode != 0:
             raise NodeError(f"{script} failed (exit {done.returncode}): {done.stderr.strip()}")
+    with timings.stage("containerd (hack/build-containerd.sh: built once per machine)"):
+        containerd_bin_dir()
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,14 +313,14 @@ def busybox_layer(busybox: Path = BUSYBOX) -> bytes:
 
 
 def write_oci_archive(path: Path, reference: str, layer: bytes,
-                      command: Sequence[str]) -> str:
+                      command: Sequence[str], env: Sequence[str] = ()) -> str:
     """Writes an OCI image-layout tar for `reference` ("repo/name:tag"); returns its manifest
     digest. `ctr images import` reads the name from the `io.containerd.image.name` annotation.
     """
     layer_blob = Blob("application/vnd.oci.image.layer.v1.tar", layer)
     config = {
         **oci_platform(),
-        "config": {"Env": ["PATH=/bin"], "Cmd": list(command), "WorkingDir": "/"},
+        "config": {"Env": ["PATH=/bin", *env], "Cmd": list(command), "WorkingDir": "/"},
         "rootfs": {"type": "layers", "diff_ids": [layer_blob.digest]},
         "history": [{"created_by": "carpool.realnode: static busybox"}],
     }
@@ -328,12 +356,16 @@ def write_oci_archive(path: Path, reference: str, layer: bytes,
 
 
 def build_images(paths: NodePaths) -> dict[str, Path]:
-    """The pause and test images as OCI archives (one shared busybox layer)."""
+    """The pause and test images as OCI archives (one shared busybox layer); the second test
+    image asks for every GPU in its environment, as CUDA images do."""
     layer = busybox_layer()
     archives = {PAUSE_IMAGE: paths.images / "pause.oci.tar",
-                TEST_IMAGE: paths.images / "busybox.oci.tar"}
+                TEST_IMAGE: paths.images / "busybox.oci.tar",
+                ALL_GPUS_IMAGE: paths.images / "busybox-all-gpus.oci.tar"}
     write_oci_archive(archives[PAUSE_IMAGE], PAUSE_IMAGE, layer, PAUSE_COMMAND)
     write_oci_archive(archives[TEST_IMAGE], TEST_IMAGE, layer, ("/bin/sh",))
+    write_oci_archive(archives[ALL_GPUS_IMAGE], ALL_GPUS_IMAGE, layer, ("/bin/sh",),
+                      env=("NVIDIA_VISIBLE_DEVICES=all",))
     return archives
 
 
@@ -342,8 +374,9 @@ def build_images(paths: NodePaths) -> dict[str, Path]:
 
 
 def containerd_config(paths: NodePaths, snapshotter: str) -> str:
-    """containerd 1.6 (config version 2): private root/state/socket, CRI with our pause image,
-    runc with cgroupfs (no systemd here), CNI from Debian's plugins and our conf dir."""
+    """containerd 1.7 (config version 2): private root/state/socket, CRI with our pause image,
+    CDI devices from the node's own spec directory, runc with cgroupfs (no systemd here), CNI
+    from Debian's plugins and our conf dir."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
 root = "{paths.containerd_root}"
@@ -370,6 +403,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   # This machine withholds CAP_SYS_RESOURCE, so runc cannot set the kubelet's negative
   # oom_score_adj (-998 for sandboxes): clamp it to containerd's own (0) instead.
   restrict_oom_score_adj = true
+  # The device plugin names GPUs as CDI devices; their spec is the node's own, not the host's.
+  enable_cdi = true
+  cdi_spec_dirs = ["{paths.cdi_spec_dir}"]
   [{cri}.containerd]
     snapshotter = "{snapshotter}"
     default_runtime_name = "runc"
@@ -636,7 +672,8 @@ def _socket_answers(path: Path) -> bool:
 
 def ctr(paths: NodePaths, *args: str, timeout: float = 120,
         check: bool = True) -> subprocess.CompletedProcess[str]:
-    command = ["ctr", "--address", str(paths.containerd_socket), "-n", CRI_NAMESPACE, *args]
+    command = [str(containerd_bin_dir() / "ctr"), "--address", str(paths.containerd_socket),
+               "-n", CRI_NAMESPACE, *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if check and done.returncode != 0:
         raise NodeError(f"`{' '.join(command)}` failed (exit {done.returncode}): "
@@ -716,7 +753,10 @@ class RealNode:
         ensure_bridge()
         if _pid_alive(p, "containerd", str(p.containerd_config)) is None:
             p.containerd_socket.unlink(missing_ok=True)
-            _spawn(p, "containerd", ["containerd", "--config", str(p.containerd_config)])
+            bins = containerd_bin_dir()  # containerd finds its shim on PATH
+            _spawn(p, "containerd", [str(bins / "containerd"), "--config",
+                                     str(p.containerd_config)],
+                   env={**os.environ, "PATH": f"{bins}:{os.environ.get('PATH', '')}"})
         _wait("containerd's socket", lambda: _socket_answers(p.containerd_socket), 60,
               p.log("containerd"))
         _wait("containerd to answer `ctr version`",
@@ -831,8 +871,7 @@ class RealNode:
             "--publish-interval", "5",
             "--reports-dir", str(p.reports),
             "--kubeconfig", str(self.cluster.kubeconfig),
-            # containerd 1.6 applies no CDI device: the GPUs go through the environment
-            "--device-delivery", "env",
+            "--device-delivery", "cdi", "--cdi-spec-dir", str(p.cdi_spec_dir),
         ] + (["--allow-unowned-pods"] if self.settings.serve_unowned else [])
 
     def start_plugin(self) -> None:

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Installs what the real node needs from Debian: containerd (1.6 on bookworm) and runc, the CNI
-# plugins (bridge, loopback, host-local) and a static busybox (the payload of the locally built
-# pause and test images). A no-op when everything is already there. Needs root.
+# Installs what the real node needs from Debian: runc, the CNI plugins (bridge, loopback,
+# host-local) and a static busybox (the payload of the locally built pause and test images).
+# containerd is not Debian's (bookworm's 1.6 has no CDI): hack/build-containerd.sh builds it.
+# A no-op when everything is already there. Needs root.
 set -euo pipefail
 
 need=()
-command -v containerd >/dev/null || need+=(containerd)
-command -v ctr >/dev/null || need+=(containerd)
 command -v runc >/dev/null || need+=(runc)
 [ -x /usr/lib/cni/bridge ] && [ -x /usr/lib/cni/loopback ] && [ -x /usr/lib/cni/host-local ] \
   || need+=(containernetworking-plugins)
@@ -15,7 +14,7 @@ if ! [ -x /bin/busybox ] || ldd /bin/busybox >/dev/null 2>&1; then need+=(busybo
 command -v iptables >/dev/null || need+=(iptables)
 
 if [ ${#need[@]} -eq 0 ]; then
-  echo "==> [node] host packages present: $(containerd --version | awk '{print $3}'), runc $(runc --version | awk 'NR==1{print $3}')"
+  echo "==> [node] host packages present: runc $(runc --version | awk 'NR==1{print $3}')"
   exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import tarfile
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,9 @@ def test_containerd_config_keeps_everything_under_the_node_directory(tmp_path: P
     assert "SystemdCgroup = false" in text
     assert "restrict_oom_score_adj = true" in text
     assert f'config_path = "{paths.registry_hosts}"' in text
+    # CDI devices from the node's own spec directory, where its device plugin writes
+    cri = tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["enable_cdi"] is True and cri["cdi_spec_dirs"] == [str(paths.cdi_spec_dir)]
 
 
 def test_registry_hosts_send_pulls_to_the_local_registry_over_http(tmp_path: Path) -> None:
