@@ -21,6 +21,27 @@ MAX_NAME = 63
 CHECKPOINT_VOLUME = "carpool-checkpoint"
 DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds when a pod names none
 
+# The PodSpec fields a workload may bring in its GpuJob template, copied as given; every other
+# field of the template is dropped. Carpool sets schedulerName, priorityClassName,
+# terminationGracePeriodSeconds (the job's checkpoint grace, or less) and activeDeadlineSeconds
+# (spec.maxDuration) itself. Left out on purpose: nodeName and schedulingGates (Carpool decides
+# where and when a job starts; a gated pod would hold its quota forever), priority and
+# preemptionPolicy (the job's class orders it), hostNetwork, hostPID and hostIPC (other
+# tenants' traffic, GPU processes and MPS memory), overhead (the RuntimeClass's to set),
+# readinessGates (nothing reads a job pod's readiness), and any field Kubernetes adds later,
+# until it is judged here. Admission refuses the dangerous ones at `kubectl apply` (the GpuJob
+# CRD's rules, hack/policies/); this list is what holds for a job admitted before a rule
+# existed. runtimeClassName and resourceClaims are copied: admission allows them only where
+# the platform team does (policies.runtimeClasses, policies.otherDevices).
+COPIED_POD_FIELDS = frozenset({
+    "containers", "initContainers", "volumes", "restartPolicy", "securityContext",
+    "serviceAccountName", "automountServiceAccountToken", "imagePullSecrets",
+    "nodeSelector", "affinity", "tolerations", "topologySpreadConstraints",
+    "dnsPolicy", "dnsConfig", "hostname", "subdomain", "setHostnameAsFQDN", "hostAliases",
+    "enableServiceLinks", "shareProcessNamespace", "os", "hostUsers", "runtimeClassName",
+    "resourceClaims", "terminationGracePeriodSeconds",
+})
+
 
 def pod_name(job_name: str, attempt: int) -> str:
     """`<job>-<attempt>`, shortened with a hash when the job name is long."""
@@ -80,21 +101,34 @@ def workload_env(job: dict[str, Any], attempt: int, grace_s: int) -> list[dict[s
     return env
 
 
+def checkpoint_grace_s(spec: dict[str, Any]) -> int:
+    """The most time between SIGTERM and SIGKILL a job's pod gets: its
+    spec.checkpoint.gracePeriod, or Kubernetes' default when it names none."""
+    grace = (spec.get("checkpoint") or {}).get("gracePeriod")
+    return int(parse_duration(grace)) if grace else DEFAULT_GRACE_S
+
+
+def users_metadata(values: dict[str, str] | None) -> dict[str, str]:
+    """A template's labels or annotations without Carpool's keys (carpool.dev/*), which only
+    the operator writes; admission refuses templates carrying them (pod-metadata policy)."""
+    return {k: v for k, v in (values or {}).items() if not k.startswith(f"{names.GROUP}/")}
+
+
 def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[str, Any]:
     """The Pod manifest for `attempt` of `job` (a GpuJob object as the API returns it)."""
     meta = job["metadata"]
     spec = job["spec"]
     template = copy.deepcopy(spec.get("template") or {})
     tmeta = template.get("metadata") or {}
-    pod_spec: dict[str, Any] = template.get("spec") or {}
+    pod_spec = {k: v for k, v in (template.get("spec") or {}).items() if k in COPIED_POD_FIELDS}
 
-    labels = dict(tmeta.get("labels") or {})
+    labels = users_metadata(tmeta.get("labels"))
     labels.update({
         names.LABEL_MANAGED: "true",
         names.LABEL_JOB: meta["name"],
         names.LABEL_PROJECT: spec["project"],
     })
-    annotations = dict(tmeta.get("annotations") or {})
+    annotations = users_metadata(tmeta.get("annotations"))
     annotations[names.ANN_JOB] = f"{meta['namespace']}/{meta['name']}"
     annotations[names.ANN_ISOLATION] = request.isolation.value
     if request.models:
@@ -111,14 +145,13 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
 
     pod_spec["schedulerName"] = names.SCHEDULER_NAME
     pod_spec["priorityClassName"] = names.PRIORITY_CLASS  # its preemptionPolicy is Never
-    pod_spec.pop("preemptionPolicy", None)
-    pod_spec.pop("priority", None)
     pod_spec.setdefault("restartPolicy", "Never")
     checkpoint = spec.get("checkpoint") or {}
-    grace = checkpoint.get("gracePeriod")
-    if grace:
-        pod_spec["terminationGracePeriodSeconds"] = int(parse_duration(grace))
-    grace_s = int(pod_spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+    grace_s = checkpoint_grace_s(spec)
+    template_grace = pod_spec.get("terminationGracePeriodSeconds")
+    if isinstance(template_grace, int) and 0 <= template_grace < grace_s:
+        grace_s = template_grace  # a workload may ask to be killed sooner, never later
+    pod_spec["terminationGracePeriodSeconds"] = grace_s
     if spec.get("maxDuration"):
         pod_spec["activeDeadlineSeconds"] = max(1, int(parse_duration(spec["maxDuration"])))
 
