@@ -19,6 +19,7 @@ from carpool.core.eta import recent_misses
 from carpool.core.eta_accuracy import FirstStart, score_first_start
 from carpool.core.jobs import (
     BudgetPolicy,
+    ClassLimit,
     DurationEstimate,
     Job,
     ProjectQuota,
@@ -182,7 +183,24 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         or epoch_seconds(meta.get("creationTimestamp")) or 0.0,
         on_budget_exhausted=BudgetPolicy.parse(str(hours.get("onExhausted", "Hold"))),
         weight=float(spec.get("weight", 1.0)),
+        class_limits=class_limits_from_spec(spec),
     )
+
+
+def class_limits_from_spec(spec: Mapping[str, Any]) -> tuple[ClassLimit, ...]:
+    """A ProjectQuota's spec.classLimits, one ClassLimit per class named."""
+    limits = []
+    for name, given in sorted((spec.get("classLimits") or {}).items()):
+        at = f"classLimits.{name}"
+        memory = given.get("minGpuMemory")
+        limits.append(ClassLimit(
+            job_class=JobClass.parse(name),
+            max_gpus=int(given["maxGpus"]) if "maxGpus" in given else None,
+            max_duration_s=_seconds(spec, f"{at}.maxDuration") or None,
+            max_grace_s=_seconds(spec, f"{at}.maxGracePeriod") or None,
+            min_gpu_memory_mib=quantity_mib(memory) if memory is not None else None,
+            min_gpu_cores_pct=int(given["minGpuCores"]) if "minGpuCores" in given else None))
+    return tuple(limits)
 
 
 _ESTIMATE_FIELDS = (  # DurationEstimate field <-> status name, in status order

@@ -186,6 +186,20 @@ class Job:
 
 
 @dataclass(frozen=True)
+class ClassLimit:
+    """What the platform team lets one class of a project's jobs ask for (ProjectQuota
+    spec.classLimits.<class>); None: not limited. The minimum grant keeps a job from being
+    billed as nothing (a fraction of a MiB of GPU memory)."""
+
+    job_class: JobClass
+    max_gpus: int | None = None
+    max_duration_s: float | None = None  # spec.maxDuration must be set and at most this
+    max_grace_s: float | None = None  # spec.checkpoint.gracePeriod at most this
+    min_gpu_memory_mib: int | None = None  # spec.gpu.memory per GPU at least this
+    min_gpu_cores_pct: int | None = None  # spec.gpu.cores (when set) at least this
+
+
+@dataclass(frozen=True)
 class ProjectQuota:
     """A ProjectQuota: who bills to the project and what it may use.
 
@@ -207,6 +221,7 @@ class ProjectQuota:
     period_anchor: float = 0.0
     on_budget_exhausted: BudgetPolicy = BudgetPolicy.HOLD
     weight: float = 1.0
+    class_limits: tuple[ClassLimit, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.weight > 0:

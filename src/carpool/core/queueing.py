@@ -99,6 +99,7 @@ from carpool.core.quota import (
     Verdict,
     binding_refusal,
     budget_claims,
+    class_limit_refusal,
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
@@ -172,6 +173,7 @@ class WaitReason(enum.Enum):
 
     UNKNOWN_PROJECT = "UnknownProject"
     UNBOUND_NAMESPACE = "UnboundNamespace"
+    CLASS_LIMIT = "ClassLimitExceeded"  # the project's spec.classLimits refuse it
     NO_MATCHING_GPU_MODEL = "NoMatchingGpuModel"
     TOO_LARGE = "TooLargeForAnyNode"
     BUDGET = "Budget"
@@ -184,7 +186,8 @@ class WaitReason(enum.Enum):
     @property
     def refused(self) -> bool:
         """The spec or the quotas must change before the job can ever run."""
-        return self in (WaitReason.UNKNOWN_PROJECT, WaitReason.UNBOUND_NAMESPACE)
+        return self in (WaitReason.UNKNOWN_PROJECT, WaitReason.UNBOUND_NAMESPACE,
+                        WaitReason.CLASS_LIMIT)
 
     @property
     def competes_for_capacity(self) -> bool:
@@ -509,6 +512,10 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             refused = (WaitReason.UNKNOWN_PROJECT if refusal.unknown_project
                        else WaitReason.UNBOUND_NAMESPACE)
             walk.waits.append(Wait(job.key, refused, refusal.message, 0, 0, None))
+            continue
+        beyond = class_limit_refusal(job, snapshot.quotas[job.project])
+        if beyond is not None:
+            walk.waits.append(Wait(job.key, WaitReason.CLASS_LIMIT, beyond, 0, 0, None))
             continue
         position += 1
         if not walk.consider(job, position, borrowers_allowed=False):

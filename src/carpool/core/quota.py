@@ -3,6 +3,8 @@
 Rules (the admission cycle applies them to every job before it may start):
 
 - Binding: a job's namespace must be listed by exactly the ProjectQuota its spec names.
+- Class limits: a job asks for no more GPUs, no longer limit or grace and no smaller grant
+  than its project's spec.classLimits allow its class; otherwise it is refused, not queued.
 - Concurrent use is counted in GPU equivalents (the `gpuhours` fraction of the grants) and in
   granted GPU memory. A job starts *in quota* while the project's in-quota use plus the job
   stays within the guarantee. Beyond it a job may *borrow* idle capacity only if the project
@@ -27,6 +29,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from carpool.core.durations import format_duration
 from carpool.core.jobs import BudgetPolicy, Job, ProjectQuota
 from carpool.core.resources import JobClass
 
@@ -63,6 +66,39 @@ def binding_refusal(job: Job, quotas: Mapping[str, ProjectQuota]) -> Binding | N
                 else f"; namespace {job.namespace!r} is bound to no project")
         return Binding(False, f"namespace {job.namespace!r} is not bound to project "
                               f"{job.project!r}{hint}")
+    return None
+
+
+def class_limit_refusal(job: Job, quota: ProjectQuota) -> str | None:
+    """Why a job asks for more than its project lets its class have, or for less than the
+    smallest grant (ProjectQuota spec.classLimits), naming the job's field and the limit; None
+    when it stays within them. The chart's cluster-wide limits refuse at admission already
+    (hack/policies/class-limits.yaml); these are per project, which admission cannot read."""
+    limit = next((c for c in quota.class_limits if c.job_class is job.job_class), None)
+    if limit is None:
+        return None
+    name = job.job_class.name.lower()
+    where = f"ProjectQuota {quota.name} spec.classLimits.{name}"
+    request = job.request
+    if limit.max_gpus is not None and request.count > limit.max_gpus:
+        return (f"spec.gpu.count {request.count} is more than {where}.maxGpus "
+                f"{limit.max_gpus}")
+    if limit.max_duration_s is not None and not job.max_duration_s:
+        return (f"spec.maxDuration must be set for class {name}: {where}.maxDuration is "
+                f"{format_duration(limit.max_duration_s)}")
+    if limit.max_duration_s is not None and job.max_duration_s > limit.max_duration_s:
+        return (f"spec.maxDuration {format_duration(job.max_duration_s)} is longer than "
+                f"{where}.maxDuration {format_duration(limit.max_duration_s)}")
+    if limit.max_grace_s is not None and job.checkpoint_grace_s > limit.max_grace_s:
+        return (f"spec.checkpoint.gracePeriod {format_duration(job.checkpoint_grace_s)} is "
+                f"longer than {where}.maxGracePeriod {format_duration(limit.max_grace_s)}")
+    if limit.min_gpu_memory_mib is not None and request.memory_mib < limit.min_gpu_memory_mib:
+        return (f"spec.gpu.memory {request.memory_mib}Mi is less than {where}.minGpuMemory "
+                f"{limit.min_gpu_memory_mib}Mi")
+    if (limit.min_gpu_cores_pct is not None and request.cores_pct
+            and request.cores_pct < limit.min_gpu_cores_pct):
+        return (f"spec.gpu.cores {request.cores_pct} is less than {where}.minGpuCores "
+                f"{limit.min_gpu_cores_pct}")
     return None
 
 
