@@ -206,8 +206,9 @@ def test_installed_policies_confine_the_device_plugin_to_its_node(
     policies = sorted(o["metadata"]["name"] for o in release.objects
                       if o["kind"].startswith("ValidatingAdmissionPolicy"))
     assert policies == sorted(f"{release.name}-{p}" for p in (
-        "gpunode-own-node", "gpujob-reports-own-node", "pod-annotations",
-        "operator-finalizer-only", "gpujob-only", "tenant-isolation") for _ in "ab")
+        "gpunode-own-node", "gpujob-reports-own-node", "pod-metadata",
+        "operator-finalizer-only", "gpujob-only", "tenant-isolation", "tenant-priority",
+        "tenant-devices") for _ in "ab")
     suffix = uuid.uuid4().hex[:6]
     nodes = simnodes.parse_nodes({"nodes": [
         {"name": f"helm-vap-{x}-{suffix}", "gpus": [{"model": "H200", "count": 1}]}

@@ -99,13 +99,13 @@ def rbac(cluster: devcluster.Cluster) -> Iterator[Rbac]:
 @pytest.fixture(scope="module")
 def policies(cluster: devcluster.Cluster, rbac: Rbac) -> Iterator[None]:
     """The chart's ValidatingAdmissionPolicies for this module's release (cluster-wide; the
-    pod-annotation policy's writers are the release's accounts), removed afterwards."""
+    the pod-metadata policy's accounts are the release's), removed afterwards."""
     crds.apply_crds(cluster.api())
     objects = render(cluster, rbac.release, rbac.namespace, POLICY_KINDS)
     assert sorted(o["metadata"]["name"] for o in objects) == sorted(
         rbac.named(p) for p in ("gpunode-own-node", "gpujob-reports-own-node",
-                                "pod-annotations", "operator-finalizer-only", "gpujob-only",
-                                "tenant-isolation")
+                                "pod-metadata", "operator-finalizer-only", "gpujob-only",
+                                "tenant-isolation", "tenant-priority", "tenant-devices")
         for _ in range(2))
     apply_manifests(cluster, objects)
     try:
@@ -570,8 +570,9 @@ def test_users_cannot_forge_gpu_assignments(cluster: devcluster.Cluster,
                     stdin=yaml.safe_dump(annotated_pod("plain", None, {"note": "mine"})))
     patched = cluster.kubectl("annotate", "pod", "plain", "-n", team, f"--as={alice}",
                               f"{names.ANN_ASSIGNMENT}={FORGED}", check=False)
-    assert patched.returncode != 0 and "may not change carpool.dev/assignment" in patched.stderr, (
-        patched.stderr)
+    assert patched.returncode != 0 and (
+        f"may not add, change or remove metadata.annotations[{names.ANN_ASSIGNMENT}]"
+        in patched.stderr), patched.stderr
     allowed = cluster.kubectl("annotate", "pod", "plain", "-n", team, f"--as={alice}",
                               "note=still-mine", "--overwrite", check=False)
     assert allowed.returncode == 0, allowed.stderr  # other annotations stay hers

@@ -2,13 +2,15 @@
 
 alice holds the built-in `edit` role in a project namespace (the chart's GpuJob roles aggregate
 into it), which lets her create Pods, Deployments and GpuJobs there. Everything the chart's
-admission policies must stop (hack/policies/gpujob-only.yaml and tenant-isolation.yaml) is tried
-with `kubectl --as alice`: each refusal comes from the API server and names the field and what
-to do instead. Then the defence behind admission: a pod with carpool.dev/gpu that got past it (a
-break-glass admin's) is filtered out by the strict extender the chart runs, with the reason in
-its FailedScheduling event. Pod Security levels for tenant namespaces are checked with the
-operator's own pods: `baseline` takes a plain GpuJob's pod; `restricted` takes a compliant one
-and refuses the rest with the job saying why.
+admission policies (hack/policies/) and the GpuJob CRD's rules must stop is tried with
+`kubectl --as alice`, one door per test: Carpool's metadata on pods, GpuJob template fields
+Carpool decides, Pod Security `baseline` compared as container runtimes compare, priority
+above Carpool's jobs, other vendors' GPUs and ResourceClaims, class limits. Each refusal comes
+from the API server and names the field and what to do instead. Then what stands behind
+admission: a pod with carpool.dev/gpu that got past it (a break-glass admin's) is filtered out
+by the strict extender the chart runs, with the reason in its FailedScheduling event; Pod
+Security levels for tenant namespaces are checked with the operator's own pods; a project's
+class limits make the operator refuse a job, with the reason in its status and an Event.
 
 The chart's RBAC and policy objects are rendered with `helm template` under this module's own
 release name and applied alone (the policies are cluster-wide; removed afterwards).
@@ -36,6 +38,12 @@ pytestmark = pytest.mark.cluster
 CHART = Path(__file__).resolve().parents[2] / "helm" / "carpool"
 KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
          "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+POLICIES = ("gpunode-own-node", "gpujob-reports-own-node", "pod-metadata",
+            "operator-finalizer-only", "gpujob-only", "tenant-isolation", "tenant-priority",
+            "tenant-devices", "class-limits")
+# the chart's policies.classLimits for this module (bound to alice's namespace only)
+CLASS_LIMITS = {"interactive": {"maxGpus": 2, "maxDuration": "8h", "maxGracePeriod": "5m",
+                                "minGpuMemory": "1Gi", "minGpuCores": 10}}
 T = TypeVar("T")
 
 
@@ -56,6 +64,9 @@ class Tenancy:
         return self.cluster.kubectl(*args, f"--as={self.alice}", "-n", self.team,
                                     stdin=stdin, check=False)
 
+    def runtime_class(self) -> str:
+        return f"nvidia-{self.release.removeprefix('carpool-ten-')}"
+
     def create(self, obj: dict[str, Any], as_user: str | None = None
                ) -> subprocess.CompletedProcess[str]:
         user = as_user or self.alice
@@ -70,10 +81,18 @@ def tenancy(cluster: devcluster.Cluster) -> Iterator[Tenancy]:
     team, alice, project = f"ten-team-{suffix}", f"alice-{suffix}", f"ten-{suffix}"
     rendered = subprocess.run(
         [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace",
-         system_ns], capture_output=True, text=True, timeout=120, check=True).stdout
+         system_ns, "--set-json", f"policies.classLimits={json.dumps(CLASS_LIMITS)}"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
     objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in KINDS]
-    assert {f"{release}-gpujob-only", f"{release}-tenant-isolation"} <= {
+    assert {f"{release}-{p}" for p in POLICIES} == {
         o["metadata"]["name"] for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
+    for obj in objects:  # the cluster-wide class limits only where this module looks
+        if obj["metadata"]["name"] == f"{release}-class-limits" and obj["kind"].endswith(
+                "Binding"):
+            obj["spec"]["matchResources"] = {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": team}}}
+    objects.append({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                    "metadata": {"name": f"nvidia-{suffix}"}, "handler": "nvidia"})
     crds.apply_crds(cluster.api())
     for namespace in (system_ns, team):
         cluster.kubectl("create", "namespace", namespace)
@@ -126,8 +145,14 @@ def gpujob(t: Tenancy, name: str, container: dict[str, Any] | None = None,
 
 
 def refused(result: subprocess.CompletedProcess[str], policy: str, *fragments: str) -> None:
+    """Refused by the chart policy `policy` (or, with policy "crd", by the GpuJob CRD's own
+    rules), the message holding each fragment."""
     assert result.returncode != 0, result.stdout
-    assert f"-{policy}" in result.stderr, result.stderr
+    if policy == "crd":
+        assert 'The GpuJob "' in result.stderr and "is invalid" in result.stderr, (
+            result.stderr)
+    else:
+        assert f"-{policy}" in result.stderr, result.stderr
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
 
@@ -186,29 +211,122 @@ def test_env_from_cannot_smuggle_isolation_variables(tenancy: Tenancy,
             "Give the envFrom a prefix such as APP_")
 
 
-# --- privilege, host devices, host namespaces -----------------------------------------------
+# --- Pod Security baseline, stated as what is allowed ------------------------------------------
+
+CAPS = "securityContext.capabilities.add has"
 
 
-@pytest.mark.parametrize(("change", "field", "advice"), [
+def caps(*names_: str) -> dict[str, Any]:
+    return {"container": {"securityContext": {"capabilities": {"add": list(names_)}}}}
+
+
+# (change to a pod: "container" fields of its main container, "spec" fields of the pod,
+# "annotations"), the refused field as the message names it (after spec.), and a fragment of
+# the reason. Each is a door the policy's earlier forbidden-list left open, or one it closed.
+POD_SECURITY = [
     ({"container": {"securityContext": {"privileged": True}}},
-     "containers[main].securityContext.privileged", "sees every GPU on the node"),
-    ({"container": {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}},
-     "containers[main].securityContext.capabilities.add", "sees every GPU on the node"),
+     "containers[main].securityContext.privileged must be false", "Pod Security baseline"),
+    (caps("SYS_ADMIN"), f"containers[main].{CAPS} SYS_ADMIN", "baseline allows only AUDIT_WRITE"),
+    (caps("sys_admin"), f"containers[main].{CAPS} sys_admin", "compared"),
+    (caps("all"), f"containers[main].{CAPS} all", "case-insensitively"),
+    (caps("CAP_SYS_ADMIN"), f"containers[main].{CAPS} CAP_SYS_ADMIN", "with or without CAP_"),
+    (caps("CHOWN", "SYS_MODULE", "dac_read_search", "BPF"),
+     f"containers[main].{CAPS} SYS_MODULE, dac_read_search, BPF", "NET_BIND_SERVICE"),
+    (caps("NET_RAW"), f"containers[main].{CAPS} NET_RAW", "SYS_CHROOT)"),
     ({"spec": {"volumes": [{"name": "gpu", "hostPath": {"path": "/dev/nvidia0"}}]},
       "container": {"volumeMounts": [{"name": "gpu", "mountPath": "/dev/nvidia0"}]}},
-     "volumes[gpu].hostPath.path /dev/nvidia0", "Use a PersistentVolumeClaim"),
+     "volumes[gpu].hostPath /dev/nvidia0 (host paths are not allowed)", "host paths"),
     ({"spec": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
-     "volumes[root].hostPath.path /", "may not mount host paths"),
-    ({"spec": {"hostPID": True}}, "hostPID", "shares the node's processes"),
-    ({"spec": {"hostIPC": True}}, "hostIPC", "MPS daemon's shared memory"),
-])
-def test_no_privilege_host_device_or_host_namespace(tenancy: Tenancy, change: dict[str, Any],
-                                                    field: str, advice: str) -> None:
-    name = f"host-{uuid.uuid4().hex[:5]}"
-    job = tenancy.create(gpujob(tenancy, name, change.get("container"), **change.get("spec", {})))
-    refused(job, "tenant-isolation", f"spec.template.spec.{field}", advice)
-    plain = tenancy.create(pod(name, change.get("container"), **change.get("spec", {})))
-    refused(plain, "tenant-isolation", f"spec.{field}", advice)
+     "volumes[root].hostPath / (host paths are not allowed)", "other tenants"),
+    ({"container": {"ports": [{"containerPort": 8080, "hostPort": 80}]}},
+     "containers[main].ports hostPort 80 (host ports are not allowed)", "Remove them"),
+    ({"container": {"securityContext": {"procMount": "Unmasked"}}, "spec": {"hostUsers": False}},
+     "containers[main].securityContext.procMount must be Default", "unmasked /proc"),
+    ({"container": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}},
+     "containers[main].securityContext.seccompProfile.type must be RuntimeDefault or Localhost",
+     "Pod Security baseline"),
+    ({"spec": {"securityContext": {"seccompProfile": {"type": "Unconfined"}}}},
+     "securityContext.seccompProfile.type must be RuntimeDefault or Localhost", "baseline"),
+    ({"spec": {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}},
+     "securityContext.appArmorProfile.type must be RuntimeDefault or Localhost", "baseline"),
+    ({"container": {"securityContext": {"appArmorProfile": {"type": "Unconfined"}}}},
+     "containers[main].securityContext.appArmorProfile.type must be RuntimeDefault", "baseline"),
+    ({"annotations": {"container.apparmor.security.beta.kubernetes.io/main": "unconfined"}},
+     "annotations[container.apparmor.security.beta.kubernetes.io/main] unconfined",
+     "runtime/default or localhost/"),
+    ({"container": {"securityContext": {"seLinuxOptions": {"user": "system_u",
+                                                            "type": "spc_t"}}}},
+     "containers[main].securityContext.seLinuxOptions may set only type, one of container_t",
+     "baseline"),
+    ({"spec": {"securityContext": {"sysctls": [{"name": "kernel.msgmax", "value": "65536"},
+                                               {"name": "net.ipv4.tcp_syncookies",
+                                                "value": "1"}]}}},
+     "securityContext.sysctls has kernel.msgmax (only kernel.shm_rmid_forced", "baseline"),
+]
+
+
+def with_change(change: dict[str, Any], obj: dict[str, Any], job: bool) -> dict[str, Any]:
+    spec = obj["spec"]["template"]["spec"] if job else obj["spec"]
+    spec["containers"][0].update(change.get("container", {}))
+    spec.update(change.get("spec", {}))
+    if change.get("annotations"):
+        meta = obj["spec"]["template"].setdefault("metadata", {}) if job else obj["metadata"]
+        meta["annotations"] = change["annotations"]
+    return obj
+
+
+@pytest.mark.parametrize(("change", "field", "reason"), POD_SECURITY,
+                         ids=[f"ps{i}" for i in range(len(POD_SECURITY))])
+def test_pod_security_baseline_as_the_runtime_compares(tenancy: Tenancy, change: dict[str, Any],
+                                                       field: str, reason: str) -> None:
+    """Pods and GpuJob templates alike: each field outside what baseline allows is refused,
+    named with its path."""
+    name = f"ps-{uuid.uuid4().hex[:5]}"
+    in_metadata = field.startswith("annotations")
+    job = tenancy.create(with_change(change, gpujob(tenancy, name), job=True))
+    refused(job, "tenant-isolation",
+            ("spec.template.metadata." if in_metadata else "spec.template.spec.") + field, reason)
+    plain = tenancy.create(with_change(change, pod(name), job=False))
+    refused(plain, "tenant-isolation", ("metadata." if in_metadata else "spec.") + field, reason)
+
+
+def test_what_baseline_allows_passes(tenancy: Tenancy) -> None:
+    """The allowlist is not a wall: baseline's capabilities in any spelling, safe sysctls,
+    RuntimeDefault profiles and the container SELinux types are admitted."""
+    fine = with_change({"container": {"securityContext": {
+        "capabilities": {"add": ["chown", "CAP_NET_BIND_SERVICE", "Kill"], "drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "seLinuxOptions": {"type": "container_t", "level": "s0:c1,c2"}},
+        "ports": [{"containerPort": 8080}]},
+        "spec": {"securityContext": {"sysctls": [{"name": "net.ipv4.tcp_syncookies",
+                                                  "value": "1"}],
+                                     "appArmorProfile": {"type": "RuntimeDefault"}}}},
+        pod("baseline-ok"), job=False)
+    made = tenancy.cluster.kubectl("create", "--dry-run=server", f"--as={tenancy.alice}", "-n",
+                                   tenancy.team, "-f", "-", stdin=yaml.safe_dump(fine),
+                                   check=False)
+    assert made.returncode == 0, made.stderr
+
+
+@pytest.mark.parametrize("field", ["hostNetwork", "hostPID", "hostIPC"])
+def test_no_host_namespace(tenancy: Tenancy, field: str) -> None:
+    """A pod is refused by the policy; a GpuJob already by its CRD, which names the field."""
+    host: dict[str, Any] = {field: True}
+    plain = tenancy.create(pod(f"host-{uuid.uuid4().hex[:5]}", **host))
+    refused(plain, "tenant-isolation", f"spec.{field} must be false")
+    job = tenancy.create(gpujob(tenancy, f"host-{uuid.uuid4().hex[:5]}", **host))
+    refused(job, "crd", f"spec.template.spec.{field} must not be true")
+
+
+def test_a_runtime_class_only_if_the_platform_team_allows_it(tenancy: Tenancy) -> None:
+    """The chart allows none by default (policies.runtimeClasses); the RuntimeClass exists,
+    so what refuses it is the policy, naming the field."""
+    runtime = tenancy.runtime_class()
+    plain = tenancy.create(pod(f"rc-{uuid.uuid4().hex[:5]}", runtimeClassName=runtime))
+    refused(plain, "tenant-isolation", f"spec.runtimeClassName {runtime} is not allowed here "
+                                       "(allowed: none)", "policies.runtimeClasses")
+    job = tenancy.create(gpujob(tenancy, f"rc-{uuid.uuid4().hex[:5]}", runtimeClassName=runtime))
+    refused(job, "tenant-isolation", f"spec.template.spec.runtimeClassName {runtime}")
 
 
 def test_a_debug_container_is_checked_too(tenancy: Tenancy) -> None:
@@ -224,9 +342,16 @@ def test_a_debug_container_is_checked_too(tenancy: Tenancy) -> None:
         "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]}]}}
     result = tenancy.as_alice("patch", "pod", "debuggee", "--subresource=ephemeralcontainers",
                               "--type=strategic", "-p", json.dumps(debug))
+    privileged = {"spec": {"ephemeralContainers": [{
+        "name": "dbg2", "image": "busybox",
+        "securityContext": {"capabilities": {"add": ["sys_ptrace"]}}}]}}
+    capable = tenancy.as_alice("patch", "pod", "debuggee", "--subresource=ephemeralcontainers",
+                               "--type=strategic", "-p", json.dumps(privileged))
     if allowed == "yes":
         refused(result, "tenant-isolation",
                 "spec.ephemeralContainers[dbg].env sets CUDA_VISIBLE_DEVICES")
+        refused(capable, "tenant-isolation",
+                "spec.ephemeralContainers[dbg2].securityContext.capabilities.add has sys_ptrace")
     else:  # edit does not grant it on this version: RBAC already closes the door
         assert result.returncode != 0 and "forbidden" in result.stderr.lower(), result.stderr
     labelled = tenancy.as_alice("label", "pod", "debuggee", "team=vision")
@@ -260,7 +385,9 @@ def test_a_tenant_cannot_ask_for_carpool_gpus_outside_a_gpujob(tenancy: Tenancy)
     uid = tenancy.cluster.kubectl("get", "gpujob", "real-job", "-n", tenancy.team, "-o",
                                   "jsonpath={.metadata.uid}").stdout
     forged = tenancy.create(gpu_pod("forged-owner", owner_uid=uid))
-    refused(forged, "gpujob-only", advice)
+    assert forged.returncode != 0, forged.stdout  # both fences hold; either may answer
+    assert advice in forged.stderr or "metadata.ownerReferences to GpuJob real-job" in (
+        forged.stderr), forged.stderr
     # through a controller: the Deployment is stored; the pod its ReplicaSet makes is refused.
     # kube-controller-manager creates it as the replicaset-controller account when it runs with
     # per-controller credentials (kubeadm's default). This test bed's controller manager runs
@@ -308,6 +435,240 @@ def test_the_operators_account_may_create_gpu_pods(tenancy: Tenancy) -> None:
         "create", *dry, f"--as={other}", "-n", tenancy.team, "-f", "-",
         stdin=yaml.safe_dump(gpu_pod("by-extender")), check=False)
     assert as_other.returncode != 0  # RBAC or the policy; never a GPU pod
+
+
+# --- GpuJob template fields Carpool decides (the GpuJob CRD's rules) --------------------------
+
+
+@pytest.mark.parametrize(("spec", "field", "advice"), [
+    ({"schedulingGates": [{"name": "hold"}]}, "spec.template.spec.schedulingGates must not be set",
+     "hold the job's GPUs and quota without running"),
+    ({"nodeName": "gpu-1"}, "spec.template.spec.nodeName must not be set", "chooses the node"),
+    ({"schedulerName": "default-scheduler"}, "spec.template.spec.schedulerName must be unset",
+     "Carpool's scheduler places"),
+    ({"priorityClassName": "system-node-critical"},
+     "spec.template.spec.priorityClassName must not be set", "spec.class"),
+    ({"priority": 2000001000}, "spec.template.spec.priority must not be set", "carpool-job"),
+    ({"preemptionPolicy": "PreemptLowerPriority"},
+     "spec.template.spec.preemptionPolicy must not be set", "carpool-job"),
+    ({"activeDeadlineSeconds": 315360000},
+     "spec.template.spec.activeDeadlineSeconds must not be set", "set spec.maxDuration"),
+    ({"terminationGracePeriodSeconds": 31536000},
+     "spec.template.spec.terminationGracePeriodSeconds must not exceed the job's checkpoint "
+     "grace (spec.checkpoint.gracePeriod, 30s when unset)", "ask for a longer grace"),
+])
+def test_template_fields_carpool_decides_are_refused(tenancy: Tenancy, spec: dict[str, Any],
+                                                     field: str, advice: str) -> None:
+    result = tenancy.create(gpujob(tenancy, f"tpl-{uuid.uuid4().hex[:5]}", **spec))
+    refused(result, "crd", field, advice)
+
+
+def test_a_grace_within_the_checkpoint_grace_is_admitted(tenancy: Tenancy) -> None:
+    job = gpujob(tenancy, "tpl-grace", terminationGracePeriodSeconds=60)
+    job["spec"]["checkpoint"] = {"gracePeriod": "2m"}
+    made = tenancy.cluster.kubectl("create", "--dry-run=server", f"--as={tenancy.alice}", "-n",
+                                   tenancy.team, "-f", "-", stdin=yaml.safe_dump(job),
+                                   check=False)
+    assert made.returncode == 0, made.stderr
+
+
+# --- Carpool's metadata on pods (hack/policies/pod-metadata.yaml) ------------------------------
+
+
+def operator_pod(t: Tenancy, name: str, job_uid: str) -> dict[str, Any]:
+    """A pod shaped as the operator makes it: Carpool's labels, annotations and owner."""
+    obj = pod(name)
+    obj["metadata"].update({
+        "labels": {names.LABEL_MANAGED: "true", names.LABEL_JOB: "owner-job",
+                   names.LABEL_PROJECT: t.project, "app": "mine"},
+        "annotations": {names.ANN_JOB: f"{t.team}/owner-job", names.ANN_ISOLATION: "mps"},
+        "ownerReferences": [{"apiVersion": names.API_VERSION, "kind": "GpuJob",
+                             "name": "owner-job", "uid": job_uid, "controller": True}]})
+    return obj
+
+
+@pytest.fixture(scope="module")
+def carpool_pod(tenancy: Tenancy) -> str:
+    """A pod the release's operator account created with Carpool's metadata, in alice's
+    namespace."""
+    job = tenancy.create(gpujob(tenancy, "owner-job"))
+    assert job.returncode == 0, job.stderr
+    uid = tenancy.cluster.kubectl("get", "gpujob", "owner-job", "-n", tenancy.team, "-o",
+                                  "jsonpath={.metadata.uid}").stdout
+    made = tenancy.create(operator_pod(tenancy, "attempt-1", uid), as_user=tenancy.operator())
+    assert made.returncode == 0, made.stderr
+    return uid
+
+
+def patch_pod(t: Tenancy, user: str, body: Any, kind: str = "merge"
+              ) -> subprocess.CompletedProcess[str]:
+    return t.cluster.kubectl("patch", "pod", "attempt-1", "-n", t.team, f"--as={user}",
+                             f"--type={kind}", "-p", json.dumps(body), check=False)
+
+
+@pytest.mark.parametrize(("body", "kind", "field"), [
+    ({"metadata": {"labels": {names.LABEL_JOB: "someone-elses"}}}, "merge",
+     f"metadata.labels[{names.LABEL_JOB}]"),
+    ({"metadata": {"labels": {names.LABEL_PROJECT: None}}}, "merge",
+     f"metadata.labels[{names.LABEL_PROJECT}]"),
+    ({"metadata": {"labels": {f"{names.GROUP}/anything": "x"}}}, "merge",
+     f"metadata.labels[{names.GROUP}/anything]"),
+    ({"metadata": {"annotations": {names.ANN_ISOLATION: "exclusive"}}}, "merge",
+     f"metadata.annotations[{names.ANN_ISOLATION}]"),
+    ({"metadata": {"annotations": {names.ANN_JOB: None}}}, "merge",
+     f"metadata.annotations[{names.ANN_JOB}]"),
+    ({"metadata": {"annotations": {names.ANN_ASSIGNMENT: "{}"}}}, "merge",
+     f"metadata.annotations[{names.ANN_ASSIGNMENT}]"),
+    ([{"op": "remove", "path": "/metadata/ownerReferences"}], "json",
+     "metadata.ownerReferences to GpuJob owner-job"),
+    ([{"op": "replace", "path": "/metadata/ownerReferences/0/controller", "value": False}],
+     "json", "metadata.ownerReferences to GpuJob owner-job"),
+])
+def test_a_tenant_cannot_touch_carpools_metadata_on_a_pod(
+        tenancy: Tenancy, carpool_pod: str, body: Any, kind: str, field: str) -> None:
+    """On the operator's pod in her own namespace alice adds, changes or removes none of
+    Carpool's labels, annotations or owner references; the message names the key."""
+    result = patch_pod(tenancy, tenancy.alice, body, kind)
+    refused(result, "pod-metadata", f"{tenancy.alice} may not add, change or remove {field}",
+            "the rest of a pod's metadata is yours")
+
+
+def test_the_rest_of_a_pods_metadata_stays_the_tenants(tenancy: Tenancy,
+                                                       carpool_pod: str) -> None:
+    mine = patch_pod(tenancy, tenancy.alice, {"metadata": {"labels": {"app": "renamed"},
+                                                           "annotations": {"note": "x"}}})
+    assert mine.returncode == 0, mine.stderr
+
+
+def test_only_carpool_creates_pods_with_its_metadata(tenancy: Tenancy, carpool_pod: str) -> None:
+    """alice's own pod shaped like an attempt, with Carpool's labels, annotations or owner: each
+    refused at create, naming the key; a GpuJob template may not carry them either."""
+    for key, value in ((names.LABEL_JOB, "someone-elses"), (names.LABEL_MANAGED, "true")):
+        obj = pod(f"look-alike-{uuid.uuid4().hex[:4]}")
+        obj["metadata"]["labels"] = {key: value}
+        refused(tenancy.create(obj), "pod-metadata", f"{tenancy.alice} may not set "
+                                                     f"metadata.labels[{key}]")
+    obj = pod("look-alike-ann")
+    obj["metadata"]["annotations"] = {names.ANN_JOB: "other-team/their-job"}
+    refused(tenancy.create(obj), "pod-metadata", f"metadata.annotations[{names.ANN_JOB}]")
+    owned = operator_pod(tenancy, "look-alike-owned", carpool_pod)
+    owned["metadata"]["labels"] = {}
+    owned["metadata"]["annotations"] = {}
+    refused(tenancy.create(owned), "pod-metadata", "metadata.ownerReferences to GpuJob owner-job")
+    job = gpujob(tenancy, "labelled-template")
+    job["spec"]["template"]["metadata"] = {"labels": {names.LABEL_PROJECT: "other-project"}}
+    refused(tenancy.create(job), "pod-metadata",
+            f"spec.template.metadata.labels[{names.LABEL_PROJECT}]",
+            "Remove them from the GpuJob's pod template")
+
+
+def test_carpools_components_write_only_their_own(tenancy: Tenancy, carpool_pod: str) -> None:
+    """The extender writes its hand-over annotations and nothing else of Carpool's; the
+    garbage collector removes a deleted owner's reference and nothing else."""
+    account = f"system:serviceaccount:{tenancy.system_ns}:{tenancy.release}-%s"
+    extender = account % "extender"
+    assignment = patch_pod(tenancy, extender, {"metadata": {"annotations": {
+        names.ANN_ASSIGNMENT: "{}", names.ANN_ASSIGNED_AT: "2026-01-01T00:00:00Z"}}})
+    assert assignment.returncode == 0, assignment.stderr
+    label = patch_pod(tenancy, extender, {"metadata": {"labels": {names.LABEL_JOB: "x"}}})
+    refused(label, "pod-metadata", f"metadata.labels[{names.LABEL_JOB}]")
+    allocated = patch_pod(tenancy, extender,
+                          {"metadata": {"annotations": {names.ANN_ALLOCATED: "{}"}}})
+    refused(allocated, "pod-metadata", f"metadata.annotations[{names.ANN_ALLOCATED}]")
+    collector = "system:serviceaccount:kube-system:generic-garbage-collector"
+    relabel = patch_pod(tenancy, collector, {"metadata": {"labels": {names.LABEL_JOB: "x"}}})
+    refused(relabel, "pod-metadata", f"metadata.labels[{names.LABEL_JOB}]")
+    orphaned = patch_pod(tenancy, collector,
+                         [{"op": "remove", "path": "/metadata/ownerReferences"}], "json")
+    assert orphaned.returncode == 0, orphaned.stderr
+    readd = patch_pod(tenancy, collector, {"metadata": {"ownerReferences": operator_pod(
+        tenancy, "x", carpool_pod)["metadata"]["ownerReferences"]}})
+    refused(readd, "pod-metadata", "metadata.ownerReferences to GpuJob owner-job")
+
+
+# --- priority (hack/policies/tenant-priority.yaml) ---------------------------------------------
+
+
+@pytest.mark.parametrize(("priority_class", "value"), [
+    ("system-cluster-critical", 2000000000), ("system-node-critical", 2000001000)])
+def test_no_tenant_pod_outranks_carpools_jobs(tenancy: Tenancy, priority_class: str,
+                                              value: int) -> None:
+    """The built-in critical classes are open to anyone who may create pods; in a project
+    namespace they are refused, with the value the Priority plugin resolved."""
+    result = tenancy.create(pod(f"prio-{uuid.uuid4().hex[:5]}", priorityClassName=priority_class))
+    refused(result, "tenant-priority",
+            f"spec.priorityClassName {priority_class} gives this pod priority {value}, above "
+            "Carpool's jobs (PriorityClass carpool-job, 0)", "policies.priorityClasses")
+    plain = tenancy.cluster.kubectl("create", "--dry-run=server", f"--as={tenancy.alice}", "-n",
+                                    tenancy.team, "-f", "-", stdin=yaml.safe_dump(pod("plain")),
+                                    check=False)
+    assert plain.returncode == 0, plain.stderr  # no class: priority 0, Carpool's own
+
+
+# --- other device doors (hack/policies/tenant-devices.yaml) ------------------------------------
+
+
+@pytest.mark.parametrize("resource", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "amd.com/gpu",
+                                      "gpu.intel.com/i915", "habana.ai/gaudi"])
+def test_other_vendors_gpus_are_refused(tenancy: Tenancy, resource: str) -> None:
+    """Any device resource beyond cpu, memory, ephemeral-storage, hugepages and Carpool's own
+    (an allowlist: the next vendor's name is not known today)."""
+    asks = {"resources": {"limits": {"cpu": "1", resource: "1"}}}
+    plain = tenancy.create(pod(f"dev-{uuid.uuid4().hex[:5]}", asks))
+    refused(plain, "tenant-devices", f"spec.containers[main].resources asks for {resource}",
+            "policies.otherDevices.resources")
+    job = tenancy.create(gpujob(tenancy, f"dev-{uuid.uuid4().hex[:5]}", asks))
+    refused(job, "tenant-devices",
+            f"spec.template.spec.containers[main].resources asks for {resource}")
+
+
+def test_resource_claims_are_refused(tenancy: Tenancy) -> None:
+    claims: dict[str, Any] = {
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "any-gpu"}]}
+    plain = tenancy.create(pod(f"dra-{uuid.uuid4().hex[:5]}", **claims))
+    refused(plain, "tenant-devices", "spec.resourceClaims: devices claimed through Dynamic "
+                                     "Resource Allocation", "policies.otherDevices.resourceClaims")
+    job = tenancy.create(gpujob(tenancy, f"dra-{uuid.uuid4().hex[:5]}", **claims))
+    refused(job, "tenant-devices", "spec.template.spec.resourceClaims")
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": "any-gpu"},
+                "spec": {"spec": {"devices": {"requests": [{
+                    "name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}]}}}}
+    allowed = tenancy.cluster.kubectl("auth", "can-i", "create", "resourceclaimtemplates",
+                                      f"--as={tenancy.alice}", "-n", tenancy.team,
+                                      check=False).stdout.strip()
+    created = tenancy.create(template)
+    if allowed == "yes":
+        refused(created, "tenant-devices", "resourceclaimtemplates cannot be created in a "
+                                           "project namespace")
+    else:  # `edit` does not grant it on this version: RBAC already closes the door
+        assert created.returncode != 0 and "forbidden" in created.stderr.lower(), created.stderr
+
+
+# --- class limits: the chart's (admission) and a ProjectQuota's (the operator) -----------------
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"gpu": {"count": 3, "memory": "8Gi"}, "maxDuration": "1h"},
+     "spec.gpu.count 3 is more than class interactive allows (the chart's "
+     "policies.classLimits.interactive.maxGpus: 2)"),
+    ({}, "spec.maxDuration must be set for class interactive (the chart's "
+         "policies.classLimits.interactive.maxDuration: 8h)"),
+    ({"maxDuration": "3650d"}, "spec.maxDuration 3650d is longer than class interactive allows"),
+    ({"maxDuration": "1h", "checkpoint": {"gracePeriod": "365d"}},
+     "spec.checkpoint.gracePeriod 365d is longer than class interactive allows (the chart's "
+     "policies.classLimits.interactive.maxGracePeriod: 5m)"),
+    ({"maxDuration": "1h", "gpu": {"count": 1, "memory": "512Ki"}},
+     "spec.gpu.memory 512Ki is less than class interactive grants (the chart's "
+     "policies.classLimits.interactive.minGpuMemory: 1Gi)"),
+    ({"maxDuration": "1h", "gpu": {"count": 1, "memory": "8Gi", "cores": 1}},
+     "spec.gpu.cores 1 is less than class interactive grants"),
+])
+def test_the_charts_class_limits_refuse_at_apply(tenancy: Tenancy, change: dict[str, Any],
+                                                 message: str) -> None:
+    job = gpujob(tenancy, f"lim-{uuid.uuid4().hex[:5]}")
+    job["spec"].update({"class": "interactive", **change})
+    refused(tenancy.create(job), "class-limits", message, "ask the platform team")
 
 
 # --- behind admission: the extender, and Pod Security with the operator's pods --------------
@@ -363,8 +724,10 @@ def test_pod_security_levels_for_tenant_namespaces(tenancy: Tenancy, strict_stac
                                                    level: str) -> None:
     """A tenant namespace enforcing a Pod Security level, with the operator making the pods: a
     GpuJob whose template meets the level runs (the operator adds nothing a level refuses; the
-    MPS pipe comes through Allocate, not the pod spec); one that does not is Failed with the
-    API server's reason."""
+    MPS pipe comes through Allocate, not the pod spec). Below baseline the chart's policy
+    already refuses the GpuJob at creation; a baseline template in a `restricted` namespace
+    passes the policy (chart value podSecurity: baseline) and its pod is refused by the API
+    server's Pod Security admission: the job is Failed with that reason."""
     namespace = f"{tenancy.team}-{level}"
     cluster = tenancy.cluster
     cluster.kubectl("create", "namespace", namespace)
@@ -381,18 +744,25 @@ def test_pod_security_levels_for_tenant_namespaces(tenancy: Tenancy, strict_stac
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}}
     pinned = {"nodeSelector": {"kubernetes.io/hostname": strict_stack}}
     good = gpujob(tenancy, "meets-level", compliant, **pinned)
-    bad = gpujob(tenancy, "below-level",
-                 {"securityContext": {"capabilities": {"add": ["NET_RAW", "NET_ADMIN"]}}},
-                 **pinned)
+    below = {"securityContext": {"capabilities": {"add": ["NET_RAW", "NET_ADMIN"]}}}
+    bad = gpujob(tenancy, "below-level", below if level == "baseline" else {}, **pinned)
     try:
-        for job in (good, bad):
-            made = cluster.kubectl("create", f"--as={tenancy.alice}", "-n", namespace, "-f",
-                                   "-", stdin=yaml.safe_dump(job), check=False)
-            assert made.returncode == 0, made.stderr  # the policy has nothing against either
+        made = cluster.kubectl("create", f"--as={tenancy.alice}", "-n", namespace, "-f",
+                               "-", stdin=yaml.safe_dump(good), check=False)
+        assert made.returncode == 0, made.stderr
+        made = cluster.kubectl("create", f"--as={tenancy.alice}", "-n", namespace, "-f",
+                               "-", stdin=yaml.safe_dump(bad), check=False)
+        if level == "baseline":
+            refused(made, "tenant-isolation", "securityContext.capabilities.add has NET_RAW, "
+                                              "NET_ADMIN")
+        else:
+            assert made.returncode == 0, made.stderr  # baseline: the chart's level
         ran = wait_for("the compliant job to run", lambda: (
             s := job_status(tenancy, namespace, "meets-level")).get("phase") in (
             "Running", "Succeeded") and s, timeout=90)
-        assert ran["node"] == strict_stack
+        assert ran and ran["node"] == strict_stack
+        if level == "baseline":
+            return
         failed = wait_for("the other job to be refused", lambda: (
             s := job_status(tenancy, namespace, "below-level")).get("phase") == "Failed" and s,
             timeout=90)
@@ -404,3 +774,38 @@ def test_pod_security_levels_for_tenant_namespaces(tenancy: Tenancy, strict_stac
         cluster.kubectl("patch", "projectquota", tenancy.project, "--type=merge", "-p",
                         json.dumps({"spec": {"namespaces": [tenancy.team]}}), check=False)
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_a_projects_class_limits_refuse_the_job_visibly(tenancy: Tenancy,
+                                                        strict_stack: str) -> None:
+    """Per-project limits (ProjectQuota spec.classLimits) need the project, which admission
+    cannot read: the operator refuses the job, never queues it, says which field and limit in
+    its status and in a Warning Event."""
+    cluster = tenancy.cluster
+    cluster.kubectl("patch", "projectquota", tenancy.project, "--type=merge", "-p", json.dumps(
+        {"spec": {"classLimits": {"short": {"maxGpus": 1, "minGpuMemory": "4Gi"}}}}))
+    try:
+        big = gpujob(tenancy, "over-class-limit", gpu={"count": 2, "memory": "8Gi",
+                                                        "isolation": "mps"})
+        made = tenancy.create(big)
+        assert made.returncode == 0, made.stderr  # the chart's limits hold only interactive
+        expected = (f"spec.gpu.count 2 is more than ProjectQuota {tenancy.project} "
+                    "spec.classLimits.short.maxGpus 1")
+        status = wait_for("the job to be refused", lambda: (
+            s := job_status(tenancy, tenancy.team, "over-class-limit")).get(
+            "reason") == "ClassLimitExceeded" and s, timeout=60)
+        assert status["phase"] == "Queued" and status["message"] == expected, status
+        assert not status.get("queuePosition") and not status.get("node"), status
+
+        def event() -> str:
+            events = json.loads(cluster.kubectl(
+                "get", "events", "-n", tenancy.team, "-o", "json", "--field-selector",
+                "involvedObject.name=over-class-limit,reason=ClassLimitExceeded").stdout)
+            return "\n".join(f"{e['type']}: {e['message']}" for e in events["items"])
+
+        assert f"Warning: {expected}" in wait_for("the Warning Event", event, timeout=30)
+    finally:
+        cluster.kubectl("delete", "gpujob", "over-class-limit", "-n", tenancy.team,
+                        "--wait=false", check=False)
+        cluster.kubectl("patch", "projectquota", tenancy.project, "--type=json", "-p",
+                        json.dumps([{"op": "remove", "path": "/spec/classLimits"}]), check=False)

@@ -544,23 +544,27 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
     check = subprocess.run(["bash", str(POLICIES / "sync-chart.sh"), "--check"],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + "\n(run bash hack/policies/sync-chart.sh)"
+    limits = {"interactive": {"maxGpus": 2, "maxDuration": "8h"}}
     rendered = {(o["kind"], o["metadata"]["name"]): o
-                for o in objects(helm, "--show-only", "templates/policies.yaml")}
+                for o in objects(helm, "--show-only", "templates/policies.yaml", "--set-json",
+                                 f"policies.classLimits={json.dumps(limits)}")}
     sources = policy_sources()
-    assert len(rendered) == len(sources) == 16
-    writers = [f"system:serviceaccount:{NAMESPACE}:carpool-{c}"
-               for c in ("extender", "device-plugin")]
-    operator = f"system:serviceaccount:{NAMESPACE}:carpool-operator"
+    assert len(rendered) == len(sources) == 22
+    accounts = {variable: f"'system:serviceaccount:{NAMESPACE}:carpool-{component}'"
+                for variable, component in (("operator", "operator"), ("extender", "extender"),
+                                            ("devicePlugin", "device-plugin"))}
+    # the chart's settings, as JSON (a CEL literal): defaults, and the limits set above
+    accounts.update({"podSecurityLevel": "'baseline'", "runtimeClasses": "[]",
+                     "priorityClasses": "[]", "extraResources": "[]", "resourceClaims": "false",
+                     "classLimits": '{"interactive":{"maxDuration":"8h","maxGpus":"2"}}'})
     for source in sources:
         # release "carpool" is the chart's full name, so the names are hack/policies' own
         got = rendered[(source["kind"], source["metadata"]["name"])]
         assert got["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
         assert source["metadata"]["labels"].items() <= got["metadata"]["labels"].items()
         for variable in got.get("spec", {}).get("variables", []):
-            if variable["name"] == "writers":
-                assert json.loads(variable["expression"]) == writers
-            if variable["name"] == "operator":
-                assert variable["expression"] == f"'{operator}'"
+            if variable["name"] in accounts:
+                assert variable["expression"] == accounts[variable["name"]]
         strip = {k: v for k, v in got.items() if k != "metadata"}
         expected = {k: v for k, v in source.items() if k != "metadata"}
         for expression in (expected.get("spec", {}).get("matchResources") or {}).get(
@@ -569,10 +573,8 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
             expression["values"] = ["kube-system", "kube-public", "kube-node-lease", NAMESPACE]
         if source["kind"] == "ValidatingAdmissionPolicy":
             for variable in expected["spec"].get("variables", []):
-                if variable["name"] == "writers":
-                    variable["expression"] = json.dumps(writers, separators=(",", ":"))
-                if variable["name"] == "operator":
-                    variable["expression"] = f"'{operator}'"
+                if variable["name"] in accounts:
+                    variable["expression"] = accounts[variable["name"]]
         assert strip == expected, source["metadata"]["name"]
 
 
@@ -589,11 +591,13 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     assert bindings == {"team-carpool-gpunode-own-node": "team-carpool-gpunode-own-node",
                         "team-carpool-gpujob-reports-own-node":
                             "team-carpool-gpujob-reports-own-node",
-                        "team-carpool-pod-annotations": "team-carpool-pod-annotations",
+                        "team-carpool-pod-metadata": "team-carpool-pod-metadata",
                         "team-carpool-operator-finalizer-only":
                             "team-carpool-operator-finalizer-only",
                         "team-carpool-gpujob-only": "team-carpool-gpujob-only",
-                        "team-carpool-tenant-isolation": "team-carpool-tenant-isolation"}
+                        "team-carpool-tenant-isolation": "team-carpool-tenant-isolation",
+                        "team-carpool-tenant-priority": "team-carpool-tenant-priority",
+                        "team-carpool-tenant-devices": "team-carpool-tenant-devices"}
     door = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-gpujob-only"
                 and o["kind"] == "ValidatingAdmissionPolicy")
     (operator,) = [v for v in door["spec"]["variables"] if v["name"] == "operator"]
@@ -612,12 +616,13 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
                  "team-carpool-tenant-isolation" and o["kind"].endswith("Binding")]
     assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0][
         "values"] == ["kube-system", "kube-public", "kube-node-lease", "gpu", "gpu-operator"]
-    annotations = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-pod-annotations"
-                       and o["kind"] == "ValidatingAdmissionPolicy")
-    (writers,) = [v for v in annotations["spec"]["variables"] if v["name"] == "writers"]
-    assert json.loads(writers["expression"]) == [
-        "system:serviceaccount:gpu:team-carpool-extender",
-        "system:serviceaccount:gpu:team-carpool-device-plugin"]
+    metadata = next(o for o in renamed if o["metadata"]["name"] == "team-carpool-pod-metadata"
+                    and o["kind"] == "ValidatingAdmissionPolicy")
+    accounts = {v["name"]: v["expression"] for v in metadata["spec"]["variables"]
+                if v["name"] in ("operator", "extender", "devicePlugin")}
+    assert accounts == {"operator": "'system:serviceaccount:gpu:team-carpool-operator'",
+                        "extender": "'system:serviceaccount:gpu:team-carpool-extender'",
+                        "devicePlugin": "'system:serviceaccount:gpu:team-carpool-device-plugin'"}
     finalizer = next(o for o in renamed
                      if o["metadata"]["name"] == "team-carpool-operator-finalizer-only"
                      and o["kind"] == "ValidatingAdmissionPolicy")
@@ -627,22 +632,28 @@ def test_policies_follow_the_release_and_the_toggles(helm: Path) -> None:
     def kinds(*args: str) -> list[str]:
         """The kinds of the policy objects rendered with these values."""
         ours = ("-platform-team", "-gpujob-edit", "-gpujob-view", "-cluster-view",
-                "-gpunode-own-node", "-gpujob-reports-own-node", "-pod-annotations",
-                "-operator-finalizer-only", "-gpujob-only", "-tenant-isolation")
+                "-gpunode-own-node", "-gpujob-reports-own-node", "-pod-metadata",
+                "-operator-finalizer-only", "-gpujob-only", "-tenant-isolation",
+                "-tenant-priority", "-tenant-devices", "-class-limits")
         return sorted(o["kind"] for o in objects(helm, *args)
                       if o["metadata"]["name"].endswith(ours))
 
-    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 6 + [
-        "ValidatingAdmissionPolicyBinding"] * 6  # on by default
+    off = ("--set", "policies.tenantPriority=false", "--set", "policies.tenantDevices=false")
+    assert kinds() == ["ClusterRole"] * 4 + ["ValidatingAdmissionPolicy"] * 8 + [
+        "ValidatingAdmissionPolicyBinding"] * 8  # on by default; class limits when set
+    assert kinds("--set", "policies.classLimits.batch.maxGpus=8") == ["ClusterRole"] * 4 + [
+        "ValidatingAdmissionPolicy"] * 9 + ["ValidatingAdmissionPolicyBinding"] * 9
     assert kinds("--set", "policies.gpuNodeOwnNode=false", "--set",
                  "policies.gpuJobReports=false", "--set",
-                 "policies.podAnnotations=false", "--set", "policies.userRoles=false",
+                 "policies.podMetadata=false", "--set", "policies.userRoles=false",
                  "--set", "policies.operatorFinalizerOnly=false", "--set",
-                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == []
+                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false",
+                 *off) == []
     assert kinds("--set", "policies.userRoles=false") == [
-        "ValidatingAdmissionPolicy"] * 6 + ["ValidatingAdmissionPolicyBinding"] * 6
-    assert kinds("--set", "rbac.create=false", "--set", "policies.podAnnotations=false",
+        "ValidatingAdmissionPolicy"] * 8 + ["ValidatingAdmissionPolicyBinding"] * 8
+    assert kinds("--set", "rbac.create=false", "--set", "policies.podMetadata=false",
                  "--set", "policies.gpuJobReports=false",
                  "--set", "policies.operatorFinalizerOnly=false", "--set",
-                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false") == [
+                 "policies.gpujobOnly=false", "--set", "policies.tenantIsolation=false",
+                 *off) == [
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
