@@ -81,7 +81,8 @@ def tenancy(cluster: devcluster.Cluster) -> Iterator[Tenancy]:
     team, alice, project = f"ten-team-{suffix}", f"alice-{suffix}", f"ten-{suffix}"
     rendered = subprocess.run(
         [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace",
-         system_ns, "--set-json", f"policies.classLimits={json.dumps(CLASS_LIMITS)}"],
+         system_ns, "--set-json", f"policies.classLimits={json.dumps(CLASS_LIMITS)}",
+         "--set", f"devicePlugin.runtimeClassName=nvidia-{suffix}"],
         capture_output=True, text=True, timeout=120, check=True).stdout
     objects = [o for o in yaml.safe_load_all(rendered) if o and o["kind"] in KINDS]
     assert {f"{release}-{p}" for p in POLICIES} == {
@@ -320,13 +321,18 @@ def test_no_host_namespace(tenancy: Tenancy, field: str) -> None:
 
 def test_a_runtime_class_only_if_the_platform_team_allows_it(tenancy: Tenancy) -> None:
     """The chart allows none by default (policies.runtimeClasses); the RuntimeClass exists,
-    so what refuses it is the policy, naming the field."""
+    so what refuses it is the policy, naming the field. The operator's account may put the
+    GPU nodes' class (devicePlugin.runtimeClassName, set by the fixture) on a job's pod."""
     runtime = tenancy.runtime_class()
     plain = tenancy.create(pod(f"rc-{uuid.uuid4().hex[:5]}", runtimeClassName=runtime))
     refused(plain, "tenant-isolation", f"spec.runtimeClassName {runtime} is not allowed here "
                                        "(allowed: none)", "policies.runtimeClasses")
     job = tenancy.create(gpujob(tenancy, f"rc-{uuid.uuid4().hex[:5]}", runtimeClassName=runtime))
     refused(job, "tenant-isolation", f"spec.template.spec.runtimeClassName {runtime}")
+    by_operator = tenancy.cluster.kubectl(
+        "create", "--dry-run=server", f"--as={tenancy.operator()}", "-n", tenancy.team, "-f",
+        "-", stdin=yaml.safe_dump(pod("rc-operator", runtimeClassName=runtime)), check=False)
+    assert by_operator.returncode == 0, by_operator.stderr
 
 
 def test_a_debug_container_is_checked_too(tenancy: Tenancy) -> None:

@@ -555,6 +555,7 @@ def test_chart_policies_are_the_hack_policies(helm: Path) -> None:
                                             ("devicePlugin", "device-plugin"))}
     # the chart's settings, as JSON (a CEL literal): defaults, and the limits set above
     accounts.update({"podSecurityLevel": "'baseline'", "runtimeClasses": "[]",
+                     "platformRuntimeClass": "''",
                      "priorityClasses": "[]", "extraResources": "[]", "resourceClaims": "false",
                      "classLimits": '{"interactive":{"maxDuration":"8h","maxGpus":"2"}}'})
     for source in sources:
