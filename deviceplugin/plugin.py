@@ -351,6 +351,16 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 "FAILED_PRECONDITION",
                 f"pod {match.pod.key} wants {wanted.value} isolation but node "
                 f"{self.state.config.node} shares GPUs in {mode} mode")
+        if wanted in (Isolation.TIMESLICE, Isolation.EXCLUSIVE):
+            facts = {g.uuid: g for g in self.state.gpus}
+            mps_only = [g.uuid for g in match.gpus
+                        if g.uuid in facts and facts[g.uuid].exclusive_process]
+            if mps_only:
+                raise HandshakeError(
+                    "FAILED_PRECONDITION",
+                    f"pod {match.pod.key} wants {wanted.value} isolation but GPU "
+                    f"{', '.join(mps_only)} runs MPS clients only (compute mode "
+                    f"EXCLUSIVE_PROCESS): a process outside MPS cannot start there")
         return wanted
 
     async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest,

@@ -54,6 +54,8 @@ def gpu_status(gpu: GpuFacts, healthy: bool, reason: str = "") -> dict[str, Any]
     }
     if not healthy:
         out["healthReason"] = reason or "the driver does not answer for this GPU"
+    if gpu.exclusive_process:
+        out["exclusiveProcess"] = True
     return out
 
 

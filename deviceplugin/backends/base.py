@@ -41,6 +41,9 @@ class GpuFacts:
     mig_enabled: bool = False
     mig_instances: tuple[MigFacts, ...] = ()
     minor_number: int | None = None  # the driver's minor (/dev/nvidia<N>); None: the index
+    # Compute mode EXCLUSIVE_PROCESS (the chart's MPS daemon sets it): only the MPS server may
+    # hold a context, so no process outside MPS can run here.
+    exclusive_process: bool = False
 
     @property
     def minor(self) -> int:

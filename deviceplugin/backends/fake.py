@@ -78,6 +78,7 @@ class FakeBackend:
     def from_spec(cls, spec: Mapping[str, Any]) -> FakeBackend:
         """From {"node", "driverVersion"?, "cudaVersion"?, "gpus": [{"model", "count"?,
         "memoryTotalMiB"?, "temperatureC"?, "slowdownTemperatureC"?, "powerW"?,
+        "exclusiveProcess"?,
         "migInstances"?: [{"profile", "slices", "memoryMiB"}]}]}.
 
         Each `gpus` entry describes `count` identical GPUs, indexed in order.
@@ -123,6 +124,7 @@ class FakeBackend:
                         utilization_pct=0.0,
                         mig_enabled=bool(migs),
                         mig_instances=migs,
+                        exclusive_process=bool(entry.get("exclusiveProcess", False)),
                     )
                 )
         return cls(

@@ -141,6 +141,8 @@ class NvmlBackend:
             mig_enabled=mig_enabled,
             mig_instances=migs,
             minor_number=minor,
+            exclusive_process=_or(0, lambda: pynvml.nvmlDeviceGetComputeMode(handle))
+            == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
         )
 
     def inventory(self) -> list[GpuFacts]:

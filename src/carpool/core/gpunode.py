@@ -113,6 +113,13 @@ def _mig_instance(node: str, where: str, raw: object) -> MigInstance:
     )
 
 
+def _bool(node: str, where: str, obj: Mapping[str, object], key: str) -> bool:
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"GpuNode {node}: {where}{key} must be true or false, got {value!r}")
+    return value
+
+
 def _gpu(node: str, position: int, raw: object) -> Gpu:
     where = f"gpus[{position}]."
     obj = _mapping(node, f"gpus[{position}]", raw)
@@ -131,6 +138,7 @@ def _gpu(node: str, position: int, raw: object) -> Gpu:
         slowdown_temp_c=_float(node, where, obj, "slowdownTemperatureC",
                                GPU_MODEL_SLOWDOWN_C.get(model, 90.0)),
         healthy=health == HEALTHY,
+        exclusive_process=_bool(node, where, obj, "exclusiveProcess"),
         mig_instances=tuple(
             _mig_instance(node, f"{where}migInstances[{i}].", m) for i, m in enumerate(migs)
         ),

@@ -85,6 +85,9 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
                 f"{TEMPERATURE_MARGIN_C:.0f}C of its slowdown {gpu.slowdown_temp_c:.0f}C")
     if free.exclusive_taken:
         return f"GPU {gpu.index} is held exclusively"
+    if gpu.exclusive_process and request.isolation in (Isolation.TIMESLICE, Isolation.EXCLUSIVE):
+        return (f"GPU {gpu.index} runs MPS clients only (compute mode EXCLUSIVE_PROCESS), job "
+                f"wants {request.isolation.value}")
     if request.isolation is Isolation.EXCLUSIVE:
         if gpu.memory_total_mib < request.memory_mib:
             return (f"GPU {gpu.index} has {gpu.memory_total_mib // 1024} GiB, "

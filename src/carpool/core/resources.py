@@ -127,6 +127,9 @@ class Gpu:
     # The most one MPS client may hold of this GPU (memory and SMs, %): its node's MPS daemon
     # fences every client there (GpuNode status.mpsCeilingPercent).
     mps_ceiling_pct: int = 100
+    # The GPU's compute mode is EXCLUSIVE_PROCESS (set for MPS: only the MPS server may hold a
+    # context), so a process outside MPS, a time-sliced or exclusive job's, cannot run on it.
+    exclusive_process: bool = False
 
     @property
     def mps_ceiling_mib(self) -> int:

@@ -69,7 +69,8 @@ def cases(draw: st.DrawFn) -> tuple[NodeState, GpuRequest]:
                         temperature_c=draw(st.sampled_from([30.0, 50.0, 70.0] * 3 + [88.0])),
                         healthy=draw(st.sampled_from(MOSTLY)),
                         cordoned=not draw(st.sampled_from(MOSTLY)), mig_instances=mig,
-                        mps_ceiling_pct=draw(st.sampled_from([100, 50]))))
+                        mps_ceiling_pct=draw(st.sampled_from([100, 50])),
+                        exclusive_process=draw(st.sampled_from([False, False, True]))))
     others = draw(st.sets(st.sampled_from(ISOLATIONS)))
     inventory = NodeInventory(
         "n", tuple(gpus), cpu_milli=draw(st.sampled_from([0, 16_000, 64_000])),

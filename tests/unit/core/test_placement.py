@@ -72,6 +72,21 @@ def test_exclusive_needs_untouched_gpus_and_blocks_sharing() -> None:
     assert reason is not None and "held exclusively" in reason
 
 
+def test_a_gpu_in_exclusive_process_mode_takes_mps_jobs_only() -> None:
+    """EXCLUSIVE_PROCESS (set for MPS) refuses every process but the MPS server's: a
+    time-sliced or exclusive job there would fail to start, so placement picks another GPU."""
+    state = node(gpu(0, exclusive_process=True), gpu(1))
+    for isolation in (Isolation.TIMESLICE, Isolation.EXCLUSIVE):
+        request = GpuRequest(count=1, memory_mib=1024, isolation=isolation)
+        choice = choose_gpus(DerivedState.of(state), RequestScorer(request, Scorer()))
+        assert not isinstance(choice, NoFit) and choice[1] == (1,)
+        reason = node_rejection(state, GpuRequest(2, 1024, isolation=isolation))
+        assert reason is not None and (
+            "GPU 0 runs MPS clients only (compute mode EXCLUSIVE_PROCESS), job wants "
+            f"{isolation.value}") in reason
+    assert node_rejection(state, GpuRequest(2, 1024)) is None  # MPS on both
+
+
 def test_mig_instances_are_handed_out_smallest_first() -> None:
     small = MigInstance("MIG-a", "1g.10gb", 1, 10_240)
     big = MigInstance("MIG-b", "3g.20gb", 3, 20_480)

@@ -432,6 +432,29 @@ def test_a_lost_allocated_mark_is_retried_until_it_lands(plugin_dir: Path) -> No
     run(scenario())
 
 
+def test_a_process_outside_mps_is_refused_a_gpu_in_exclusive_process_mode(
+        plugin_dir: Path) -> None:
+    """Placement keeps them apart; an assignment that names such a GPU anyway is refused with
+    the reason, rather than started into a CUDA error."""
+    spec = {"node": NODE, "gpus": [{"model": "H200", "exclusiveProcess": True}]}
+
+    async def scenario() -> None:
+        async with running(plugin_dir, spec) as (kubelet, _server, backend, source):
+            gpu0 = backend.inventory()[0].uuid
+            source.add(pod("whole", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192,
+                                      "cores": 100}], isolation="exclusive"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(kubelet.stub(), f"{gpu0}::0")
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "runs MPS clients only (compute mode EXCLUSIVE_PROCESS)" in (
+                err.value.details() or "")
+            del source.pods["lab/whole"]
+            source.add(pod("shared", [{"uuid": gpu0, "index": 0, "memoryMiB": 8192,
+                                       "cores": 25}], isolation="mps"))
+            assert (await allocate(kubelet.stub(), f"{gpu0}::1")).container_responses
+    run(scenario())
+
+
 def test_allocate_in_env_mode_names_the_gpus_in_the_runtime_variable(plugin_dir: Path) -> None:
     """For runtimes without CDI: no CDI device, the GPUs in NVIDIA_VISIBLE_DEVICES, no spec."""
     async def scenario() -> None:

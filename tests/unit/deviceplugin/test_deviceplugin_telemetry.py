@@ -70,6 +70,18 @@ def test_status_round_trips_into_the_placement_inventory() -> None:
     assert Isolation.MIG in inv.sharing and Isolation.MPS in inv.sharing
 
 
+def test_a_gpu_in_exclusive_process_mode_says_so_and_placement_reads_it() -> None:
+    backend = FakeBackend.from_spec({"node": "gpu-a", "gpus": [
+        {"model": "H200", "exclusiveProcess": True}, {"model": "H200"}]})
+    status = status_from_backend(backend, sharing_mode="mps", now=NOW)
+    assert [g.get("exclusiveProcess") for g in status["gpus"]] == [True, None]
+    inv = inventory_from_gpunode("gpu-a", status, {})
+    assert [g.exclusive_process for g in inv.gpus] == [True, False]
+    status["gpus"][1]["exclusiveProcess"] = "yes"
+    with pytest.raises(ValueError, match=r"gpus\[1\]\.exclusiveProcess must be true or false"):
+        inventory_from_gpunode("gpu-a", status, {})
+
+
 def test_stale_heartbeat_makes_the_node_not_ready() -> None:
     status = status_from_backend(mig_backend(), sharing_mode="mps", now=NOW)
     later = NOW + timedelta(minutes=5)
