@@ -815,3 +815,83 @@ def test_a_projects_class_limits_refuse_the_job_visibly(tenancy: Tenancy,
                         "--wait=false", check=False)
         cluster.kubectl("patch", "projectquota", tenancy.project, "--type=json", "-p",
                         json.dumps([{"op": "remove", "path": "/spec/classLimits"}]), check=False)
+
+
+def test_the_status_subresource_is_no_back_door(tenancy: Tenancy, carpool_pod: str) -> None:
+    """The API server takes label and annotation changes through pods/status as well; an
+    identity allowed to write pod status (a controller of the tenant's, a node) changes none
+    of Carpool's there either."""
+    writer = f"status-writer-{tenancy.team}"
+    tenancy.cluster.kubectl("create", "role", "pod-status", "--verb=get,patch,update",
+                            "--resource=pods/status", "-n", tenancy.team)
+    tenancy.cluster.kubectl("create", "rolebinding", "pod-status", "--role=pod-status",
+                            f"--user={writer}", "-n", tenancy.team)
+    mine = tenancy.cluster.kubectl(
+        "patch", "pod", "attempt-1", "-n", tenancy.team, f"--as={writer}",
+        "--subresource=status", "--type=merge", "-p",
+        json.dumps({"metadata": {"labels": {"team": "vision"}}}), check=False)
+    assert mine.returncode == 0, mine.stderr  # the door is real: other labels change
+    theirs = tenancy.cluster.kubectl(
+        "patch", "pod", "attempt-1", "-n", tenancy.team, f"--as={writer}",
+        "--subresource=status", "--type=merge", "-p",
+        json.dumps({"metadata": {"labels": {names.LABEL_JOB: "someone-elses"}}}), check=False)
+    refused(theirs, "pod-metadata", f"{writer} may not add, change or remove "
+                                    f"metadata.labels[{names.LABEL_JOB}]")
+
+
+def test_restricted_as_a_chart_value(tenancy: Tenancy) -> None:
+    """policies.podSecurity: restricted, rendered by the chart into its own release's policy
+    and bound to one namespace (where the module's baseline policy holds too): a pod that
+    meets baseline only is refused naming each field restricted asks for; one that meets
+    restricted passes."""
+    cluster = tenancy.cluster
+    suffix = uuid.uuid4().hex[:6]
+    release, namespace = f"carpool-rst-{suffix}", f"{tenancy.team}-rst"
+    rendered = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace",
+         tenancy.system_ns, "--set", "policies.podSecurity=restricted",
+         "--show-only", "templates/policies.yaml"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+    objects = [o for o in yaml.safe_load_all(rendered)
+               if o and o["metadata"]["name"] == f"{release}-tenant-isolation"]
+    assert len(objects) == 2
+    for obj in objects:
+        if obj["kind"].endswith("Binding"):
+            obj["spec"]["matchResources"] = {"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": namespace}}}
+    cluster.kubectl("create", "namespace", namespace)
+    cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit",
+                    f"--user={tenancy.alice}", "-n", namespace)
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+
+    def create(obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl("create", "--dry-run=server", f"--as={tenancy.alice}", "-n",
+                               namespace, "-f", "-", stdin=yaml.safe_dump(obj), check=False)
+
+    try:
+        wait_for("the restricted policy to be enforced",
+                 lambda: f"{release}-tenant-isolation" in create(pod("probe")).stderr)
+        refused(create(pod("baseline-only", {"securityContext": {
+            "capabilities": {"add": ["NET_BIND_SERVICE", "chown"]}}})),  # baseline: fine
+            f"{suffix}-tenant-isolation",
+            "spec.containers[main].securityContext.capabilities.add has chown (restricted "
+            "allows only NET_BIND_SERVICE)",
+            "spec.containers[main].securityContext.capabilities.drop must include ALL",
+            "spec.containers[main].securityContext.seccompProfile.type must be set",
+            "spec.containers[main].securityContext.allowPrivilegeEscalation must be false",
+            "spec.containers[main].securityContext.runAsNonRoot must be true",
+            "Pod Security restricted")
+        compliant = pod("restricted-ok", {"securityContext": {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["all"]},
+            "runAsNonRoot": True, "runAsUser": 1000}},
+            securityContext={"seccompProfile": {"type": "RuntimeDefault"}},
+            volumes=[{"name": "scratch", "emptyDir": {}}])
+        made = create(compliant)
+        assert made.returncode == 0, made.stderr
+        compliant["spec"]["volumes"] = [{"name": "repo", "gitRepo": {"repository": "x"}}]
+        refused(create(compliant), f"{suffix}-tenant-isolation",
+                "spec.volumes[repo] is not one of configMap, csi")
+    finally:
+        cluster.kubectl("delete", "--ignore-not-found", "--wait=false", "-f", "-",
+                        stdin=yaml.safe_dump_all(objects), check=False)
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
