@@ -94,7 +94,8 @@ class Release:
             "extender": {"serviceClusterIP": EXTENDER_IP, **on_node},
             "devicePlugin": {"backend": "fake", "sharingModes": ["mps"], "sharesPerGpu": 16,
                              "publishInterval": 5, "tolerations": [toleration()],
-                             "deviceDelivery": "env"},
+                             # the node's containerd reads CDI specs from its own directory
+                             "cdi": {"specDir": str(self.node.paths.cdi_spec_dir)}},
         }
 
     def pods(self) -> list[dict[str, Any]]:
@@ -239,9 +240,9 @@ def _diagnose(release: Release) -> str:
 # A GpuJob through the in-cluster components
 
 
-PRINT_ENV = ("env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; "
-             "if [ -d \"$CUDA_MPS_PIPE_DIRECTORY\" ]; then echo MPS_PIPE_MOUNTED=yes; fi; "
-             "echo DONE")
+PRINT_ENV = ("env | grep -E '^(CUDA|NVIDIA|CARPOOL)_' | sort; " + realnode.PRINT_DEVICE_NODES
+             + "if [ -d \"$CUDA_MPS_PIPE_DIRECTORY\" ]; then echo MPS_PIPE_MOUNTED=yes; fi; "
+             "echo USER=$(id -u):$(id -g); echo DONE")
 
 
 def gpujob(name: str, namespace: str, project: str, script: str, cores: int = 50,
@@ -352,7 +353,12 @@ def test_a_gpujob_runs_through_the_in_cluster_components(release: Release) -> No
     logs = release.kubectl("logs", status["podName"], "-n", namespace).stdout
     env = dict(line.split("=", 1) for line in logs.split("DONE")[0].split() if "=" in line)
     uuids = ",".join(g["uuid"] for g in assignment["gpus"])
-    assert env["CUDA_VISIBLE_DEVICES"] == uuids and env["NVIDIA_VISIBLE_DEVICES"] == uuids, env
+    assert env["CUDA_VISIBLE_DEVICES"] == uuids and env["NVIDIA_VISIBLE_DEVICES"] == "void", env
+    # the GPU from the runtime, through the CDI spec the chart's device plugin wrote
+    nodes = {n for n in env.get("DEVICE_NODES", "").split(",") if n}
+    assert nodes == {f"nvidia{g['index']}" for g in assignment["gpus"]} | {
+        "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"}, env
+    assert env["USER"] == "1000:1000", env  # every MPS client runs as mpsDaemon.clientUid
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=12G", env
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50", env
     assert env.get("MPS_PIPE_MOUNTED") == "yes", env
