@@ -98,14 +98,25 @@ def cdi_settings(args: argparse.Namespace) -> CdiSettings:
     """The node's CDI spec settings; a fake node backs its device nodes with /dev/null."""
     import yaml
 
-    from carpool.deviceplugin.cdi import CDI_VERSION, driver_edits
+    from carpool.deviceplugin.cdi import CDI_VERSION, driver_edits, nvidia_spec_in
 
     edits: dict[str, Any] = {}
     version = CDI_VERSION
-    if args.cdi_driver_spec:
-        source = str(args.cdi_driver_spec)
+    driver_spec = args.cdi_driver_spec
+    if (driver_spec is None and not args.cdi_driver_mount and args.backend == "nvml"
+            and args.device_delivery == "cdi"):
+        # the NVIDIA Container Toolkit (>= 1.18) keeps one in the spec directory
+        driver_spec = nvidia_spec_in(Path(args.cdi_spec_dir))
+        if driver_spec is None:
+            log.warning("no driver files for GPU containers: give --cdi-driver-spec or "
+                        "--cdi-driver-mount (no nvidia.yaml in %s); containers get their GPUs' "
+                        "device nodes but no driver libraries", args.cdi_spec_dir)
+        else:
+            log.info("GPU containers get the driver files of %s", driver_spec)
+    if driver_spec:
+        source = str(driver_spec)
         try:
-            other = yaml.safe_load(args.cdi_driver_spec.read_text())
+            other = yaml.safe_load(driver_spec.read_text())
         except (OSError, yaml.YAMLError) as err:
             raise SystemExit(f"--cdi-driver-spec {source}: {err}") from None
         try:

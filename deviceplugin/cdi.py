@@ -187,6 +187,18 @@ def mig_cap_nodes(mig_minors: str, gpu_minor: int, gpu_instance: int,
     return tuple(f"/dev/nvidia-caps/nvidia-cap{minors[key]}" for key in (gi, ci))
 
 
+NVIDIA_SPEC_NAMES = ("nvidia.yaml", "nvidia.json")
+
+
+def nvidia_spec_in(spec_dir: Path) -> Path | None:
+    """The spec the NVIDIA Container Toolkit writes into the spec directory (its
+    nvidia-cdi-refresh service keeps `/var/run/cdi/nvidia.yaml`, toolkit >= 1.18), if any."""
+    for name in NVIDIA_SPEC_NAMES:
+        if (spec_dir / name).is_file():
+            return spec_dir / name
+    return None
+
+
 def present_control_nodes(root: str = "/") -> list[str]:
     """The control device nodes this host has (NVML needs /dev/nvidiactl; CUDA the uvm ones)."""
     return [p for p in CONTROL_NODES if os.path.exists(os.path.join(root, p.lstrip("/")))]

@@ -151,6 +151,21 @@ def test_allocate_in_env_mode_names_no_cdi_device() -> None:
         assert setup.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-a"
 
 
+def test_a_real_node_takes_the_driver_files_from_the_toolkits_spec_when_given_none(
+        tmp_path: Path) -> None:
+    base = ["--node-name", "n", "--cdi-spec-dir", str(tmp_path)]
+    assert cdi_settings(parse_args(base)).driver_edits == {}  # none there: a warning only
+    (tmp_path / "nvidia.yaml").write_text(
+        "cdiVersion: 0.6.0\nkind: nvidia.com/gpu\ndevices: []\ncontainerEdits:\n"
+        "  mounts: [{hostPath: /usr/lib/libcuda.so.1, containerPath: /usr/lib/libcuda.so.1}]\n")
+    found = cdi_settings(parse_args(base))
+    assert found.driver_edits["mounts"][0]["hostPath"] == "/usr/lib/libcuda.so.1"
+    assert found.version == "0.6.0"
+    # given driver files, or a fake node, or the environment mode: the spec is not read
+    assert cdi_settings(parse_args([*base, "--cdi-driver-mount", "/opt/nv"])).driver_edits == {}
+    assert cdi_settings(parse_args([*base, "--device-delivery", "env"])).driver_edits == {}
+
+
 def test_flags_build_the_settings_and_name_the_bad_one(tmp_path: Path) -> None:
     base = ["--node-name", "n", "--backend", "fake", "--fake-spec", "x.yaml"]
     args = parse_args([*base, "--cdi-driver-mount", "/usr/local/nvidia/lib64",
