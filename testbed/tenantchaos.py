@@ -662,6 +662,15 @@ class Tenant:
         return True
 
     def _patch_pod(self, attack: str, pod: Obj, metadata: Obj) -> None:
+        """Merge-patch an own pod's metadata; a patch that would change nothing is not sent
+        (the API server takes it whatever the policies say)."""
+        meta = pod["metadata"]
+        if all((meta.get(part) or {}).get(k) == v for part in ("labels", "annotations")
+               for k, v in (metadata.get(part) or {}).items()) \
+                and metadata.get("ownerReferences", meta.get("ownerReferences")) \
+                == meta.get("ownerReferences") and set(metadata) <= {"labels", "annotations",
+                                                                      "ownerReferences"}:
+            return
         self._call(attack, "PATCH", f"{PODS_PATH.format(ns=self.ns)}/{pod['metadata']['name']}",
                    {"metadata": metadata})
 
