@@ -92,6 +92,9 @@ class Settings:
     progress_s: float = 15.0
     settle_s: float = 180.0  # at the end: how long to wait for every GPU pod to finish
     seed: int = 20261203
+    # chart policies left out (hack/policies names, e.g. carpool-pod-metadata), to try the
+    # components behind them: what they must ignore when admission lets it through
+    without_policies: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1104,7 +1107,13 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
     world = tenants.World(cluster, log_dir, "tc")
     crds.apply_crds(cluster.api())
     release = world.name("carpool")
-    policies = chart_policies(cluster, release, world.name("sys"))
+    rendered = chart_policies(cluster, release, world.name("sys"))
+    known = {o["metadata"]["name"].replace(release, "carpool", 1) for o in rendered}
+    if unknown := sorted(set(settings.without_policies) - known):
+        raise ValueError(f"without_policies: {', '.join(unknown)} is not one of the chart's "
+                         f"policies ({', '.join(sorted(known))})")
+    policies = [o for o in rendered if o["metadata"]["name"].replace(release, "carpool", 1)
+                not in settings.without_policies]
     world.apply_cluster_scoped([*policies, *tenants.user_roles(world)])
     victim_ns, tenant_ns = world.namespace("victim"), world.namespace("tenant")
     victim_project = world.project("victim", [victim_ns])
@@ -1146,7 +1155,8 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
     say(f"cluster {cluster.name}; projects {victim_project} (victim, {settings.victim_gpus} "
         f"GPUs) and {tenant_project} (tenant {who.account}, {settings.tenant_gpus} GPUs); "
         f"{settings.nodes} nodes x {settings.gpus_per_node} GPUs; attacking "
-        f"{settings.duration_s:.0f} s; logs in {log_dir}")
+        f"{settings.duration_s:.0f} s; policies left out: "
+        f"{', '.join(settings.without_policies) or 'none'}; logs in {log_dir}")
 
     def unfinished(namespace: str) -> int:
         return sum(n for phase, n in checker.phases(namespace).items()
@@ -1267,6 +1277,9 @@ def register(commands: Any) -> None:
                         help="the local cluster to run on (started if not running)")
     parser.add_argument("--report", type=Path, help="write the report as JSON here too")
     parser.add_argument("--seed", type=int, default=Settings.seed)
+    parser.add_argument("--without-policy", action="append", default=[], metavar="NAME",
+                        help="leave this chart policy out (e.g. carpool-pod-metadata), to try "
+                             "the components behind it; repeatable")
     parser.set_defaults(run=run_command)
 
 
@@ -1276,7 +1289,8 @@ def run_command(args: argparse.Namespace) -> int:
     if args.minutes <= 0:
         print("--minutes must be more than 0", file=sys.stderr)
         return 2
-    settings = Settings(duration_s=args.minutes * 60, seed=args.seed)
+    settings = Settings(duration_s=args.minutes * 60, seed=args.seed,
+                        without_policies=tuple(args.without_policy))
     with devcluster.shared_session(args.cluster, progress=devcluster.Progress(sys.stderr)
                                    ) as cluster:
         report = run(cluster, settings, Path(tempfile.mkdtemp(prefix="carpool-tenant-chaos-")))
