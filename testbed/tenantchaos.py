@@ -709,6 +709,11 @@ class Tenant:
             {names.LABEL_MANAGED: None},
             {names.LABEL_JOB: None, names.LABEL_PROJECT: None},
         ])
+        if self.rng.random() < 0.25:  # the status subresource takes metadata changes too
+            self._call("change carpool.dev/* labels through an own pod's status", "PATCH",
+                       f"{PODS_PATH.format(ns=self.ns)}/{pod['metadata']['name']}/status",
+                       {"metadata": {"labels": choice}})
+            return
         self._patch_pod("change or remove carpool.dev/* labels on an own pod", pod,
                         {"labels": choice})
 
