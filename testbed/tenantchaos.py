@@ -71,6 +71,8 @@ PODS_PATH = "/api/v1/namespaces/{ns}/pods"
 # The victim's jobs move only forward through these phases (no preemption: it never borrows
 # and its jobs are not preemptible; no faults: nothing else stops their pods).
 VICTIM_PHASES = ("", "Queued", "Admitted", "Running", "Succeeded")
+# What the platform team allows every job of both projects (ProjectQuota spec.classLimits)
+CLASS_LIMITS: Obj = {"maxGpus": 4, "maxDuration": "4h", "minGpuMemory": "1Gi"}
 UNEXPLAINED = "the other project's jobs: changes their run does not explain"
 ORPHANED = "GPU held 30 s after not being a live job's current attempt"
 UNASSIGNED = "GPU pod running without the extender's assignment"
@@ -884,12 +886,8 @@ class Tenant:
         gpu: Obj = {"count": 1, "memory": "8Gi", "isolation": "mps", "models": [self.model]}
         extra: Obj = {}
         meta: Obj = {}
-        choice = self.rng.choice([
-            "schedulingGates", "grace", "preStop", "sys_admin", "all", "SYS_MODULE",
-            "DAC_READ_SEARCH", "BPF", "hostNetwork", "procMount", "seccomp", "apparmor",
-            "nodeName", "schedulerName", "priorityClassName", "runtimeClassName",
-            "interactive16", "tinyMemory", "carpoolMetadata"])
-        attack = f"GpuJob template: {choice}"
+        choice = self.rng.choice(sorted(ODD_FIELDS))
+        attack = f"GpuJob: {ODD_FIELDS[choice]}"
         if choice == "schedulingGates":
             spec["schedulingGates"] = [{"name": "example.com/hold"}]
         elif choice == "grace":
@@ -929,6 +927,7 @@ class Tenant:
         body: Obj = {"apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
                 "spec": {"project": self.project, "class": "short", "gpu": gpu,
                          "estimatedDuration": "30s", "simulatedDuration": "10s",
+                         "maxDuration": "1h",
                          "template": {"metadata": meta,
                                       "spec": {"containers": [container], **spec}},
                          **extra}}
@@ -974,6 +973,29 @@ class Tenant:
                 self.jobs_made[body["metadata"]["name"]] = attack
 
 
+# The GpuJobs `Tenant.odd_template` tries, by what they ask for.
+ODD_FIELDS = {
+    "schedulingGates": "template schedulingGates",
+    "grace": "template terminationGracePeriodSeconds of a year",
+    "preStop": "template preStop sleep of a year",
+    "sys_admin": "template capability sys_admin (lower case)",
+    "all": "template capability all (lower case)",
+    "SYS_MODULE": "template capability SYS_MODULE",
+    "DAC_READ_SEARCH": "template capability DAC_READ_SEARCH",
+    "BPF": "template capability BPF",
+    "hostNetwork": "template hostNetwork",
+    "procMount": "template procMount Unmasked",
+    "seccomp": "template seccomp Unconfined",
+    "apparmor": "template AppArmor Unconfined",
+    "nodeName": "template nodeName",
+    "schedulerName": "template schedulerName default-scheduler",
+    "priorityClassName": "template priorityClassName system-cluster-critical",
+    "runtimeClassName": "template runtimeClassName",
+    "interactive16": "interactive, 16 GPUs, 1 s estimate, maxDuration ten years",
+    "tinyMemory": "gpu.memory 1Ki",
+    "carpoolMetadata": "template carpool.dev/* labels and annotations naming the other project",
+}
+
 # Each attack and how often it is picked.
 ATTACKS: tuple[tuple[Callable[[Tenant], None], int], ...] = (
     (Tenant.relabel_own_pod, 4), (Tenant.reannotate_own_pod, 4), (Tenant.flip_isolation, 3),
@@ -1000,7 +1022,7 @@ def job_manifest(name: str, project: str, model: str, rng: random.Random,
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
             "spec": {"project": project,
                      "class": cls or rng.choice(["interactive", "short", "long", "batch"]),
-                     "gpu": gpu, "preemptible": False,
+                     "gpu": gpu, "preemptible": False, "maxDuration": "1h",
                      "estimatedDuration": f"{seconds}s", "simulatedDuration": f"{seconds}s",
                      "template": {"spec": {"containers": [{
                          "name": "main", "image": "trainer",
@@ -1129,6 +1151,8 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
                           (tenant_project, settings.tenant_gpus)):
         world.admin("patch", "projectquota", project, "--type=merge", "-p", json.dumps({
             "spec": {"concurrent": {"gpus": gpus}, "borrowing": {"enabled": False},
+                     "classLimits": dict.fromkeys(("interactive", "short", "long", "batch"),
+                                                  CLASS_LIMITS),
                      "gpuHours": {"budget": 100000, "period": "24h", "periodAnchor": anchor}}}))
     model = f"TC{world.suffix}"
     nodes = simnodes.parse_nodes({"nodes": [{
