@@ -652,14 +652,15 @@ class Tenant:
     # -- requests --------------------------------------------------------------------------
 
     def _call(self, attack: str, method: str, path: str, body: Any = None,
-              content_type: str = "application/merge-patch+json") -> bool:
+              content_type: str = "application/merge-patch+json",
+              query: dict[str, str] | None = None) -> bool:
         try:
             if method == "POST":
                 self.api.create(path, body)
             elif method == "PATCH":
                 self.api.patch(path, body, content_type)
             else:
-                self.api.request(method, path)
+                self.api.request(method, path, query=query)
         except ApiError as err:
             self.tally.add(attack, err)
             return False
@@ -826,7 +827,13 @@ class Tenant:
         if job is None:
             return
         name = job["metadata"]["name"]
-        self._call("delete an own GpuJob", "DELETE", f"{GPUJOBS_PATH.format(ns=self.ns)}/{name}")
+        if self.rng.random() < 0.3:  # its pods left behind, without their owner reference
+            self._call("delete an own GpuJob, orphaning its pods (propagationPolicy Orphan)",
+                       "DELETE", f"{GPUJOBS_PATH.format(ns=self.ns)}/{name}",
+                       query={"propagationPolicy": "Orphan"})
+        else:
+            self._call("delete an own GpuJob", "DELETE",
+                       f"{GPUJOBS_PATH.format(ns=self.ns)}/{name}")
         if self.rng.random() < 0.6:
             time.sleep(self.rng.uniform(0.0, 2.0))
             body = {"apiVersion": names.API_VERSION, "kind": "GpuJob",
