@@ -305,6 +305,7 @@ def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
              isolation: str) -> Any:
     from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
     from carpool.core.names import ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+    from carpool.core.ownership import Owner
     from carpool.core.timestamps import format_timestamp
     from carpool.deviceplugin.handshake import PodView
 
@@ -313,7 +314,7 @@ def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
         ANN_ASSIGNMENT: encode_assignment(assignment),
         ANN_ASSIGNED_AT: format_timestamp(time.time()),
         ANN_ISOLATION: isolation,
-    }, (("main", 1),), owner=name)
+    }, (("main", 1),), owner=Owner(name, f"uid-{name}"))
 
 
 async def plugin_allocations(backend: Any, pipe_dir: Path,

@@ -25,6 +25,7 @@ from carpool.core.assignment import (
     parse_assignment,
 )
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.ownership import Owner
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
 from carpool.core.timestamps import epoch_of, format_timestamp
@@ -52,7 +53,7 @@ class PodView:
     deleting: bool
     annotations: Mapping[str, str]
     gpu_containers: tuple[tuple[str, int], ...]  # (container name, carpool.dev/gpu count)
-    owner: str = ""  # the GpuJob controlling the pod ("" for none; see core.ownership)
+    owner: Owner | None = None  # the GpuJob controlling the pod (core.ownership)
 
     @property
     def key(self) -> str:

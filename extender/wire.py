@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from carpool.core import names
-from carpool.core.ownership import gpujob_owner
+from carpool.core.ownership import Owner, gpujob_owner
 from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.core.resources import GpuRequest, Isolation
 
@@ -59,7 +59,7 @@ class PodDemand:
     policy: str | None = None  # per-job override of the extender's policy
     cpu_milli: int = 0  # the pod's CPU request (see `pod_requests`)
     memory_mib: int = 0  # the pod's memory request
-    owner: str = ""  # the GpuJob controlling the pod ("": none; see core.ownership)
+    owner: Owner | None = None  # the GpuJob controlling the pod (core.ownership)
 
     @property
     def key(self) -> str:

@@ -12,6 +12,7 @@ from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.checkpointing import attempt_of_pod
 from carpool.core.lifecycle import PodView
+from carpool.core.ownership import gpujob_owner
 from carpool.core.timestamps import epoch_seconds as parse_time
 from carpool.core.timestamps import format_timestamp as format_time
 
@@ -49,6 +50,10 @@ def view_pod(pod: Obj) -> PodView:
                 finished = max(finished or end, end)
             exit_reason = term.get("reason") or exit_reason
     phase = status.get("phase") or "Pending"
+    gpu_pod = bool(annotations.get(names.ANN_ASSIGNMENT)) or any(
+        ((c.get("resources") or {}).get("limits") or {}).get(names.RESOURCE_GPU) not in
+        (None, "0", 0) for c in (pod.get("spec") or {}).get("containers") or ()
+        if isinstance(c, dict))
     if phase in ("Succeeded", "Failed") and finished is None:
         finished = parse_time(meta.get("deletionTimestamp")) or started
     return PodView(
@@ -66,4 +71,7 @@ def view_pod(pod: Obj) -> PodView:
                          for c in status.get("conditions") or []
                          if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True"),
                         ""),
+        uid=str(meta.get("uid") or ""),
+        owner=gpujob_owner(meta.get("ownerReferences")),
+        gpu_pod=gpu_pod,
     )

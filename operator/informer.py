@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from carpool.core import names
+from carpool.core.ownership import GPUJOB_KIND
 from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import GPUNODES, NODES, PROJECTQUOTAS, Resource
 from carpool.kube.resources import PODS as POD_RESOURCE
@@ -38,12 +39,16 @@ class Kind:
     name: str
     resource: Resource
     selector: str = ""
+    fields: str = ""  # a field selector
     arrivals: bool = False  # keep the newest first-seen objects (`Informers.arrived_since`)
 
 
 KINDS = (
     Kind(GPUJOBS, GPUJOB_RESOURCE, arrivals=True),
-    Kind(PODS, POD_RESOURCE, f"{names.LABEL_MANAGED}=true"),
+    # every pod Carpool's scheduler places, whatever its labels say: the scheduler name is
+    # immutable, and only a pod placed by it can be assigned a Carpool GPU (the device plugin
+    # serves no other), so a pod whose labels a tenant changed or removed stays in view
+    Kind(PODS, POD_RESOURCE, fields=f"spec.schedulerName={names.SCHEDULER_NAME}"),
     Kind(QUOTAS, PROJECTQUOTAS),
     Kind(names.GPUNODE_PLURAL, GPUNODES),
     Kind("nodes", NODES),
@@ -55,10 +60,12 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 # What a pass reads of a pod (`following.view_pod` and the job it belongs to): a store of
 # thousands of pods keeps only these, not their conditions (but DisruptionTarget), IPs,
-# images and other labels.
+# images and labels; of its owner references only GpuJobs', of its containers only their
+# carpool.dev/* limits (what it holds).
 POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
-POD_ANNOTATIONS = (names.ANN_JOB, names.ANN_ASSIGNMENT)
+POD_ANNOTATIONS = (names.ANN_ASSIGNMENT, names.ANN_ISOLATION)
 POD_STATUS = ("phase", "reason", "startTime")
+OWNER_FIELDS = ("apiVersion", "kind", "name", "uid", "controller")
 
 
 def trimmed(obj: Obj, pod: bool = False) -> Obj:
@@ -78,14 +85,33 @@ def trimmed(obj: Obj, pod: bool = False) -> Obj:
     node = (obj.get("spec") or {}).get("nodeName")
     kept_meta = {k: meta[k] for k in POD_METADATA if k in meta}
     kept_meta["annotations"] = {k: annotations[k] for k in POD_ANNOTATIONS if k in annotations}
+    owners = [{k: r[k] for k in OWNER_FIELDS if k in r}
+              for r in meta.get("ownerReferences") or () if isinstance(r, dict)
+              and r.get("kind") == GPUJOB_KIND]
+    if owners:
+        kept_meta["ownerReferences"] = owners
     kept_status = {k: status[k] for k in POD_STATUS if k in status}
     if containers := status.get("containerStatuses"):
         kept_status["containerStatuses"] = [{"state": c.get("state") or {}} for c in containers]
     if disruption := [c for c in status.get("conditions") or []
                       if c.get("type") == DISRUPTION_TARGET]:
         kept_status["conditions"] = disruption
-    return {"metadata": kept_meta, "spec": {"nodeName": node} if node else {},
-            "status": kept_status}
+    spec: Obj = {"nodeName": node} if node else {}
+    if limits := _carpool_limits(obj.get("spec") or {}):
+        spec["containers"] = limits
+    return {"metadata": kept_meta, "spec": spec, "status": kept_status}
+
+
+def _carpool_limits(spec: Obj) -> list[Obj]:
+    """The containers that ask for Carpool resources, with only those limits."""
+    out = []
+    for container in spec.get("containers") or ():
+        limits = ((container.get("resources") or {}).get("limits") or {}) \
+            if isinstance(container, dict) else {}
+        ours = {k: v for k, v in limits.items() if str(k).startswith(f"{names.GROUP}/")}
+        if ours:
+            out.append({"name": container.get("name"), "resources": {"limits": ours}})
+    return out
 
 
 def _trim_pod(obj: Obj) -> Obj:
@@ -99,6 +125,7 @@ class Informers:
         self.kube = kube
         self.by_kind = {
             kind.name: Store(kube.api, kind.resource, label_selector=kind.selector,
+                             field_selector=kind.fields,
                              keep=_trim_pod if kind.name == PODS else trimmed,
                              changed=changed, arrivals=kind.arrivals, name=kind.name,
                              backoff=Backoff(first=0.2, most=1.0))

@@ -70,14 +70,19 @@ class Kube:
         except Conflict:
             pass
 
-    def create_pod(self, pod: Obj) -> bool:
-        """Create the pod; False if it already exists (an earlier pass created it)."""
+    def create_pod(self, pod: Obj) -> tuple[bool, Obj | None]:
+        """Create the pod: (True, the pod created), or (False, the pod of that name already
+        there: an earlier pass created it, or someone else did; None if it went meanwhile)."""
+        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
         try:
-            created = self.api.create(POD_RESOURCE.path(pod["metadata"]["namespace"]), pod)
+            created = self.api.create(POD_RESOURCE.path(namespace), pod)
         except Conflict:
-            return False
+            try:
+                return False, self.api.get(POD_RESOURCE.path(namespace, name))
+            except NotFound:
+                return False, None
         self._wrote(PODS, created)
-        return True
+        return True, created
 
     def ensure_claim(self, claim: Obj) -> bool:
         """Create the PersistentVolumeClaim unless it exists; True if this call created it."""
@@ -87,9 +92,23 @@ class Kube:
             return False
         return True
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None,
+                   uid: str = "") -> None:
+        """Delete the pod (only the one with `uid`, when given: a pod of the same name
+        created since is not touched)."""
         query = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
-        answer = self.api.delete(POD_RESOURCE.path(namespace, name), query)
+        path = POD_RESOURCE.path(namespace, name)
+        if uid:
+            body: Obj = {"apiVersion": "v1", "kind": "DeleteOptions",
+                         "preconditions": {"uid": uid}}
+            if grace_seconds is not None:
+                body["gracePeriodSeconds"] = grace_seconds
+            try:
+                answer: Obj | None = self.api.request("DELETE", path, body)
+            except (NotFound, Conflict):  # gone, or another pod by that name now
+                return
+        else:
+            answer = self.api.delete(path, query)
         if answer is not None and answer.get("kind") == "Pod":
             self._wrote(PODS, answer)
 

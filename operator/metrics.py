@@ -12,6 +12,9 @@ WAIT_SECONDS = Histogram(
     buckets=(1, 5, 15, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 7 * 86400))
 ADMISSIONS = Counter("carpool_admissions_total", "GpuJobs admitted", ["project", "job_class"])
 PREEMPTIONS = Counter("carpool_preemptions_total", "GpuJobs preempted", ["project", "cause"])
+STRAYS_STOPPED = Counter("carpool_stray_pods_stopped_total",
+                         "GPU pods stopped for being no live GpuJob's current attempt",
+                         ["reason"])
 GPU_HOURS = Gauge("carpool_project_gpu_hours", "GPU-hours used this budget period", ["project"])
 BUDGET_REMAINING = Gauge("carpool_project_budget_remaining_gpu_hours",
                          "GPU-hours left this period (absent: no budget)", ["project"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from carpool.core import checkpointing, names
-from carpool.core.accounting import forget_gone, retire_deleted
+from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.decoding import (
     first_start,
     job_from_object,
@@ -30,14 +30,23 @@ from carpool.core.decoding import (
 )
 from carpool.core.eta import kept_history
 from carpool.core.gpunode import inventory_from_gpunode
-from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage
+from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.lifecycle import (
     admission_to_start_s,
+    assignment_fraction,
     grants_from_assignment,
     grants_from_status,
     history_gpu_hours,
     job_conditions,
     observe,
+)
+from carpool.core.ownership import (
+    JobIdentity,
+    Link,
+    PodIdentity,
+    attempt_link,
+    controls,
+    gpujob_owner,
 )
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
@@ -75,6 +84,9 @@ ESTIMATE_PRECISION = 0.05  # the coarsest step within this share of the time unt
 RANGE_JUMP = 0.25
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
 GUARD_WORKERS = 2  # background finalizer writes
+# seconds a stray GPU pod (no live job's current attempt) is given to stop: a pass runs at
+# least every resync period (5 s), so such a pod is gone within 30 s of becoming one
+ORPHAN_GRACE_S = 10
 
 
 def estimate_step(ahead_s: float) -> float:
@@ -176,6 +188,36 @@ def _job_key(obj: Obj) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
 
+def job_identity(obj: Obj) -> JobIdentity:
+    """What `core.ownership` reads of a GpuJob object."""
+    meta, status = obj["metadata"], obj.get("status") or {}
+    attempts = int(status.get("attempts") or 0)
+    return JobIdentity(
+        namespace=str(meta.get("namespace", "")), name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")), attempts=attempts,
+        pod_uid=str(status.get("podUID") or ""), pod_name=str(status.get("podName") or ""),
+        next_pod_name=pod_name(str(meta.get("name", "")), attempts + 1),
+        admittable=status.get("phase") in (None, "", Phase.QUEUED.value))
+
+
+def _attempt_pods(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
+                  by_name: Mapping[str, str]) -> list[tuple[PodView, Link]]:
+    """The job's pods that `core.ownership.attempt_link` takes for its attempts: looked up by
+    the uid and the names its status records (never by a label or annotation)."""
+    job = job_identity(obj)
+    candidates = {job.pod_uid} if job.pod_uid else set()
+    for name in (job.pod_name, job.next_pod_name):
+        if name and (uid := by_name.get(f"{job.namespace}/{name}")):
+            candidates.add(uid)
+    out = []
+    for uid in sorted(candidates):
+        pod = by_uid.get(uid)
+        link = attempt_link(job, pod[0].identity) if pod is not None else None
+        if pod is not None and link is not None:
+            out.append((pod[0], link))
+    return out
+
+
 @dataclass
 class PassState:
     """What one pass read and derived, before the core decides."""
@@ -193,6 +235,14 @@ class PassState:
     best_arrival: JobClass | None = None  # the highest class among the arrivals checked
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
     initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
+    # GPU pods that are no live job's attempt, and (job key, pod) of a job's recorded attempt
+    # the job no longer controls: both are stopped (`_stop_strays`)
+    orphans: list[PodView] = field(default_factory=list)
+    tampered: list[tuple[str, PodView]] = field(default_factory=list)
+
+    @property
+    def orphan_keys(self) -> list[str]:
+        return [orphan_key(pod) for pod in self.orphans]
 
 
 def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
@@ -291,14 +341,13 @@ class Reconciler:
                   for g in inv.gpus}
         mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
                       for g in inv.gpus for m in g.mig_instances}
-        pods: dict[str, list[PodView]] = {}
-        pod_versions: dict[str, list[str]] = {}
+        by_uid: dict[str, tuple[PodView, str]] = {}  # uid -> (pod, resourceVersion)
+        by_name: dict[str, str] = {}  # namespace/name -> uid
         for pod in self.informers.objects(PODS):
-            job_ref = (pod["metadata"].get("annotations") or {}).get(names.ANN_JOB)
-            if job_ref:
-                pods.setdefault(job_ref, []).append(view_pod(pod))
-                pod_versions.setdefault(job_ref, []).append(
-                    str(pod["metadata"].get("resourceVersion", "")))
+            view = view_pod(pod)
+            by_uid[view.uid] = (view, str(pod["metadata"].get("resourceVersion", "")))
+            by_name[f"{view.namespace}/{view.name}"] = view.uid
+        linked: set[str] = set()  # uids of pods that are some job's attempt
         decoded: dict[str, _Decoded] = {}
         for obj in self.informers.objects(GPUJOBS):
             key = _job_key(obj)
@@ -306,7 +355,13 @@ class Reconciler:
             meta = obj["metadata"]
             version = str(meta.get("resourceVersion", ""))
             guarded = names.FINALIZER in (meta.get("finalizers") or ())
-            signature = tuple(sorted(pod_versions.get(key, ())))
+            links = _attempt_pods(obj, by_uid, by_name)
+            for linked_pod, link in links:
+                linked.add(linked_pod.uid)
+                if link.tampered and not meta.get("deletionTimestamp"):
+                    state.tampered.append((key, linked_pod))
+            job_pods = [replace(p, attempt=link.attempt) for p, link in links]
+            signature = tuple(sorted(by_uid[p.uid][1] for p in job_pods))
             cached = self._decoded.get(key)
             if cached is not None and cached.version == version \
                     and cached.pods in (None, signature):
@@ -315,7 +370,7 @@ class Reconciler:
                 decoded[key] = cached
                 self._reuse(state, obj, cached, guarded)
                 continue
-            obs = observe(obj, pods.get(key, []), totals, now, mig_slices)
+            obs = observe(obj, job_pods, totals, now, mig_slices)
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = _changes(status, obs.status)
@@ -366,6 +421,8 @@ class Reconciler:
             elif not obs.phase.finished:
                 state.initial[key] = self._initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
+        state.orphans = [pod for pod, _ in by_uid.values()
+                         if pod.uid not in linked and pod.holds_gpus]
         uids = {str(obj["metadata"].get("uid", "")) for obj in state.objects.values()}
         with self._told_lock:
             self._told = {u: t for u, t in self._told.items() if u in uids}
@@ -445,6 +502,8 @@ class Reconciler:
         retired = self._retired(quota_objects)
         if state.deleting and still_leader():
             self._retire(state, quotas, quota_objects, retired, now)
+        if (state.orphans or state.tampered) and still_leader():
+            self._stop_strays(state, quotas, quota_objects, retired, now)
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
         # what deleted jobs taught the estimates, as the replay keeps it run by run
         learned, misses = kept_history(retired.values())
@@ -567,8 +626,7 @@ class Reconciler:
                     retired[job.project] = after
                     changed.add(job.project)
             releasable.append(obj)
-        present = {f"{key}@{obj['metadata'].get('uid', '')}"
-                   for key, obj in state.objects.items()}
+        present = _present(state)
         for project in sorted(changed):
             if project in quota_objects:
                 retired[project] = forget_gone(retired[project], present)
@@ -579,6 +637,66 @@ class Reconciler:
             keep = [f for f in meta.get("finalizers") or [] if f != names.FINALIZER]
             self.kube.set_job_finalizers(meta["namespace"], meta["name"], keep,
                                          str(meta.get("resourceVersion", "")))
+
+    # -- pods no job accounts for -------------------------------------------------------
+
+    def _stop_strays(self, state: PassState, quotas: Mapping[str, ProjectQuota],
+                     quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage],
+                     now: float) -> None:
+        """Stop the GPU pods that are no live job's current attempt (`state.orphans`: a job
+        deleted, a pod made to look like one, an attempt superseded) and the recorded
+        attempts their job no longer controls (`state.tampered`), each with an Event on the
+        pod and on the job it names. An orphan's GPU time is billed to its namespace's
+        project up to when it is stopped (a tampered attempt stays on its job's bill until it
+        is gone), once per pod uid."""
+        half_life = self.config.admission.fair_share_half_life_s
+        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
+                  for g in inv.gpus}
+        slices = {m.uuid: m.slices for inv in state.inventories.values()
+                  for g in inv.gpus for m in g.mig_instances}
+        changed: set[str] = set()
+        for pod in state.orphans:
+            end = now if pod.deleting else now + ORPHAN_GRACE_S
+            fraction = assignment_fraction(pod.assignment, totals, mig_slices=slices)
+            quota = quota_of_namespace(quotas, pod.namespace)
+            if quota is not None and pod.started is not None and fraction > 0:
+                before = retired.get(quota.name)
+                run = RunRecord(1, pod.started, max(end, pod.started), fraction, pod.node)
+                after = retire_runs(before, orphan_key(pod), (run,), quota, now, half_life)
+                if after is not before:
+                    retired[quota.name] = after
+                    changed.add(quota.name)
+            why = (f"pod {pod.namespace}/{pod.name} holds or was assigned a Carpool GPU but is "
+                   f"not the current attempt of a live GpuJob in {pod.namespace}"
+                   + (f" (it names GpuJob {pod.owner.name}, which does not record it)"
+                      if pod.owner else "") + "; stopped, its GPU time billed to "
+                   + (f"project {quota.name}" if quota else "no project (namespace unbound)"))
+            self._stop(state, pod, "OrphanStopped", why,
+                       f"{pod.namespace}/{pod.owner.name}" if pod.owner else "")
+        for key, pod in state.tampered:
+            why = (f"pod {pod.namespace}/{pod.name} is the recorded attempt of GpuJob {key} "
+                   f"but its ownerReference no longer names that job; stopped (Carpool's "
+                   f"ownerReferences, labels and annotations are not to be changed)")
+            self._stop(state, pod, "AttemptTampered", why, key)
+        present = _present(state)
+        for project in sorted(changed):
+            if project in quota_objects:
+                retired[project] = forget_gone(retired[project], present)
+                self.kube.patch_quota_status(project,
+                                             {"retired": retired_to_status(retired[project])})
+
+    def _stop(self, state: PassState, pod: PodView, reason: str, why: str, job_key: str) -> None:
+        if pod.deleting:
+            return
+        log.warning("%s", why)
+        self.kube.delete_pod(pod.namespace, pod.name, ORPHAN_GRACE_S, uid=pod.uid)
+        self.kube.event({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": pod.name, "namespace": pod.namespace, "uid": pod.uid}},
+            reason, why, "Warning", "Stop")
+        job = state.objects.get(job_key)
+        if job is not None:
+            self.kube.event(job, reason, why, "Warning", "Stop")
+        metrics.STRAYS_STOPPED.labels(reason).inc()
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -750,7 +868,7 @@ class Reconciler:
             claim = build_checkpoint_claim(obj)
             if claim is not None:
                 self.kube.ensure_claim(claim)
-            created = self.kube.create_pod(pod)
+            created, stored = self.kube.create_pod(pod)
         except (ValueError, BadRequest, Forbidden, Invalid) as err:
             # (other API errors are transient: API down, throttled; the next pass tries again)
             reason = err.message if isinstance(err, ApiError) else str(err)
@@ -761,6 +879,17 @@ class Reconciler:
                 completionTime=format_time(now))
             self._announce(obj, "PodRejected", message, "Warning", "Admit")
             return
+        stored_meta = (stored or {}).get("metadata") or {}
+        identity = PodIdentity(str(stored_meta.get("namespace", "")),
+                               str(stored_meta.get("name", "")), str(stored_meta.get("uid", "")),
+                               gpujob_owner(stored_meta.get("ownerReferences")))
+        if not created and not controls(job_identity(obj), identity):
+            # the name is taken by a pod this job does not control: never take it for ours
+            note = (f"cannot create pod {pod['metadata']['name']} for attempt "
+                    f"{admission.attempt}: a pod of that name exists that this GpuJob does not "
+                    f"control; delete it to let the job start")
+            self._announce(obj, "PodNameTaken", note, "Warning", "Admit", derived=True)
+            return
         inventory = state.inventories.get(admission.node)
         resume = checkpointing.resume_point(obj.get("status") or {})
         patch = state.patches.setdefault(job.key, {})
@@ -768,7 +897,8 @@ class Reconciler:
         patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
                      node=admission.node, gpus=grants_to_status(admission.grants, inventory),
                      borrowed=admission.borrowed, admitTime=format_time(now),
-                     podName=pod["metadata"]["name"], reason="Admitted",
+                     podName=pod["metadata"]["name"], podUID=identity.uid,
+                     reason="Admitted",
                      message=admission.message, queuePosition=None, estimatedStart=None,
                      estimatedStartEarliest=None, estimatedStartLatest=None,
                      preemptingAttempt=None,
@@ -940,6 +1070,23 @@ def _changes(current: Obj, patch: Obj) -> Obj:
     return {k: v for k, v in patch.items()
             if current.get(k) != v and not (v == [] and current.get(k) is None)
             and k not in written}
+
+
+def quota_of_namespace(quotas: Mapping[str, ProjectQuota], namespace: str
+                       ) -> ProjectQuota | None:
+    """The project a namespace bills to (the first by name, if several list it)."""
+    return next((quotas[n] for n in sorted(quotas) if namespace in quotas[n].namespaces), None)
+
+
+def _present(state: PassState) -> set[str]:
+    """The retired-usage keys of what still exists: jobs (key@uid) and orphan pods."""
+    return {f"{key}@{obj['metadata'].get('uid', '')}"
+            for key, obj in state.objects.items()} | set(state.orphan_keys)
+
+
+def orphan_key(pod: PodView) -> str:
+    """An orphan's key in its project's retired usage (once per pod object)."""
+    return f"pod:{pod.namespace}/{pod.name}@{pod.uid}"
 
 
 def _pod_name_of(job: Job) -> str:

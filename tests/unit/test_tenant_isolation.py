@@ -19,7 +19,7 @@ from carpool.core.gpu_choice import NoFit, choose_gpus
 from carpool.core.gpuhours import gpu_fraction, sm_share_pct
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.lifecycle import assignment_fraction
-from carpool.core.ownership import gpujob_owner, unowned_refusal
+from carpool.core.ownership import Owner, gpujob_owner, unowned_refusal
 from carpool.core.placement import NodeState, gpu_rejection
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation
 from carpool.core.scoring import RequestScorer, Scorer
@@ -40,16 +40,16 @@ OWNER = {"apiVersion": names.API_VERSION, "kind": "GpuJob", "name": "train", "ui
 
 
 @pytest.mark.parametrize(("refs", "owner"), [
-    ([OWNER], "train"),
-    ([], ""),
-    (None, ""),
-    ([{**OWNER, "controller": False}], ""),           # an owner, not the controller
-    ([{**OWNER, "kind": "Job"}], ""),
-    ([{**OWNER, "apiVersion": "evil.dev/v1alpha1"}], ""),
-    ([{"kind": "ReplicaSet", "name": "x", "controller": True}, OWNER], "train"),
+    ([OWNER], Owner("train", "u")),
+    ([], None),
+    (None, None),
+    ([{**OWNER, "controller": False}], None),           # an owner, not the controller
+    ([{**OWNER, "kind": "Job"}], None),
+    ([{**OWNER, "apiVersion": "evil.dev/v1alpha1"}], None),
+    ([{"kind": "ReplicaSet", "name": "x", "controller": True}, OWNER], Owner("train", "u")),
 ])
 def test_only_a_controlling_gpujob_owns_a_pod(refs: list[dict[str, Any]] | None,
-                                              owner: str) -> None:
+                                              owner: Owner | None) -> None:
     assert gpujob_owner(refs) == owner
 
 

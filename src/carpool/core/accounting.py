@@ -99,24 +99,33 @@ def retire_job(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now:
     again after it (its finalizer not yet removed) is not counted twice. `forget_gone` keeps
     the keys few.
     """
+    return retire_runs(retired, job.key, job.runs, quota, now, half_life_s)
+
+
+def retire_runs(retired: RetiredUsage | None, key: str, runs: Iterable[RunRecord],
+                quota: ProjectQuota, now: float, half_life_s: float) -> RetiredUsage:
+    """Fold `runs` into a project's retired usage under `key`, once (see `retire_job`): the
+    runs of a deleted job, or those of a pod no job accounts for that held a GPU (an
+    orphan, billed to its namespace's project until it is stopped)."""
     retired = retired or RetiredUsage()
-    if job.key in retired.job_keys:
+    if key in retired.job_keys:
         return retired
+    runs = tuple(runs)
     period_start = quota.period_start(now)
     if retired.period_start != period_start:
         retired = replace(retired, period_start=period_start, gpu_hours=0.0)
-    in_period = sum(run_gpu_hours_between(r, period_start, period_start + quota.period_s, now)
-                    for r in job.runs)
-    decayed_job = sum(
-        decayed_gpu_hours(r.fraction, r.start, r.end if r.end is not None else now, now,
-                          half_life_s)
-        for r in job.runs)
+    in_period = sum(run_gpu_hours_between(r, period_start, period_start + quota.period_s,
+                                          max(now, r.end or now)) for r in runs)
+    decayed_runs = sum(
+        decayed_gpu_hours(r.fraction, r.start, r.end if r.end is not None else now,
+                          max(now, r.end or now), half_life_s)
+        for r in runs)
     return replace(
         retired,
         gpu_hours=retired.gpu_hours + in_period,
-        decayed_gpu_hours=_decayed_retired(retired, now, half_life_s) + decayed_job,
+        decayed_gpu_hours=_decayed_retired(retired, now, half_life_s) + decayed_runs,
         decayed_as_of=now,
-        job_keys=retired.job_keys | {job.key},
+        job_keys=retired.job_keys | {key},
     )
 
 

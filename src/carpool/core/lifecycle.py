@@ -20,6 +20,7 @@ from typing import Any
 
 from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
+from carpool.core.ownership import Owner, PodIdentity
 from carpool.core.resources import GpuGrant, Isolation, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
 
@@ -43,10 +44,24 @@ class PodView:
     # why Kubernetes stopped the pod, from its DisruptionTarget condition (a kubelet's
     # eviction or node shutdown, a taint, the eviction API), not the job's code; "" if not
     disruption: str = ""
+    uid: str = ""
+    owner: Owner | None = None  # the GpuJob controlling it (core.ownership)
+    # asks for Carpool GPUs (carpool.dev/* limits: immutable, only the operator's pods may
+    # have them) or was assigned some (the extender's annotation)
+    gpu_pod: bool = False
 
     @property
     def terminal(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def holds_gpus(self) -> bool:
+        """Holds or is about to hold a Carpool GPU: a GPU pod that has not finished."""
+        return self.gpu_pod and not self.terminal
+
+    @property
+    def identity(self) -> PodIdentity:
+        return PodIdentity(self.namespace, self.name, self.uid, self.owner)
 
 
 # A pod can fail through no fault of the job's code. The kubelet may refuse it before

@@ -1,16 +1,34 @@
-"""Which pods may hold Carpool GPUs: only the pods of GpuJobs.
+"""Which pods are a GpuJob's: the one rule every component applies.
 
 A GpuJob is the only door to a GPU (the queue, quotas, budgets and GPU-hours all hang on it).
-Admission refuses pods with carpool.dev/* resources that the operator did not create
-(hack/policies/gpujob-only.yaml); the extender and the device plugin check again with this rule,
-so a pod that got past admission (a cluster without the policy, a break-glass admin) is still
-not placed or served. An owner reference can be written by whoever creates the pod, so this is
-defence in depth, not the fence.
+A pod is the attempt of a job only when two things hold:
+
+- the job controls it: its controller ownerReference names a `carpool.dev` GpuJob whose uid
+  is the job's, and it sits in the job's namespace (an ownerReference cannot point into
+  another namespace; a name can be reused by a new job, a uid cannot);
+- Carpool's operator created it: the operator records the pod's uid in the job's status
+  (`status.podUID`, with `podName` and `attempts`) right after creating it, and only Carpool
+  can write a GpuJob's status. A pod of the job created before that write landed (an operator
+  stopped between the two) is adopted by name, `<job>-<attempts + 1>`, while the job still
+  shows the phase it is admitted from.
+
+Labels (`carpool.dev/job-name`, `managed`, `project`), the `carpool.dev/job` annotation and the
+name of a pod are hints: a tenant writes them on its own pods. Admission keeps tenants from
+writing Carpool's ownerReferences, labels and annotations (hack/policies); this rule keeps a
+cluster without that policy correct as well: a look-alike pod in another namespace, or one
+the job does not control by uid, changes nothing of the job.
+
+A pod recorded as the job's attempt that the job no longer controls (its ownerReference was
+changed or removed) is still the pod holding the job's GPUs: it keeps the job's accounting
+open until it is gone, and the operator stops it (`Link.tampered`).
+
+Everything here is pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.names import GROUP
@@ -18,14 +36,91 @@ from carpool.core.names import GROUP
 GPUJOB_KIND = "GpuJob"
 
 
-def gpujob_owner(owner_references: Iterable[Mapping[str, Any]] | None) -> str:
-    """The name of the GpuJob that controls a pod (its controller owner reference), or ""."""
+@dataclass(frozen=True)
+class Owner:
+    """The GpuJob a controller ownerReference names."""
+
+    name: str
+    uid: str
+
+
+def gpujob_owner(owner_references: Iterable[Mapping[str, Any]] | None) -> Owner | None:
+    """The GpuJob that controls a pod (its controller owner reference), or None."""
     for ref in owner_references or ():
+        if not isinstance(ref, Mapping):
+            continue
         api_version = str(ref.get("apiVersion") or "")
         if (ref.get("kind") == GPUJOB_KIND and api_version.split("/")[0] == GROUP
                 and ref.get("controller") is True and ref.get("name")):
-            return str(ref["name"])
-    return ""
+            return Owner(str(ref["name"]), str(ref.get("uid") or ""))
+    return None
+
+
+@dataclass(frozen=True)
+class PodIdentity:
+    """What the rule reads of a pod: where it is, what it is, who controls it."""
+
+    namespace: str
+    name: str
+    uid: str
+    owner: Owner | None
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """What the rule reads of a GpuJob: its identity and what its status (Carpool's own
+    writing) records of its current attempt."""
+
+    namespace: str
+    name: str
+    uid: str
+    attempts: int  # status.attempts
+    pod_uid: str  # status.podUID: the pod the operator created for that attempt
+    pod_name: str  # status.podName
+    next_pod_name: str  # the name the operator gives attempt `attempts + 1`
+    admittable: bool  # the status shows a phase the operator admits from (none or Queued)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A pod as one of a job's attempts: which attempt, and whether the job still controls
+    it (False: the pod the operator recorded, its ownerReference since changed)."""
+
+    attempt: int
+    controlled: bool = True
+
+    @property
+    def tampered(self) -> bool:
+        return not self.controlled
+
+
+def controls(job: JobIdentity, pod: PodIdentity) -> bool:
+    """Whether `job` is `pod`'s controller: same namespace, ownerReference with its uid."""
+    return (pod.namespace == job.namespace and pod.owner is not None
+            and pod.owner.uid == job.uid and bool(job.uid) and pod.owner.name == job.name)
+
+
+def attempt_link(job: JobIdentity, pod: PodIdentity) -> Link | None:
+    """`pod` as `job`'s current attempt (see the module docstring), or None when it is not.
+
+    1. the pod the job's status records (`podUID`, same namespace): the current attempt,
+       controlled or not;
+    2. a pod the job controls, named as its status records, where the status has no podUID
+       (written before the operator recorded pod uids): the current attempt, adopted;
+    3. a pod the job controls named as its next attempt while the job shows a phase it is
+       admitted from (the operator stopped between creating the pod and writing the status):
+       the next attempt, adopted.
+    """
+    if pod.namespace != job.namespace or not pod.uid:
+        return None
+    if job.pod_uid:
+        if pod.uid == job.pod_uid:
+            return Link(job.attempts, controls(job, pod))
+    elif job.attempts and pod.name == job.pod_name and controls(job, pod):
+        return Link(job.attempts)
+    if job.admittable and pod.name == job.next_pod_name and controls(job, pod):
+        return Link(job.attempts + 1)
+    return None
 
 
 def unowned_refusal(pod_key: str) -> str:

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.ownership import Owner
 from carpool.deviceplugin.agent import health_step
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
@@ -92,7 +93,8 @@ def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int |
     if isolation:
         annotations[ANN_ISOLATION] = isolation
     return PodView("lab", name, f"uid-{name}", "Pending", False, annotations,
-                   (("main", count if count is not None else len(gpus)),), owner)
+                   (("main", count if count is not None else len(gpus)),),
+                   Owner(owner, f"uid-{owner}") if owner else None)
 
 
 @pytest.fixture

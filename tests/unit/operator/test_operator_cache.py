@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
 from carpool.core import names
 from carpool.kube.watching import Store, WatchEnded
 from carpool.operator.following import view_pod
@@ -33,6 +35,7 @@ class FakeKube:
         self.finalized: list[str] = []
         self.events: list[str] = []
         self.quota_statuses: list[tuple[str, Obj]] = []
+        self.deleted: list[str] = []
 
     def _next(self, kind: str) -> str:
         with self._lock:
@@ -44,13 +47,17 @@ class FakeKube:
     def ensure_priority_class(self) -> None:
         pass
 
-    def create_pod(self, pod: Obj) -> bool:
-        self._next(PODS)
-        self.pods.append(pod)
-        return True
+    def create_pod(self, pod: Obj) -> tuple[bool, Obj | None]:
+        version = self._next(PODS)
+        created = {**pod, "metadata": {**pod["metadata"], "resourceVersion": version,
+                                       "uid": f"pod-{version}"}}
+        self.pods.append(created)
+        return True, created
 
-    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> None:
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None,
+                   uid: str = "") -> None:
         self._next(PODS)
+        self.deleted.append(f"{namespace}/{name}")
 
     def patch_job_status(self, namespace: str, name: str, status: Obj) -> str | None:
         self.statuses.append((f"{namespace}/{name}", status))
@@ -90,6 +97,12 @@ def _job(name: str, version: str = "1", status: Obj | None = None) -> Obj:
                      "estimatedDuration": "10m",
                      "template": {"spec": {"containers": [{"name": "main", "image": "img"}]}}},
             "status": status or {}}
+
+
+def _controller(job: str) -> Obj:
+    """The controller ownerReference the operator gives a pod of GpuJob `job` (see _job)."""
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob", "name": job, "uid": f"u-{job}",
+            "controller": True}
 
 
 def _cluster(gpus: int) -> dict[str, list[Obj]]:
@@ -235,10 +248,16 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
 def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     informer = Informers(FakeKube()).by_kind[PODS]  # type: ignore[arg-type]
     pod = {"metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "3",
-                        "managedFields": [{"manager": "kwok"}],
+                        "uid": "pod-a-1", "managedFields": [{"manager": "kwok"}],
+                        "labels": {names.LABEL_JOB: "a"},
+                        "ownerReferences": [_controller("a"), {
+                            "apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "y"}],
                         "annotations": {names.ANN_JOB: "team/a",
                                         "kubectl.kubernetes.io/last-applied-configuration": "{}"}},
-           "spec": {"nodeName": "n1", "containers": [{"name": "main", "image": "img"}]},
+           "spec": {"nodeName": "n1", "containers": [
+               {"name": "main", "image": "img", "resources": {"limits": {
+                   "cpu": "1", names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "20"}}},
+               {"name": "side", "image": "img"}]},
            "status": {"phase": "Running", "podIP": "10.0.0.1", "startTime": "2026-11-29T10:00:00Z",
                       "conditions": [{"type": "Ready", "status": "True"}],
                       "containerStatuses": [{"name": "main", "image": "img", "ready": True,
@@ -247,12 +266,15 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     before = view_pod(copy.deepcopy(pod))
     assert _watch_event(informer, {"type": "ADDED", "object": pod})
     (kept,) = informer.snapshot()
-    assert kept["spec"] == {"nodeName": "n1"}
+    assert kept["spec"] == {"nodeName": "n1", "containers": [{"name": "main", "resources": {
+        "limits": {names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "20"}}}]}
+    assert kept["metadata"]["ownerReferences"] == [_controller("a")]
+    assert "labels" not in kept["metadata"]  # hints: the pass does not read them
     assert kept["status"] == {"phase": "Running", "startTime": "2026-11-29T10:00:00Z",
                               "containerStatuses": [{"state": {"running": {
                                   "startedAt": "2026-11-29T10:00:01Z"}}}]}
     assert "managedFields" not in kept["metadata"]
-    assert kept["metadata"]["annotations"] == {names.ANN_JOB: "team/a"}
+    assert kept["metadata"]["annotations"] == {}
     assert view_pod(kept) == before  # everything the operator reads of a pod is kept
     disrupted = {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet"}
     pod = copy.deepcopy(pod)
@@ -401,7 +423,7 @@ class SlowKube(FakeKube):
         super().__init__()
         self.delay, self.on_pod = delay, on_pod
 
-    def create_pod(self, pod: Obj) -> bool:
+    def create_pod(self, pod: Obj) -> tuple[bool, Obj | None]:
         __import__("time").sleep(self.delay)
         created = super().create_pod(pod)
         if self.on_pod is not None:
@@ -496,6 +518,7 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
     kube = TellingKube()
     cluster = _cluster(1)
     started = _job("a", "20", status={"phase": "Admitted", "attempts": 1, "node": "n1",
+                                      "podName": "a-1", "podUID": "pod-a-1",
                                       "submitTime": "2026-11-29T10:00:00Z"})
     big = _job("b", "21")
     lost = _job("c", "22", status={"phase": "Running", "attempts": 1, "node": "n1",
@@ -505,6 +528,7 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
     cluster[GPUJOBS] = [started, big, lost]
     cluster[PODS] = [{  # a's pod runs; c's is gone
         "metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "23",
+                     "uid": "pod-a-1", "ownerReferences": [_controller("a")],
                      "annotations": {names.ANN_JOB: "team/a", names.ANN_ASSIGNMENT: json.dumps(
                          {"node": "n1", "gpus": [{"uuid": "GPU-0", "index": 0,
                                                   "memoryMiB": 20480, "cores": 50}]})}},
@@ -580,3 +604,115 @@ def test_a_deleted_jobs_run_time_is_kept_in_its_quota_and_used_by_later_passes(
                 or "learned[" in r.getMessage()]
     assert problems == ["ProjectQuota vision: status.retired.learned[2]: samples 'many' is "
                         "not a number; entry ignored"], problems
+
+
+# -- which pods are a job's: by uid and what its status records (core.ownership) ----------
+
+T0 = 1_800_000_000.0
+ASSIGNED = ('{"node": "n1", "gpus": [{"uuid": "GPU-0", "index": 0, "memoryMiB": 20480, '
+            '"cores": 50}]}')
+
+
+def _running_job() -> Obj:
+    return _job("a", "20", status={
+        "phase": "Running", "attempts": 1, "node": "n1", "podName": "a-1", "podUID": "pod-a-1",
+        "submitTime": "2027-01-15T07:00:00Z", "startTime": "2027-01-15T07:00:00Z",
+        "history": [{"attempt": 1, "node": "n1", "fraction": 0.5,
+                     "start": "2027-01-15T07:00:00Z"}],
+        "gpus": [{"index": 0, "uuid": "GPU-0", "memoryMiB": 20480, "cores": 50}]})
+
+
+def _gpu_pod(name: str, uid: str, namespace: str = "team", phase: str = "Running",
+             owner: Obj | None = None, annotations: Obj | None = None) -> Obj:
+    return {"metadata": {"name": name, "namespace": namespace, "uid": uid,
+                         "resourceVersion": "30",
+                         "ownerReferences": [owner] if owner else [],
+                         "annotations": {names.ANN_ASSIGNMENT: ASSIGNED, **(annotations or {})}},
+            "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {
+                "limits": {names.RESOURCE_GPU: "1"}}}]},
+            "status": {"phase": phase, "startTime": "2027-01-15T07:00:00Z",
+                       "containerStatuses": [{"state": {"running": {
+                           "startedAt": "2027-01-15T07:00:00Z"}}}]}}
+
+
+def _pass(pods: list[Obj], jobs: list[Obj], now: float = T0) -> tuple[TellingKube, Reconciler]:
+    kube = TellingKube()
+    cluster = _cluster(2)
+    cluster[GPUJOBS], cluster[PODS] = jobs, pods
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(now)
+    reconciler.settle()
+    return kube, reconciler
+
+
+def _phase_writes(kube: FakeKube) -> list[tuple[str, Obj]]:
+    return [(key, {k: v for k, v in status.items() if k in ("phase", "attempts", "history")})
+            for key, status in kube.statuses if {"phase", "attempts", "history"} & set(status)]
+
+
+def test_a_look_alike_pod_in_another_namespace_changes_nothing_of_the_job() -> None:
+    job = _running_job()
+    real = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"))
+    # a CPU-only pod in another namespace named like the attempt, saying it is the job's and
+    # finished; and one in the job's namespace named like the next attempt
+    forged = _gpu_pod("a-1", "forged-1", namespace="evil", phase="Succeeded",
+                      owner=_controller("a"), annotations={names.ANN_JOB: "team/a"})
+    forged["spec"]["containers"] = [{"name": "main"}]
+    del forged["metadata"]["annotations"][names.ANN_ASSIGNMENT]
+    next_one = copy.deepcopy(forged)
+    next_one["metadata"].update(namespace="team", name="a-2", uid="forged-2")
+    kube, _ = _pass([real, forged, next_one], [job])
+    assert _phase_writes(kube) == []
+    assert kube.deleted == [] and kube.pods == []
+
+
+def test_labels_and_annotations_changed_on_the_attempt_change_nothing() -> None:
+    pod = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"),
+                   annotations={names.ANN_JOB: "team/other", names.ANN_ISOLATION: "exclusive"})
+    pod["metadata"]["labels"] = {names.LABEL_JOB: "other"}
+    kube, _ = _pass([pod], [_running_job()])
+    assert _phase_writes(kube) == [] and kube.deleted == [] and kube.pods == []
+    assert not [e for e in kube.told if e[1] in ("Requeued", "Started")]
+
+
+def test_the_attempt_whose_owner_reference_changed_is_stopped_and_stays_billed() -> None:
+    pod = _gpu_pod("a-1", "pod-a-1")  # its ownerReference removed
+    kube, _ = _pass([pod], [_running_job()])
+    assert kube.deleted == ["team/a-1"] and kube.pods == []  # no second pod meanwhile
+    assert ("a-1", "AttemptTampered") in kube.told and ("a", "AttemptTampered") in kube.told
+    assert _phase_writes(kube) == []  # its run stays open: billed until the pod is gone
+    # while it stops, the job shows it stopping; once it is gone, its run ends then and the
+    # job goes back to the queue (here straight to its next attempt)
+    pod["metadata"]["deletionTimestamp"] = "2027-01-15T08:00:05Z"
+    kube, _ = _pass([pod], [_running_job()], T0 + 5)
+    assert kube.deleted == [] and kube.pods == []
+    assert [s["phase"] for _, s in _phase_writes(kube)] == ["Preempted"]
+    kube, _ = _pass([], [_running_job()], T0 + 15)
+    ((_, written),) = _phase_writes(kube)
+    assert written["history"][0]["end"] == "2027-01-15T08:00:15Z"
+    assert written["attempts"] == 2 and [p["metadata"]["name"] for p in kube.pods] == ["a-2"]
+
+
+def test_a_gpu_pod_of_no_live_job_is_stopped_and_billed_to_its_project() -> None:
+    # its job was deleted (and its ownerReference removed before, so the garbage collector
+    # leaves it); and a forged pod naming a job that does not record it
+    gone = _gpu_pod("old-1", "pod-old-1")
+    forged = _gpu_pod("a-7", "forged-7", owner=_controller("a"))
+    real = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"))
+    kube, _ = _pass([real, gone, forged], [_running_job()])
+    assert sorted(kube.deleted) == ["team/a-7", "team/old-1"]
+    assert ("old-1", "OrphanStopped") in kube.told and ("a", "OrphanStopped") in kube.told
+    assert _phase_writes(kube) == []
+    ((project, status),) = [q for q in kube.quota_statuses if "retired" in q[1]]
+    # each held half a GPU for an hour, and is given ORPHAN_GRACE_S to stop
+    from carpool.operator.reconciler import ORPHAN_GRACE_S
+    expected = 2 * 0.5 * (3600 + ORPHAN_GRACE_S) / 3600
+    assert project == "vision"
+    assert status["retired"]["gpuHours"] == pytest.approx(expected, abs=1e-3)
+    assert set(status["retired"]["jobs"]) == {"pod:team/old-1@pod-old-1",
+                                                "pod:team/a-7@forged-7"}
+    # the next pass sees them stopping: billed once, not stopped twice
+    for pod in (gone, forged):
+        pod["metadata"]["deletionTimestamp"] = "2027-01-15T08:00:10Z"
+    kube, _ = _pass([real, gone, forged], [_running_job()], T0 + 5)
+    assert kube.deleted == []

@@ -1,0 +1,63 @@
+"""The one rule of which pod is a GpuJob's attempt (core.ownership): by the job's uid and what
+its status records, never by a label, an annotation or a name alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from carpool.core.ownership import (
+    JobIdentity,
+    Link,
+    Owner,
+    PodIdentity,
+    attempt_link,
+    controls,
+)
+
+JOB = JobIdentity(namespace="team", name="train", uid="job-uid", attempts=2,
+                  pod_uid="pod-2", pod_name="train-2", next_pod_name="train-3",
+                  admittable=False)
+OURS = Owner("train", "job-uid")
+POD = PodIdentity("team", "train-2", "pod-2", OURS)
+
+
+def test_the_recorded_pod_is_the_current_attempt() -> None:
+    assert attempt_link(JOB, POD) == Link(2)
+    assert controls(JOB, POD)
+
+
+@pytest.mark.parametrize("pod", [
+    replace(POD, namespace="other"),                    # a look-alike in another namespace
+    replace(POD, uid="forged"),                         # same name, not the pod recorded
+    replace(POD, uid="forged", owner=Owner("train", "old-uid")),  # a job of that name, before
+    replace(POD, name="train-3", uid="forged"),         # the next name, the job not admittable
+    replace(POD, name="train-9", uid="forged"),         # an attempt number from a name
+    replace(POD, uid=""),
+])
+def test_a_look_alike_is_no_attempt(pod: PodIdentity) -> None:
+    assert attempt_link(JOB, pod) is None
+
+
+def test_the_recorded_pod_whose_owner_changed_is_the_attempt_but_tampered() -> None:
+    for owner in (None, Owner("train", "other"), Owner("other", "job-uid")):
+        link = attempt_link(JOB, replace(POD, owner=owner))
+        assert link == Link(2, controlled=False) and link.tampered
+
+
+def test_a_pod_created_before_its_status_write_is_adopted_only_if_the_job_controls_it() -> None:
+    queued = replace(JOB, admittable=True)
+    pod = PodIdentity("team", "train-3", "pod-3", OURS)
+    assert attempt_link(queued, pod) == Link(3)
+    assert attempt_link(queued, replace(pod, owner=None)) is None
+    assert attempt_link(queued, replace(pod, owner=Owner("train", "x"))) is None
+    assert attempt_link(queued, replace(pod, namespace="other")) is None
+    assert attempt_link(JOB, pod) is None  # the job is not in a phase it is admitted from
+
+
+def test_a_status_without_pod_uid_adopts_the_named_pod_the_job_controls() -> None:
+    legacy = replace(JOB, pod_uid="")
+    assert attempt_link(legacy, POD) == Link(2)
+    assert attempt_link(legacy, replace(POD, owner=None)) is None
+    assert attempt_link(replace(legacy, attempts=0, pod_name=""), POD) is None
