@@ -95,7 +95,7 @@ def openb_cache() -> tuple[Any, Callable[[str, dict[str, Any]], None]]:
     cache = ClusterCache()
     for inventory in openb_inventories():
         cache.put_inventory(inventory)
-    for kind in ("nodes", "gpunodes", "pods"):
+    for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
         cache.mark_synced(kind)
 
     def watch(event: str, pod: dict[str, Any]) -> None:

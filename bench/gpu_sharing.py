@@ -304,17 +304,19 @@ def summarize(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
 def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
              isolation: str) -> Any:
     from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
-    from carpool.core.names import ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+    from carpool.core.names import ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION, SCHEDULER_NAME
     from carpool.core.ownership import Owner
+    from carpool.core.resources import Isolation
     from carpool.core.timestamps import format_timestamp
     from carpool.deviceplugin.handshake import PodView
 
-    assignment = Assignment("bench-node", (AssignedGpu(gpu_uuid, index, memory_mib, cores),))
+    assignment = Assignment("bench-node", (AssignedGpu(gpu_uuid, index, memory_mib, cores),),
+                            Isolation.parse(isolation) if isolation else None)
     return PodView("bench", name, f"uid-{name}", "Pending", False, {
         ANN_ASSIGNMENT: encode_assignment(assignment),
         ANN_ASSIGNED_AT: format_timestamp(time.time()),
         ANN_ISOLATION: isolation,
-    }, (("main", 1),), owner=Owner(name, f"uid-{name}"))
+    }, (("main", 1),), owner=Owner(name, f"uid-{name}"), scheduler=SCHEDULER_NAME)
 
 
 async def plugin_allocations(backend: Any, pipe_dir: Path,

@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from carpool.core.names import ANN_ISOLATION
 from carpool.core.resources import Isolation
 from carpool.deviceplugin.handshake import PodView, assignment_on
 from carpool.deviceplugin.plugin import PluginState
@@ -127,10 +126,12 @@ def watched_grants(pods: list[PodView], node: str, node_mode: str) -> list[Memor
     for pod in pods:
         if pod.phase not in ("Running", "Pending") or pod.deleting:
             continue
-        isolation = pod.annotations.get(ANN_ISOLATION) or node_mode
+        assignment = assignment_on(pod, node)
+        # the isolation the extender recorded (from the job's spec), not the pod's annotation
+        recorded = assignment.isolation if assignment is not None else None
+        isolation = recorded.value if recorded is not None else node_mode
         if isolation not in WATCHED:
             continue
-        assignment = assignment_on(pod, node)
         for g in assignment.gpus if assignment is not None else ():
             grants.append(MemoryGrant(pod.uid, pod.namespace, pod.name, g.uuid, g.memory_mib))
     return grants

@@ -5,8 +5,9 @@ The kubelet calls Allocate with device IDs but no pod identity. The extender nev
 assigned by the extender, not yet marked `carpool.dev/allocated`, not running, not finished,
 assigned less than `HAND_OVER_STALE_S` (10 min) ago). So among this node's in-flight pods
 exactly one container matches the request's count; its assignment annotation says which GPUs
-(and MIG instance, memory and cores) it holds. Everything here is pure: pods in, a decision or
-a `HandshakeError` out.
+(and MIG instance, memory, cores and the isolation its job asked for) it holds; nothing is
+read from the pod's own `carpool.dev/isolation` annotation. Everything here is pure: pods in,
+a decision or a `HandshakeError` out.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from carpool.core.assignment import (
     AssignmentError,
     parse_assignment,
 )
-from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT
 from carpool.core.ownership import Owner
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -54,6 +55,7 @@ class PodView:
     annotations: Mapping[str, str]
     gpu_containers: tuple[tuple[str, int], ...]  # (container name, carpool.dev/gpu count)
     owner: Owner | None = None  # the GpuJob controlling the pod (core.ownership)
+    scheduler: str = ""  # spec.schedulerName (immutable)
 
     @property
     def key(self) -> str:
@@ -67,7 +69,7 @@ class Match:
     pod: PodView
     container: str
     gpus: tuple[AssignedGpu, ...]
-    isolation: Isolation | None  # None: the pod did not say; use the node's mode
+    isolation: Isolation | None  # None: the extender did not record it; the node's mode
 
 
 def allocated_containers(pod: PodView) -> set[str]:
@@ -122,16 +124,6 @@ def _container_gpus(gpus: tuple[AssignedGpu, ...], container: str,
             return gpus[start:start + count]
         start += count
     return ()
-
-
-def _isolation(pod: PodView) -> Isolation | None:
-    text = pod.annotations.get(ANN_ISOLATION)
-    if not text:
-        return None
-    try:
-        return Isolation.parse(text)
-    except ValueError:
-        return None
 
 
 Candidate = tuple[PodView, str, tuple[AssignedGpu, ...]]
@@ -199,7 +191,10 @@ def expected_container(
         return ({g.uuid for g in gpus} != share_gpus, stale, at, pod.key, container)
 
     pod, container, gpus = min(candidates, key=rank)
-    return Match(pod, container, gpus, _isolation(pod))
+    # the isolation the extender recorded at bind (from the job's spec), never the pod's
+    # own isolation annotation: a tenant could change that after admission
+    assignment = assignment_on(pod, node)
+    return Match(pod, container, gpus, assignment.isolation if assignment else None)
 
 
 def match_request(

@@ -45,6 +45,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
             (c["name"], n) for c in (spec.get("containers") or []) if (n := _gpu_count(c)) > 0
         ),
         owner=gpujob_owner(meta.get("ownerReferences")),
+        scheduler=str(spec.get("schedulerName") or ""),
     )
 
 

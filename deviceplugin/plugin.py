@@ -20,7 +20,7 @@ import grpc
 from carpool.core import checkpointing
 from carpool.core.assignment import AssignedGpu
 from carpool.core.gpunode import SHARING_MODES
-from carpool.core.names import RESOURCE_GPU
+from carpool.core.names import RESOURCE_GPU, SCHEDULER_NAME
 from carpool.core.ownership import unowned_refusal
 from carpool.core.resources import Isolation
 from carpool.core.shares import ShareId
@@ -298,8 +298,16 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         pods = await state.pods.pods_on_node(state.config.node)
         match = match_request(pods, state.config.node, shares, state.clock(),
                               frozenset(state.handed_over))
-        if not match.pod.owner and not state.config.serve_unowned:
-            raise HandshakeError("PERMISSION_DENIED", unowned_refusal(match.pod.key))
+        if not state.config.serve_unowned:
+            if not match.pod.owner:
+                raise HandshakeError("PERMISSION_DENIED", unowned_refusal(match.pod.key))
+            if match.pod.scheduler != SCHEDULER_NAME:
+                # every pod holding a Carpool GPU is one the operator's pod watch sees
+                raise HandshakeError(
+                    "PERMISSION_DENIED",
+                    f"pod {match.pod.key} was not placed by {SCHEDULER_NAME} "
+                    f"(spec.schedulerName {match.pod.scheduler!r}); Carpool serves GPUs only "
+                    f"to the pods its scheduler placed")
         isolation = self._isolation(match)
         self._check_honourable(match.pod.key, match.gpus)
         setup = container_setup(isolation, match.gpus, state.config.mps,

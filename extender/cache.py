@@ -23,8 +23,10 @@ from carpool.core.assignment import (
     AssignmentError,
     parse_assignment,
 )
+from carpool.core.decoding import gpu_request_from_spec
+from carpool.core.ownership import Owner
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant, Isolation, NodeInventory
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
 from carpool.core.timestamps import epoch_of
 from carpool.extender.inventory import InventoryError, inventory_from_objects
 from carpool.extender.states import CachedState
@@ -112,6 +114,8 @@ class ClusterCache:
         self._usage: dict[str, tuple[str, int, int]] = {}  # effective: observed, else assumed
         self._node_usage: dict[str, tuple[int, int]] = {}
         self._synced: set[str] = set()
+        # GpuJobs by namespace/name: (uid, the GPU request of their immutable spec)
+        self._jobs: dict[str, tuple[str, GpuRequest | str]] = {}
         self.pods_watch_healthy = False
         self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
         self._expiry_checked = float("-inf")
@@ -201,6 +205,42 @@ class ClusterCache:
             for name in stale:
                 self._rebuild_inventory(name)
 
+    # --- GpuJobs: what a job's pod is checked against ---------------------------------
+
+    def _set_job(self, job: Mapping[str, Any]) -> None:
+        meta = job.get("metadata") or {}
+        key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        try:
+            request: GpuRequest | str = gpu_request_from_spec(job.get("spec") or {})
+        except ValueError as exc:
+            request = f"its GpuJob's spec.gpu cannot be read: {exc}"
+        self._jobs[key] = (str(meta.get("uid") or ""), request)
+
+    def apply_gpujob(self, event: str, job: Mapping[str, Any]) -> None:
+        meta = job.get("metadata") or {}
+        with self._lock:
+            self.events["gpujobs"] += 1
+            if event == "DELETED":
+                self._jobs.pop(f"{meta.get('namespace', '')}/{meta.get('name', '')}", None)
+            else:
+                self._set_job(job)
+
+    def replace_gpujobs(self, jobs: Iterable[Mapping[str, Any]]) -> None:
+        with self._lock:
+            self._jobs = {}
+            for job in jobs:
+                self._set_job(job)
+
+    def job_request(self, namespace: str, owner: Owner) -> GpuRequest | str | None:
+        """The GPU request of the GpuJob `owner` names in `namespace` when its uid is the one
+        named (a job of that name created since is another job), why not when its spec
+        cannot be read, None when the watch has not shown it."""
+        with self._lock:
+            known = self._jobs.get(f"{namespace}/{owner.name}")
+        if known is None or known[0] != owner.uid:
+            return None
+        return known[1]
+
     # --- pods --------------------------------------------------------------------------
 
     def _hold_from_pod(self, pod: Mapping[str, Any], now: float) -> Hold | None:
@@ -218,8 +258,11 @@ class ClusterCache:
         node_name = (pod.get("spec") or {}).get("nodeName")
         if node_name and node_name != assignment.node:
             return None  # bound elsewhere by someone else: the annotation is stale
-        exclusive = str(annotations.get(names.ANN_ISOLATION, "")).lower() == (
-            Isolation.EXCLUSIVE.value)
+        # the isolation the extender recorded at bind; a pod bound before it was recorded
+        # says it in its annotation
+        exclusive = assignment.isolation is Isolation.EXCLUSIVE or (
+            assignment.isolation is None and str(annotations.get(names.ANN_ISOLATION, ""))
+            .lower() == Isolation.EXCLUSIVE.value)
         inventory = self._inventories.get(assignment.node)
         totals = {g.uuid: g.memory_total_mib for g in inventory.gpus} if inventory else {}
         counts: dict[str, int] = {}

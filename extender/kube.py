@@ -14,7 +14,7 @@ from carpool.extender.wire import dump_json
 from carpool.kube.aio import AioApi
 from carpool.kube.client import Api
 from carpool.kube.errors import ApiError, NotFound
-from carpool.kube.resources import GPUNODES, NODES, PODS
+from carpool.kube.resources import GPUJOBS, GPUNODES, NODES, PODS
 from carpool.kube.watching import Reflector
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,11 @@ def start_informers(api: Api, cache: ClusterCache) -> list[Reflector]:
             cache.replace_gpunodes([])
             cache.mark_synced("gpunodes")
 
+    def gpujobs_failed(err: Exception) -> None:
+        if isinstance(err, NotFound):  # the GpuJob CRD is not installed (yet): no jobs
+            cache.replace_gpujobs([])
+            cache.mark_synced("gpujobs")
+
     def pods_listed(pods: list[dict[str, Any]], version: str) -> None:
         cache.replace_pods(pods, time.time())
         cache.mark_synced("pods")
@@ -118,6 +123,9 @@ def start_informers(api: Api, cache: ClusterCache) -> list[Reflector]:
                   on_event=cache.apply_node),
         Reflector(api, GPUNODES, on_list=synced("gpunodes", cache.replace_gpunodes),
                   on_event=cache.apply_gpunode, on_error=gpunodes_failed),
+        # (the cache keeps of each only its uid and the GPU request of its spec)
+        Reflector(api, GPUJOBS, on_list=synced("gpujobs", cache.replace_gpujobs),
+                  on_event=cache.apply_gpujob, on_error=gpujobs_failed),
         Reflector(api, PODS, on_list=pods_listed,
                   on_event=lambda event, pod: cache.apply_pod(event, pod, time.time()),
                   on_error=pods_failed, field_selector=PODS_THAT_HOLD),

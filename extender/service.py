@@ -16,7 +16,7 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from carpool.core import names
@@ -27,7 +27,7 @@ from carpool.core.assignment import (
     encode_assignment,
     parse_assignment,
 )
-from carpool.core.ownership import unowned_refusal
+from carpool.core.ownership import grant_mismatch, unowned_refusal
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
@@ -36,6 +36,7 @@ from carpool.extender.cache import ClusterCache, InFlightClash, Refused, in_flig
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     BindingArgs,
+    ContainerDemand,
     ExtenderArgs,
     PodDemand,
     Policy,
@@ -47,7 +48,7 @@ from carpool.extender.wire import (
 
 log = logging.getLogger(__name__)
 
-CACHE_KINDS = ("nodes", "gpunodes", "pods")
+CACHE_KINDS = ("nodes", "gpunodes", "pods", "gpujobs")
 BIND_POLL_S = 0.02
 SLOW_COMMIT_S = 0.5
 NOMINATION_TTL_S = 2.0
@@ -109,6 +110,15 @@ class Settings:
             raise ValueError("ambiguous_recheck_s must be positive")
 
 
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a job's pod is not placed: `final` (its FailedScheduling says so until it is
+    deleted), or not (the scheduler retries: its job is not in the watch yet)."""
+
+    reason: str
+    final: bool = True
+
+
 def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> Assignment:
     """The annotation's content for a placement (GPU indexes from the inventory)."""
     index = {g.uuid: g.index for g in node.inventory.gpus}
@@ -117,7 +127,8 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
         for grant in grants:
             gpus.append(AssignedGpu(grant.gpu_uuid, index[grant.gpu_uuid], grant.memory_mib,
                                     grant.cores_pct, grant.mig_instance, container.container))
-    return Assignment(node.name, tuple(gpus))
+    isolation = demand.containers[0].request.isolation if demand.containers else None
+    return Assignment(node.name, tuple(gpus), isolation)
 
 
 def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
@@ -261,6 +272,33 @@ class Extender:
         self.ranker.set_supply(self.cache.supply())
         return self.ranker.warm(self.cache, time.monotonic() + budget_s)
 
+    def checked(self, demand: PodDemand) -> PodDemand | Mismatch:
+        """The demand of a GpuJob's pod as its job's spec.gpu says (isolation and models
+        from the spec; `core.ownership.grant_mismatch` checks the pod's limits and isolation
+        annotation against it), or why it is not placed. A pod whose job the watch has not
+        shown yet waits for it; one no GpuJob owns is left as it says when such pods are
+        served (`Settings.serve_unowned`), as is, then, an owned one of an unknown job."""
+        if demand.owner is None or not demand.containers:
+            return demand
+        known = self.cache.job_request(demand.namespace, demand.owner)
+        if known is None:
+            if self.settings.serve_unowned:
+                return demand
+            return Mismatch(f"pod {demand.key}: its GpuJob {demand.namespace}/"
+                            f"{demand.owner.name} (uid {demand.owner.uid}) is not known to the "
+                            f"extender (yet); its grant and isolation come from that job",
+                            final=False)
+        if isinstance(known, str):
+            return Mismatch(f"pod {demand.key}: {known}")
+        problem = grant_mismatch(known, [(c.container, c.request) for c in demand.containers])
+        if problem:
+            return Mismatch(f"pod {demand.key} {problem}; not placed (Carpool places a job's "
+                            f"pod only as its GpuJob asks)")
+        ((container, asked),) = [(c.container, c.request) for c in demand.containers]
+        request = replace(asked, isolation=known.isolation, models=known.models,
+                          mig_slices=known.mig_slices)
+        return replace(demand, containers=(ContainerDemand(container, request),))
+
     def _policy(self, demand: PodDemand) -> str:
         return demand.policy or self.settings.policy
 
@@ -277,6 +315,12 @@ class Extender:
         if not demand.owner and not self.settings.serve_unowned:
             refusal = f"carpool: {unowned_refusal(demand.key)}"
             return encode_filter_result(args, [], {}, dict.fromkeys(args.node_names, refusal))
+        checked = self.checked(demand)
+        if isinstance(checked, Mismatch):
+            reasons = dict.fromkeys(args.node_names, f"carpool: {checked.reason}")
+            return encode_filter_result(args, [], {} if checked.final else reasons,
+                                        reasons if checked.final else {})
+        demand = checked
         policy = self._policy(demand)
         self.remember_pod(args.pod)
         self.ranker.set_supply(self.cache.supply())
@@ -342,6 +386,10 @@ class Extender:
         demand = decode_pod(args.pod)
         if not demand.containers:
             return encode_priorities({n: 0 for n in args.node_names})
+        checked = self.checked(demand)
+        if isinstance(checked, Mismatch):  # (filter refused it already)
+            return encode_priorities({n: 0 for n in args.node_names})
+        demand = checked
         policy = self._policy(demand)
         snapshot = self.cache.snapshot(args.node_names, demand.key, self.clock())
         evaluations = self.ranker.evaluate_all(snapshot.states, demand, policy)
@@ -415,6 +463,11 @@ class Extender:
             return Refused(f"pod {args.key} not understood: {exc}")
         if demand.containers and not demand.owner and not self.settings.serve_unowned:
             return Refused(unowned_refusal(args.key))
+        if demand.containers:
+            checked = self.checked(demand)
+            if isinstance(checked, Mismatch):
+                return Refused(checked.reason)
+            demand = checked
         return BindPlan(args, demand, uid, str(meta.get("resourceVersion") or ""),
                         self._previous_assignment(pod, args.node), self._policy(demand), fresh)
 

@@ -657,7 +657,10 @@ class Reconciler:
         changed: set[str] = set()
         for pod in state.orphans:
             end = now if pod.deleting else now + ORPHAN_GRACE_S
-            fraction = assignment_fraction(pod.assignment, totals, mig_slices=slices)
+            # (the isolation the extender recorded in the assignment, from the job's spec)
+            fraction = assignment_fraction(
+                pod.assignment, totals, mig_slices=slices,
+                isolation=pod.assignment.isolation if pod.assignment else None)
             quota = quota_of_namespace(quotas, pod.namespace)
             if quota is not None and pod.started is not None and fraction > 0:
                 before = retired.get(quota.name)

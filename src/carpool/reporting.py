@@ -339,7 +339,11 @@ def assignments_by_gpu(pods: Iterable[Obj]) -> dict[str, list[Share]]:
             continue
         if spec.get("nodeName") and spec.get("nodeName") != assignment.node:
             continue
-        exclusive = str(annotations.get(names.ANN_ISOLATION, "")).lower() == "exclusive"
+        # the isolation the extender recorded; only an assignment made before it was
+        # recorded falls back to the pod's annotation
+        exclusive = assignment.isolation is Isolation.EXCLUSIVE or (
+            assignment.isolation is None
+            and str(annotations.get(names.ANN_ISOLATION, "")).lower() == "exclusive")
         for g in assignment.gpus:
             out.setdefault(g.uuid, []).append(Share(
                 namespace=str(meta.get("namespace", "")), pod=str(meta.get("name", "")),

@@ -128,13 +128,20 @@ def test_a_time_sliced_grant_is_billed_and_counted_as_the_gpu_it_can_take() -> N
 
 def extender(serve_unowned: bool) -> tuple[Extender, FakeCluster]:
     cache = ClusterCache()
-    for kind in ("nodes", "gpunodes", "pods"):
+    for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
         cache.mark_synced(kind)
     cluster = FakeCluster(on_change=lambda event, pod: cache.apply_pod(event, pod, 0.0))
     cache.apply_node("ADDED", node_object("n1"))
     cache.apply_gpunode("ADDED", gpunode_object("n1", [{"uuid": "g0", "model": "A100"}]))
     settings = Settings(serve_unowned=serve_unowned)
     return Extender(cache, cluster, settings, clock=lambda: 0.0), cluster
+
+
+def gpujob(name: str, *, uid: str = "u", count: int = 1, memory: str = "10Gi",
+           isolation: str = "mps") -> dict[str, Any]:
+    """A GpuJob as the extender's watch shows it (only what it keeps)."""
+    return {"metadata": {"name": name, "namespace": "default", "uid": uid},
+            "spec": {"gpu": {"count": count, "memory": memory, "isolation": isolation}}}
 
 
 def test_the_extender_filters_and_never_binds_a_pod_no_gpujob_owns() -> None:
@@ -151,6 +158,7 @@ def test_the_extender_filters_and_never_binds_a_pod_no_gpujob_owns() -> None:
     owned = pod_object("owned", memory_gib=10)
     owned["metadata"]["ownerReferences"] = [OWNER]
     cluster.add_pod(owned)
+    strict.cache.apply_gpujob("ADDED", gpujob("train", memory="10Gi"))
     assert strict.filter(ExtenderArgs(owned, ("n1",), None))["NodeNames"] == ["n1"]
     assert strict.bind(BindingArgs("owned", "default", "uid-owned", "n1")) == {"Error": ""}
     plain = {"metadata": {"name": "web", "namespace": "default"},
@@ -159,3 +167,43 @@ def test_the_extender_filters_and_never_binds_a_pod_no_gpujob_owns() -> None:
     permissive, cluster = extender(serve_unowned=True)  # benchmarks, test beds
     cluster.add_pod(bare)
     assert permissive.filter(ExtenderArgs(bare, ("n1",), None))["NodeNames"] == ["n1"]
+
+
+def test_a_jobs_pod_is_placed_as_its_gpujob_asks_not_as_its_annotations_say() -> None:
+    """The isolation annotation is a hint: a quarter GPU under MPS stays one when the pod
+    says exclusive; a pod whose limits or annotation disagree with its job is not placed."""
+    strict, cluster = extender(serve_unowned=False)
+    strict.cache.apply_gpujob("ADDED", gpujob("train", memory="10Gi", isolation="mps"))
+
+    def owned(name: str, isolation: str, memory_gib: int = 10,
+              owner: dict[str, Any] = OWNER) -> dict[str, Any]:
+        pod = pod_object(name, memory_gib=memory_gib,
+                         annotations={names.ANN_ISOLATION: isolation})
+        pod["metadata"]["ownerReferences"] = [owner]
+        cluster.add_pod(pod)
+        return pod
+
+    changed = owned("changed", "exclusive")
+    result = strict.filter(ExtenderArgs(changed, ("n1",), None))
+    reason = result["FailedAndUnresolvableNodes"]["n1"]
+    assert result["NodeNames"] == [] and "spec.gpu.isolation is mps" in reason
+    assert "exclusive" in strict.bind(BindingArgs("changed", "default", "uid-changed",
+                                                  "n1"))["Error"]
+    bigger = owned("bigger", "mps", memory_gib=80)
+    reason = strict.filter(ExtenderArgs(bigger, ("n1",), None))["FailedAndUnresolvableNodes"]
+    assert "carpool.dev/gpu-memory to 80, but its GpuJob's spec.gpu asks for 10" in reason["n1"]
+    stranger = owned("stranger", "mps", owner={**OWNER, "uid": "another-job"})
+    result = strict.filter(ExtenderArgs(stranger, ("n1",), None))
+    assert "is not known to the extender" in result["FailedNodes"]["n1"]  # retried, not final
+    assert cluster.bindings == []
+    honest = owned("honest", "mps")
+    assert strict.filter(ExtenderArgs(honest, ("n1",), None))["NodeNames"] == ["n1"]
+    assert strict.bind(BindingArgs("honest", "default", "uid-honest", "n1")) == {"Error": ""}
+    bound = cluster.pod("default", "honest")
+    recorded = parse_assignment(bound["metadata"]["annotations"][names.ANN_ASSIGNMENT])
+    assert recorded.isolation is Isolation.MPS and recorded.gpus[0].memory_mib == 10 * 1024
+    # the annotation changed after the bind does not make the GPU whole in the cache
+    bound["metadata"]["annotations"][names.ANN_ISOLATION] = "exclusive"
+    cluster.update_pod(bound)
+    hold = strict.cache.hold_of("default/honest")
+    assert hold is not None and not hold.grants[0].exclusive

@@ -6,11 +6,16 @@ the one codec for all of them: `encode_assignment` writes what the extender reco
 `parse_assignment` accepts exactly that shape, refusing anything else with an
 `AssignmentError` that names the field (annotations are user-writable text).
 
-    {"node": "gpu-1", "gpus": [{"uuid": "GPU-…", "index": 0, "memoryMiB": 20480,
-                                "cores": 25, "migInstance": "MIG-…", "container": "main"}]}
+    {"node": "gpu-1", "isolation": "mps",
+     "gpus": [{"uuid": "GPU-…", "index": 0, "memoryMiB": 20480, "cores": 25,
+               "migInstance": "MIG-…", "container": "main"}]}
 
-`migInstance` and `container` are left out when empty; `cores` defaults to 0; keys this
-version does not know are ignored (a newer extender may add some).
+`isolation` is the sharing mode the extender placed the pod for, taken from its GpuJob's
+spec (immutable), so the device plugin, the operator and the reports read it from what
+Carpool wrote rather than from the pod's own annotations; it is left out of assignments made
+before it was recorded (readers then fall back to the node's mode). `migInstance` and
+`container` are left out when empty; `cores` defaults to 0; keys this version does not know
+are ignored (a newer extender may add some).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 
 from carpool.core.annotations import load_annotation_json
 from carpool.core.names import ANN_ASSIGNMENT
-from carpool.core.resources import GpuGrant
+from carpool.core.resources import GpuGrant, Isolation
 
 # How long a bound pod counts as "in flight" (assigned, not yet handed over by the device
 # plugin, not running) when nothing else ends it. The extender keeps a second pod with the same
@@ -56,14 +61,15 @@ class Assignment:
 
     node: str
     gpus: tuple[AssignedGpu, ...]
+    isolation: Isolation | None = None  # None: not recorded (an older extender)
 
     def grants(self, exclusive: bool = False,
                memory_total: Mapping[str, int] | None = None) -> tuple[GpuGrant, ...]:
-        """The grants this assignment holds. The annotation has no exclusive flag (the pod's
-        isolation says it): `exclusive` makes every grant hold its whole GPU, with the GPU's
-        total memory where `memory_total` knows it."""
+        """The grants this assignment holds: `exclusive` (or the recorded isolation) makes
+        every grant hold its whole GPU, with the GPU's total memory where `memory_total`
+        knows it."""
         totals = memory_total or {}
-        if exclusive:
+        if exclusive or self.isolation is Isolation.EXCLUSIVE:
             return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
                          for g in self.gpus)
         return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance)
@@ -72,8 +78,11 @@ class Assignment:
 
 def encode_assignment(assignment: Assignment) -> str:
     """The annotation's text (compact JSON)."""
-    return json.dumps({"node": assignment.node, "gpus": [gpu_entry(g) for g in assignment.gpus]},
-                      separators=(",", ":"))
+    data: dict[str, object] = {"node": assignment.node}
+    if assignment.isolation is not None:
+        data["isolation"] = assignment.isolation.value
+    data["gpus"] = [gpu_entry(g) for g in assignment.gpus]
+    return json.dumps(data, separators=(",", ":"))
 
 
 def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
@@ -99,7 +108,16 @@ def parse_assignment(text: str) -> Assignment:
     node = data.get("node")
     if not isinstance(node, str) or not node:
         raise AssignmentError(f"{ANN_ASSIGNMENT}: node must be a non-empty string, got {node!r}")
-    return Assignment(node, parse_gpus(data.get("gpus"), ANN_ASSIGNMENT))
+    isolation = None
+    if (raw := data.get("isolation")) is not None:
+        try:
+            isolation = Isolation.parse(str(raw)) if isinstance(raw, str) else None
+        except ValueError:
+            isolation = None
+        if isolation is None:
+            raise AssignmentError(f"{ANN_ASSIGNMENT}: isolation must be one of "
+                                  f"{', '.join(i.value for i in Isolation)}, got {raw!r}")
+    return Assignment(node, parse_gpus(data.get("gpus"), ANN_ASSIGNMENT), isolation)
 
 
 def parse_gpus(raw: object, where: str) -> tuple[AssignedGpu, ...]:

@@ -27,11 +27,15 @@ Everything here is pure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.core.names import ANN_ISOLATION as ISOLATION_ANNOTATION
 from carpool.core.names import GROUP
+from carpool.core.resources import GpuRequest
+
+MIB_PER_GIB = 1024
 
 GPUJOB_KIND = "GpuJob"
 
@@ -121,6 +125,32 @@ def attempt_link(job: JobIdentity, pod: PodIdentity) -> Link | None:
     if job.admittable and pod.name == job.next_pod_name and controls(job, pod):
         return Link(job.attempts + 1)
     return None
+
+
+def grant_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]]) -> str:
+    """Why a job's pod does not ask for what its GpuJob's spec.gpu does ("" when it does).
+
+    `pod` is each GPU container's request as its carpool.dev/* limits say (immutable once the
+    pod exists; memory in whole GiB, as the operator writes it) with the isolation its
+    annotation names. The extender and the device plugin place and serve a job's pod by its
+    job's spec (immutable, only Carpool acts on it), so a pod that says otherwise, in its
+    limits or in an annotation changed after admission, is refused rather than believed."""
+    if len(pod) != 1:
+        return (f"asks for GPUs in {len(pod)} containers; the operator gives a job's pod its "
+                f"GPUs in one")
+    container, asked = pod[0]
+    memory_gib = -(-job.memory_mib // MIB_PER_GIB)
+    wanted = (("carpool.dev/gpu", job.count, asked.count),
+              ("carpool.dev/gpu-memory", memory_gib, asked.memory_mib // MIB_PER_GIB),
+              ("carpool.dev/gpu-cores", job.cores_pct, asked.cores_pct))
+    for what, spec, limit in wanted:
+        if spec != limit:
+            return (f"container {container!r} limits {what} to {limit}, but its GpuJob's "
+                    f"spec.gpu asks for {spec}")
+    if asked.isolation is not job.isolation:
+        return (f"its annotation {ISOLATION_ANNOTATION} says {asked.isolation.value}, but its "
+                f"GpuJob's spec.gpu.isolation is {job.isolation.value}")
+    return ""
 
 
 def unowned_refusal(pod_key: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -19,7 +20,13 @@ from typing import Any
 import grpc
 import pytest
 
-from carpool.core.names import ANN_ALLOCATED, ANN_ASSIGNED_AT, ANN_ASSIGNMENT, ANN_ISOLATION
+from carpool.core.names import (
+    ANN_ALLOCATED,
+    ANN_ASSIGNED_AT,
+    ANN_ASSIGNMENT,
+    ANN_ISOLATION,
+    SCHEDULER_NAME,
+)
 from carpool.core.ownership import Owner
 from carpool.deviceplugin.agent import health_step
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
@@ -88,13 +95,17 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
 def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int | None = None,
         assigned_at: str = "2027-01-15T08:00:00Z", node: str = NODE, owner: str = "job"
         ) -> PodView:
-    annotations = {ANN_ASSIGNMENT: json.dumps({"node": node, "gpus": gpus}),
-                   ANN_ASSIGNED_AT: assigned_at}
+    # the extender records the job's isolation in the assignment; the pod's own annotation
+    # says the same here (a test below makes them differ)
+    assignment: dict[str, Any] = {"node": node, "gpus": gpus}
+    if isolation:
+        assignment["isolation"] = isolation
+    annotations = {ANN_ASSIGNMENT: json.dumps(assignment), ANN_ASSIGNED_AT: assigned_at}
     if isolation:
         annotations[ANN_ISOLATION] = isolation
     return PodView("lab", name, f"uid-{name}", "Pending", False, annotations,
                    (("main", count if count is not None else len(gpus)),),
-                   Owner(owner, f"uid-{owner}") if owner else None)
+                   Owner(owner, f"uid-{owner}") if owner else None, SCHEDULER_NAME)
 
 
 @pytest.fixture
@@ -265,6 +276,32 @@ def test_a_pod_no_gpujob_owns_is_refused_and_an_uncapped_one_gets_its_memory_sha
                            isolation="mps"))
             envs = dict((await allocate(stub, f"{gpu0}::1")).container_responses[0].envs)
             assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(-(-8192 * 100 // total))
+    run(scenario())
+
+
+def test_allocate_serves_the_isolation_the_extender_recorded_not_the_pods_annotation(
+        plugin_dir: Path) -> None:
+    """A tenant that changes its pod's `carpool.dev/isolation` after admission (a cluster
+    without the admission policy) still gets the MPS share its job asked for and the extender
+    recorded; a pod another scheduler placed is not served."""
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200) as (kubelet, _server, backend, source):
+            gpu0, _ = (g.uuid for g in backend.inventory())
+            share = [{"uuid": gpu0, "index": 0, "memoryMiB": 8192, "cores": 25}]
+            changed = pod("changed", share, isolation="mps")
+            source.add(dataclasses.replace(changed, annotations={
+                **changed.annotations, ANN_ISOLATION: "exclusive"}))
+            stub = kubelet.stub()
+            envs = dict((await allocate(stub, f"{gpu0}::0")).container_responses[0].envs)
+            assert envs["CARPOOL_ISOLATION"] == "mps"
+            assert envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+            elsewhere = dataclasses.replace(pod("elsewhere", share, isolation="mps"),
+                                            scheduler="default-scheduler")
+            source.add(elsewhere)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await allocate(stub, f"{gpu0}::1")
+            assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "was not placed by carpool-scheduler" in (err.value.details() or "")
     run(scenario())
 
 

@@ -22,7 +22,7 @@ from carpool.extender.service import Extender, Settings
 
 def world() -> tuple[Extender, FakeCluster]:
     cache = ClusterCache()
-    for kind in ("nodes", "gpunodes", "pods"):
+    for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
         cache.mark_synced(kind)
     cluster = FakeCluster(on_change=lambda event, pod: cache.apply_pod(event, pod, 0.0))
     for name, temp in (("n1", 40.0), ("n2", 70.0)):

@@ -79,7 +79,7 @@ def test_a_bind_counts_the_pods_cpu_until_the_watch_shows_it() -> None:
     cache.apply_node("ADDED", node_with("n", "32"))
     cache.apply_gpunode("ADDED", gpunode_object("n", [{"uuid": "g", "model": "A100"}]))
     world = FakeCluster(on_change=lambda event, pod: cache.apply_pod(event, pod, NOW))
-    for kind in ("nodes", "gpunodes", "pods"):
+    for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
         cache.mark_synced(kind)
     extender = Extender(cache, world, Settings(bind_wait_s=0.0), clock=lambda: NOW)
     pod = with_requests(pod_object("p", memory_gib=10), "4")
@@ -106,7 +106,7 @@ def test_the_cache_counts_gpus_per_model_as_nodes_come_and_go() -> None:
 class World:
     def __init__(self, settings: Settings | None = None) -> None:
         self.cache = ClusterCache()
-        for kind in ("nodes", "gpunodes", "pods"):
+        for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
             self.cache.mark_synced(kind)
         self.cluster = FakeCluster(
             on_change=lambda event, pod: self.cache.apply_pod(event, pod, NOW))

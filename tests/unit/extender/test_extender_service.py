@@ -40,7 +40,7 @@ class World:
     def __init__(self, settings: Settings | None = None) -> None:
         self.clock = Clock()
         self.cache = ClusterCache()
-        for kind in ("nodes", "gpunodes", "pods"):
+        for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
             self.cache.mark_synced(kind)
         self.cluster = FakeCluster(
             on_change=lambda event, pod: self.cache.apply_pod(event, pod, self.clock.now))
