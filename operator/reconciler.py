@@ -47,6 +47,7 @@ from carpool.core.ownership import (
     attempt_link,
     controls,
     gpujob_owner,
+    is_orphan,
 )
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
@@ -421,8 +422,10 @@ class Reconciler:
             elif not obs.phase.finished:
                 state.initial[key] = self._initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
-        state.orphans = [pod for pod, _ in by_uid.values()
-                         if pod.uid not in linked and pod.holds_gpus]
+        billed = {str(ns) for quota in self.informers.objects(QUOTAS)
+                  for ns in (quota.get("spec") or {}).get("namespaces") or ()}
+        state.orphans = [pod for pod, _ in by_uid.values() if is_orphan(
+            pod.identity, pod.holds_gpus, pod.uid in linked, pod.namespace in billed)]
         uids = {str(obj["metadata"].get("uid", "")) for obj in state.objects.values()}
         with self._told_lock:
             self._told = {u: t for u, t in self._told.items() if u in uids}

@@ -127,6 +127,16 @@ def attempt_link(job: JobIdentity, pod: PodIdentity) -> Link | None:
     return None
 
 
+def is_orphan(pod: PodIdentity, holds_gpus: bool, an_attempt: bool,
+              in_project_namespace: bool) -> bool:
+    """Whether the operator stops a pod as an orphan: it holds (or is assigned) a Carpool
+    GPU, it is no job's current attempt (`attempt_link`), and it claims a GpuJob or sits in a
+    namespace that bills to a project. A GPU pod elsewhere that claims no GpuJob is never
+    served (the extender and the device plugin refuse pods no GpuJob owns, unless told to
+    serve such pods, as benchmarks and test beds do) and is left alone."""
+    return holds_gpus and not an_attempt and (pod.owner is not None or in_project_namespace)
+
+
 def grant_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]]) -> str:
     """Why a job's pod does not ask for what its GpuJob's spec.gpu does ("" when it does).
 

@@ -14,6 +14,7 @@ from carpool.core.ownership import (
     PodIdentity,
     attempt_link,
     controls,
+    is_orphan,
 )
 
 JOB = JobIdentity(namespace="team", name="train", uid="job-uid", attempts=2,
@@ -61,3 +62,13 @@ def test_a_status_without_pod_uid_adopts_the_named_pod_the_job_controls() -> Non
     assert attempt_link(legacy, POD) == Link(2)
     assert attempt_link(legacy, replace(POD, owner=None)) is None
     assert attempt_link(replace(legacy, attempts=0, pod_name=""), POD) is None
+
+
+def test_an_orphan_holds_a_gpu_is_no_attempt_and_claims_a_job_or_bills_to_a_project() -> None:
+    bare = replace(POD, owner=None)
+    assert is_orphan(POD, holds_gpus=True, an_attempt=False, in_project_namespace=False)
+    assert is_orphan(bare, holds_gpus=True, an_attempt=False, in_project_namespace=True)
+    assert not is_orphan(POD, holds_gpus=True, an_attempt=True, in_project_namespace=True)
+    assert not is_orphan(POD, holds_gpus=False, an_attempt=False, in_project_namespace=True)
+    # a bare GPU pod outside project namespaces: never served in production, left alone
+    assert not is_orphan(bare, holds_gpus=True, an_attempt=False, in_project_namespace=False)
