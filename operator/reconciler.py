@@ -615,7 +615,12 @@ class Reconciler:
             if live is not None:
                 if not live.deleting:
                     self.kube.delete_pod(live.namespace, live.name,
-                                         max(0, math.ceil(job.checkpoint_grace_s)))
+                                         max(0, math.ceil(job.checkpoint_grace_s)),
+                                         uid=live.uid)
+                    self.kube.event(_pod_ref(live), "JobDeleted",
+                                    f"GpuJob {key} was deleted; its attempt {live.attempt} "
+                                    f"is stopped and its GPU time billed to project "
+                                    f"{job.project}", "Normal", "Stop")
                 continue
             quota = quotas.get(job.project)
             if quota is not None and job.runs:
@@ -696,9 +701,7 @@ class Reconciler:
             return
         log.warning("%s", why)
         self.kube.delete_pod(pod.namespace, pod.name, ORPHAN_GRACE_S, uid=pod.uid)
-        self.kube.event({"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": pod.name, "namespace": pod.namespace, "uid": pod.uid}},
-            reason, why, "Warning", "Stop")
+        self.kube.event(_pod_ref(pod), reason, why, "Warning", "Stop")
         job = state.objects.get(job_key)
         if job is not None:
             self.kube.event(job, reason, why, "Warning", "Stop")
@@ -1082,6 +1085,12 @@ def quota_of_namespace(quotas: Mapping[str, ProjectQuota], namespace: str
                        ) -> ProjectQuota | None:
     """The project a namespace bills to (the first by name, if several list it)."""
     return next((quotas[n] for n in sorted(quotas) if namespace in quotas[n].namespaces), None)
+
+
+def _pod_ref(pod: PodView) -> Obj:
+    """A pod as `Kube.event` names what an Event is about."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid}}
 
 
 def _present(state: PassState) -> set[str]:
