@@ -63,7 +63,7 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 # images and labels; of its owner references only GpuJobs', of its containers only their
 # carpool.dev/* limits (what it holds).
 POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
-POD_ANNOTATIONS = (names.ANN_ASSIGNMENT, names.ANN_ISOLATION)
+POD_ANNOTATIONS = (names.ANN_ASSIGNMENT,)
 POD_STATUS = ("phase", "reason", "startTime")
 OWNER_FIELDS = ("apiVersion", "kind", "name", "uid", "controller")
 
