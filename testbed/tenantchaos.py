@@ -474,7 +474,8 @@ class Checker:
                 why = "its job's current attempt" if is_current_attempt(pod, job) \
                     else _why_not_current(pod, job)
                 self.breach(UNASSIGNED, f"{key} on {pod['spec'].get('nodeName')} ({why})")
-            if job is not None and (beyond := grant_beyond_request(pod, job)) \
+            # (a pod re-owned to another job is that job's stray, judged above, not its grant)
+            if is_current_attempt(pod, job) and (beyond := grant_beyond_request(pod, job)) \
                     and key not in self._reported_grants:
                 self._reported_grants.add(key)
                 self.breach("grant beyond the job's request", beyond)
