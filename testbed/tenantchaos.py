@@ -143,10 +143,15 @@ def is_current_attempt(pod: Mapping[str, Any], job: Mapping[str, Any] | None) ->
     if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
         return False
     attempts = int(status.get("attempts") or 0)
-    name = (pod.get("metadata") or {}).get("name")
-    # the operator creates attempt n+1's pod just before it writes attempts = n+1
-    return name in (attempt_pod_name(str(meta.get("name")), attempts),
-                    attempt_pod_name(str(meta.get("name")), attempts + 1))
+    pod_meta = pod.get("metadata") or {}
+    name = pod_meta.get("name")
+    # the operator creates attempt n+1's pod just before it writes attempts = n+1 (and the
+    # pod's uid, `podUID`, once it has one: then only that pod is the attempt)
+    if name == attempt_pod_name(str(meta.get("name")), attempts + 1):
+        return True
+    if status.get("podUID"):
+        return bool(pod_meta.get("uid") == status["podUID"])
+    return bool(name == attempt_pod_name(str(meta.get("name")), attempts))
 
 
 def asks_for_gpus(pod: Mapping[str, Any]) -> bool:

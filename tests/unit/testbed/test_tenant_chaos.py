@@ -199,3 +199,12 @@ def test_a_victim_change_is_counted_once_per_job_and_kind_even_past_an_odd_phase
         check._job_seen(dict(victim, status={"phase": "Failed", "attempts": 1}))
     check._job_seen(dict(victim, status={"phase": "Running", "attempts": 2}))
     assert check.counts[tenantchaos.UNEXPLAINED] == 2, check.violations
+
+
+def test_once_the_job_records_its_pods_uid_only_that_pod_is_its_attempt() -> None:
+    running = job("j1", attempts=1)
+    running["status"]["podUID"] = "pod-b-j1-1"
+    assert is_current_attempt(pod("j1-1", owner=running), running)
+    lookalike = pod("j1-1", owner=running)
+    lookalike["metadata"]["uid"] = "another"
+    assert not is_current_attempt(lookalike, running)
