@@ -292,6 +292,7 @@ class PodRun:
     job_uid: str
     start: float
     end: float | None = None
+    pod: str = ""  # namespace/name
 
 
 @dataclass
@@ -385,7 +386,8 @@ class Checker:
                 start = _started(pod)
                 if start is not None:
                     run = self.runs[uid] = PodRun(self.namespaces.get(meta["namespace"], ""),
-                                                  assignment, controller_uid(pod), start)
+                                                  assignment, controller_uid(pod), start,
+                                                  pod=key)
             if run is not None and run.end is None and status.get("phase") in TERMINAL:
                 run.end = _finished(pod) or time.time()
         if meta["namespace"] == self.victim_ns and status.get("phase") == "Succeeded":
@@ -503,6 +505,32 @@ class Checker:
                 out[run.project] = out.get(run.project, 0.0) + gpu_hours(fraction, run.start,
                                                                           end)
         return out
+
+    def billing_differences(self, now: float, most: int = 8) -> list[str]:
+        """The pods whose held GPU-seconds differ most from their attempt's usage record in
+        the last status seen of their job (a deleted job's last status may lack the end its
+        retirement wrote), to say where a gap between billed and held comes from."""
+        from carpool.core.checkpointing import attempt_of_pod
+
+        rows: list[tuple[float, str]] = []
+        with self._lock:
+            for run in self.runs.values():
+                job = self.jobs_by_uid.get(run.job_uid)
+                fraction = pod_fraction(run.assignment, job, self.memory_totals)
+                held = fraction * ((run.end if run.end is not None else now) - run.start)
+                attempt = attempt_of_pod(run.pod.rsplit("/", 1)[-1])
+                records = [r for r in ((job or {}).get("status") or {}).get("history") or []
+                           if r.get("attempt") == attempt]
+                billed = 0.0
+                for r in records:
+                    start, end = epoch_of(r.get("start")), epoch_of(r.get("end")) or now
+                    billed += float(r.get("fraction") or 0.0) * (end - (start or end))
+                gone = " (job deleted)" if job is not None and job["metadata"].get(
+                    "deletionTimestamp") else "" if job is not None else " (no job)"
+                rows.append((held - billed, f"{run.pod}{gone}: held {held:.1f} GPU-s, "
+                                            f"its record {billed:.1f}"))
+        rows.sort(key=lambda r: -abs(r[0]))
+        return [text for delta, text in rows[:most] if abs(delta) >= 1.0]
 
     def jobs_in(self, namespace: str) -> list[Obj]:
         with self._lock:
@@ -1062,6 +1090,7 @@ class Report:
     longest_orphan_s: float
     samples: int
     seconds: float
+    billing_differences: list[str] = field(default_factory=list)  # pods that differ most
 
     def billing_gaps(self) -> dict[str, float]:
         """|billed - held| GPU-hours per project beyond the tolerance (none: all equal).
@@ -1103,6 +1132,9 @@ class Report:
     def table(self) -> str:
         lines = ["invariant | breaches | detail", "---|---|---"]
         lines += [" | ".join(r) for r in self.rows()]
+        if self.billing_gaps() and self.billing_differences:
+            lines += ["", "pods whose GPU time differs most from their job's usage record:",
+                      *(f"  {d}" for d in self.billing_differences)]
         tried, accepted, refused = self.tally.totals()
         lines += ["", f"attacks: {tried} requests, {accepted} accepted, {refused} refused",
                   "attack | tried | accepted | refused by", "---|---|---|---"]
@@ -1121,6 +1153,7 @@ class Report:
                 "duration_s": self.settings.duration_s, "rows": self.rows(),
                 "violations": self.violations[:100], "billed": self.billed, "held": self.held,
                 "gpu_pods_left": self.gpu_pods_left,
+                "billing_differences": self.billing_differences,
                 "attacks": {a: {"tried": n, "accepted": self.tally.accepted.get(a, 0),
                                 "refused": self.tally.refused.get(a, {}),
                                 "stored_jobs_became": self.tally.outcomes.get(a, {})}
@@ -1271,6 +1304,7 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
             for problem in checker.victim_pods_not_their_own(succeeded):
                 checker.breach(UNEXPLAINED, problem)
             held = checker.held_gpu_hours(time.time())
+            differences = checker.billing_differences(time.time())
             billed = _billed(admin, [victim_project, tenant_project])
         finally:
             stop.set()
@@ -1281,7 +1315,8 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
     report = Report(settings, started.strftime("%Y-%m-%d %H:%M:%SZ"), tally,
                     dict(checker.counts), list(checker.violations), len(checker.victim_seen),
                     checker.phases(victim_ns), checker.phases(tenant_ns), billed, held,
-                    checker.gpu_pods(), longest, checker.samples, time.monotonic() - began)
+                    checker.gpu_pods(), longest, checker.samples, time.monotonic() - began,
+                    differences)
     for violation in checker.violations[shown:]:
         say(f"VIOLATION {violation}")
     say("result\n" + report.table())
