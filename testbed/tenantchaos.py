@@ -1255,7 +1255,12 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
                         api.create(GPUJOBS_PATH.format(ns=namespace), body)
 
     def attack_loop() -> None:
-        actions = [a for a, weight in ATTACKS for _ in range(weight)]
+        # Without carpool-pod-metadata nothing keeps a tenant from forging the extender's
+        # assignment, which the device plugin believes by design (its integrity is that
+        # policy's): that run tries what the components must ignore, not the forgery.
+        actions = [a for a, weight in ATTACKS for _ in range(weight)
+                   if not (a is Tenant.forge_assignment
+                           and "carpool-pod-metadata" in settings.without_policies)]
         while not stop.wait(settings.attack_pause_s):
             try:
                 rng.choice(actions)(attacker)
