@@ -12,7 +12,7 @@ from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.checkpointing import attempt_of_pod
 from carpool.core.lifecycle import PodView
-from carpool.core.ownership import gpujob_owner
+from carpool.core.ownership import GpuLimits, gpujob_owner
 from carpool.core.timestamps import epoch_seconds as parse_time
 from carpool.core.timestamps import format_timestamp as format_time
 
@@ -50,10 +50,8 @@ def view_pod(pod: Obj) -> PodView:
                 finished = max(finished or end, end)
             exit_reason = term.get("reason") or exit_reason
     phase = status.get("phase") or "Pending"
-    gpu_pod = bool(annotations.get(names.ANN_ASSIGNMENT)) or any(
-        ((c.get("resources") or {}).get("limits") or {}).get(names.RESOURCE_GPU) not in
-        (None, "0", 0) for c in (pod.get("spec") or {}).get("containers") or ()
-        if isinstance(c, dict))
+    limits = gpu_limits(pod)
+    gpu_pod = bool(annotations.get(names.ANN_ASSIGNMENT)) or bool(limits)
     if phase in ("Succeeded", "Failed") and finished is None:
         finished = parse_time(meta.get("deletionTimestamp")) or started
     return PodView(
@@ -74,4 +72,28 @@ def view_pod(pod: Obj) -> PodView:
         uid=str(meta.get("uid") or ""),
         owner=gpujob_owner(meta.get("ownerReferences")),
         gpu_pod=gpu_pod,
+        limits=limits,
     )
+
+
+def gpu_limits(pod: Obj) -> tuple[GpuLimits, ...]:
+    """The carpool.dev/* limits of the pod's containers that ask for GPUs (unreadable
+    numbers count as 0: the API server validated them)."""
+    out = []
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        if not isinstance(container, dict):
+            continue
+        limits = (container.get("resources") or {}).get("limits") or {}
+        count = _whole(limits.get(names.RESOURCE_GPU))
+        if count > 0:
+            out.append(GpuLimits(str(container.get("name") or ""), count,
+                                 _whole(limits.get(names.RESOURCE_GPU_MEMORY)),
+                                 _whole(limits.get(names.RESOURCE_GPU_CORES))))
+    return tuple(out)
+
+
+def _whole(value: object) -> int:
+    try:
+        return max(0, int(str(value))) if value is not None else 0
+    except ValueError:
+        return 0

@@ -44,6 +44,7 @@ from carpool.core.ownership import (
     JobIdentity,
     Link,
     PodIdentity,
+    assignment_tampered,
     attempt_link,
     controls,
     gpujob_owner,
@@ -239,7 +240,7 @@ class PassState:
     # GPU pods that are no live job's attempt, and (job key, pod) of a job's recorded attempt
     # the job no longer controls: both are stopped (`_stop_strays`)
     orphans: list[PodView] = field(default_factory=list)
-    tampered: list[tuple[str, PodView]] = field(default_factory=list)
+    tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
 
     @property
     def orphan_keys(self) -> list[str]:
@@ -357,10 +358,17 @@ class Reconciler:
             version = str(meta.get("resourceVersion", ""))
             guarded = names.FINALIZER in (meta.get("finalizers") or ())
             links = _attempt_pods(obj, by_uid, by_name)
+            status_now = obj.get("status") or {}
             for linked_pod, link in links:
                 linked.add(linked_pod.uid)
-                if link.tampered and not meta.get("deletionTimestamp"):
-                    state.tampered.append((key, linked_pod))
+                if meta.get("deletionTimestamp") or linked_pod.terminal:
+                    continue
+                why = ("its ownerReference no longer names that job" if link.tampered else
+                       assignment_tampered(linked_pod.assignment, linked_pod.limits, str(
+                           status_now.get("podAssignment") or "")
+                           if link.attempt == int(status_now.get("attempts") or 0) else ""))
+                if why:
+                    state.tampered.append((key, linked_pod, why))
             job_pods = [replace(p, attempt=link.attempt) for p, link in links]
             signature = tuple(sorted(by_uid[p.uid][1] for p in job_pods))
             cached = self._decoded.get(key)
@@ -684,10 +692,10 @@ class Reconciler:
                    + (f"project {quota.name}" if quota else "no project (namespace unbound)"))
             self._stop(state, pod, "OrphanStopped", why,
                        f"{pod.namespace}/{pod.owner.name}" if pod.owner else "")
-        for key, pod in state.tampered:
+        for key, pod, what in state.tampered:
             why = (f"pod {pod.namespace}/{pod.name} is the recorded attempt of GpuJob {key} "
-                   f"but its ownerReference no longer names that job; stopped (Carpool's "
-                   f"ownerReferences, labels and annotations are not to be changed)")
+                   f"but {what}; stopped (Carpool's ownerReferences, labels and annotations "
+                   f"are not to be changed)")
             self._stop(state, pod, "AttemptTampered", why, key)
         present = _present(state)
         for project in sorted(changed):

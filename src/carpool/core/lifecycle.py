@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.core.assignment import Assignment, AssignmentError, parse_gpus
+from carpool.core.assignment import Assignment, AssignmentError, encode_assignment, parse_gpus
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
-from carpool.core.ownership import Owner, PodIdentity
+from carpool.core.ownership import GpuLimits, Owner, PodIdentity
 from carpool.core.resources import GpuGrant, Isolation, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
 
@@ -49,6 +49,7 @@ class PodView:
     # asks for Carpool GPUs (carpool.dev/* limits: immutable, only the operator's pods may
     # have them) or was assigned some (the extender's annotation)
     gpu_pod: bool = False
+    limits: tuple[GpuLimits, ...] = ()  # its containers' carpool.dev/* limits
 
     @property
     def terminal(self) -> bool:
@@ -216,6 +217,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
                  "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
+                 "podAssignment": None,
                  "reason": reason, "message": f"attempt {attempts} ended ({reason}); requeued"}
         events.append(("Normal" if reason == "Preempted" else "Warning", "Requeued",
                        f"attempt {attempts} ended ({reason}); back in the queue"))
@@ -259,6 +261,10 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         new_phase = Phase.ADMITTED
     history = _record(history, current, fraction, now, None)
     patch = {"phase": new_phase.value, "attempts": attempts, "history": history}
+    if current.assignment is not None and not status.get("podAssignment"):
+        # the assignment as first seen bound: a later change is not the extender's
+        # (ownership.assignment_tampered)
+        patch["podAssignment"] = encode_assignment(current.assignment)
     if current.node:
         patch["node"] = current.node
     if gpus:
@@ -296,6 +302,7 @@ def _requeue_failed(phase: Phase, history: list[Obj], pod: PodView, outcome: str
     patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
              "gpuHours": round(history_gpu_hours(history, now), 6),
              "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
+                 "podAssignment": None,
              "reason": DISRUPTED if outcome == DISRUPTED else "NodeRejected",
              "message": message}
     return Observation(Phase.QUEUED, attempts, patch, (("Warning", "Requeued", message),))

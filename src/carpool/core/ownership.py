@@ -31,9 +31,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.core.assignment import Assignment, encode_assignment
 from carpool.core.names import ANN_ISOLATION as ISOLATION_ANNOTATION
 from carpool.core.names import GROUP
-from carpool.core.resources import GpuRequest
+from carpool.core.resources import GpuRequest, Isolation
 
 MIB_PER_GIB = 1024
 
@@ -160,6 +161,52 @@ def grant_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]]) -> st
     if asked.isolation is not job.isolation:
         return (f"its annotation {ISOLATION_ANNOTATION} says {asked.isolation.value}, but its "
                 f"GpuJob's spec.gpu.isolation is {job.isolation.value}")
+    return ""
+
+
+@dataclass(frozen=True)
+class GpuLimits:
+    """One container's carpool.dev/* limits (immutable once the pod exists)."""
+
+    container: str
+    count: int
+    memory_gib: int = 0
+    cores_pct: int = 0
+
+
+def assignment_tampered(assignment: Assignment | None, limits: Sequence[GpuLimits],
+                        recorded: str) -> str:
+    """Why a job's pod's `carpool.dev/assignment` is not one the extender wrote for it ("" when
+    it may be): it differs from the one the operator recorded when it first saw the pod bound
+    (`recorded`, the job's `status.podAssignment`), or it gives a container other GPUs than its
+    limits ask for (count; memory or cores per GPU above them, MIG instances and exclusive
+    GPUs aside, whose memory is the instance's or the card's). Checked on the job's current
+    attempt: the assignment is the one pod annotation every component acts on."""
+    if assignment is None:
+        return "its carpool.dev/assignment was removed" if recorded else ""
+    if recorded and encode_assignment(assignment) != recorded:
+        return "its carpool.dev/assignment differs from the one it was bound with"
+    named = {g.container for g in assignment.gpus}
+    for limit in limits:
+        gpus = [g for g in assignment.gpus
+                if g.container == limit.container or (named == {""} and len(limits) == 1)]
+        if len(gpus) != limit.count:
+            return (f"its carpool.dev/assignment gives container {limit.container!r} "
+                    f"{len(gpus)} GPUs, its carpool.dev/gpu limit is {limit.count}")
+        if assignment.isolation is Isolation.EXCLUSIVE:
+            continue
+        for gpu in gpus:
+            if not gpu.mig_instance and limit.memory_gib and \
+                    gpu.memory_mib > limit.memory_gib * MIB_PER_GIB:
+                return (f"its carpool.dev/assignment gives container {limit.container!r} "
+                        f"{gpu.memory_mib} MiB on GPU {gpu.uuid}, over its carpool.dev/"
+                        f"gpu-memory limit of {limit.memory_gib} GiB")
+            if limit.cores_pct and gpu.cores_pct > limit.cores_pct:
+                return (f"its carpool.dev/assignment gives container {limit.container!r} "
+                        f"{gpu.cores_pct} % of GPU {gpu.uuid}, over its carpool.dev/gpu-cores "
+                        f"limit of {limit.cores_pct}")
+    if len(assignment.gpus) != sum(limit.count for limit in limits):
+        return "its carpool.dev/assignment names GPUs for containers that ask for none"
     return ""
 
 

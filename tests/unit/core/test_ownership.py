@@ -72,3 +72,31 @@ def test_an_orphan_holds_a_gpu_is_no_attempt_and_claims_a_job_or_bills_to_a_proj
     assert not is_orphan(POD, holds_gpus=False, an_attempt=False, in_project_namespace=True)
     # a bare GPU pod outside project namespaces: never served in production, left alone
     assert not is_orphan(bare, holds_gpus=True, an_attempt=False, in_project_namespace=False)
+
+
+def test_an_assignment_is_the_extenders_while_it_matches_the_limits_and_the_first_seen() -> None:
+    from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
+    from carpool.core.ownership import GpuLimits, assignment_tampered
+    from carpool.core.resources import Isolation
+
+    quarter = Assignment("n1", (AssignedGpu("GPU-0", 0, 20 * 1024, 25, container="main"),),
+                         Isolation.MPS)
+    limits = (GpuLimits("main", 1, 20, 25),)
+    recorded = encode_assignment(quarter)
+    assert assignment_tampered(quarter, limits, "") == ""
+    assert assignment_tampered(quarter, limits, recorded) == ""
+    moved = Assignment("n1", (AssignedGpu("GPU-1", 1, 20 * 1024, 25, container="main"),),
+                       Isolation.MPS)
+    assert "differs from the one it was bound with" in assignment_tampered(moved, limits,
+                                                                           recorded)
+    assert "was removed" in assignment_tampered(None, limits, recorded)
+    bigger = Assignment("n1", (AssignedGpu("GPU-0", 0, 80 * 1024, 25, container="main"),),
+                        Isolation.MPS)
+    assert "over its carpool.dev/gpu-memory limit of 20 GiB" in assignment_tampered(
+        bigger, limits, "")
+    more = Assignment("n1", (*quarter.gpus, AssignedGpu("GPU-1", 1, 20 * 1024, 25,
+                                                         container="main")), Isolation.MPS)
+    assert "2 GPUs, its carpool.dev/gpu limit is 1" in assignment_tampered(more, limits, "")
+    whole = Assignment("n1", (AssignedGpu("GPU-0", 0, 80 * 1024, 100, container="main"),),
+                       Isolation.EXCLUSIVE)
+    assert assignment_tampered(whole, limits, "") == ""  # the card's memory, by isolation

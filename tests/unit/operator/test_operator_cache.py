@@ -532,7 +532,9 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
                      "annotations": {names.ANN_JOB: "team/a", names.ANN_ASSIGNMENT: json.dumps(
                          {"node": "n1", "gpus": [{"uuid": "GPU-0", "index": 0,
                                                   "memoryMiB": 20480, "cores": 50}]})}},
-        "spec": {"nodeName": "n1"},
+        "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": {
+            names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "20",
+            names.RESOURCE_GPU_CORES: "50"}}}]},
         "status": {"phase": "Running", "startTime": "2026-11-29T10:01:00Z",
                    "containerStatuses": [{"state": {"running": {
                        "startedAt": "2026-11-29T10:01:00Z"}}}]}}]
@@ -716,3 +718,16 @@ def test_a_gpu_pod_of_no_live_job_is_stopped_and_billed_to_its_project() -> None
         pod["metadata"]["deletionTimestamp"] = "2027-01-15T08:00:10Z"
     kube, _ = _pass([real, gone, forged], [_running_job()], T0 + 5)
     assert kube.deleted == []
+
+
+def test_the_attempt_whose_assignment_changed_after_its_bind_is_stopped() -> None:
+    job = _running_job()
+    job["status"]["podAssignment"] = (
+        '{"node":"n1","gpus":[{"uuid":"GPU-0","index":0,"memoryMiB":20480,"cores":50}]}')
+    pod = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"))
+    kube, _ = _pass([copy.deepcopy(pod)], [copy.deepcopy(job)])
+    assert kube.deleted == []  # as recorded: nothing to do
+    pod["metadata"]["annotations"][names.ANN_ASSIGNMENT] = ASSIGNED.replace("GPU-0", "GPU-1")
+    kube, _ = _pass([pod], [job])
+    assert kube.deleted == ["team/a-1"] and ("a-1", "AttemptTampered") in kube.told
+    assert kube.pods == [] and _phase_writes(kube) == []
