@@ -33,6 +33,7 @@ from carpool.core.names import (
     GPUNODE_PLURAL,
     GROUP,
     RESOURCE_GPU,
+    SCHEDULER_NAME,
     VERSION,
 )
 from carpool.deviceplugin.agent import Telemetry
@@ -93,7 +94,8 @@ def bound_pod(namespace: str, node: str, gpu_uuid: str,
             ANN_ASSIGNED_AT: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             ANN_ISOLATION: "mps",
         }),
-        spec=client.V1PodSpec(node_name=node, containers=[client.V1Container(
+        spec=client.V1PodSpec(node_name=node, scheduler_name=SCHEDULER_NAME,
+                              containers=[client.V1Container(
             name="main", image="example.invalid/train:1",
             resources=client.V1ResourceRequirements(limits={RESOURCE_GPU: "1"}))]),
     )

@@ -150,6 +150,9 @@ def test_extender_rbac(default: list[Obj]) -> None:
         ("", "pods/binding", "create"),
         (names.GROUP, "gpunodes", "get"), (names.GROUP, "gpunodes", "list"),
         (names.GROUP, "gpunodes", "watch"),
+        # the GpuJob's spec.gpu is what a pod's grant and isolation are checked against
+        (names.GROUP, "gpujobs", "get"), (names.GROUP, "gpujobs", "list"),
+        (names.GROUP, "gpujobs", "watch"),
     }
 
 
