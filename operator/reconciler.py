@@ -241,6 +241,8 @@ class PassState:
     # the job no longer controls: both are stopped (`_stop_strays`)
     orphans: list[PodView] = field(default_factory=list)
     tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
+    # job key -> the pod of its current attempt as the pass saw it (what a stop deletes)
+    attempt_pods: dict[str, PodView] = field(default_factory=dict)
 
     @property
     def orphan_keys(self) -> list[str]:
@@ -385,6 +387,7 @@ class Reconciler:
             patch = _changes(status, obs.status)
             settled = not patch and not obs.events  # nothing to write but hardware facts
             if obs.live_pod is not None:
+                state.attempt_pods[key] = obs.live_pod
                 self._observe_hardware(state, obs.live_pod, status, patch)
             for type_, reason, note in obs.events:
                 self._announce(obj, reason, note, type_, derived=True)
@@ -454,6 +457,7 @@ class Reconciler:
         state.phases[key] = job.phase
         patch: Obj = {}
         if cached.live_pod is not None:
+            state.attempt_pods[key] = cached.live_pod
             self._observe_hardware(state, cached.live_pod, obj.get("status") or {}, patch)
         if patch:
             state.patches[key] = {**self._initial_status(obj), **patch}
@@ -810,8 +814,7 @@ class Reconciler:
                         f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
         self._flush_one(state, victim.key)  # record intent before the pod goes
-        self.kube.delete_pod(victim.namespace, _pod_name_of(victim),
-                             max(0, math.ceil(preemption.grace_s)))
+        self._stop_attempt(state, victim, preemption.grace_s)
 
     def _expire(self, state: PassState, job: Job, expiry: Expiry, now: float) -> None:
         obj = state.objects[job.key]
@@ -827,8 +830,25 @@ class Reconciler:
             gpuHours=round(history_gpu_hours(history, now), 6))
         self._announce(obj, "MaxDurationExceeded", note, "Warning", "Stop")
         self._flush_one(state, job.key)
-        self.kube.delete_pod(job.namespace, _pod_name_of(job),
-                             max(0, math.ceil(expiry.grace_s)))
+        self._stop_attempt(state, job, expiry.grace_s)
+
+    def _stop_attempt(self, state: PassState, job: Job, grace_s: float) -> None:
+        """Delete the pod of `job`'s current attempt, only that pod object: by the uid of the
+        pod the pass linked to the job, or else the one its status records (`podUID`). A pod
+        recreated under the attempt's name since (by anyone) is not it and is left alone; with
+        neither uid known there is no pod to stop."""
+        grace = max(0, math.ceil(grace_s))
+        pod = state.attempt_pods.get(job.key)
+        if pod is not None and pod.uid:
+            self.kube.delete_pod(pod.namespace, pod.name, grace, uid=pod.uid)
+            return
+        status = state.objects[job.key].get("status") or {}
+        uid = str(status.get("podUID") or "")
+        if uid:
+            name = str(status.get("podName") or _pod_name_of(job))
+            self.kube.delete_pod(job.namespace, name, grace, uid=uid)
+        else:
+            log.info("%s: no pod of attempt %d to stop", job.key, job.attempts)
 
     def _record_wait(self, state: PassState, wait: Wait, now: float) -> None:
         obj = state.objects[wait.job_key]

@@ -36,6 +36,7 @@ class FakeKube:
         self.events: list[str] = []
         self.quota_statuses: list[tuple[str, Obj]] = []
         self.deleted: list[str] = []
+        self.deleted_uids: list[str] = []  # each deletion's uid precondition ("" for none)
 
     def _next(self, kind: str) -> str:
         with self._lock:
@@ -58,6 +59,7 @@ class FakeKube:
                    uid: str = "") -> None:
         self._next(PODS)
         self.deleted.append(f"{namespace}/{name}")
+        self.deleted_uids.append(uid)
 
     def patch_job_status(self, namespace: str, name: str, status: Obj) -> str | None:
         self.statuses.append((f"{namespace}/{name}", status))
@@ -731,3 +733,46 @@ def test_the_attempt_whose_assignment_changed_after_its_bind_is_stopped() -> Non
     kube, _ = _pass([pod], [job])
     assert kube.deleted == ["team/a-1"] and ("a-1", "AttemptTampered") in kube.told
     assert kube.pods == [] and _phase_writes(kube) == []
+
+
+def _expired_job(status: Obj | None = None) -> Obj:
+    """A job running for an hour past a 10-minute maxDuration."""
+    job = _running_job()
+    job["spec"]["maxDuration"] = "10m"
+    job["status"].update(status or {})
+    return job
+
+
+def test_a_job_past_its_max_duration_stops_only_the_pod_of_its_attempt() -> None:
+    pod = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"))
+    kube, _ = _pass([pod], [_expired_job()])
+    assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
+    assert [s["phase"] for _, s in _phase_writes(kube)] == ["Failed"]
+
+
+def test_a_preempted_attempt_is_deleted_by_its_uid() -> None:
+    from carpool.core.preemption import PreemptionCause
+    from carpool.core.queueing import Preemption
+    from carpool.operator.reconciler import PassState
+
+    cluster = _cluster(2)
+    cluster[GPUJOBS] = [_running_job()]
+    cluster[PODS] = [_gpu_pod("a-1", "pod-a-1", owner=_controller("a"))]
+
+    def preempt(state: PassState | None = None) -> FakeKube:
+        kube = TellingKube()
+        reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+        seen = reconciler.read(T0)
+        jobs = {job.key: job for job in seen.jobs}
+        reconciler._preempt(state or seen, jobs, Preemption(
+            "team/a", "team/a", "n1", PreemptionCause.HIGHER_CLASS, 5.0, 0.0, "test"))
+        return kube
+
+    kube = preempt()
+    assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
+    # the pod gone from the pass's view: the uid its job's status records, never the name alone
+    kube = preempt(PassState(objects={"team/a": cluster[GPUJOBS][0]}))
+    assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
+    del cluster[GPUJOBS][0]["status"]["podUID"]
+    kube = preempt(PassState(objects={"team/a": cluster[GPUJOBS][0]}))
+    assert kube.deleted == []  # no uid known: nothing is deleted by name
