@@ -322,16 +322,19 @@ class NodeView:
 def assignments_by_gpu(pods: Iterable[Obj]) -> dict[str, list[Share]]:
     """GPU uuid -> the shares pods hold on it, from live pods' assignment annotations.
 
-    Finished pods hold nothing; a pod bound to another node than its annotation names holds
-    nothing either (the annotation is stale). Malformed annotations are skipped: a report
-    must not fail on one bad pod.
+    Only a pod placed by Carpool's scheduler (`spec.schedulerName`, immutable) can hold a
+    Carpool GPU: an assignment annotation on any other pod holds nothing, whatever its labels
+    say. Finished pods hold nothing; a pod bound to another node than its annotation names
+    holds nothing either (the annotation is stale). Malformed annotations are skipped: a
+    report must not fail on one bad pod.
     """
     out: dict[str, list[Share]] = {}
     for pod in pods:
         meta, status, spec = _meta(pod), _status(pod), _spec(pod)
         annotations = meta.get("annotations") or {}
         text = annotations.get(names.ANN_ASSIGNMENT)
-        if not text or status.get("phase") in TERMINAL_POD_PHASES:
+        if not text or status.get("phase") in TERMINAL_POD_PHASES \
+                or spec.get("schedulerName") != names.SCHEDULER_NAME:
             continue
         try:
             assignment = parse_assignment(str(text))

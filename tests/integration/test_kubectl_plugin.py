@@ -4,8 +4,9 @@
 `kubectl` itself runs the plugin in the lookup and error tests; the other checks call the
 plugin's `main` in-process (same code, same API server) to save an interpreter start per call.
 The test writes GpuJobs, a ProjectQuota and a GpuNode with statuses (through the status
-subresource, as the operator and device plugin do) and a pod carrying an assignment, then
-checks the commands' output. A Carpool operator may be running on the shared cluster and
+subresource, as the operator and device plugin do) and a pod Carpool's scheduler places
+carrying an assignment (and a look-alike with Carpool's label that another scheduler places),
+then checks the commands' output. A Carpool operator may be running on the shared cluster and
 would rewrite the statuses it owns; each check therefore writes the statuses, runs the
 command, and retries if any of the test's objects changed meanwhile.
 """
@@ -41,6 +42,7 @@ PLUGIN = Path(sys.executable).parent / "kubectl-carpool"
 @dataclass
 class Scene:
     namespace: str
+    holders: str  # the namespace of the pod holding a GPU share
     project: str
     node: str
     custom: Any
@@ -79,6 +81,7 @@ def scene(cluster: devcluster.Cluster) -> Iterator[Scene]:
     suffix = uuid.uuid4().hex[:6]
     namespace = project = f"plugin-{suffix}"
     node = f"plugin-gpu-{suffix}"
+    holders = f"plugin-holders-{suffix}"
     core.create_namespace({"metadata": {"name": namespace}})
     custom.create_cluster_custom_object(names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL, {
         "apiVersion": names.API_VERSION, "kind": "ProjectQuota", "metadata": {"name": project},
@@ -92,15 +95,26 @@ def scene(cluster: devcluster.Cluster) -> Iterator[Scene]:
                                                job_body(name, project, job_class, count, memory))
     custom.create_cluster_custom_object(names.GROUP, names.VERSION, names.GPUNODE_PLURAL, {
         "apiVersion": names.API_VERSION, "kind": "GpuNode", "metadata": {"name": node}})
-    assignment = {"node": node, "gpus": [{"uuid": f"GPU-{suffix}-0", "index": 0,
-                                          "memoryMiB": 30 * 1024, "cores": 40}]}
-    core.create_namespaced_pod(namespace, {"metadata": {
-        "name": "holder", "labels": {names.LABEL_MANAGED: "true"},
-        "annotations": {names.ANN_ASSIGNMENT: json.dumps(assignment)}},
-        # a scheduler nobody runs: the pod stays Pending, holding its assignment
+    assignment = json.dumps({"node": node, "gpus": [{"uuid": f"GPU-{suffix}-0", "index": 0,
+                                                     "memoryMiB": 30 * 1024, "cores": 40}]})
+    # The pod holding a share, in a namespace of no project (an operator running on the shared
+    # cluster meanwhile stops a GPU pod of a project namespace that is no job's attempt):
+    # placed by Carpool's scheduler like a job's pod, without Carpool's labels; a node
+    # selector no node matches keeps it Pending, holding its assignment.
+    core.create_namespace({"metadata": {"name": holders}})
+    core.create_namespaced_pod(holders, {"metadata": {
+        "name": "holder", "annotations": {names.ANN_ASSIGNMENT: assignment}},
+        "spec": {"schedulerName": names.SCHEDULER_NAME,
+                 "nodeSelector": {"carpool.dev/plugin-test": "no-such-node"},
+                 "containers": [{"name": "main", "image": "busybox"}]}})
+    # a look-alike with Carpool's label and an assignment on the same GPU, placed by another
+    # scheduler: it holds no Carpool GPU and is not shown
+    core.create_namespaced_pod(holders, {"metadata": {
+        "name": "look-alike", "labels": {names.LABEL_MANAGED: "true"},
+        "annotations": {names.ANN_ASSIGNMENT: assignment}},
         "spec": {"schedulerName": "carpool-plugin-test-nobody",
                  "containers": [{"name": "main", "image": "busybox"}]}})
-    scene = Scene(namespace, project, node, custom, time.time())
+    scene = Scene(namespace, holders, project, node, custom, time.time())
     try:
         yield scene
     finally:
@@ -110,6 +124,7 @@ def scene(cluster: devcluster.Cluster) -> Iterator[Scene]:
             lambda: custom.delete_cluster_custom_object(
                 names.GROUP, names.VERSION, names.GPUNODE_PLURAL, node),
             lambda: core.delete_namespace(namespace),
+            lambda: core.delete_namespace(holders),
         ):
             with contextlib.suppress(client.ApiException):
                 delete()
@@ -243,10 +258,11 @@ def test_nodes(cluster: devcluster.Cluster, scene: Scene) -> None:
     (gpu,) = node["gpus"]
     assert (gpu["model"], gpu["memory_used_mib"], gpu["memory_assigned_mib"]) == (
         "H200", 10240, 30 * 1024)
-    assert gpu["shares"][0]["pod"] == "holder"
+    assert [(s["namespace"], s["pod"]) for s in gpu["shares"]] == [(scene.holders, "holder")]
     text = settled(cluster, scene, "nodes")
     (row,) = [line for line in text.splitlines() if line.startswith(scene.node)]
-    assert "52/90C" in row and f"{scene.namespace}/holder(30.0Gi,40%)" in row
+    assert "52/90C" in row and f"{scene.holders}/holder(30.0Gi,40%)" in row
+    assert "look-alike" not in text
 
 
 def test_report(cluster: devcluster.Cluster, scene: Scene) -> None:

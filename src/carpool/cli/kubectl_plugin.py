@@ -48,7 +48,7 @@ class ClusterReader(Protocol):
     def list_gpunodes(self) -> list[Obj]: ...
 
     def list_pods(self, namespace: str | None) -> list[Obj]:
-        """Pods Carpool manages (those that can carry a GPU assignment)."""
+        """The pods that can hold Carpool GPUs: those placed by Carpool's scheduler."""
         ...
 
 
@@ -95,10 +95,12 @@ class KubeReader:
         return self._custom_list(GPUNODES, None)
 
     def list_pods(self, namespace: str | None) -> list[Obj]:
-        """Carpool's pods only (the operator labels every pod it creates): GPU assignments
-        live on them, and a big cluster's other pods are not worth the transfer."""
+        """The pods Carpool's scheduler places (`spec.schedulerName`, which no one can change
+        once a pod exists; a label a tenant writes is no such proof): only they can hold
+        Carpool GPUs, and a big cluster's other pods are not worth the transfer. Which of
+        them hold what is read from their assignments (`reporting.assignments_by_gpu`)."""
         data = self._call("pods", PODS.path(namespace),
-                          {"labelSelector": f"{names.LABEL_MANAGED}=true"})
+                          {"fieldSelector": f"spec.schedulerName={names.SCHEDULER_NAME}"})
         return list(data.get("items") or [])
 
 

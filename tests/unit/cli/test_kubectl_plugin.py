@@ -78,7 +78,8 @@ def pod(namespace: str, name: str, node: str, gpus: list[Obj], phase: str = "Run
     assignment = json.dumps({"node": node, "gpus": gpus})
     return {"metadata": {"namespace": namespace, "name": name,
                          "annotations": {"carpool.dev/assignment": assignment}},
-            "spec": {"nodeName": node}, "status": {"phase": phase}}
+            "spec": {"nodeName": node, "schedulerName": "carpool-scheduler"},
+            "status": {"phase": phase}}
 
 
 PODS = [

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from carpool import reporting
+from carpool.core import names
 from carpool.core.timestamps import format_timestamp as format_time
 from carpool.reporting import human_duration, parse_since, relative
 
@@ -62,10 +63,12 @@ def test_usage_report_rejects_bad_arguments() -> None:
     assert reporting.usage_report([], NOW - 60, NOW).rows == ()
 
 
-def pod(annotation: str, node_name: str = "", phase: str = "Pending") -> dict[str, Any]:
+def pod(annotation: str, node_name: str = "", phase: str = "Pending",
+        scheduler: str = names.SCHEDULER_NAME) -> dict[str, Any]:
+    spec = {"schedulerName": scheduler, **({"nodeName": node_name} if node_name else {})}
     return {"metadata": {"namespace": "ns", "name": "p",
                          "annotations": {"carpool.dev/assignment": annotation}},
-            "spec": {"nodeName": node_name} if node_name else {}, "status": {"phase": phase}}
+            "spec": spec, "status": {"phase": phase}}
 
 
 def test_assignments_skip_bad_stale_and_finished_pods() -> None:
@@ -73,8 +76,8 @@ def test_assignments_skip_bad_stale_and_finished_pods() -> None:
                                                "cores": 10}]})
     shares = reporting.assignments_by_gpu([
         pod(good), pod("{not json"), pod(json.dumps({"gpus": []})), pod(good, node_name="n2"),
-        pod(good, phase="Failed")])
-    assert list(shares) == ["G"]
+        pod(good, phase="Failed"), pod(good.replace('"G"', '"other"'), scheduler="mine")])
+    assert list(shares) == ["G"]  # (a pod another scheduler placed holds no Carpool GPU)
     (share,) = shares["G"]
     assert (share.memory_mib, share.cores_pct, share.exclusive) == (1024, 10, False)
 
