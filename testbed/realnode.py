@@ -240,12 +240,14 @@ def containerd_bin_dir() -> Path:
     return Path(lines[-1])
 
 
-def install_packages(timings: Timings) -> None:
-    """runc, CNI plugins and static busybox from Debian (hack/node/install.sh); containerd
-    built from the Go module proxy (`containerd_bin_dir`)."""
+def install_packages(timings: Timings, iptables: bool = False) -> None:
+    """runc, CNI plugins and static busybox from Debian (hack/node/install.sh), iptables too
+    when kube-proxy will run; containerd built from the Go module proxy
+    (`containerd_bin_dir`)."""
     script = devcluster.repo_root() / "hack" / "node" / "install.sh"
     with timings.stage("host packages (hack/node/install.sh: apt-get when missing)"):
-        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False,
+                              env=dict(os.environ, NEED_IPTABLES="1" if iptables else "0"))
         for line in done.stdout.splitlines():
             print(f"    {line}", file=sys.stderr)
         if done.returncode != 0:
@@ -373,11 +375,18 @@ def build_images(paths: NodePaths) -> dict[str, Path]:
 # Configuration files
 
 
-def containerd_config(paths: NodePaths, snapshotter: str) -> str:
+def containerd_config(paths: NodePaths, snapshotter: str, nvidia_runtime: str = "") -> str:
     """containerd 1.7 (config version 2): private root/state/socket, CRI with our pause image,
     CDI devices from the node's own spec directory, runc with cgroupfs (no systemd here), CNI
-    from Debian's plugins and our conf dir."""
+    from Debian's plugins and our conf dir. `nvidia_runtime`: the NVIDIA container runtime's
+    binary as the handler `nvidia` (a RuntimeClass names it), beside the default runc."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
+    nvidia_lines = "".join(f"\n{line}" for line in (
+        f"    [{cri}.containerd.runtimes.nvidia]",
+        '      runtime_type = "io.containerd.runc.v2"',
+        f"      [{cri}.containerd.runtimes.nvidia.options]",
+        "        SystemdCgroup = false",
+        f'        BinaryName = "{nvidia_runtime}"')) if nvidia_runtime else ""
     return f"""version = 2
 root = "{paths.containerd_root}"
 state = "{paths.containerd_state}"
@@ -413,7 +422,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
       runtime_type = "io.containerd.runc.v2"
       [{cri}.containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "{shutil.which('runc') or 'runc'}"
+        BinaryName = "{shutil.which('runc') or 'runc'}"{nvidia_lines}
   # Image pulls read each registry's hosts.toml here (registry_hosts_toml): the local
   # registry is plain HTTP on loopback.
   [{cri}.registry]
@@ -563,6 +572,9 @@ def ensure_bridge() -> None:
 
     if ip("link", "show", BRIDGE).returncode != 0:
         made = ip("link", "add", BRIDGE, "type", "bridge")
+        if made.returncode != 0 and shutil.which("brctl"):  # busybox's ip makes no bridges
+            made = subprocess.run(["brctl", "addbr", BRIDGE], capture_output=True, text=True,
+                                  check=False)
         if made.returncode != 0:
             raise NodeError(f"`ip link add {BRIDGE} type bridge` failed: {made.stderr.strip()}")
     if NODE_IP not in ip("-4", "addr", "show", BRIDGE).stdout:
@@ -702,6 +714,12 @@ class NodeSettings:
     kube_proxy: bool = False
     # The kubelet's maxPods; the scheduler leaves pods Pending ("Too many pods") beyond it.
     max_pods: int = DEFAULT_MAX_PODS
+    # Services ("namespace/name") whose ClusterIPs a user-space forwarder serves for the pods
+    # (carpool_testbed.serviceproxy), where kube-proxy cannot run (no iptables); the API
+    # server's `default/kubernetes` is always among them. Empty: no forwarder.
+    userspace_services: tuple[str, ...] = ()
+    # The NVIDIA container runtime's binary: containerd's handler `nvidia`. Empty: none.
+    nvidia_runtime: str = ""
 
 
 @dataclass
@@ -744,7 +762,8 @@ class RealNode:
         p = self.paths
         for d in (p.etc, p.containerd_root, p.containerd_state, p.cni_conf_dir, p.cni_ipam_dir):
             d.mkdir(parents=True, exist_ok=True)
-        p.containerd_config.write_text(containerd_config(p, self.settings.snapshotter))
+        p.containerd_config.write_text(containerd_config(
+            p, self.settings.snapshotter, self.settings.nvidia_runtime))
         shutil.rmtree(p.registry_hosts, ignore_errors=True)
         write_registry_hosts(p, self.settings.registry)
         for stale in p.cni_conf_dir.iterdir():
@@ -854,6 +873,27 @@ class RealNode:
         _wait("kube-proxy to sync its rules", lambda: _http_ok("http://127.0.0.1:10256/healthz"),
               60, self.paths.log("kube-proxy"), interval=0.5)
 
+    # --- ClusterIPs without iptables -----------------------------------------------------
+
+    def service_proxy_command(self) -> list[str]:
+        services = dict.fromkeys(("default/kubernetes", *self.settings.userspace_services))
+        return [sys.executable, "-m", "carpool_testbed.serviceproxy",
+                "--kubectl", str(self.cluster.bin_dir / "kubectl"),
+                "--kubeconfig", str(self.paths.kubelet_kubeconfig),
+                *(f"--service={s}" for s in services)]
+
+    def start_service_proxy(self) -> None:
+        if _pid_alive(self.paths, "serviceproxy", "carpool_testbed.serviceproxy") is None:
+            _spawn(self.paths, "serviceproxy", self.service_proxy_command())
+
+        def api_reachable() -> bool:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1)
+                return sock.connect_ex((devcluster.KUBERNETES_SERVICE_IP, 443)) == 0
+
+        _wait("the API server at its ClusterIP", api_reachable, 60,
+              self.paths.log("serviceproxy"), interval=0.5)
+
     # --- device plugin ------------------------------------------------------------------
 
     def plugin_command(self) -> list[str]:
@@ -925,7 +965,7 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
         raise NodeError("the real node needs root (containerd, runc, mounts, the CNI bridge, "
                         "/var/lib/kubelet/device-plugins); run it as root or skip it")
     t = node.timings
-    install_packages(t)
+    install_packages(t, iptables=node.settings.kube_proxy)
     with t.stage(f"containerd ({node.settings.snapshotter} snapshotter)"):
         node.start_containerd()
     with t.stage("pause and test images: build OCI archives, ctr images import"):
@@ -939,6 +979,9 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
     if node.settings.kube_proxy:
         with t.stage("kube-proxy (iptables) synced"):
             node.start_kube_proxy()
+    if node.settings.userspace_services:
+        with t.stage("service proxy (user space) serves the API server's ClusterIP"):
+            node.start_service_proxy()
     if node.settings.device_plugin:
         with t.stage("device plugin (fake backend) registered; node advertises shares"):
             crds.apply_crds(cluster.api())  # the plugin publishes the node's GpuNode
@@ -1004,6 +1047,12 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
             done.append("kube-proxy rules removed")
         proxy_binary.unlink()
     proxy_config.unlink(missing_ok=True)
+    if _stop(p, "serviceproxy", "carpool_testbed.serviceproxy"):
+        done.append("service proxy stopped")
+    for address in _service_addresses_on_loopback():
+        subprocess.run(["ip", "addr", "del", f"{address}/32", "dev", "lo"], capture_output=True,
+                       check=False)
+        done.append(f"{address} removed from lo")
     if _socket_answers(p.containerd_socket):
         for task in ctr(p, "tasks", "ls", "-q", check=False).stdout.split():
             ctr(p, "tasks", "kill", "-s", "SIGKILL", task, check=False)
@@ -1036,6 +1085,16 @@ def stop(paths: NodePaths | None = None, cluster: devcluster.Cluster | None = No
             if gone.stdout.strip():
                 done.append(gone.stdout.strip())
     return done
+
+
+def _service_addresses_on_loopback() -> list[str]:
+    """ClusterIPs the service proxy put on lo (the API server's service range, 10.0.0.0/24)."""
+    shown = subprocess.run(["ip", "-4", "addr", "show", "dev", "lo"], capture_output=True,
+                           text=True, check=False).stdout
+    prefix = devcluster.KUBERNETES_SERVICE_IP.rsplit(".", 1)[0] + "."
+    return [word.split("/")[0] for line in shown.splitlines() for word in line.split()[1:2]
+            if line.strip().startswith("inet ") and word.startswith(prefix)
+            and word.endswith("/32")]
 
 
 def reset(paths: NodePaths) -> None:

@@ -2,7 +2,8 @@
 # Installs what the real node needs from Debian: runc, the CNI plugins (bridge, loopback,
 # host-local) and a static busybox (the payload of the locally built pause and test images).
 # containerd is not Debian's (bookworm's 1.6 has no CDI): hack/build-containerd.sh builds it.
-# A no-op when everything is already there. Needs root.
+# iptables only for kube-proxy (NEED_IPTABLES=1). A no-op when everything is already there.
+# Needs root.
 set -euo pipefail
 
 need=()
@@ -11,7 +12,7 @@ command -v runc >/dev/null || need+=(runc)
   || need+=(containernetworking-plugins)
 # busybox-static: the image payload must run without a dynamic loader inside the container.
 if ! [ -x /bin/busybox ] || ldd /bin/busybox >/dev/null 2>&1; then need+=(busybox-static); fi
-command -v iptables >/dev/null || need+=(iptables)
+[ "${NEED_IPTABLES:-0}" = 0 ] || command -v iptables >/dev/null || need+=(iptables)
 
 if [ ${#need[@]} -eq 0 ]; then
   echo "==> [node] host packages present: runc $(runc --version | awk 'NR==1{print $3}')"

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Stages everything `make gpu-node` needs on a GPU machine that has no network and none of the
+# node's programs: the Kubernetes, etcd, KWOK and Helm binaries (hack/build-k8s.sh), the
+# registry and crane (hack/build-registry.sh), containerd with CDI support
+# (hack/build-containerd.sh), the NVIDIA container runtime, Debian's runc, CNI plugins and
+# static busybox, the images
+# carpool, carpool-mps and kube-scheduler (hack/images/build.py), and this commit's tree.
+# Binaries are stripped by their builds and compressed with xz; the result is split into parts
+# of PART_MIB MiB (default 55) in DEST (default .gpunode), so each part travels on its own.
+# On the GPU machine hack/gpu-node/unpack.sh puts them together again.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+DEST="${1:-.gpunode}"
+PART_MIB="${PART_MIB:-55}"
+PY="${PY:-.venv/bin/python}"
+work=$(mktemp -d /tmp/gpunode-stage.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+root="$work/root"
+mkdir -p "$root/cache/bin" "$root/usr/local/bin" "$root/usr/lib/cni" "$root/usr/bin" "$DEST"
+
+echo "==> [stage] binaries"
+k8s=$(bash hack/build-k8s.sh | tail -1)
+registry=$(bash hack/build-registry.sh | tail -1)
+# containerd >= 1.7 (CRI with CDI): hack/build-containerd.sh, or CONTAINERD_BIN_DIR
+containerd="${CONTAINERD_BIN_DIR:-}"
+[ -n "$containerd" ] || containerd=$(bash hack/build-containerd.sh | tail -1)
+# The NVIDIA container runtime (CDI mode) for the plugin's and the MPS daemon's RuntimeClass:
+# a Go build, once per cache.
+NCT_VERSION="${NCT_VERSION:-v1.17.8}"
+nct="${CARPOOL_CACHE:-$HOME/.cache/carpool}/bin/nvidia-container-toolkit-$NCT_VERSION"
+if ! [ -x "$nct/nvidia-container-runtime" ]; then
+  GOBIN="$nct" CGO_ENABLED=1 GOFLAGS=-trimpath nice -n 19 go install -ldflags "-s -w" \
+    "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-container-runtime@$NCT_VERSION"
+fi
+cp -a "$k8s" "$registry" "$root/cache/bin/"
+cp -a "$nct/nvidia-container-runtime" "$root/usr/local/bin/"
+cp -a "$containerd"/{containerd,containerd-shim-runc-v2,ctr} "$root/usr/local/bin/"
+
+echo "==> [stage] Debian's runc, CNI plugins and static busybox"
+debs="$work/debs"; mkdir -p "$debs"
+(cd "$debs" && apt-get download -q runc containernetworking-plugins busybox-static >/dev/null)
+for deb in "$debs"/*.deb; do dpkg -x "$deb" "$debs/x"; done
+cp -a "$debs/x/usr/sbin/runc" "$root/usr/local/bin/"
+cp -a "$debs"/x/usr/lib/cni/{bridge,host-local,loopback} "$root/usr/lib/cni/"
+cp -a "$debs/x/bin/busybox" "$root/usr/bin/busybox"
+
+echo "==> [stage] images (build/images)"
+if [ "${CARPOOL_GPU_NODE_IMAGES:-build}" != reuse ] || ! [ -f build/images/kube-scheduler/index.json ]; then
+  "$PY" hack/images/build.py --out build/images --with-scheduler "$k8s/kube-scheduler"
+fi
+
+echo "==> [stage] this commit's tree"
+git archive --format=tar --prefix=src/ HEAD > "$work/src.tar"
+tar -C . -rf "$work/src.tar" --transform 's,^,src/,' build/images
+
+echo "==> [stage] compress (xz) and split into $PART_MIB MiB parts"
+start=$(date +%s)
+tar -C "$root" -cf - . | xz -T2 -6 --lzma2=preset=6,dict=192MiB > "$work/bin.tar.xz"
+echo "    binaries: $(du -m "$work/bin.tar.xz" | cut -f1) MiB compressed in $(( $(date +%s) - start ))s"
+rm -f "$DEST"/part.* "$DEST"/payload.sha256
+tar -C "$work" -cf - bin.tar.xz src.tar | split -b "${PART_MIB}M" -d -a 2 - "$DEST/part."
+cat "$DEST"/part.* | sha256sum | cut -d' ' -f1 > "$DEST/payload.sha256"
+cp hack/gpu-node/unpack.sh hack/gpu-node/run.sh "$DEST/"
+ls -la "$DEST"
