@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check gpu-node-stage gpu-node clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -99,6 +99,12 @@ push: registry-tools ## Push build/images to REGISTRY (default: the local regist
 
 gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing benchmark
 	@python3 bench/gpu_sharing.py $(GPU_CHECK_ARGS)
+
+gpu-node-stage: dev ## Stage binaries, images and this commit for `make gpu-node` on an offline GPU machine (.gpunode/)
+	@bash hack/gpu-node/stage.sh $(GPU_NODE_STAGE)
+
+gpu-node: ## On a GPU machine (root): control plane, real node, the chart with NVML; the Must-show list through pods
+	@bash hack/gpu-node/run.sh $(GPU_NODE_ARGS)
 
 clean: ## Remove the virtualenv and caches in the repo
 	rm -rf $(VENV) build *.egg-info testbed/build testbed/*.egg-info .mypy_cache .ruff_cache .pytest_cache

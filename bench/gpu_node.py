@@ -137,7 +137,7 @@ def cdi_spec(gpus: list[dict[str, Any]]) -> dict[str, Any]:
                     {"name": gpu["uuid"], "containerEdits": edits}]
     devices.append({"name": "all", "containerEdits": {"deviceNodes": [
         {"path": f"/dev/nvidia{g['index']}"} for g in gpus]}})
-    return {"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices,
+    return {"cdiVersion": "0.5.0", "kind": CDI_KIND, "devices": devices,
             "containerEdits": {"deviceNodes": [{"path": n} for n in common], "mounts": mounts}}
 
 
@@ -200,6 +200,19 @@ def shared_libraries(files: list[Path]) -> set[str]:
     return found
 
 
+def link_chain(path: Path) -> list[str]:
+    """`path` and every symlink it passes through to its file, so the links work in a layer."""
+    chain = []
+    for _ in range(16):
+        chain.append(str(path))
+        if not path.is_symlink():
+            break
+        target = Path(os.readlink(path))
+        path = target if target.is_absolute() else path.parent / target
+        path = Path(os.path.realpath(path.parent)) / path.name
+    return chain
+
+
 def layer_paths() -> list[str]:
     """Absolute paths (files and symlinks, real directories) for the PyTorch layer."""
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
@@ -215,11 +228,11 @@ def layer_paths() -> list[str]:
                 p.relative_to(stdlib).parts) and (p.is_file() or p.is_symlink()):
             paths.add(str(p))
     executable = Path(os.path.realpath(sys.executable))
-    paths.add(str(executable))
     venv = Path(sys.prefix)
     if venv != Path(sys.base_prefix):
         paths.add(str(venv / "pyvenv.cfg"))
-        paths.update(str(p) for p in (venv / "bin").glob("python*"))
+    for start in [sys.executable, *(venv / "bin").glob("python*")]:
+        paths.update(link_chain(Path(start)))
     objects = [executable] + [Path(p) for p in paths if ".so" in Path(p).name]
     for lib in shared_libraries(objects):
         real_dir = Path(os.path.realpath(Path(lib).parent))
@@ -364,6 +377,9 @@ class Bench:
     results: dict[str, Any] = field(default_factory=dict)
     images: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    # Where the plugin hands GPUs out through NVIDIA_VISIBLE_DEVICES (its env delivery), job
+    # containers need the NVIDIA runtime's RuntimeClass; with CDI delivery, none.
+    job_runtime_class: str = ""
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -468,11 +484,14 @@ class Bench:
             ]
         self.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
 
-    def template(self, image: str, args: list[str], grace: int = 5) -> dict[str, Any]:
+    def template(self, image: str, args: list[str], grace: int = 5,
+                 runtime_class: str | None = None) -> dict[str, Any]:
         command = (["python3", WORKER, *args] if not self.fake
                    else ["/bin/sh", "-c", "id; env | grep -E '^(CUDA|NVIDIA)_' | sort; "
                          "ls /dev | grep nvidia; echo RESULT '{}'"])
+        runtime_class = self.job_runtime_class if runtime_class is None else runtime_class
         return {"spec": {
+            **({"runtimeClassName": runtime_class} if runtime_class else {}),
             "nodeSelector": {"kubernetes.io/hostname": self.node.name},
             "tolerations": [toleration()], "dnsPolicy": "Default", "restartPolicy": "Never",
             "terminationGracePeriodSeconds": grace,
@@ -601,7 +620,8 @@ class Bench:
         image = self.images.get("nogrant", realnode.TEST_IMAGE)
         pod = {"apiVersion": "v1", "kind": "Pod",
                "metadata": {"name": "no-grant", "namespace": "team-a"},
-               "spec": self.template(image, ["probe", "--try-gib", "1"])["spec"]}
+               "spec": self.template(image, ["probe", "--try-gib", "1"],
+                                     runtime_class="")["spec"]}
         self.as_tenant("team-a-user", "apply", "-f", "-", stdin=yaml.safe_dump(pod))
         wait_for("the no-grant pod to finish", lambda: self.json(
             "get", "pod", "no-grant", "-n", "team-a")["status"].get("phase") in (
@@ -741,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling", type=int, default=50, help="devicePlugin.mpsCeilingPercent")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     parser.add_argument("--keep", action="store_true", help="leave the cluster and node up")
+    parser.add_argument("--job-runtime-class", default="",
+                        help="RuntimeClass of job pods (nvidia: the plugin's env delivery)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     if unknown := set(parts) - set(PARTS):
@@ -765,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         realnode.stop(paths, cluster, settings.name)
         realnode.reset(paths)
         node = realnode.start(cluster, settings, paths, node_timings)
-    bench = Bench(node, cluster.bin_dir / "helm", args.fake, args.out, timings=timings)
+    bench = Bench(node, cluster.bin_dir / "helm", args.fake, args.out, timings=timings,
+                  job_runtime_class=args.job_runtime_class)
     try:
         if not args.fake:
             with stage("CDI spec for the node's GPUs", timings):
