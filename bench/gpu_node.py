@@ -231,8 +231,8 @@ def layer_paths() -> list[str]:
     venv = Path(sys.prefix)
     if venv != Path(sys.base_prefix):
         paths.add(str(venv / "pyvenv.cfg"))
-    for start in [sys.executable, *(venv / "bin").glob("python*")]:
-        paths.update(link_chain(Path(start)))
+    for start in [Path(sys.executable), *(venv / "bin").glob("python*")]:
+        paths.update(link_chain(start))
     objects = [executable] + [Path(p) for p in paths if ".so" in Path(p).name]
     for lib in shared_libraries(objects):
         real_dir = Path(os.path.realpath(Path(lib).parent))
@@ -453,6 +453,19 @@ class Bench:
 
         wait_for("every Carpool pod Running and Ready", all_ready, 300, 2,
                  diagnose=self.diagnose)
+
+    def installed(self) -> bool:
+        """The release is deployed and every Carpool pod is Ready (a run before this one)."""
+        done = subprocess.run([str(self.helm), "--kubeconfig", str(self.node.cluster.kubeconfig),
+                               "status", RELEASE, "-n", NAMESPACE], capture_output=True,
+                              text=True, check=False)
+        pods = self.json("get", "pods", "-n", NAMESPACE)["items"] if done.returncode == 0 else []
+        return bool(pods) and all(ready(p) for p in pods)
+
+    def imported_job_images(self) -> dict[str, str]:
+        listed = realnode.ctr(self.node.paths, "images", "ls", "-q").stdout.split()
+        refs = {name: f"{JOB_REPO}-{name}:1" for name in ("job-a", "job-b", "nogrant")}
+        return refs if all(ref in listed for ref in refs.values()) else {}
 
     def diagnose(self) -> str:
         out = [self.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout,
@@ -761,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceiling", type=int, default=50, help="devicePlugin.mpsCeilingPercent")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     parser.add_argument("--keep", action="store_true", help="leave the cluster and node up")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use the node, release and job images a --keep run left running")
     parser.add_argument("--job-runtime-class", default="",
                         help="RuntimeClass of job pods (nvidia: the plugin's env delivery)")
     args = parser.parse_args(argv)
@@ -782,11 +797,15 @@ def main(argv: list[str] | None = None) -> int:
                                      nvidia_runtime=nvidia_runtime,
                                      userspace_services=(f"{NAMESPACE}/{RELEASE}-extender",))
     node_timings = realnode.Timings(sys.stdout)
-    with stage("real node (containerd, runc, kubelet, service proxy)", timings), \
-            realnode.exclusive(paths):
-        realnode.stop(paths, cluster, settings.name)
-        realnode.reset(paths)
-        node = realnode.start(cluster, settings, paths, node_timings)
+    node = realnode.attach(cluster, settings, paths, node_timings) if args.reuse else None
+    if node is None:
+        with stage("real node (containerd, runc, kubelet, service proxy)", timings), \
+                realnode.exclusive(paths):
+            realnode.stop(paths, cluster, settings.name)
+            realnode.reset(paths)
+            node = realnode.start(cluster, settings, paths, node_timings)
+    else:
+        say(f"reusing the running node {node.name} (--reuse)")
     bench = Bench(node, cluster.bin_dir / "helm", args.fake, args.out, timings=timings,
                   job_runtime_class=args.job_runtime_class)
     try:
@@ -802,15 +821,18 @@ def main(argv: list[str] | None = None) -> int:
                      "metadata": {"name": NVIDIA_RUNTIME_CLASS}, "handler": "nvidia"}))
                 bench.results["host_gpus"] = gpus
                 say(f"{len(gpus)} GPU(s): {gpus}")
-        with stage("registry and push (carpool, carpool-mps, kube-scheduler)", timings):
-            refs = push_images(node.settings.registry)
-        with stage("helm install (nvml backend, MPS daemon)" if not args.fake
-                   else "helm install (fake backend)", timings):
-            bench.install(refs)
+        if not (args.reuse and bench.installed()):
+            with stage("registry and push (carpool, carpool-mps, kube-scheduler)", timings):
+                refs = push_images(node.settings.registry)
+            with stage("helm install (nvml backend, MPS daemon)" if not args.fake
+                       else "helm install (fake backend)", timings):
+                bench.install(refs)
         bench.setup_tenants()
         if not args.fake and set(parts) - {"node"}:
-            with stage("job images from this machine's PyTorch", timings):
-                bench.images = build_job_images(node, args.out / "work")
+            bench.images = bench.imported_job_images() if args.reuse else {}
+            if not bench.images:
+                with stage("job images from this machine's PyTorch", timings):
+                    bench.images = build_job_images(node, node.paths.base / "job-images")
         for part in parts:
             with stage(f"part {part}", timings):
                 if part == "node":

@@ -990,6 +990,15 @@ def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,
     return node
 
 
+def attach(cluster: devcluster.Cluster, settings: NodeSettings, paths: NodePaths,
+           timings: Timings | None = None) -> RealNode | None:
+    """The node an earlier `up` left running (its kubelet alive and the Node Ready), or None."""
+    if _pid_alive(paths, "kubelet", str(paths.kubelet_config)) is None:
+        return None
+    node = RealNode(cluster, settings, paths, timings or Timings())
+    return node if node.ready() else None
+
+
 def _mounts_under(base: Path) -> list[str]:
     points = []
     with contextlib.suppress(OSError):
