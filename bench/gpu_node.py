@@ -19,7 +19,8 @@ the real NVML backend and the chart's MPS daemon. Then, each through GpuJobs or 
 
 Job images are built on the machine from its own Python and PyTorch (one layer of those files,
 imported into containerd), so gigabytes never travel. `--fake` runs the same plumbing on a
-machine without GPUs (the plugin's fake backend, busybox jobs): `node` and `tenants` only.
+machine without GPUs (the plugin's fake backend; job images from the running Python, without
+PyTorch, so the workers report no GPU): `node`, `tenants` and `nogrant` only.
 Results: tables on stdout, everything measured in `--out`/gpu-node.json.
 """
 
@@ -285,14 +286,6 @@ def small_layer(busybox: Path) -> bytes:
     return buffer.getvalue()
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(8 << 20):
-            digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
-
-
 def build_job_images(node: realnode.RealNode, work: Path) -> dict[str, str]:
     """Three images sharing two layers (this machine's PyTorch; the worker): `job-a` runs as
     UID 1001, `job-b` as 1002, `nogrant` as 1001 and sets NVIDIA_VISIBLE_DEVICES=all, as CUDA
@@ -305,10 +298,14 @@ def build_job_images(node: realnode.RealNode, work: Path) -> dict[str, str]:
     paths = layer_paths()
     listing.write_text("\n".join(p.lstrip("/") for p in paths) + "\n")
     big = work / "torch-layer.tar"
-    subprocess.run(["tar", "-C", "/", "--create", "--file", str(big), "--no-recursion",
-                    "--numeric-owner", "--owner=0", "--group=0", "--mtime=@0",
-                    "--files-from", str(listing)], check=True)
-    big_digest = sha256_file(big)
+    # One pass over the gigabytes: tar writes the layer and sha256sum names it on the way.
+    hashed = subprocess.run(
+        f"set -o pipefail; tar -C / --create --file - --no-recursion --numeric-owner "
+        f"--owner=0 --group=0 --mtime=@0 --files-from {listing} | tee {big} | sha256sum",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, check=False)
+    if hashed.returncode != 0:
+        raise RuntimeError(f"the PyTorch layer: {hashed.stderr[-2000:]}")
+    big_digest = "sha256:" + hashed.stdout.split()[0]
     big.rename(blobs / big_digest.split(":")[1])
     small = small_layer(Path(realnode.BUSYBOX))
     small_digest = "sha256:" + hashlib.sha256(small).hexdigest()
@@ -499,9 +496,7 @@ class Bench:
 
     def template(self, image: str, args: list[str], grace: int = 5,
                  runtime_class: str | None = None) -> dict[str, Any]:
-        command = (["python3", WORKER, *args] if not self.fake
-                   else ["/bin/sh", "-c", "id; env | grep -E '^(CUDA|NVIDIA)_' | sort; "
-                         "ls /dev | grep nvidia; echo RESULT '{}'"])
+        command = ["python3", WORKER, *args]
         runtime_class = self.job_runtime_class if runtime_class is None else runtime_class
         return {"spec": {
             **({"runtimeClassName": runtime_class} if runtime_class else {}),
@@ -589,28 +584,27 @@ class Bench:
         keys = [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in jobs]
 
         def all_ready() -> bool:
+            """Every worker READY, or ended without one (it saw no GPU: nothing to start)."""
             for team, name in keys:
                 pod = self.pod_of(team, name)
-                if not pod or "READY" not in self.logs(team, pod):
-                    if self.job_status(team, name).get("phase") in ("Succeeded", "Failed"):
-                        raise RuntimeError(f"{team}/{name} ended before READY: "
-                                           f"{self.job_diagnose(team, name)}")
+                ended = self.job_status(team, name).get("phase") in ("Succeeded", "Failed")
+                if not ended and (not pod or "READY" not in self.logs(team, pod)):
                     return False
             return True
 
         wait_for(f"{label}: every worker READY", all_ready, 240, 1,
                  diagnose=lambda: "\n".join(self.job_diagnose(t, n) for t, n in keys))
         for team, name in keys:
-            self.kubectl("exec", "-n", team, str(self.pod_of(team, name)), "--", "touch",
-                         "/tmp/go")
+            if self.job_status(team, name).get("phase") == "Running":
+                self.kubectl("exec", "-n", team, str(self.pod_of(team, name)), "--", "touch",
+                             "/tmp/go", check=False)
         results = [self.result(team, name) for team, name in keys]
         for team in {t for t, _ in keys}:
             self.delete_jobs(team)
         return results
 
     def part_tenants(self, seconds: float) -> None:
-        a, b = self.images.get("job-a", realnode.TEST_IMAGE), self.images.get(
-            "job-b", realnode.TEST_IMAGE)
+        a, b = self.images["job-a"], self.images["job-b"]
         probe = ["probe", "--seconds", str(seconds)]
         runs: dict[str, list[dict[str, Any]]] = {}
         runs["mps_alone"] = self.run_together("team-a alone (MPS 8 GiB / 25 %)", [
@@ -630,19 +624,31 @@ class Bench:
         self.results["tenants"] = runs
 
     def part_nogrant(self) -> None:
-        image = self.images.get("nogrant", realnode.TEST_IMAGE)
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": "no-grant", "namespace": "team-a"},
-               "spec": self.template(image, ["probe", "--try-gib", "1"],
-                                     runtime_class="")["spec"]}
-        self.as_tenant("team-a-user", "apply", "-f", "-", stdin=yaml.safe_dump(pod))
-        wait_for("the no-grant pod to finish", lambda: self.json(
-            "get", "pod", "no-grant", "-n", "team-a")["status"].get("phase") in (
-                "Succeeded", "Failed"), 180, 1)
-        log = self.logs("team-a", "no-grant")
-        found = [line for line in log.splitlines() if line.startswith("RESULT ")]
-        self.results["nogrant"] = json.loads(found[-1][7:]) if found else {"log": log[-1500:]}
-        self.kubectl("delete", "pod", "no-grant", "-n", "team-a", "--wait=false")
+        """A tenant's pod with no grant, its image setting NVIDIA_VISIBLE_DEVICES=all: under
+        the node's default runtime, and (a real node) asking for the NVIDIA RuntimeClass."""
+        classes = {"default runtime": ""}
+        if not self.fake:
+            classes[f"runtimeClassName: {NVIDIA_RUNTIME_CLASS}"] = NVIDIA_RUNTIME_CLASS
+        self.results["nogrant"] = {}
+        for label, runtime_class in classes.items():
+            name = f"no-grant-{runtime_class or 'default'}"
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": name, "namespace": "team-a"},
+                   "spec": self.template(self.images["nogrant"], ["probe", "--try-gib", "1"],
+                                         runtime_class=runtime_class)["spec"]}
+            created = self.kubectl("--as", "team-a-user", "apply", "-f", "-",
+                                   stdin=yaml.safe_dump(pod), check=False)
+            if created.returncode != 0:
+                self.results["nogrant"][label] = {"refused": created.stderr.strip()[-600:]}
+                continue
+            wait_for(f"the pod {name} to finish", lambda n=name: self.json(  # type: ignore[misc]
+                "get", "pod", n, "-n", "team-a")["status"].get("phase") in (
+                    "Succeeded", "Failed"), 180, 1)
+            log = self.logs("team-a", name)
+            found = [line for line in log.splitlines() if line.startswith("RESULT ")]
+            self.results["nogrant"][label] = (json.loads(found[-1][7:]) if found
+                                              else {"log": log[-1500:]})
+            self.kubectl("delete", "pod", name, "-n", "team-a", "--wait=false")
 
     def part_isolation(self, ceiling_pct: int) -> None:
         gpu = host_gpus()[0]
@@ -751,8 +757,9 @@ def toleration() -> dict[str, str]:
 
 def push_images(registry: str) -> dict[str, str]:
     env = dict(os.environ, REGISTRY=registry, CARPOOL_REGISTRY_PORT=registry.rsplit(":", 1)[1])
-    subprocess.run(["bash", str(REPO / "hack" / "images" / "registry.sh"), "up"], env=env,
-                   check=True, capture_output=True, timeout=300)
+    # its own session: the registry outlives this process (a later --reuse run pulls from it)
+    subprocess.run(["setsid", "bash", str(REPO / "hack" / "images" / "registry.sh"), "up"],
+                   env=env, check=True, capture_output=True, timeout=300)
     done = subprocess.run(["bash", str(REPO / "hack" / "images" / "push.sh")], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
@@ -828,7 +835,7 @@ def main(argv: list[str] | None = None) -> int:
                        else "helm install (fake backend)", timings):
                 bench.install(refs)
         bench.setup_tenants()
-        if not args.fake and set(parts) - {"node"}:
+        if set(parts) - {"node"}:
             bench.images = bench.imported_job_images() if args.reuse else {}
             if not bench.images:
                 with stage("job images from this machine's PyTorch", timings):
@@ -896,11 +903,11 @@ def print_tables(results: dict[str, Any], timings: dict[str, float]) -> None:
                       f"{cells[0]} | {cells[1]} | {_matmul(r)} |")
         if "mps_overlap_s" in results:
             print(f"\nMPS jobs' matmul windows overlapped {results['mps_overlap_s']} s")
-    if "nogrant" in results:
-        r = results["nogrant"]
-        print(f"\nno grant, image sets NVIDIA_VISIBLE_DEVICES=all: device_count="
-              f"{r.get('device_count')}, /dev: {r.get('dev_nvidia')}, nvidia-smi: "
-              f"{r.get('nvidia_smi_L')}, {r.get('cuda_error', '')}")
+    for label, r in (results.get("nogrant") or {}).items():
+        print(f"\nno grant, image sets NVIDIA_VISIBLE_DEVICES=all, {label}: "
+              + (f"refused: {r['refused']}" if "refused" in r else
+                 f"device_count={r.get('device_count')}, /dev: {r.get('dev_nvidia')}, "
+                 f"nvidia-smi: {r.get('nvidia_smi_L')}, {r.get('cuda_error', '')}"))
     iso = results.get("isolation")
     if iso:
         ladder = iso["ladder_gib"]

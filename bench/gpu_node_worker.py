@@ -91,11 +91,19 @@ def matmul_loop(torch: Any, seconds: float) -> dict[str, Any]:
             "tflops": round(2 * N**3 * iterations / took / 1e12, 1)}
 
 
+def import_torch(out: dict[str, Any]) -> Any:
+    try:
+        import torch
+    except ImportError as error:  # an image without PyTorch (the bench's plumbing check)
+        out |= {"device_count": 0, "cuda_error": f"no PyTorch: {error}"}
+        return None
+    out |= cuda_view(torch)
+    return torch
+
+
 def probe(args: argparse.Namespace) -> int:
     out = seen()
-    import torch
-
-    out |= cuda_view(torch)
+    torch = import_torch(out)
     if out["device_count"] == 0:
         emit(out)
         return 0
@@ -117,9 +125,7 @@ def escape(args: argparse.Namespace) -> int:
     for key in args.unset:
         os.environ.pop(key, None)
     out = seen()
-    import torch
-
-    out |= cuda_view(torch)
+    torch = import_torch(out)
     if out["device_count"] == 0:
         emit(out)
         return 0

@@ -6,10 +6,10 @@
 # (`GPU_NODE_ARGS=--fake` on a machine without GPUs). Arguments go to bench/gpu_node.py.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-if [ -f "$here/payload.sha256" ]; then cd "$here/.."; else cd "$here/../.."; fi
+if [ -f "$here/bin.sha256" ]; then cd "$here/.."; else cd "$here/../.."; fi
 STAGED="${STAGED:-.gpunode}"
 export PYTHONUNBUFFERED=1
-if [ -f "$STAGED/payload.sha256" ]; then
+if [ -f "$STAGED/bin.sha256" ]; then
   start=$(date +%s)
   src=$(bash "$STAGED/unpack.sh" "$STAGED" | tail -1)
   echo "==> [gpu-node] unpacked the staged binaries and tree in $(( $(date +%s) - start ))s"

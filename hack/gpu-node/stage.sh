@@ -7,6 +7,7 @@
 # carpool, carpool-mps and kube-scheduler (hack/images/build.py), and this commit's tree.
 # Binaries are stripped by their builds and compressed with xz; the result is split into parts
 # of PART_MIB MiB (default 55) in DEST (default .gpunode), so each part travels on its own.
+# CARPOOL_GPU_NODE_IMAGES=reuse keeps build/images, CARPOOL_GPU_NODE_BIN=reuse the binary parts.
 # On the GPU machine hack/gpu-node/unpack.sh puts them together again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,16 +50,19 @@ if [ "${CARPOOL_GPU_NODE_IMAGES:-build}" != reuse ] || ! [ -f build/images/kube-
   "$PY" hack/images/build.py --out build/images --with-scheduler "$k8s/kube-scheduler"
 fi
 
-echo "==> [stage] this commit's tree"
-git archive --format=tar --prefix=src/ HEAD > "$work/src.tar"
-tar -C . -rf "$work/src.tar" --transform 's,^,src/,' build/images
-
 echo "==> [stage] compress (xz) and split into $PART_MIB MiB parts"
 start=$(date +%s)
-tar -C "$root" -cf - . | xz -T2 -6 --lzma2=preset=6,dict=192MiB > "$work/bin.tar.xz"
-echo "    binaries: $(du -m "$work/bin.tar.xz" | cut -f1) MiB compressed in $(( $(date +%s) - start ))s"
-rm -f "$DEST"/part.* "$DEST"/payload.sha256
-tar -C "$work" -cf - bin.tar.xz src.tar | split -b "${PART_MIB}M" -d -a 2 - "$DEST/part."
-cat "$DEST"/part.* | sha256sum | cut -d' ' -f1 > "$DEST/payload.sha256"
+# Three payloads, so a change of code re-sends only what changed: the binaries (bin.*), the
+# images (img.*, rebuilt with the code they package) and this commit's tree (src.tar.gz).
+if [ "${CARPOOL_GPU_NODE_BIN:-build}" != reuse ] || ! [ -f "$DEST/bin.sha256" ]; then
+  rm -f "$DEST"/bin.*
+  tar -C "$root" -cf - . | xz -T2 -6 --lzma2=preset=6,dict=192MiB | split -b "${PART_MIB}M" -d -a 2 - "$DEST/bin."
+  cat "$DEST"/bin.[0-9]* | sha256sum | cut -d' ' -f1 > "$DEST/bin.sha256"
+  echo "    binaries: $(cat "$DEST"/bin.[0-9]* | wc -c | awk '{printf "%.1f", $1/1048576}') MiB in $(( $(date +%s) - start ))s"
+fi
+rm -f "$DEST"/img.*
+tar -C build -cf - images | split -b "${PART_MIB}M" -d -a 2 - "$DEST/img."
+cat "$DEST"/img.[0-9]* | sha256sum | cut -d' ' -f1 > "$DEST/img.sha256"
+git archive --format=tar.gz --prefix=src/ HEAD > "$DEST/src.tar.gz"
 cp hack/gpu-node/unpack.sh hack/gpu-node/run.sh "$DEST/"
 ls -la "$DEST"
