@@ -792,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fake:
         parts = [p for p in parts if p in ("node", "tenants", "nogrant")]
     timings: dict[str, float] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
     os.environ[devcluster.PODS_ENV] = "1"
     progress = devcluster.Progress(sys.stdout)
     with stage("control plane (devcluster --pods)", timings):
