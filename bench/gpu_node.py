@@ -349,7 +349,8 @@ def build_job_images(node: realnode.RealNode, work: Path) -> dict[str, str]:
          "manifests": manifests}))
     tar = subprocess.Popen(["tar", "-C", str(layout), "-cf", "-", "."], stdout=subprocess.PIPE)
     imported = subprocess.run(
-        ["ctr", "--address", str(node.paths.containerd_socket), "-n", realnode.CRI_NAMESPACE,
+        [str(realnode.containerd_bin_dir() / "ctr"), "--address",
+         str(node.paths.containerd_socket), "-n", realnode.CRI_NAMESPACE,
          "images", "import", "--snapshotter", node.settings.snapshotter, "-"],
         stdin=tar.stdout, capture_output=True, text=True, check=False)
     tar.wait()
@@ -405,8 +406,10 @@ class Bench:
         carpool_repo, tag = split(refs["carpool"])
         mps_repo, mps_tag = split(refs["carpool-mps"])
         sched_repo, sched_tag = split(refs["kube-scheduler"])
+        # The plugin writes the node's CDI spec where this node's containerd reads it.
         plugin: dict[str, Any] = {"sharingModes": ["mps"], "publishInterval": 5,
-                                  "tolerations": [toleration()]}
+                                  "tolerations": [toleration()],
+                                  "cdi": {"specDir": str(self.node.paths.cdi_spec_dir)}}
         values: dict[str, Any] = {
             "image": {"repository": carpool_repo, "tag": tag, "pullPolicy": "Always"},
             "mpsDaemon": {"image": {"repository": mps_repo, "tag": mps_tag,
@@ -423,9 +426,11 @@ class Bench:
             plugin |= {"backend": "fake", "fakeGpus": [{"model": "H200", "count": 1}]}
         else:
             # The plugin (NVML) and the MPS daemon reach the driver through the NVIDIA runtime
-            # (its RuntimeClass); job containers run under runc and get their GPUs as the CDI
-            # devices Allocate names.
+            # (its RuntimeClass, which the operator also puts on job pods); job containers get
+            # their GPUs only as the CDI devices Allocate names (NVIDIA_VISIBLE_DEVICES=void).
             plugin["runtimeClassName"] = NVIDIA_RUNTIME_CLASS
+            # job containers get the driver's files from the spec-wide edits of that spec
+            plugin["cdi"]["driverSpec"] = str(CDI_SPEC)
         return values
 
     def install(self, refs: dict[str, str]) -> None:
@@ -801,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     nvidia_runtime = "" if args.fake else shutil.which("nvidia-container-runtime") or ""
     if not args.fake and not nvidia_runtime:
         parser.error("no nvidia-container-runtime on PATH (hack/gpu-node/stage.sh carries it)")
-    settings = realnode.NodeSettings(device_plugin=False, max_pods=32, cdi=not args.fake,
+    settings = realnode.NodeSettings(device_plugin=False, max_pods=32,
                                      nvidia_runtime=nvidia_runtime,
                                      userspace_services=(f"{NAMESPACE}/{RELEASE}-extender",))
     node_timings = realnode.Timings(sys.stdout)

@@ -22,9 +22,7 @@ mkdir -p "$root/cache/bin" "$root/usr/local/bin" "$root/usr/lib/cni" "$root/usr/
 echo "==> [stage] binaries"
 k8s=$(bash hack/build-k8s.sh | tail -1)
 registry=$(bash hack/build-registry.sh | tail -1)
-# containerd >= 1.7 (CRI with CDI): hack/build-containerd.sh, or CONTAINERD_BIN_DIR
-containerd="${CONTAINERD_BIN_DIR:-}"
-[ -n "$containerd" ] || containerd=$(bash hack/build-containerd.sh | tail -1)
+containerd=$(bash hack/build-containerd.sh | tail -1)
 # The NVIDIA container runtime (CDI mode) for the plugin's and the MPS daemon's RuntimeClass:
 # a Go build, once per cache.
 NCT_VERSION="${NCT_VERSION:-v1.17.8}"
@@ -33,9 +31,8 @@ if ! [ -x "$nct/nvidia-container-runtime" ]; then
   GOBIN="$nct" CGO_ENABLED=1 GOFLAGS=-trimpath nice -n 19 go install -ldflags "-s -w" \
     "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-container-runtime@$NCT_VERSION"
 fi
-cp -a "$k8s" "$registry" "$root/cache/bin/"
+cp -a "$k8s" "$registry" "$containerd" "$root/cache/bin/"
 cp -a "$nct/nvidia-container-runtime" "$root/usr/local/bin/"
-cp -a "$containerd"/{containerd,containerd-shim-runc-v2,ctr} "$root/usr/local/bin/"
 
 echo "==> [stage] Debian's runc, CNI plugins and static busybox"
 debs="$work/debs"; mkdir -p "$debs"

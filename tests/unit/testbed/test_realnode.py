@@ -155,19 +155,18 @@ def test_kube_proxy_serves_the_pod_subnet_and_leaves_sysctls_alone(tmp_path: Pat
     assert config["nodePortAddresses"] == [f"{realnode.NODE_IP}/32"]
 
 
-def test_containerd_config_turns_on_cdi_and_the_nvidia_handler_only_when_asked(
-        tmp_path: Path) -> None:
+def test_containerd_config_adds_the_nvidia_handler_only_when_asked(tmp_path: Path) -> None:
     import tomllib
 
     paths = realnode.NodePaths(tmp_path)
     plain = tomllib.loads(realnode.containerd_config(paths, "overlayfs"))
     cri = plain["plugins"]["io.containerd.grpc.v1.cri"]
-    assert "enable_cdi" not in cri and set(cri["containerd"]["runtimes"]) == {"runc"}
-    gpu = tomllib.loads(realnode.containerd_config(paths, "overlayfs", cdi=True,
+    assert set(cri["containerd"]["runtimes"]) == {"runc"}
+    gpu = tomllib.loads(realnode.containerd_config(paths, "overlayfs",
                                                    nvidia_runtime="/opt/nct/runtime"))
     cri = gpu["plugins"]["io.containerd.grpc.v1.cri"]
-    assert cri["enable_cdi"] is True and "/var/run/cdi" in cri["cdi_spec_dirs"]
+    assert cri["enable_cdi"] is True and cri["cdi_spec_dirs"] == [str(paths.cdi_spec_dir)]
     runtimes = cri["containerd"]["runtimes"]
-    assert cri["containerd"]["default_runtime_name"] == "runc"  # jobs never get the env door
+    assert cri["containerd"]["default_runtime_name"] == "runc"  # tenants' pods: no env door
     assert runtimes["nvidia"]["options"] == {"SystemdCgroup": False,
                                              "BinaryName": "/opt/nct/runtime"}
