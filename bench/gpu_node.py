@@ -434,6 +434,11 @@ class Bench:
         return values
 
     def install(self, refs: dict[str, str]) -> None:
+        """`helm install` (a release an earlier run left is uninstalled first), then waits
+        until every Carpool pod is Ready."""
+        subprocess.run([str(self.helm), "--kubeconfig", str(self.node.cluster.kubeconfig),
+                        "uninstall", RELEASE, "-n", NAMESPACE, "--wait", "--ignore-not-found"],
+                       capture_output=True, text=True, timeout=300, check=False)
         values = self.out / "values.yaml"
         values.write_text(yaml.safe_dump(self.values(refs)))
         done = subprocess.run([str(self.helm), "--kubeconfig", str(self.node.cluster.kubeconfig),
