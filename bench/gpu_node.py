@@ -170,20 +170,32 @@ def host_gpus() -> list[dict[str, Any]]:
 # Job images from this machine's Python and PyTorch
 
 
-def torch_closure() -> list[importlib.metadata.Distribution]:
-    """torch and every distribution it requires (markers ignored: more is harmless)."""
+def torch_closure(roots: tuple[str, ...] = ("torch", "numpy")
+                  ) -> list[importlib.metadata.Distribution]:
+    """torch and every distribution it requires, with the extras it asks for (torch's CUDA
+    libraries come as extras of `cuda-toolkit`); other markers are ignored: more is harmless."""
     seen: dict[str, importlib.metadata.Distribution] = {}
-    todo = ["torch", "numpy"]
+    extras: dict[str, set[str]] = {}
+    todo = list(roots)
     while todo:
-        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
-        if not name or name in seen:
+        requirement = todo.pop()
+        match = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(\[([^\]]*)\])?", requirement)
+        if not match:
+            continue
+        name = match.group(1).lower().replace("_", "-")
+        wanted = {e.strip() for e in (match.group(3) or "").split(",") if e.strip()}
+        if name in seen and wanted <= extras[name]:
             continue
         try:
             dist = importlib.metadata.distribution(name)
         except importlib.metadata.PackageNotFoundError:
             continue
         seen[name] = dist
-        todo += [r for r in dist.requires or [] if "extra ==" not in r]
+        extras[name] = extras.get(name, set()) | wanted
+        for r in dist.requires or []:
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", r)
+            if extra is None or extra.group(1) in extras[name]:
+                todo.append(r)
     return list(seen.values())
 
 
@@ -223,6 +235,11 @@ def layer_paths() -> list[str]:
             full = (site / f).resolve() if not (site / f).is_symlink() else site / f
             if full.exists() and "__pycache__" not in full.parts:
                 paths.add(str(full))
+    # Whole trees where a distribution's file list may miss what is loaded at run time.
+    for tree in ("torch", "nvidia", "triton"):
+        for p in (site / tree).rglob("*"):
+            if "__pycache__" not in p.parts and (p.is_file() or p.is_symlink()):
+                paths.add(str(p))
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     for p in stdlib.rglob("*"):
         if not {"test", "tests", "idlelib", "__pycache__", "tkinter", "turtledemo"} & set(
