@@ -395,6 +395,7 @@ class Bench:
     # Where the plugin hands GPUs out through NVIDIA_VISIBLE_DEVICES (its env delivery), job
     # containers need the NVIDIA runtime's RuntimeClass; with CDI delivery, none.
     job_runtime_class: str = ""
+    watchdog_isolation: str = "mps"
 
     def kubectl(self, *args: str, check: bool = True, stdin: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -707,7 +708,9 @@ class Bench:
 
     def part_watchdog(self) -> None:
         job = self.gpujob("team-a", "hog", self.images["job-a"],
-                          ["hog", "--gib", "20", "--seconds", "120"])
+                          ["hog", "--gib", "20", "--seconds", "120"],
+                          isolation=self.watchdog_isolation,
+                          cores=GRANT["cores"] if self.watchdog_isolation == "mps" else None)
         self.submit(job)
         status = self.result("team-a", "hog", timeout=200)
         events = self.json("get", "events", "-n", "team-a")["items"]
@@ -810,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="leave the cluster and node up")
     parser.add_argument("--reuse", action="store_true",
                         help="use the node, release and job images a --keep run left running")
+    parser.add_argument("--watchdog-isolation", default="mps", choices=("mps", "timeslice"))
     parser.add_argument("--job-runtime-class", default="",
                         help="RuntimeClass of job pods (nvidia: the plugin's env delivery)")
     args = parser.parse_args(argv)
@@ -842,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         say(f"reusing the running node {node.name} (--reuse)")
     bench = Bench(node, cluster.bin_dir / "helm", args.fake, args.out, timings=timings,
-                  job_runtime_class=args.job_runtime_class)
+                  job_runtime_class=args.job_runtime_class,
+                  watchdog_isolation=args.watchdog_isolation)
     try:
         if not args.fake:
             with stage("CDI spec for the node's GPUs", timings):
