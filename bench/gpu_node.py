@@ -734,7 +734,7 @@ class Bench:
         train = self.gpujob(
             "team-b", "train", self.images["job-b"],
             ["train", "--steps", "400", "--step-seconds", "0.1"], isolation="exclusive",
-            memory=None, cores=None, preemptible=True,
+            cores=None, preemptible=True,
             checkpoint={"gracePeriod": "20s", "volumeClaimTemplate": {"spec": {
                 "storageClassName": "ckpt", "accessModes": ["ReadWriteOnce"],
                 "resources": {"requests": {"storage": "1Gi"}}}}})
@@ -745,8 +745,7 @@ class Bench:
             and (s.get("progress") or {}).get("value", 0) >= 0.1), 240, 1,
             diagnose=lambda: self.job_diagnose("team-b", "train"))
         urgent = self.gpujob("team-a", "urgent", self.images["job-a"],
-                             ["probe", "--try-gib", "1"], isolation="exclusive", memory=None,
-                             cores=None)
+                             ["probe", "--try-gib", "1"], isolation="exclusive", cores=None)
         self.submit(urgent)
         def preempted() -> dict[str, Any] | None:
             status = self.job_status("team-b", "train")
