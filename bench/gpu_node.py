@@ -61,7 +61,7 @@ CDI_SPEC = Path("/etc/cdi/carpool-nvidia.yaml")
 WORKER = "/opt/carpool/bench/gpu_node_worker.py"
 TENANTS = {"team-a": 1001, "team-b": 1002}
 PARTS = ("node", "tenants", "nogrant", "isolation", "watchdog", "preempt")
-GRANT = {"memory": "8Gi", "cores": 25}
+GRANT_MEMORY, GRANT_CORES = "8Gi", 25
 NVIDIA_RUNTIME_CLASS = "nvidia"
 NVIDIA_RUNTIME_CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
 
@@ -536,8 +536,8 @@ class Bench:
                             "command": command}]}}
 
     def gpujob(self, team: str, name: str, image: str, args: list[str],
-               isolation: str = "mps", memory: str | None = GRANT["memory"],  # type: ignore[assignment]
-               cores: int | None = GRANT["cores"],  # type: ignore[assignment]
+               isolation: str = "mps", memory: str | None = GRANT_MEMORY,
+               cores: int | None = GRANT_CORES,
                **spec: Any) -> dict[str, Any]:
         gpu: dict[str, Any] = {"count": 1, "isolation": isolation}
         if memory:
@@ -710,7 +710,7 @@ class Bench:
         job = self.gpujob("team-a", "hog", self.images["job-a"],
                           ["hog", "--gib", "20", "--seconds", "120"],
                           isolation=self.watchdog_isolation,
-                          cores=GRANT["cores"] if self.watchdog_isolation == "mps" else None)
+                          cores=GRANT_CORES if self.watchdog_isolation == "mps" else None)
         self.submit(job)
         status = self.result("team-a", "hog", timeout=200)
         events = self.json("get", "events", "-n", "team-a")["items"]
@@ -744,6 +744,11 @@ class Bench:
             (s := self.job_status("team-b", "train")).get("phase") == "Running"
             and (s.get("progress") or {}).get("value", 0) >= 0.1), 240, 1,
             diagnose=lambda: self.job_diagnose("team-b", "train"))
+        # attempt 1's output, followed until its container exits (the pod goes with it)
+        follow = subprocess.Popen(
+            [str(self.node.cluster.bin_dir / "kubectl"), "--kubeconfig",
+             str(self.node.cluster.kubeconfig), "logs", "-f", "train-1", "-n", "team-b"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         urgent = self.gpujob("team-a", "urgent", self.images["job-a"],
                              ["probe", "--try-gib", "1"], isolation="exclusive", cores=None)
         self.submit(urgent)
@@ -754,7 +759,11 @@ class Bench:
 
         after = wait_for("train preempted and requeued", preempted, 120, 1,
                          diagnose=lambda: self.job_diagnose("team-b", "train"))
-        first_log = self.logs("team-b", "train-1")
+        try:
+            first_log = follow.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            follow.kill()
+            first_log = follow.communicate()[0]
         done = wait_for("train's second attempt to finish", lambda: (
             s if (s := self.job_status("team-b", "train")).get("phase") in (
                 "Succeeded", "Failed") else None), 300, 2,

@@ -6,7 +6,10 @@
 # static busybox, the images
 # carpool, carpool-mps and kube-scheduler (hack/images/build.py), and this commit's tree.
 # Binaries are stripped by their builds and compressed with xz; the result is split into parts
-# of PART_MIB MiB (default 55) in DEST (default .gpunode), so each part travels on its own.
+# of PART_MIB MiB (default 55) in DEST (default .gpunode), so each part travels on its own, and
+# each part is also linked into a folder of its own beside DEST (DEST-0/, DEST-1/, ...): one
+# transfer to the GPU machine carries one such folder (and moves its part out of the checkout
+# there, to $GPU_NODE_PARTS) where a transferred path replaces its whole folder.
 # CARPOOL_GPU_NODE_IMAGES=reuse keeps build/images, CARPOOL_GPU_NODE_BIN=reuse the binary parts.
 # On the GPU machine hack/gpu-node/unpack.sh puts them together again.
 set -euo pipefail
@@ -62,4 +65,9 @@ tar -C build -cf - images | split -b "${PART_MIB}M" -d -a 2 - "$DEST/img."
 cat "$DEST"/img.[0-9]* | sha256sum | cut -d' ' -f1 > "$DEST/img.sha256"
 git archive --format=tar.gz --prefix=src/ HEAD > "$DEST/src.tar.gz"
 cp hack/gpu-node/unpack.sh hack/gpu-node/run.sh "$DEST/"
-ls -la "$DEST"
+rm -rf "$DEST"-[0-9]*
+i=0
+for part in "$DEST"/bin.[0-9]* "$DEST"/img.[0-9]*; do
+  mkdir -p "$DEST-$i" && ln -f "$part" "$DEST-$i/"; i=$((i + 1))
+done
+ls -la "$DEST" "$DEST"-[0-9]*

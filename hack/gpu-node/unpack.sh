@@ -3,9 +3,12 @@
 # them: containerd, runc, the NVIDIA runtime and the CNI plugins on the system paths the real
 # node uses, static busybox (only where no static one is), the cached binaries under
 # CARPOOL_CACHE, the images in DIR/src/build/images and the staged tree in DIR/src. Prints the
-# source directory last. A payload already unpacked (same checksum) is skipped.
+# source directory last. A payload already unpacked (same checksum) is skipped. The parts may
+# lie in STAGED or in GPU_NODE_PARTS (where each call moved the part it carried).
 set -euo pipefail
 STAGED="${1:-.gpunode}"
+PARTS="${GPU_NODE_PARTS:-/var/tmp/carpool-gpu-node-parts}"
+for part in "$PARTS"/*.[0-9][0-9]; do [ -e "$part" ] && ln -sf "$part" "$STAGED/"; done
 DIR="${GPU_NODE_DIR:-/var/tmp/carpool-gpu-node}"
 CACHE="${CARPOOL_CACHE:-$DIR/cache}"
 mkdir -p "$DIR" "$CACHE"

@@ -359,6 +359,9 @@ def test_mps_daemon_shares_the_pipe_directory(default: list[Obj]) -> None:
     assert init["command"] == ["nvidia-smi", "-c", "EXCLUSIVE_PROCESS"]
     assert init["securityContext"] == {"privileged": True}
     assert not (container(daemonset).get("securityContext") or {}).get("privileged")
+    # it may only switch to its clients' user, to start their MPS server
+    assert container(daemonset)["securityContext"]["capabilities"] == {
+        "drop": ["ALL"], "add": ["SETUID", "SETGID"]}
     # upgrades never restart the daemon under running MPS clients
     assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
 
