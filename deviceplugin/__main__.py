@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mps-ceiling", type=int, default=50, metavar="PERCENT",
                    help="the most one MPS client may hold of each GPU's memory and SMs, set on "
                         "the control daemon before any server starts (1-100)")
+    p.add_argument("--mps-client-uid", type=int, default=None, metavar="UID",
+                   help="the user every MPS client runs as (the chart's mpsDaemon.clientUid, "
+                        "which the operator sets on MPS jobs' pods): Allocate refuses an MPS "
+                        "share to a pod with a container running as another user")
+    p.add_argument("--mps-client-gid", type=int, default=None, metavar="GID",
+                   help="the group every MPS client runs as (mpsDaemon.clientGid), likewise")
     p.add_argument("--device-delivery", choices=("cdi", "env"), default="cdi",
                    help="hand GPUs to containers as CDI devices (the runtime adds exactly their "
                         "device nodes) or through NVIDIA_VISIBLE_DEVICES (runtimes without CDI)")
@@ -85,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shares-per-gpu must be at least 1")
     if not 1 <= args.mps_ceiling <= 100:
         p.error("--mps-ceiling must be between 1 and 100")
+    for flag, value in (("--mps-client-uid", args.mps_client_uid),
+                        ("--mps-client-gid", args.mps_client_gid)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be a user or group ID above 0, got {value}")
     if args.backend == "fake" and not (args.fake_spec or args.openb_node_list):
         p.error("--backend fake needs --fake-spec or --openb-node-list")
     try:
@@ -181,7 +191,9 @@ async def run(args: argparse.Namespace) -> None:
                           serve_unowned=args.allow_unowned_pods,
                           reports_root=args.reports_dir,
                           delivery=DeviceDelivery(args.device_delivery),
-                          cdi=cdi_settings(args))
+                          cdi=cdi_settings(args),
+                          mps_client_uid=args.mps_client_uid,
+                          mps_client_gid=args.mps_client_gid)
     state = PluginState(config, backend, cluster, HealthTracker(args.recover_after))
     await asyncio.to_thread(state.write_cdi_spec)  # before registering: Allocate names its devices
     if args.metrics_port:

@@ -56,6 +56,10 @@ class PodView:
     gpu_containers: tuple[tuple[str, int], ...]  # (container name, carpool.dev/gpu count)
     owner: Owner | None = None  # the GpuJob controlling the pod (core.ownership)
     scheduler: str = ""  # spec.schedulerName (immutable)
+    # the pod's securityContext runAsUser and runAsGroup (None: unset), then each container's
+    # (init containers included) by name: immutable once the pod exists
+    run_as: tuple[int | None, int | None] = (None, None)
+    containers_run_as: tuple[tuple[str, int | None, int | None], ...] = ()
 
     @property
     def key(self) -> str:
@@ -251,3 +255,31 @@ def preferred_shares(
         if len(chosen) < size and share not in chosen:
             chosen.append(share)
     return chosen
+
+
+def mps_client_refusal(pod: PodView, client_uid: int | None, client_gid: int | None) -> str:
+    """Why `pod` may not be an MPS client on this node ("" when it may): one of its containers
+    runs as another user or group than the one every MPS client runs as (the chart's
+    mpsDaemon.clientUid/clientGid; None: not configured, anyone).
+
+    The operator sets that user on every MPS job's pod (operator/pods.py,
+    apply_platform_settings); this is the same rule checked where the MPS share is handed
+    out. The device plugin is the one place that knows the pod gets an MPS share (the
+    isolation the extender recorded, on a node in MPS mode) and it acts on every pod,
+    whoever created it, with or without the admission policies: an admission rule would
+    have to guess the node's sharing mode from a pod annotation before the pod is placed.
+    A client of another user would make the control daemon hold every other user's clients
+    until its server exits (docs/concepts.md, MPS)."""
+    pod_user, pod_group = pod.run_as
+    for container, user, group in pod.containers_run_as:
+        for what, value, wanted, field_name, value_name in (
+                ("user", user if user is not None else pod_user, client_uid, "runAsUser",
+                 "clientUid"),
+                ("group", group if group is not None else pod_group, client_gid,
+                 "runAsGroup", "clientGid")):
+            if wanted is not None and value != wanted:
+                shown = "the image's" if value is None else str(value)
+                return (f"pod {pod.key}: container {container!r} runs as {what} {shown} "
+                        f"(securityContext.{field_name}), but MPS clients on this node run "
+                        f"as {what} {wanted} (mpsDaemon.{value_name})")
+    return ""

@@ -46,7 +46,18 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         ),
         owner=gpujob_owner(meta.get("ownerReferences")),
         scheduler=str(spec.get("schedulerName") or ""),
+        run_as=_run_as(spec.get("securityContext")),
+        containers_run_as=tuple(
+            (str(c.get("name") or ""), *_run_as(c.get("securityContext")))
+            for kind in ("initContainers", "containers") for c in spec.get(kind) or []),
     )
+
+
+def _run_as(context: Mapping[str, Any] | None) -> tuple[int | None, int | None]:
+    """A securityContext's runAsUser and runAsGroup (None: unset)."""
+    context = context or {}
+    user, group = context.get("runAsUser"), context.get("runAsGroup")
+    return (int(user) if user is not None else None, int(group) if group is not None else None)
 
 
 class KubernetesCluster:

@@ -36,6 +36,7 @@ from carpool.deviceplugin.handshake import (
     allocated_annotation,
     expected_container,
     match_request,
+    mps_client_refusal,
     preferred_shares,
 )
 from carpool.deviceplugin.health import HealthTracker
@@ -70,6 +71,10 @@ class PluginConfig:
     reports_root: Path | None = None  # per-pod report directories (reports.py); None: none
     delivery: DeviceDelivery = DeviceDelivery.CDI
     cdi: CdiSettings = field(default_factory=CdiSettings)  # the node's CDI spec (cdi.py)
+    # the user and group every MPS client must run as (mpsDaemon.clientUid/clientGid; None:
+    # any), checked in Allocate (handshake.mps_client_refusal)
+    mps_client_uid: int | None = None
+    mps_client_gid: int | None = None
 
 
 MARK_WAIT_S = 2.0  # how long Allocate waits for the allocated mark before answering anyway
@@ -309,6 +314,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                     f"(spec.schedulerName {match.pod.scheduler!r}); Carpool serves GPUs only "
                     f"to the pods its scheduler placed")
         isolation = self._isolation(match)
+        if isolation is Isolation.MPS and (why := mps_client_refusal(
+                match.pod, state.config.mps_client_uid, state.config.mps_client_gid)):
+            raise HandshakeError("PERMISSION_DENIED", why)
         self._check_honourable(match.pod.key, match.gpus)
         setup = container_setup(isolation, match.gpus, state.config.mps,
                                 {g.uuid: g.memory_total_mib for g in state.gpus},

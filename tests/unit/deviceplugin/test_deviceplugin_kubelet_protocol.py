@@ -123,14 +123,17 @@ Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
 async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
                   pods: list[PodView] | None = None, source: StaticPodSource | None = None,
                   reports_root: Path | None = None,
-                  delivery: DeviceDelivery = DeviceDelivery.CDI) -> AsyncIterator[Running]:
+                  delivery: DeviceDelivery = DeviceDelivery.CDI,
+                  mps_client: tuple[int | None, int | None] = (None, None)
+                  ) -> AsyncIterator[Running]:
     backend = FakeBackend.from_spec(spec)
     source = source or StaticPodSource(pods)
     state = PluginState(
         PluginConfig(NODE, sharing_mode=mode, shares_per_gpu=4,
                      mps=MpsSettings(pipe_dir="/run/carpool/mps/pipe", shm_dir="/run/carpool/shm"),
                      reports_root=reports_root, delivery=delivery,
-                     cdi=CdiSettings(spec_dir=str(plugin_dir / "cdi"), stand_in="/dev/null")),
+                     cdi=CdiSettings(spec_dir=str(plugin_dir / "cdi"), stand_in="/dev/null"),
+                     mps_client_uid=mps_client[0], mps_client_gid=mps_client[1]),
         backend, source, health=HealthTracker(recover_after_s=0.0), clock=lambda: NOW,
     )
     state.write_cdi_spec()
@@ -303,6 +306,57 @@ def test_allocate_serves_the_isolation_the_extender_recorded_not_the_pods_annota
             assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
             assert "was not placed by carpool-scheduler" in (err.value.details() or "")
     run(scenario())
+
+
+def test_an_mps_share_goes_only_to_a_pod_running_as_the_mps_client_user(
+        plugin_dir: Path) -> None:
+    """With the MPS client user configured (mpsDaemon.clientUid/clientGid), Allocate refuses an
+    MPS share to a pod with a container that runs as another user or group (its own setting
+    over the pod's, an init container too), or leaves it to the image; the pod the operator
+    makes (the user on the pod, none on its containers) is served."""
+    async def scenario() -> None:
+        async with running(plugin_dir, TWO_H200, mps_client=(1000, 1001)) as (
+                kubelet, _server, backend, source):
+            gpu0, _ = (g.uuid for g in backend.inventory())
+            share = [{"uuid": gpu0, "index": 0, "memoryMiB": 8192, "cores": 25}]
+            stub = kubelet.stub()
+            refused = {
+                "root": ((1000, 1001), (("main", 0, None),),
+                         "container 'main' runs as user 0 (securityContext.runAsUser)"),
+                "group": ((1000, 1001), (("setup", None, 0), ("main", None, None)),
+                          "container 'setup' runs as group 0 (securityContext.runAsGroup)"),
+                "unset": ((None, None), (("main", None, None),),
+                          "container 'main' runs as user the image's"),
+            }
+            for n, (name, (run_as, containers, why)) in enumerate(refused.items()):
+                source.add(dataclasses.replace(pod(name, share, isolation="mps"),
+                                               run_as=run_as, containers_run_as=containers))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await allocate(stub, f"{gpu0}::{n}")
+                assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED, name
+                details = err.value.details() or ""
+                assert f"pod lab/{name}: {why}" in details, details
+                assert "MPS clients on this node run as" in details
+                assert ANN_ALLOCATED not in source.pods[f"lab/{name}"].annotations
+                del source.pods[f"lab/{name}"]
+            source.add(dataclasses.replace(pod("client", share, isolation="mps"),
+                                           run_as=(1000, 1001),
+                                           containers_run_as=(("main", None, None),)))
+            envs = dict((await allocate(stub, f"{gpu0}::3")).container_responses[0].envs)
+            assert envs["CARPOOL_ISOLATION"] == "mps"
+    run(scenario())
+
+
+def test_a_pods_run_as_user_is_read_from_the_pod_and_every_container() -> None:
+    from carpool.deviceplugin.kube import pod_view
+    view = pod_view({"metadata": {"namespace": "lab", "name": "p"}, "spec": {
+        "securityContext": {"runAsUser": 1000},
+        "initContainers": [{"name": "setup", "securityContext": {"runAsGroup": 7}}],
+        "containers": [{"name": "main"}, {"name": "side", "securityContext": {
+            "runAsUser": 0, "runAsGroup": 0}}]}})
+    assert view.run_as == (1000, None)
+    assert view.containers_run_as == (("setup", None, 7), ("main", None, None),
+                                      ("side", 0, 0))
 
 
 def test_allocate_hands_the_pod_its_report_directory(plugin_dir: Path) -> None:

@@ -322,6 +322,10 @@ def test_device_plugin_per_sharing_label(default: list[Obj], mode: str) -> None:
         assert args.mps_ceiling == 50  # checked against the daemon's fence before serving
         assert str(args.mps_pipe_dir) == "/run/carpool/mps/pipe"
         assert "/run/carpool/mps" in mounts
+        # the user the operator sets on MPS jobs' pods, checked again in Allocate
+        assert (args.mps_client_uid, args.mps_client_gid) == (1000, 1000)
+    else:
+        assert (args.mps_client_uid, args.mps_client_gid) == (None, None)
     assert not args.allow_unowned_pods
     # NVML (and in MPS mode nvidia-cuda-mps-control, which only `compute` mounts) from the
     # NVIDIA runtime, asked for by a volume mount too: it may ignore NVIDIA_VISIBLE_DEVICES
@@ -402,6 +406,7 @@ def test_the_runtime_class_reaches_job_pods_through_the_operator(helm: Path) -> 
     assert env["CARPOOL_JOB_RUNTIME_CLASS"] == "nvidia"
     assert "CARPOOL_MPS_CLIENT_UID" not in env
     plugin = find(objs, "DaemonSet", "carpool-device-plugin-mps")
+    assert not [a for a in container(plugin)["args"] if a.startswith("--mps-client-uid")]
     assert plugin["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
 
 
