@@ -52,6 +52,9 @@ def view_pod(pod: Obj) -> PodView:
     phase = status.get("phase") or "Pending"
     limits = gpu_limits(pod)
     gpu_pod = bool(annotations.get(names.ANN_ASSIGNMENT)) or bool(limits)
+    unschedulable = next((c for c in status.get("conditions") or []
+                          if c.get("type") == "PodScheduled" and c.get("status") == "False"
+                          and c.get("reason") == "Unschedulable"), None)
     if phase in ("Succeeded", "Failed") and finished is None:
         finished = parse_time(meta.get("deletionTimestamp")) or started
     return PodView(
@@ -73,6 +76,9 @@ def view_pod(pod: Obj) -> PodView:
         owner=gpujob_owner(meta.get("ownerReferences")),
         gpu_pod=gpu_pod,
         limits=limits,
+        unschedulable_since=(parse_time(unschedulable.get("lastTransitionTime"))
+                             if unschedulable else None),
+        unschedulable_message=str((unschedulable or {}).get("message") or ""),
     )
 
 

@@ -32,8 +32,10 @@ from carpool.core.eta import kept_history
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.lifecycle import (
+    UNSCHEDULABLE,
     admission_to_start_s,
     assignment_fraction,
+    give_back_unschedulable,
     grants_from_assignment,
     grants_from_status,
     history_gpu_hours,
@@ -134,6 +136,9 @@ class ReconcilerConfig:
     admission_budget_max_s: float = 60.0
     # the runtime class and MPS client user the platform sets on every job pod
     platform: PlatformPodSettings = field(default_factory=PlatformPodSettings)
+    # an admitted job whose pod no node takes for this long is given back to the queue
+    # (`lifecycle.give_back_unschedulable`); 0: never
+    unschedulable_timeout_s: float = 600.0
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
@@ -147,7 +152,23 @@ class ReconcilerConfig:
             max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
             admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
             admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")),
-            platform=PlatformPodSettings.from_environment(env))
+            platform=PlatformPodSettings.from_environment(env),
+            unschedulable_timeout_s=_seconds(env, "CARPOOL_UNSCHEDULABLE_TIMEOUT_S", 600.0))
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A duration setting in seconds (0 or more); anything else stops the operator with the
+    variable's name."""
+    text = env.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, not {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise ValueError(f"{name} must be 0 or more seconds, not {text!r}")
+    return value
 
 
 def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -243,6 +264,8 @@ class PassState:
     tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
     # job key -> the pod of its current attempt as the pass saw it (what a stop deletes)
     attempt_pods: dict[str, PodView] = field(default_factory=dict)
+    # admitted jobs whose pod no node took in time: (job key, status to write, Event note)
+    unschedulable: list[tuple[str, Obj, str]] = field(default_factory=list)
 
     @property
     def orphan_keys(self) -> list[str]:
@@ -379,7 +402,7 @@ class Reconciler:
                 # neither the job nor its pods changed since a pass derived nothing to write
                 # for it: the same decoding (thousands of jobs wait or run through many passes)
                 decoded[key] = cached
-                self._reuse(state, obj, cached, guarded)
+                self._reuse(state, obj, cached, guarded, now)
                 continue
             obs = observe(obj, job_pods, totals, now, mig_slices)
             status = obj.get("status") or {}
@@ -389,6 +412,9 @@ class Reconciler:
             if obs.live_pod is not None:
                 state.attempt_pods[key] = obs.live_pod
                 self._observe_hardware(state, obs.live_pod, status, patch)
+                if obs.phase is Phase.ADMITTED and not meta.get("deletionTimestamp"):
+                    self._check_unschedulable(state, key, {**status, **patch},
+                                              obs.live_pod, now)
             for type_, reason, note in obs.events:
                 self._announce(obj, reason, note, type_, derived=True)
             merged = {**status, **patch}
@@ -444,7 +470,15 @@ class Reconciler:
             obj.get("status") or {} for obj in state.objects.values())
         return state
 
-    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, guarded: bool) -> None:
+    def _check_unschedulable(self, state: PassState, key: str, status: Obj, pod: PodView,
+                             now: float) -> None:
+        given_back = give_back_unschedulable(status, pod, now,
+                                             self.config.unschedulable_timeout_s)
+        if given_back is not None:
+            state.unschedulable.append((key, *given_back))
+
+    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, guarded: bool,
+               now: float) -> None:
         """A job decoded as before; only its node's presence and hardware facts (from the
         GpuNodes, which change on their own) are looked at again."""
         key = cached.job.key
@@ -459,6 +493,9 @@ class Reconciler:
         if cached.live_pod is not None:
             state.attempt_pods[key] = cached.live_pod
             self._observe_hardware(state, cached.live_pod, obj.get("status") or {}, patch)
+            if job.phase is Phase.ADMITTED:  # (a pod waiting for a node changes nothing)
+                self._check_unschedulable(state, key, obj.get("status") or {},
+                                          cached.live_pod, now)
         if patch:
             state.patches[key] = {**self._initial_status(obj), **patch}
         elif not job.phase.finished:
@@ -519,6 +556,8 @@ class Reconciler:
             self._retire(state, quotas, quota_objects, retired, now)
         if (state.orphans or state.tampered) and still_leader():
             self._stop_strays(state, quotas, quota_objects, retired, now)
+        if state.unschedulable and still_leader():
+            self._give_back_unschedulable(state)
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
         # what deleted jobs taught the estimates, as the replay keeps it run by run
         learned, misses = kept_history(retired.values())
@@ -707,6 +746,20 @@ class Reconciler:
                 retired[project] = forget_gone(retired[project], present)
                 self.kube.patch_quota_status(project,
                                              {"retired": retired_to_status(retired[project])})
+
+    def _give_back_unschedulable(self, state: PassState) -> None:
+        """Admitted jobs whose pod no node took in time (`lifecycle.give_back_unschedulable`):
+        their status first (the job shows Preempted, or Failed), then their pod stopped.
+        They stay counted as holding their grant in this pass; the next one sees them
+        stopping."""
+        for key, status, note in state.unschedulable:
+            obj = state.objects[key]
+            state.patches.setdefault(key, {}).update(status)
+            self._announce(obj, UNSCHEDULABLE, note, "Warning", "Requeue")
+            self._flush_one(state, key)
+            job = next((j for j in state.jobs if j.key == key), None)
+            if job is not None:
+                self._stop_attempt(state, job, 0)
 
     def _stop(self, state: PassState, pod: PodView, reason: str, why: str, job_key: str) -> None:
         if pod.deleting:

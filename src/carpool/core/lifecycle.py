@@ -50,6 +50,10 @@ class PodView:
     # have them) or was assigned some (the extender's annotation)
     gpu_pod: bool = False
     limits: tuple[GpuLimits, ...] = ()  # its containers' carpool.dev/* limits
+    # since when the scheduler has found no node for it (its PodScheduled condition False,
+    # reason Unschedulable), and the scheduler's message; None while it is not so
+    unschedulable_since: float | None = None
+    unschedulable_message: str = ""
 
     @property
     def terminal(self) -> bool:
@@ -113,6 +117,42 @@ def failed_not_by_the_job(pod: PodView) -> str:
     if is_node_rejection(pod.exit_reason):
         return pod.exit_reason
     return DISRUPTED if pod.disruption else ""
+
+
+# An admitted job whose pod no node takes (its nodeSelector, affinity or tolerations match no
+# node with room, a node went away) holds its quota while it waits. Like Kueue's
+# waitForPodsReady, the operator gives such a job back after a while (the operator's
+# CARPOOL_UNSCHEDULABLE_TIMEOUT_S): its pod is stopped and it goes back to the queue, keeping
+# its place; after MAX_UNSCHEDULABLE_GIVE_BACKS give-backs it fails instead, since no node has
+# taken it in all that time and nothing tells the operator that one ever will.
+UNSCHEDULABLE = "Unschedulable"
+MAX_UNSCHEDULABLE_GIVE_BACKS = 3
+
+
+def give_back_unschedulable(status: Mapping[str, Any], pod: PodView, now: float,
+                            timeout_s: float) -> tuple[Obj, str] | None:
+    """The status to write for an admitted job whose current attempt `pod` the scheduler has
+    found no node for during `timeout_s` (0: never), with the note for its Event; None while
+    it is not so. The job shows Preempted until its pod is gone (`observe` then requeues it
+    with this reason), or Failed once it was given back MAX_UNSCHEDULABLE_GIVE_BACKS times."""
+    since = pod.unschedulable_since
+    if (timeout_s <= 0 or since is None or now - since < timeout_s or pod.node
+            or pod.phase != "Pending" or pod.deleting):
+        return None
+    given_back = int(status.get("unschedulableGiveBacks") or 0) + 1
+    waited = f"{(now - since) / 60:.0f} min" if now - since >= 60 else f"{now - since:.0f}s"
+    said = f": {pod.unschedulable_message}" if pod.unschedulable_message else ""
+    note = f"attempt {pod.attempt}: no node took its pod in {waited} (the scheduler{said})"
+    if given_back > MAX_UNSCHEDULABLE_GIVE_BACKS:
+        note += (f"; given back {MAX_UNSCHEDULABLE_GIVE_BACKS} times already, it fails (check "
+                 f"its nodeSelector, affinity and tolerations against the GPU nodes)")
+        return {"phase": Phase.FAILED.value, "reason": UNSCHEDULABLE, "message": note,
+                "completionTime": format_timestamp(now)}, note
+    note += f"; its quota is given back and it is requeued ({given_back} of at most " \
+            f"{MAX_UNSCHEDULABLE_GIVE_BACKS})"
+    return {"phase": Phase.PREEMPTED.value, "preemptingAttempt": pod.attempt,
+            "reason": UNSCHEDULABLE, "message": note,
+            "unschedulableGiveBacks": given_back}, note
 
 
 @dataclass(frozen=True)
@@ -212,13 +252,16 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             return Observation(Phase.QUEUED, attempts, {} if unchanged else {"attempts": attempts})
         # The pod of the current attempt is gone: preempted (we deleted it) or lost.
         reason = "Preempted" if preempting == attempts else "PodLost"
+        message = f"attempt {attempts} ended ({reason}); requeued"
+        if reason == "Preempted" and status.get("reason") == UNSCHEDULABLE:
+            # given back (give_back_unschedulable): the scheduler's reason stays shown
+            reason, message = UNSCHEDULABLE, str(status.get("message") or message)
         history = [dict(r, end=r.get("end") or format_timestamp(now),
                         outcome=r.get("outcome") or reason) for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
                  "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
-                 "podAssignment": None,
-                 "reason": reason, "message": f"attempt {attempts} ended ({reason}); requeued"}
+                 "podAssignment": None, "reason": reason, "message": message}
         events.append(("Normal" if reason == "Preempted" else "Warning", "Requeued",
                        f"attempt {attempts} ended ({reason}); back in the queue"))
         return Observation(Phase.QUEUED, attempts, patch, tuple(events))

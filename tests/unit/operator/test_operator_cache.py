@@ -776,3 +776,50 @@ def test_a_preempted_attempt_is_deleted_by_its_uid() -> None:
     del cluster[GPUJOBS][0]["status"]["podUID"]
     kube = preempt(PassState(objects={"team/a": cluster[GPUJOBS][0]}))
     assert kube.deleted == []  # no uid known: nothing is deleted by name
+
+
+def _unschedulable(since: str) -> tuple[Obj, Obj]:
+    """An admitted job (attempt 1) and its pod, which the scheduler has found no node for
+    since `since`."""
+    job = _job("a", "20", status={
+        "phase": "Admitted", "attempts": 1, "podName": "a-1", "podUID": "pod-a-1",
+        "node": "n1", "submitTime": "2027-01-15T07:00:00Z",
+        "gpus": [{"index": 0, "uuid": "GPU-0", "memoryMiB": 20480, "cores": 50}]})
+    pod = _gpu_pod("a-1", "pod-a-1", phase="Pending", owner=_controller("a"))
+    del pod["metadata"]["annotations"][names.ANN_ASSIGNMENT]
+    pod["spec"].pop("nodeName")
+    pod["status"] = {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "lastTransitionTime": since,
+        "message": "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity"}]}
+    return job, pod
+
+
+def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
+    job, pod = _unschedulable("2027-01-15T07:55:00Z")  # 5 min before T0
+    kube = TellingKube()
+    cluster = _cluster(2)
+    cluster[GPUJOBS], cluster[PODS] = [job], [pod]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(T0)
+    reconciler.settle()
+    assert kube.deleted == [] and ("a", "Unschedulable") not in kube.told
+    # what the watch then shows: the job with what the pass wrote
+    for _, status in kube.statuses:
+        job["status"].update(status)
+    job["metadata"].update(resourceVersion=str(kube.version), finalizers=[names.FINALIZER])
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    reconciler.run_pass(T0 + 1)
+    reconciler.settle()
+    assert reconciler._decoded["team/a"].version == job["metadata"]["resourceVersion"]
+    assert kube.deleted == [] and not [s for _, s in kube.statuses if "phase" in s][1:]
+    # ten minutes after it became unschedulable, nothing else having changed (the pass
+    # reuses the job's decoding): its quota is given back, its pod stopped by uid
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    reconciler.run_pass(T0 + 300)
+    reconciler.settle()
+    assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
+    assert ("a", "Unschedulable") in kube.told
+    (written,) = [s for _, s in kube.statuses if s.get("reason") == "Unschedulable"]
+    assert written["phase"] == "Preempted" and written["unschedulableGiveBacks"] == 1
+    assert "didn't match Pod's node affinity" in written["message"]

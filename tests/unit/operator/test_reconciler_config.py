@@ -33,3 +33,12 @@ def test_estimates_are_rounded_finer_the_nearer_they_are() -> None:
     # the coarsest of 1, 2, 5 and 10 s within 5 % of the time until the estimate
     assert [estimate_step(s) for s in (0, 30, 39.9, 40, 99, 100, 199, 200, 86400)] == [
         1, 1, 1, 2, 2, 5, 5, 10, 10]
+
+
+def test_the_unschedulable_timeout_is_ten_minutes_unless_set() -> None:
+    assert ReconcilerConfig.from_environment({}).unschedulable_timeout_s == 600.0
+    config = ReconcilerConfig.from_environment({"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": "0"})
+    assert config.unschedulable_timeout_s == 0.0
+    for bad in ("soon", "-5", "inf", "nan"):
+        with pytest.raises(ValueError, match="CARPOOL_UNSCHEDULABLE_TIMEOUT_S must be"):
+            ReconcilerConfig.from_environment({"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": bad})
