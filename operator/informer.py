@@ -59,7 +59,8 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 # What a pass reads of a pod (`following.view_pod` and the job it belongs to): a store of
-# thousands of pods keeps only these, not their conditions (but DisruptionTarget), IPs,
+# thousands of pods keeps only these, not their conditions (but DisruptionTarget, and
+# PodScheduled while it says Unschedulable), IPs,
 # images and labels; of its owner references only GpuJobs', of its containers only their
 # carpool.dev/* limits (what it holds).
 POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
@@ -93,9 +94,10 @@ def trimmed(obj: Obj, pod: bool = False) -> Obj:
     kept_status = {k: status[k] for k in POD_STATUS if k in status}
     if containers := status.get("containerStatuses"):
         kept_status["containerStatuses"] = [{"state": c.get("state") or {}} for c in containers]
-    if disruption := [c for c in status.get("conditions") or []
-                      if c.get("type") == DISRUPTION_TARGET]:
-        kept_status["conditions"] = disruption
+    if read := [c for c in status.get("conditions") or [] if isinstance(c, dict) and (
+            c.get("type") == DISRUPTION_TARGET or (
+                c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"))]:
+        kept_status["conditions"] = read
     spec: Obj = {"nodeName": node} if node else {}
     if limits := _carpool_limits(obj.get("spec") or {}):
         spec["containers"] = limits

@@ -287,7 +287,18 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     assert before.disruption == "TerminationByKubelet"
     assert _watch_event(informer, {"type": "MODIFIED", "object": pod})
     (kept,) = informer.snapshot()
-    assert kept["status"]["conditions"] == [disrupted]  # the one condition a pass reads
+    assert kept["status"]["conditions"] == [disrupted]  # a condition a pass reads
+    assert view_pod(kept) == before
+    # and the scheduler's finding no node for it (lifecycle.give_back_unschedulable)
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                     "lastTransitionTime": "2026-11-29T10:00:00Z", "message": "0/1 nodes"}
+    pod = copy.deepcopy(pod)
+    pod["metadata"]["resourceVersion"] = "5"
+    pod["status"] = {"phase": "Pending", "conditions": [unschedulable]}
+    before = view_pod(copy.deepcopy(pod))
+    assert before.unschedulable_since is not None and before.unschedulable_message
+    assert _watch_event(informer, {"type": "MODIFIED", "object": pod})
+    (kept,) = informer.snapshot()
     assert view_pod(kept) == before
 
 

@@ -1,0 +1,92 @@
+"""An admitted job whose pod no node takes is given back, then failed, as a tenant sees it.
+
+alice holds `edit` in her project's namespace (`carpool_testbed.tenants`) and submits, with
+`kubectl --as`, a GpuJob whose template's nodeSelector matches no node. Carpool admits it (the
+node it places it on has room), kube-scheduler finds no node for its pod. The operator here
+gives such a job back after CARPOOL_UNSCHEDULABLE_TIMEOUT_S = 4 s (600 s by default): the job
+goes back to the queue with reason `Unschedulable` and the scheduler's message, its quota
+free, and after three give-backs it fails with that reason (docs/concepts.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from carpool.core import names
+from carpool.core.lifecycle import MAX_UNSCHEDULABLE_GIVE_BACKS
+from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed.tenants import tenant, user_roles
+from carpool_testbed.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[None]:
+    """The extender and an operator that gives unschedulable jobs back after TIMEOUT_S."""
+    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
+    with stack.running_stack(cluster, log_dir, {
+            "CARPOOL_RESYNC_SECONDS": "2", "CARPOOL_UNSCHEDULABLE_TIMEOUT_S": str(TIMEOUT_S)}):
+        yield
+
+
+@pytest.fixture
+def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
+          ) -> Iterator[tenants.World]:
+    made = tenants.World(cluster, tmp_path, "unsched")
+    try:
+        yield made
+    finally:
+        made.cleanup()
+
+
+def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> None:
+    model = world.name("m")
+    node = world.node("n", model)
+    team = world.namespace("team")
+    world.apply_cluster_scoped(user_roles(world))
+    project = world.project("team", [team])
+    alice = tenant(world, team, "alice")
+    wait_for("the GpuJob roles to aggregate into edit",
+             lambda: tenants.can_create_gpujobs(world, alice, team))
+    alice.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump({
+        "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": "nowhere"},
+        "spec": {"project": project, "class": "batch",
+                 "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps", "models": [model]},
+                 "estimatedDuration": "5m", "simulatedDuration": "60s",
+                 "template": {"spec": {
+                     "nodeSelector": {"kubernetes.io/hostname": node,
+                                      "carpool.dev/test-rack": "no-such-rack"},
+                     "containers": [{"name": "main", "image": "trainer"}]}}}}))
+    admitted = wait_for("the job admitted", lambda: (
+        s if (s := alice.status(team, "nowhere")).get("phase") == "Admitted" else None),
+        timeout=30, interval=0.3)
+    assert admitted["node"] == node
+    # given back: back in the queue (Preempted while its pod stops), saying why
+    given_back = wait_for("the job given back", lambda: (
+        s if (s := alice.status(team, "nowhere")).get("reason") == "Unschedulable"
+        else None), timeout=30, interval=0.3)
+    assert given_back["phase"] in ("Preempted", "Queued", "Admitted"), given_back
+    assert "no node took its pod" in given_back["message"]
+    assert "didn't match Pod's node affinity/selector" in given_back["message"], given_back
+    events = json.loads(world.admin("get", "events", "-n", team, "-o", "json"))["items"]
+    assert [e for e in events if e.get("reason") == "Unschedulable"
+            and (e.get("involvedObject") or {}).get("name") == "nowhere"], events
+    # requeued and admitted again a few times, then failed: no pod of it is left pending
+    failed = wait_for("the job failed", lambda: (
+        s if (s := alice.status(team, "nowhere")).get("phase") == "Failed" else None),
+        timeout=40 * (MAX_UNSCHEDULABLE_GIVE_BACKS + 1), interval=0.5)
+    assert failed["reason"] == "Unschedulable", failed
+    assert failed["unschedulableGiveBacks"] == MAX_UNSCHEDULABLE_GIVE_BACKS
+    assert "check its nodeSelector, affinity and tolerations" in failed["message"]
+    assert failed["attempts"] == MAX_UNSCHEDULABLE_GIVE_BACKS + 1
+    wait_for("its last pod gone", lambda: not json.loads(
+        world.admin("get", "pods", "-n", team, "-o", "json"))["items"] or None,
+        timeout=20, interval=0.5)
