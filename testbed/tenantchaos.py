@@ -312,6 +312,8 @@ class Checker:
     runs: dict[str, PodRun] = field(default_factory=dict)  # pod uid -> its run
     not_current_since: dict[str, float] = field(default_factory=dict)  # pod key -> when
     orphan_holds: dict[str, float] = field(default_factory=dict)  # pod key -> seconds held
+    # seconds from a GPU pod's last being an attempt (as sampled) to its deletion
+    orphans_stopped: list[float] = field(default_factory=list)
     victim_changes: list[str] = field(default_factory=list)
     victim_seen: set[str] = field(default_factory=set)
     victim_succeeded_pods: dict[str, str] = field(default_factory=dict)  # job -> pod seen done
@@ -370,6 +372,8 @@ class Checker:
             self._pod_seen(pod)
             if kind == "DELETED":
                 key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+                if key in self.not_current_since:
+                    self.orphans_stopped.append(time.time() - self.not_current_since[key])
                 self.pods.pop(key, None)
                 self._pod_gone(pod)
 
@@ -1091,6 +1095,7 @@ class Report:
     samples: int
     seconds: float
     billing_differences: list[str] = field(default_factory=list)  # pods that differ most
+    orphans_stopped: list[float] = field(default_factory=list)  # see Checker
 
     def billing_gaps(self) -> dict[str, float]:
         """|billed - held| GPU-hours per project beyond the tolerance (none: all equal).
@@ -1112,7 +1117,9 @@ class Report:
             (UNEXPLAINED, str(counts.get(UNEXPLAINED, 0)),
              f"{self.victim_jobs} jobs watched; {self.victim_phases}"),
             (ORPHANED, str(counts.get(ORPHANED, 0)),
-             f"longest hold after that: {self.longest_orphan_s:.0f} s; GPU pods left at the "
+             f"{len(self.orphans_stopped)} seen stray and then deleted, after "
+             f"{max(self.orphans_stopped, default=0.0):.1f} s at most; longest hold seen: "
+             f"{self.longest_orphan_s:.0f} s; GPU pods left at the "
              f"end: {len(self.gpu_pods_left)}"),
         ]
         for project in sorted(self.held):
@@ -1321,7 +1328,7 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
                     dict(checker.counts), list(checker.violations), len(checker.victim_seen),
                     checker.phases(victim_ns), checker.phases(tenant_ns), billed, held,
                     checker.gpu_pods(), longest, checker.samples, time.monotonic() - began,
-                    differences)
+                    differences, list(checker.orphans_stopped))
     for violation in checker.violations[shown:]:
         say(f"VIOLATION {violation}")
     say("result\n" + report.table())
