@@ -314,6 +314,7 @@ class Checker:
     orphan_holds: dict[str, float] = field(default_factory=dict)  # pod key -> seconds held
     # seconds from a GPU pod's last being an attempt (as sampled) to its deletion
     orphans_stopped: list[float] = field(default_factory=list)
+    job_gone_at: dict[str, float] = field(default_factory=dict)  # job uid -> when deleted
     victim_changes: list[str] = field(default_factory=list)
     victim_seen: set[str] = field(default_factory=set)
     victim_succeeded_pods: dict[str, str] = field(default_factory=dict)  # job -> pod seen done
@@ -438,6 +439,7 @@ class Checker:
             self.breach(UNEXPLAINED, f"{key}: {problem}")
 
     def _job_gone(self, job: Obj) -> None:
+        self.job_gone_at.setdefault(str(job["metadata"].get("uid")), time.time())
         if job["metadata"]["namespace"] == self.victim_ns and not self._stop.is_set():
             self.breach(UNEXPLAINED,
                          f"{job['metadata']['name']}: deleted")
@@ -512,8 +514,8 @@ class Checker:
 
     def billing_differences(self, now: float, most: int = 8) -> list[str]:
         """The pods whose held GPU-seconds differ most from their attempt's usage record in
-        the last status seen of their job (a deleted job's last status may lack the end its
-        retirement wrote), to say where a gap between billed and held comes from."""
+        the last status seen of their job (a record a deleted job left open counts until the
+        job was seen gone), to say where a gap between billed and held comes from."""
         from carpool.core.checkpointing import attempt_of_pod
 
         rows: list[tuple[float, str]] = []
@@ -526,11 +528,14 @@ class Checker:
                 records = [r for r in ((job or {}).get("status") or {}).get("history") or []
                            if r.get("attempt") == attempt]
                 billed = 0.0
+                open_until = self.job_gone_at.get(run.job_uid, now)
                 for r in records:
-                    start, end = epoch_of(r.get("start")), epoch_of(r.get("end")) or now
+                    start, end = epoch_of(r.get("start")), epoch_of(r.get("end")) or open_until
                     billed += float(r.get("fraction") or 0.0) * (end - (start or end))
-                gone = " (job deleted)" if job is not None and job["metadata"].get(
-                    "deletionTimestamp") else "" if job is not None else " (no job)"
+                gone = (" (no job)" if job is None else " (job deleted)"
+                        if run.job_uid in self.job_gone_at else "")
+                if not records:
+                    gone += " (no usage record)"
                 rows.append((held - billed, f"{run.pod}{gone}: held {held:.1f} GPU-s, "
                                             f"its record {billed:.1f}"))
         rows.sort(key=lambda r: -abs(r[0]))
