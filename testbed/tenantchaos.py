@@ -519,6 +519,7 @@ class Checker:
         from carpool.core.checkpointing import attempt_of_pod
 
         rows: list[tuple[float, str]] = []
+        totals: dict[str, float] = {}
         with self._lock:
             for run in self.runs.values():
                 job = self.jobs_by_uid.get(run.job_uid)
@@ -536,10 +537,14 @@ class Checker:
                         if run.job_uid in self.job_gone_at else "")
                 if not records:
                     gone += " (no usage record)"
+                kind = gone.strip() or "live job"
+                totals[kind] = totals.get(kind, 0.0) + held - billed
                 rows.append((held - billed, f"{run.pod}{gone}: held {held:.1f} GPU-s, "
                                             f"its record {billed:.1f}"))
         rows.sort(key=lambda r: -abs(r[0]))
-        return [text for delta, text in rows[:most] if abs(delta) >= 1.0]
+        summary = "held minus recorded, GPU-s: " + ", ".join(
+            f"{kind} {delta:+.1f}" for kind, delta in sorted(totals.items()))
+        return [summary, *(text for delta, text in rows[:most] if abs(delta) >= 1.0)]
 
     def jobs_in(self, namespace: str) -> list[Obj]:
         with self._lock:
