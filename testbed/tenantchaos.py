@@ -535,6 +535,9 @@ class Checker:
                     billed += float(r.get("fraction") or 0.0) * (end - (start or end))
                 gone = (" (no job)" if job is None else " (job deleted)"
                         if run.job_uid in self.job_gone_at else "")
+                if job is not None and run.job_uid in self.job_gone_at \
+                        and names.FINALIZER not in (job["metadata"].get("finalizers") or ()):
+                    gone += " (never seen with the accounting finalizer)"
                 if not records:
                     gone += " (no usage record)"
                 kind = gone.strip() or "live job"
