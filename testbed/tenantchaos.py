@@ -315,6 +315,7 @@ class Checker:
     # seconds from a GPU pod's last being an attempt (as sampled) to its deletion
     orphans_stopped: list[float] = field(default_factory=list)
     job_gone_at: dict[str, float] = field(default_factory=dict)  # job uid -> when deleted
+    guarded_uids: set[str] = field(default_factory=set)  # jobs seen with the finalizer
     victim_changes: list[str] = field(default_factory=list)
     victim_seen: set[str] = field(default_factory=set)
     victim_succeeded_pods: dict[str, str] = field(default_factory=dict)  # job -> pod seen done
@@ -427,6 +428,8 @@ class Checker:
         before = self.jobs.get(key)
         self.jobs[key] = job
         self.jobs_by_uid[str(meta.get("uid"))] = job
+        if names.FINALIZER in (meta.get("finalizers") or ()):
+            self.guarded_uids.add(str(meta.get("uid")))
         if meta["namespace"] != self.victim_ns:
             return
         self.victim_seen.add(key)
@@ -536,7 +539,7 @@ class Checker:
                 gone = (" (no job)" if job is None else " (job deleted)"
                         if run.job_uid in self.job_gone_at else "")
                 if job is not None and run.job_uid in self.job_gone_at \
-                        and names.FINALIZER not in (job["metadata"].get("finalizers") or ()):
+                        and run.job_uid not in self.guarded_uids:
                     gone += " (never seen with the accounting finalizer)"
                 if not records:
                     gone += " (no usage record)"
