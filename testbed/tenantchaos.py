@@ -727,9 +727,9 @@ class Tenant:
         meta = pod["metadata"]
         if all((meta.get(part) or {}).get(k) == v for part in ("labels", "annotations")
                for k, v in (metadata.get(part) or {}).items()) \
-                and metadata.get("ownerReferences", meta.get("ownerReferences")) \
-                == meta.get("ownerReferences") and set(metadata) <= {"labels", "annotations",
-                                                                      "ownerReferences"}:
+                and (metadata.get("ownerReferences", meta.get("ownerReferences")) or []) \
+                == (meta.get("ownerReferences") or []) \
+                and set(metadata) <= {"labels", "annotations", "ownerReferences"}:
             return
         self._call(attack, "PATCH", f"{PODS_PATH.format(ns=self.ns)}/{pod['metadata']['name']}",
                    {"metadata": metadata})
