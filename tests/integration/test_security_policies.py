@@ -649,6 +649,11 @@ def test_the_operator_changes_only_the_finalizers_of_a_gpujob(
 # --- what runs with host access, checked by the API server's Pod Security admission ---------
 
 HOST_ACCESS = {"device-plugin", "mps-daemon"}  # the node agents; see docs/reliability.md
+# The capabilities a long-running container may add, each for one reason: the device plugin's
+# watchdog stops pods past their memory grant (KILL); the MPS control daemon starts each MPS
+# server as its clients' user (SETUID, SETGID).
+ADDED_CAPABILITIES = {("device-plugin", "device-plugin"): {"KILL"},
+                      ("mps-daemon", "mps-control"): {"SETUID", "SETGID"}}
 
 
 def test_only_the_node_agents_need_more_than_restricted(cluster: devcluster.Cluster,
@@ -677,12 +682,13 @@ def test_only_the_node_agents_need_more_than_restricted(cluster: devcluster.Clus
             for container in template["spec"]["containers"]:
                 security = container.get("securityContext") or {}
                 assert not security.get("privileged"), workload["metadata"]["name"]
+                added = set((security.get("capabilities") or {}).get("add") or [])
+                allowed = ADDED_CAPABILITIES.get((component, container["name"]), set())
+                assert added <= allowed, (workload["metadata"]["name"], container["name"], added)
             for container in template["spec"].get("initContainers") or []:
                 # the one privileged container: sets EXCLUSIVE_PROCESS on MPS GPUs and exits
                 assert (component, container["name"]) == ("mps-daemon", "exclusive-process")
                 assert container["command"] == ["nvidia-smi", "-c", "EXCLUSIVE_PROCESS"]
-                added = set((security.get("capabilities") or {}).get("add") or [])
-                assert added <= {"KILL"}, (workload["metadata"]["name"], added)
             pod = {"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": workload["metadata"]["name"],
                                 "labels": template["metadata"]["labels"]},
