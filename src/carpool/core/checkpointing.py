@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from carpool.core.jobs import ProgressDetail
 from carpool.core.timestamps import format_timestamp_micro, parse_timestamp
 
 # Environment of every container of an attempt's pod (set by the operator).
@@ -45,6 +46,10 @@ PROGRESS_FILE: Final = "progress.json"
 ACK_FILE: Final = "checkpoint.ack"
 MAX_REPORT_BYTES: Final = 4096
 MAX_PATH_CHARS: Final = 1024
+# What a job's code is doing as it reports progress: training advances at its rate; an
+# evaluation or a checkpoint save is a pause (progress stands still, the time still passes).
+PHASES: Final = ("train", "eval", "checkpoint")
+MAX_RECENT: Final = 16  # recent training samples a progress report carries, at most
 
 # GpuJob status fields the node agent writes (and nothing else; an admission policy holds it
 # to them and to jobs running on its own node).
@@ -76,8 +81,17 @@ class CheckpointReport:
 
 @dataclass(frozen=True)
 class ProgressReport:
+    """Where a job stands. Beyond the fraction done, what tells a steady rate from a pause:
+    the phase it is in, the seconds this attempt spent paused (evaluating, saving), and its
+    latest training samples (time, fraction done), oldest first."""
+
     value: float  # fraction of the whole job done, 0..1 (all attempts together)
     time: float
+    phase: str = "train"
+    step: int | None = None
+    total: int | None = None
+    paused_s: float = 0.0
+    recent: tuple[tuple[float, float], ...] = ()  # (epoch seconds, fraction), oldest first
 
 
 def format_time(epoch: float) -> str:
@@ -133,11 +147,53 @@ def parse_checkpoint(text: str | bytes, now: float) -> CheckpointReport:
 
 
 def parse_progress(text: str | bytes, now: float) -> ProgressReport:
-    """A progress report: `{"progress": 0..1, "time": RFC 3339}`."""
+    """A progress report: `{"progress": 0..1, "time": RFC 3339}` and optionally `"phase"`
+    (train, eval, checkpoint), `"step"` and `"total"` (counts), `"paused"` (seconds this
+    attempt spent in eval or checkpoint) and `"recent"` (up to `MAX_RECENT` training samples
+    `[seconds relative to time (<= 0), fraction]`, oldest first)."""
     what = PROGRESS_FILE
     data = _fields(text, what)
-    return ProgressReport(_fraction(data.get("progress"), f"{what}: 'progress'"),
-                          _time(data, what, now))
+    value = _fraction(data.get("progress"), f"{what}: 'progress'")
+    at = _time(data, what, now)
+    phase = data.get("phase", "train")
+    if phase not in PHASES:
+        raise ReportError(f"{what}: 'phase' must be one of {', '.join(PHASES)}, got {phase!r:.40}")
+    counts = [_count(data.get(k), f"{what}: {k!r}") for k in ("step", "total")]
+    paused = data.get("paused", 0.0)
+    if isinstance(paused, bool) or not isinstance(paused, int | float) \
+            or not math.isfinite(paused) or paused < 0:
+        raise ReportError(f"{what}: 'paused' must be a number of seconds >= 0, got {paused!r:.40}")
+    return ProgressReport(value, at, phase, counts[0], counts[1], float(paused),
+                          _recent(data.get("recent", []), at, f"{what}: 'recent'"))
+
+
+def _count(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReportError(f"{what} must be an integer >= 0, got {value!r:.40}")
+    return value
+
+
+def _recent(raw: Any, at: float, what: str) -> tuple[tuple[float, float], ...]:
+    """Samples `[offset <= 0, fraction]` as (epoch seconds, fraction), in time order."""
+    if not isinstance(raw, list) or len(raw) > MAX_RECENT:
+        raise ReportError(f"{what} must be a list of at most {MAX_RECENT} [seconds, fraction] "
+                          f"pairs")
+    out: list[tuple[float, float]] = []
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ReportError(f"{what}: each sample must be [seconds, fraction], got {item!r:.40}")
+        offset, fraction = item
+        if isinstance(offset, bool) or not isinstance(offset, int | float) \
+                or not math.isfinite(offset) or offset > 0:
+            raise ReportError(f"{what}: a sample's seconds must be a number <= 0 (before "
+                              f"'time'), got {offset!r:.40}")
+        sample = (at + float(offset), _fraction(fraction, f"{what}: a sample's fraction"))
+        if out and sample[0] < out[-1][0]:
+            raise ReportError(f"{what}: samples must be oldest first")
+        out.append(sample)
+    return tuple(out)
 
 
 def encode_checkpoint(report: CheckpointReport) -> str:
@@ -148,7 +204,26 @@ def encode_checkpoint(report: CheckpointReport) -> str:
 
 
 def encode_progress(report: ProgressReport) -> str:
-    return json.dumps({"progress": report.value, "time": format_time(report.time)})
+    body: dict[str, Any] = {"progress": report.value, "time": format_time(report.time)}
+    body.update(_progress_detail(report))
+    return json.dumps(body)
+
+
+def _progress_detail(report: ProgressReport) -> dict[str, Any]:
+    """The optional fields of a progress report, as the report file and the status hold them
+    (samples relative to the report's time, to the millisecond)."""
+    body: dict[str, Any] = {}
+    if report.phase != "train":
+        body["phase"] = report.phase
+    if report.step is not None:
+        body["step"] = report.step
+    if report.total is not None:
+        body["total"] = report.total
+    if report.paused_s:
+        body["paused"] = round(report.paused_s, 3)
+    if report.recent:
+        body["recent"] = [[round(min(0.0, t - report.time), 3), v] for t, v in report.recent]
+    return body
 
 
 def checkpoint_status(report: CheckpointReport, attempt: int) -> dict[str, Any]:
@@ -159,14 +234,22 @@ def checkpoint_status(report: CheckpointReport, attempt: int) -> dict[str, Any]:
                               STATUS_LAST_CHECKPOINT: last}
     if report.progress is not None:
         last["progress"] = report.progress
+        # every field, so a merge patch keeps no samples of an earlier progress report
         status[STATUS_PROGRESS] = {"value": report.progress, "time": format_time(report.time),
-                                   "attempt": attempt}
+                                   "attempt": attempt, "phase": "checkpoint", "step": None,
+                                   "total": None, "paused": 0.0, "recent": []}
     return status
 
 
 def progress_status(report: ProgressReport, attempt: int) -> dict[str, Any]:
+    """The status field recording `report`; every field is written, so a report without
+    samples or phase replaces the last one's (a merge patch would keep them)."""
+    detail = _progress_detail(report)
     return {STATUS_PROGRESS: {"value": report.value, "time": format_time(report.time),
-                              "attempt": attempt}}
+                              "attempt": attempt, "phase": report.phase,
+                              "step": detail.get("step"), "total": detail.get("total"),
+                              "paused": detail.get("paused", 0.0),
+                              "recent": detail.get("recent", [])}}
 
 
 @dataclass(frozen=True)
@@ -177,6 +260,7 @@ class ReportedState:
     progress: float | None = None  # reported by the current attempt, else None
     progress_at: float | None = None
     resumed_progress: float = 0.0  # where the current attempt started from
+    progress_detail: ProgressDetail | None = None  # phase, pauses, samples of that report
 
 
 def reported_state(status: Mapping[str, Any], attempt: int) -> ReportedState:
@@ -190,6 +274,7 @@ def reported_state(status: Mapping[str, Any], attempt: int) -> ReportedState:
         except ReportError:
             checkpoint_at = None
     progress = progress_at = None
+    detail: ProgressDetail | None = None
     raw_progress = status.get(STATUS_PROGRESS)
     if isinstance(raw_progress, Mapping) and raw_progress.get("attempt") == attempt:
         try:
@@ -197,12 +282,30 @@ def reported_state(status: Mapping[str, Any], attempt: int) -> ReportedState:
             progress_at = _time(raw_progress, "progress", math.inf)
         except ReportError:
             progress = progress_at = None
+        else:
+            detail = _detail(raw_progress, progress_at)
     resumed = status.get(STATUS_RESUMED_PROGRESS, 0.0)
     try:
         resumed_value = _fraction(resumed, "resumedProgress")
     except ReportError:
         resumed_value = 0.0
-    return ReportedState(checkpoint_at, progress, progress_at, resumed_value)
+    return ReportedState(checkpoint_at, progress, progress_at, resumed_value, detail)
+
+
+def _detail(raw: Mapping[str, Any], at: float) -> ProgressDetail | None:
+    """The detail of a recorded progress report; None when it has none or it is malformed."""
+    phase, paused, recent = raw.get("phase"), raw.get("paused", 0.0), raw.get("recent") or []
+    if phase is None and not recent:
+        return None
+    try:
+        if phase not in (None, *PHASES):
+            raise ReportError(f"unknown phase {phase!r:.40}")
+        if isinstance(paused, bool) or not isinstance(paused, int | float) \
+                or not math.isfinite(paused) or paused < 0:
+            raise ReportError("malformed paused")
+        return ProgressDetail(phase or "train", float(paused), _recent(recent, at, "recent"))
+    except ReportError:
+        return None
 
 
 def resume_point(status: Mapping[str, Any]) -> tuple[str, float] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -439,47 +440,130 @@ def calibrated_start(now: float, simulated: float, misses: Sequence[float],
 
 
 OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x its age more
+# How far a reported job's rate may still change before it ends: the spread (log space) of
+# its remaining time on top of what the spread of its recent rates says (rate changes,
+# pauses, restarts from a checkpoint; near the end one pause is much of what is left).
+PROGRESS_DRIFT = 0.2
+UNSEEN_PAUSES = 0.3  # the range's end, for a job that reported no pause yet: this much more
+MAX_PAUSE_SHARE = 0.9  # a job paused more than this share of its time says little of its rate
+Z80 = 1.2816  # the 90th percentile of the standard normal: an 80 % range is +-Z80 sigma
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """Seconds until a running job lets go of its GPUs: what is expected, and the 80 % range
+    (P10, P90) around it; `reported`: from the job's own progress reports."""
+
+    expected: float
+    low: float
+    high: float
+    reported: bool = False
 
 
 def progress_remaining(job: Job, now: float) -> float | None:
-    """Seconds a running job still needs by its own progress reports, or None without a rate.
+    """Seconds a running job still needs by its own progress reports, or None without a rate
+    (`reported_remaining`'s expectation)."""
+    found = reported_remaining(job, now)
+    return None if found is None else found.expected
 
-    The current attempt went from `resumed_progress` (where it started) to `progress` in
-    `progress_at - started` seconds; at that rate the rest, 1 - progress, takes
-    (1 - progress) * (progress_at - started) / (progress - resumed_progress) seconds from the
-    report, less the time since it.
+
+def reported_remaining(job: Job, now: float) -> Remaining | None:
+    """What a running job still needs by its own progress reports, or None without a rate.
+
+    With training samples (`ProgressDetail.recent`): its training rate is the median rate
+    between its latest samples (one odd interval, a pause the job did not report, a burst,
+    moves it little; samples before a fall in progress, a restart from a checkpoint, are
+    dropped), and its pauses (evaluations, checkpoint saves) take the share of its time they
+    took so far this attempt: the rest, 1 - progress, takes (1 - progress) / rate / (1 -
+    pause share), from the report on, less the time since it while the job was training.
+    Without samples, the average rate of the attempt: from `resumed_progress` (where it
+    started) to `progress` in `progress_at - started` seconds.
+
+    The range: the spread of the recent rates (log space) and `PROGRESS_DRIFT`, for what may
+    still change, combined as independent errors; its end `UNSEEN_PAUSES` later for a job
+    that reported no pause yet.
     """
     started, progress, at = job.started_at, job.progress, job.progress_at
     if started is None or progress is None or at is None:
         return None
-    done, ran = progress - job.resumed_progress, at - started
-    if done <= 0 or ran <= 0:
-        return None
-    return (1.0 - progress) * ran / done - max(0.0, now - at)
+    detail = job.progress_detail
+    rates = _recent_rates(detail.recent, started) if detail is not None else []
+    spread = 0.0
+    if detail is not None and rates:
+        rate = statistics.median(rates)
+        trained = max(0.0, progress - job.resumed_progress) / rate
+        pause_share = min(MAX_PAUSE_SHARE, detail.paused_s / max(detail.paused_s + trained, 1.0))
+        needed = (1.0 - progress) / rate / (1.0 - pause_share)
+        since = max(0.0, now - at) if detail.phase == "train" else 0.0
+        if len(rates) >= 2:
+            logs = [math.log(r) for r in rates]
+            mean = sum(logs) / len(logs)
+            spread = math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs))
+    else:
+        done, ran = progress - job.resumed_progress, at - started
+        if done <= 0 or ran <= 0:
+            return None
+        needed = (1.0 - progress) * ran / done
+        since = max(0.0, now - at)
+    sigma = math.hypot(spread, PROGRESS_DRIFT)
+    # a job that has not paused yet may still: its first evaluation is often a while in
+    unseen = 1.0 + UNSEEN_PAUSES if detail is not None and detail.paused_s == 0 else 1.0
+    expected = needed - since
+    return Remaining(expected, needed * math.exp(-Z80 * sigma) - since,
+                     needed * unseen * math.exp(Z80 * sigma) - since, reported=True)
+
+
+def _recent_rates(samples: Sequence[tuple[float, float]], started: float) -> list[float]:
+    """Fractions per second between consecutive training samples of the current attempt,
+    after the last fall in progress; positive ones only."""
+    kept: list[tuple[float, float]] = []
+    for at, value in samples:
+        if at < started:
+            continue
+        if kept and value < kept[-1][1]:
+            kept = []  # restarted from a checkpoint: what came before says nothing now
+        kept.append((at, value))
+    return [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(kept)
+            if b[0] > a[0] and b[1] > a[1]]
 
 
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
-    """Expected seconds until a GPU-holding job lets go of its GPUs.
+    """Expected seconds until a GPU-holding job lets go of its GPUs (`remaining`'s
+    expectation, without a range for the run time)."""
+    return remaining(job, now, (duration_s, duration_s, duration_s), min_remaining_s).expected
 
-    What the job's reported progress leaves (`progress_remaining`), else what the expectation
-    leaves. A job past that is given `OVERRUN_FRACTION` of
-    the time it has run so far (at least `min_remaining_s`): run times are heavy-tailed, so
-    the longer a job has overrun the longer it is likely to go on; "any minute now" at every
-    cycle made every estimate behind it too early. Never more than what its limit
-    (maxDuration, enforced) leaves; a job past its limit is given `min_remaining_s` (it is
-    being stopped). A job still within its expectation is not floored at `min_remaining_s`:
-    that would push every estimate behind a job about to end up to `min_remaining_s` too late.
+
+def remaining(job: Job, now: float, run_time: tuple[float, float, float],
+              min_remaining_s: float) -> Remaining:
+    """Seconds until a GPU-holding job lets go of its GPUs, with its 80 % range: one rule
+    for jobs that report progress and jobs that do not.
+
+    What the job's reported progress leaves (`reported_remaining`), else what its run time
+    (`run_time`: P10, expected, P90, as `expected_duration` and `duration_range` learn them)
+    leaves. A job past its expectation is given `OVERRUN_FRACTION` of the time it has run so
+    far (at least `min_remaining_s`): run times are heavy-tailed, so the longer a job has
+    overrun the longer it is likely to go on; "any minute now" at every cycle made every
+    estimate behind it too early. Never more than what its limit (maxDuration, enforced)
+    leaves; a job past its limit is given `min_remaining_s` (it is being stopped). A job still
+    within its expectation is not floored at `min_remaining_s`: that would push every
+    estimate behind a job about to end up to `min_remaining_s` too late.
     """
     started = job.started_at
     elapsed = max(0.0, now - started) if started is not None else 0.0
-    by_progress = progress_remaining(job, now)
-    expected = duration_s - elapsed if by_progress is None else by_progress
     limit_left = job.max_duration_s - elapsed if job.max_duration_s > 0 else math.inf
     if limit_left <= 0:
-        return min_remaining_s
+        return Remaining(min_remaining_s, min_remaining_s, min_remaining_s)
+    found = reported_remaining(job, now)
+    if found is None:
+        low_s, duration_s, high_s = run_time
+        found = Remaining(duration_s - elapsed, low_s - elapsed, high_s - elapsed)
+    expected = found.expected
     if expected <= 0:
         expected = max(min_remaining_s, OVERRUN_FRACTION * elapsed)
-    return min(expected, limit_left)
+    expected = min(expected, limit_left)
+    low = min(expected, max(0.0, found.low))
+    high = min(limit_left, max(expected, found.high))
+    return Remaining(expected, low, high, found.reported)
 
 
 # ---------------------------------------------------------------- occupancy timeline

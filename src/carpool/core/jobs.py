@@ -56,6 +56,18 @@ class RunRecord:
             raise ValueError(f"run {self.attempt} has a negative GPU fraction {self.fraction}")
 
 
+@dataclass(frozen=True)
+class ProgressDetail:
+    """What a job's latest progress report says beyond the fraction done
+    (`checkpointing.ProgressReport`): the phase it was in, the seconds its attempt spent
+    paused (evaluating, saving) and its latest training samples (epoch seconds, fraction
+    done), oldest first."""
+
+    phase: str = "train"
+    paused_s: float = 0.0
+    recent: tuple[tuple[float, float], ...] = ()
+
+
 _TRAILING_NUMBER = re.compile(r"[-_.]?[0-9]+$")
 
 
@@ -119,6 +131,7 @@ class Job:
     progress: float | None = None  # fraction done, as the current attempt last reported it
     progress_at: float | None = None  # when it reported it
     resumed_progress: float = 0.0  # the fraction done the current attempt started from
+    progress_detail: ProgressDetail | None = None  # of that report: phase, pauses, samples
     phase: Phase = Phase.QUEUED
     attempts: int = 0  # admissions so far
     node: str = ""
