@@ -55,6 +55,7 @@ class QueueRun:
     limit: int | None
     quotas: str = "open"
     arrival_window_s: float = 3600.0
+    progress_share: float = 0.0
 
 
 def queue_policy(name: str, arrival_window_s: float = 3600.0) -> queue_replay.Policy:
@@ -80,7 +81,8 @@ def replay_queue(run: QueueRun) -> tuple[Scores, float]:
               else queue_replay.open_quotas(jobs))
     started = time.process_time()
     policy = queue_policy(run.policy, run.arrival_window_s)
-    outcome = queue_replay.replay(jobs, nodes, quotas, policy, run.policy)
+    outcome = queue_replay.replay(jobs, nodes, quotas, policy, run.policy,
+                                  progress_share=run.progress_share, progress_seed=run.seed)
     return queue_replay.score(outcome), time.process_time() - started
 
 
@@ -154,6 +156,7 @@ def _number_where(holds: Callable[[float], bool], requirement: str
 
 
 fraction = _number_where(lambda v: 0 < v <= 1, "must be in (0, 1]")
+share = _number_where(lambda v: 0 <= v <= 1, "must be in [0, 1]")
 _positive_seconds = _number_where(lambda v: v > 0, "must be more than 0")
 _seconds = _number_where(lambda v: v >= 0, "must be at least 0")
 
@@ -214,6 +217,10 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help="Carpool: higher-class arrivals within this window widen the "
                             "end of lower classes' ranges (3600, the operator's default; "
                             "0: off)")
+    queue.add_argument("--progress-share", type=share, default=0.0, metavar="SHARE",
+                       help="this share of the jobs (drawn from --seed) report their progress "
+                            "as they run, with rate changes, evaluation pauses, checkpoint "
+                            "saves and restarts (0: none, the default; 0.5: half)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
                        help="table (default) or one JSON object per policy, one a line")
     queue.set_defaults(run=run_queue, prog=queue.prog)
@@ -262,7 +269,7 @@ def run_queue(args: argparse.Namespace) -> int:
             except OSError as error:
                 raise InputError(f"cannot write {args.write_trace}: {error}") from None
         runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
-                         args.limit, args.quotas, args.arrival_window)
+                         args.limit, args.quotas, args.arrival_window, args.progress_share)
                 for policy in args.policy]
         started = time.perf_counter()
         done = 0
@@ -284,9 +291,11 @@ def run_queue(args: argparse.Namespace) -> int:
             print(json.dumps(item, sort_keys=True))
         return 0
     source = f"{args.generate} generated jobs" if args.generate else args.trace.name
+    reporting = (f", {args.progress_share:.0%} reporting progress" if args.progress_share
+                 else "")
     print(f"{source}: {len(parsed.rows)} GPU jobs ({parsed.unscheduled} never scheduled and "
-          f"{parsed.cpu_only} CPU-only skipped), scale {args.scale}, seed {args.seed}, "
-          f"{elapsed:.1f} s")
+          f"{parsed.cpu_only} CPU-only skipped), scale {args.scale}, seed {args.seed}"
+          f"{reporting}, {elapsed:.1f} s")
     print(format_queue_table(scores))
     return 0
 

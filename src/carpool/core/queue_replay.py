@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import heapq
 import math
+import random
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,6 +62,7 @@ from carpool.core.jobs import (
     StartMiss,
 )
 from carpool.core.placement import NodeState
+from carpool.core.progress_traces import Curve, curve
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import as_written
@@ -395,7 +397,11 @@ class Replay:
     def __init__(self, jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
                  quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
                  learning_rate: float = DURATION_LEARNING_RATE,
-                 observe: Callable[[State, Decisions], None] | None = None) -> None:
+                 observe: Callable[[State, Decisions], None] | None = None,
+                 progress_share: float = 0.0, progress_seed: int = 0) -> None:
+        if not 0 <= progress_share <= 1:
+            raise ValueError(f"the share of jobs reporting progress must be in [0, 1], got "
+                             f"{progress_share}")
         trace = {j.key: j for j in jobs}
         if len(trace) != len(jobs):
             raise ValueError("trace job keys repeat")
@@ -419,6 +425,13 @@ class Replay:
         self.last_end = self.state.now
         self.reference = max((g.memory_total_mib for n in nodes.values()
                               for g in n.inventory.gpus), default=1)
+        # jobs that report progress (`progress_traces`): drawn per job from the seed
+        self.curves: dict[str, Curve] = {
+            j.key: curve(j.runtime_s, f"{progress_seed}:{j.key}") for j in jobs
+            if progress_share > 0
+            and random.Random(f"{progress_seed}:{j.key}:reports").random() < progress_share}
+        self.reporting: set[str] = set()  # running jobs with a curve
+        self.ticks: dict[str, tuple[int, int]] = {}  # (attempt, report) each last reported
 
     def fork(self, arrivals: bool = True) -> Replay:
         """A copy that runs on independently; without `arrivals`, no job arrives any more."""
@@ -433,6 +446,8 @@ class Replay:
                          for k, r in self.records.items()}
         other.done_s = dict(self.done_s)
         other.hours = dict(self.hours)
+        other.reporting = set(self.reporting)
+        other.ticks = dict(self.ticks)
         return other
 
     def _close_run(self, job: Job, now: float) -> Job:
@@ -489,6 +504,7 @@ class Replay:
         while events and events[0][0] == now:
             _, kind, key, attempt = heapq.heappop(events)
             self._event(now, kind, key, attempt)
+        self._report_progress()
         decisions = self.policy(state)
         if self.observe is not None:
             self.observe(state, decisions)
@@ -504,10 +520,16 @@ class Replay:
             fraction = (grants_fraction(start.grants, inventory) if start.grants
                         else nominal_fraction(job.request, self.reference))
             attempt = job.attempts + 1
+            done = self.done_s.get(job.key, 0.0)
+            reports = self.curves.get(job.key)
             state.jobs[job.key] = replace(
                 job, phase=Phase.RUNNING, attempts=attempt, node=start.node,
                 grants=start.grants, borrowed=start.borrowed,
-                runs=(*job.runs, RunRecord(attempt, now, None, fraction, start.node)))
+                runs=(*job.runs, RunRecord(attempt, now, None, fraction, start.node)),
+                progress=None, progress_at=None, progress_detail=None,
+                resumed_progress=reports.at(done)[0] if reports is not None else 0.0)
+            if reports is not None:
+                self.reporting.add(job.key)
             record = self.records[job.key]
             if record.first_start is None:
                 record.first_start = now
@@ -529,6 +551,28 @@ class Replay:
                 record.last_sample = now
         return True
 
+    def _report_progress(self) -> None:
+        """The latest progress report of every running job that reports, as the node agent
+        would have recorded it by now."""
+        state = self.state
+        for key in sorted(self.reporting):
+            job = state.jobs.get(key)
+            run = job.current_run if job is not None else None
+            if job is None or run is None or job.phase is not Phase.RUNNING:
+                self.reporting.discard(key)
+                continue
+            done = self.done_s.get(key, 0.0)
+            reports = self.curves[key]
+            work = done + state.now - run.start
+            tick = (run.attempt, math.floor(min(work, reports.run_s) / reports.every))
+            if self.ticks.get(key) == tick:
+                continue  # no report since the last cycle
+            self.ticks[key] = tick
+            report = reports.report(done, work, run.start)
+            if report is not None and report[1] != job.progress_at:
+                state.jobs[key] = replace(job, progress=report[0], progress_at=report[1],
+                                          progress_detail=report[2])
+
     def outcome(self) -> Outcome:
         unfinished = [k for k, r in self.records.items() if r.first_start is None]
         if unfinished:
@@ -544,10 +588,13 @@ class Replay:
 def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
            quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
            learning_rate: float = DURATION_LEARNING_RATE,
-           observe: Callable[[State, Decisions], None] | None = None) -> Outcome:
+           observe: Callable[[State, Decisions], None] | None = None,
+           progress_share: float = 0.0, progress_seed: int = 0) -> Outcome:
     """Run the trace through `policy`; every instant with an event is one cycle. `observe`
-    sees each cycle's state and decisions before they are carried out."""
-    run = Replay(jobs, nodes, quotas, policy, name, learning_rate, observe)
+    sees each cycle's state and decisions before they are carried out. `progress_share` of
+    the jobs, drawn from `progress_seed`, report progress as they run (`progress_traces`)."""
+    run = Replay(jobs, nodes, quotas, policy, name, learning_rate, observe, progress_share,
+                 progress_seed)
     while run.step():
         pass
     return run.outcome()
