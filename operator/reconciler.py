@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -207,6 +207,15 @@ class _Decoded:
     live_pod: PodView | None
 
 
+@dataclass(frozen=True)
+class _Stray:
+    """A pod being stopped as an orphan: as last seen, and the time it is billed up to
+    (None: it had not started when first seen)."""
+
+    pod: PodView
+    billed_until: float | None
+
+
 def _job_key(obj: Obj) -> str:
     return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
 
@@ -261,6 +270,7 @@ class PassState:
     # GPU pods that are no live job's attempt, and (job key, pod) of a job's recorded attempt
     # the job no longer controls: both are stopped (`_stop_strays`)
     orphans: list[PodView] = field(default_factory=list)
+    pods: dict[str, PodView] = field(default_factory=dict)  # uid -> every pod in view
     tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
     # job key -> the pod of its current attempt as the pass saw it (what a stop deletes)
     attempt_pods: dict[str, PodView] = field(default_factory=dict)
@@ -334,6 +344,7 @@ class Reconciler:
         # quota name -> (resourceVersion, its retired usage as decoded then); see _retired
         self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
         self._status_problems: set[str] = set()  # malformed quota statuses logged already
+        self._strays: dict[str, _Stray] = {}  # pod uid -> a stray being stopped (_stop_strays)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -461,6 +472,7 @@ class Reconciler:
         self._decoded = decoded  # jobs gone from the cache are forgotten
         billed = {str(ns) for quota in self.informers.objects(QUOTAS)
                   for ns in (quota.get("spec") or {}).get("namespaces") or ()}
+        state.pods = {uid: pod for uid, (pod, _) in by_uid.items()}
         state.orphans = [pod for pod, _ in by_uid.values() if is_orphan(
             pod.identity, pod.holds_gpus, pod.uid in linked, pod.namespace in billed)]
         uids = {str(obj["metadata"].get("uid", "")) for obj in state.objects.values()}
@@ -554,7 +566,7 @@ class Reconciler:
         retired = self._retired(quota_objects)
         if state.deleting and still_leader():
             self._retire(state, quotas, quota_objects, retired, now)
-        if (state.orphans or state.tampered) and still_leader():
+        if (state.orphans or state.tampered or self._strays) and still_leader():
             self._stop_strays(state, quotas, quota_objects, retired, now)
         if state.unschedulable and still_leader():
             self._give_back_unschedulable(state)
@@ -684,6 +696,8 @@ class Reconciler:
                 if after is not before:
                     retired[job.project] = after
                     changed.add(job.project)
+                    log.info("billed deleted GpuJob %s (uid %s) to project %s: %s", key, uid,
+                             job.project, _runs_text(job.runs, now))
             releasable.append(obj)
         present = _present(state)
         for project in sorted(changed):
@@ -706,28 +720,18 @@ class Reconciler:
         deleted, a pod made to look like one, an attempt superseded) and the recorded
         attempts their job no longer controls (`state.tampered`), each with an Event on the
         pod and on the job it names. An orphan's GPU time is billed to its namespace's
-        project up to when it is stopped (a tampered attempt stays on its job's bill until it
-        is gone), once per pod uid."""
-        half_life = self.config.admission.fair_share_half_life_s
-        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
-                  for g in inv.gpus}
-        slices = {m.uuid: m.slices for inv in state.inventories.values()
-                  for g in inv.gpus for m in g.mig_instances}
+        project until its pod is gone or has ended (a tampered attempt stays on its job's
+        bill): up to when it is first seen stray at once (in the quota's status, so a new
+        leader does not bill it again), the rest when it ends (`_bill_stray`)."""
         changed: set[str] = set()
         for pod in state.orphans:
-            end = now if pod.deleting else now + ORPHAN_GRACE_S
-            # (the isolation the extender recorded in the assignment, from the job's spec)
-            fraction = assignment_fraction(
-                pod.assignment, totals, mig_slices=slices,
-                isolation=pod.assignment.isolation if pod.assignment else None)
             quota = quota_of_namespace(quotas, pod.namespace)
-            if quota is not None and pod.started is not None and fraction > 0:
-                before = retired.get(quota.name)
-                run = RunRecord(1, pod.started, max(end, pod.started), fraction, pod.node)
-                after = retire_runs(before, orphan_key(pod), (run,), quota, now, half_life)
-                if after is not before:
-                    retired[quota.name] = after
-                    changed.add(quota.name)
+            stray = self._strays.get(pod.uid)
+            if stray is None or stray.billed_until is None:
+                billed_until = self._bill_stray(state, pod, quota, orphan_key(pod), None, now,
+                                                retired, changed)
+                stray = _Stray(pod, billed_until)
+            self._strays[pod.uid] = replace(stray, pod=pod)
             why = (f"pod {pod.namespace}/{pod.name} holds or was assigned a Carpool GPU but is "
                    f"not the current attempt of a live GpuJob in {pod.namespace}"
                    + (f" (it names GpuJob {pod.owner.name}, which does not record it)"
@@ -735,6 +739,18 @@ class Reconciler:
                    + (f"project {quota.name}" if quota else "no project (namespace unbound)"))
             self._stop(state, pod, "OrphanStopped", why,
                        f"{pod.namespace}/{pod.owner.name}" if pod.owner else "")
+        stray_uids = {pod.uid for pod in state.orphans}
+        for uid, stray in list(self._strays.items()):
+            if uid in stray_uids:
+                continue
+            del self._strays[uid]
+            last = state.pods.get(uid)
+            if last is not None and not last.terminal:
+                continue  # a job's attempt after all: its job bills it
+            ended = last.finished if last is not None and last.finished else now
+            self._bill_stray(state, stray.pod, quota_of_namespace(quotas, stray.pod.namespace),
+                             f"{orphan_key(stray.pod)}/end", stray.billed_until, ended,
+                             retired, changed)
         for key, pod, what in state.tampered:
             why = (f"pod {pod.namespace}/{pod.name} is the recorded attempt of GpuJob {key} "
                    f"but {what}; stopped (Carpool's ownerReferences, labels and annotations "
@@ -746,6 +762,35 @@ class Reconciler:
                 retired[project] = forget_gone(retired[project], present)
                 self.kube.patch_quota_status(project,
                                              {"retired": retired_to_status(retired[project])})
+
+    def _bill_stray(self, state: PassState, pod: PodView, quota: ProjectQuota | None,
+                    key: str, since: float | None, until: float,
+                    retired: dict[str, RetiredUsage], changed: set[str]) -> float | None:
+        """Fold `pod`'s GPU time from `since` (its start when None) to `until` into its
+        project's retired usage under `key`, once; the time billed up to (None when the pod
+        has not started: nothing to bill yet)."""
+        start = pod.started if since is None else since
+        if start is None:
+            return None
+        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
+                  for g in inv.gpus}
+        slices = {m.uuid: m.slices for inv in state.inventories.values()
+                  for g in inv.gpus for m in g.mig_instances}
+        # (the isolation the extender recorded in the assignment, from the job's spec)
+        fraction = assignment_fraction(
+            pod.assignment, totals, mig_slices=slices,
+            isolation=pod.assignment.isolation if pod.assignment else None)
+        if quota is not None and fraction > 0 and until > start:
+            before = retired.get(quota.name)
+            run = RunRecord(1, start, until, fraction, pod.node)
+            after = retire_runs(before, key, (run,), quota, until,
+                                self.config.admission.fair_share_half_life_s)
+            if after is not before:
+                retired[quota.name] = after
+                changed.add(quota.name)
+                log.info("billed stray pod %s/%s (uid %s) to project %s: %s", pod.namespace,
+                         pod.name, pod.uid, quota.name, _runs_text((run,), until))
+        return max(start, until)
 
     def _give_back_unschedulable(self, state: PassState) -> None:
         """Admitted jobs whose pod no node took in time (`lifecycle.give_back_unschedulable`):
@@ -1172,6 +1217,14 @@ def _pod_ref(pod: PodView) -> Obj:
     """A pod as `Kube.event` names what an Event is about."""
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod.name, "namespace": pod.namespace, "uid": pod.uid}}
+
+
+def _runs_text(runs: Iterable[RunRecord], now: float) -> str:
+    """Runs as billed, for the operator's log (an audit trail of what each deletion cost)."""
+    parts = [f"attempt {r.attempt} {r.fraction:g} GPU x "
+             f"{(r.end if r.end is not None else now) - r.start:.1f} s"
+             + ("" if r.end is not None else " (open, to now)") for r in runs]
+    return ", ".join(parts) or "no runs"
 
 
 def _present(state: PassState) -> set[str]:

@@ -22,7 +22,7 @@ from carpool.core.assignment import Assignment, AssignmentError, encode_assignme
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.ownership import GpuLimits, Owner, PodIdentity
 from carpool.core.resources import GpuGrant, Isolation, Phase
-from carpool.core.timestamps import epoch_seconds, format_timestamp
+from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
 Obj = dict[str, Any]
 
@@ -222,7 +222,7 @@ def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
                "start": format_timestamp(pod.started)}
         out.append(rec)
     if outcome and not rec.get("end"):
-        rec["end"] = format_timestamp(pod.finished or now)
+        rec["end"] = format_run_time(pod.finished or now)
         rec["outcome"] = outcome
     return out
 
@@ -256,7 +256,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         if reason == "Preempted" and status.get("reason") == UNSCHEDULABLE:
             # given back (give_back_unschedulable): the scheduler's reason stays shown
             reason, message = UNSCHEDULABLE, str(status.get("message") or message)
-        history = [dict(r, end=r.get("end") or format_timestamp(now),
+        history = [dict(r, end=r.get("end") or format_run_time(now),
                         outcome=r.get("outcome") or reason) for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),

@@ -52,6 +52,17 @@ def format_timestamp(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def format_run_time(epoch: float) -> str:
+    """A usage record's start or end: to the second when `epoch` is whole (a pod's own times),
+    else to the millisecond (the operator's clock, when it saw a pod gone). Cutting that to
+    the second would take half a second off each such run on average: a bias, not noise, on
+    the bill of a project whose pods are often deleted."""
+    if epoch == math.floor(epoch):
+        return format_timestamp(epoch)
+    stamp = datetime.fromtimestamp(round(epoch, 3), UTC)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%S.") + f"{stamp.microsecond // 1000:03d}Z"
+
+
 def format_timestamp_micro(epoch: float) -> str:
     """RFC 3339 in UTC to the microsecond (the extender's bind time orders binds that
     happen within one second)."""

@@ -714,23 +714,47 @@ def test_a_gpu_pod_of_no_live_job_is_stopped_and_billed_to_its_project() -> None
     gone = _gpu_pod("old-1", "pod-old-1")
     forged = _gpu_pod("a-7", "forged-7", owner=_controller("a"))
     real = _gpu_pod("a-1", "pod-a-1", owner=_controller("a"))
-    kube, _ = _pass([real, gone, forged], [_running_job()])
+    kube = TellingKube()
+    cluster = _cluster(2)
+    cluster[GPUJOBS], cluster[PODS] = [_running_job()], [real, gone, forged]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+
+    def next_pass(now: float) -> Obj | None:
+        """One pass on what the cluster holds now; the retired usage it wrote, if any."""
+        kube.quota_statuses.clear()
+        reconciler.informers = _informers(kube, cluster, version=kube.version)
+        reconciler.run_pass(now)
+        reconciler.settle()
+        written = [s for _, s in kube.quota_statuses if "retired" in s]
+        if written:  # what the quota's status holds from now on
+            quota = cluster[QUOTAS][0]
+            quota["status"] = {**(quota.get("status") or {}), **written[-1]}
+            quota["metadata"]["resourceVersion"] = str(kube.version)
+            return dict(written[-1]["retired"])
+        return None
+
+    retired = next_pass(T0)
     assert sorted(kube.deleted) == ["team/a-7", "team/old-1"]
     assert ("old-1", "OrphanStopped") in kube.told and ("a", "OrphanStopped") in kube.told
     assert _phase_writes(kube) == []
-    ((project, status),) = [q for q in kube.quota_statuses if "retired" in q[1]]
-    # each held half a GPU for an hour, and is given ORPHAN_GRACE_S to stop
-    from carpool.operator.reconciler import ORPHAN_GRACE_S
-    expected = 2 * 0.5 * (3600 + ORPHAN_GRACE_S) / 3600
-    assert project == "vision"
-    assert status["retired"]["gpuHours"] == pytest.approx(expected, abs=1e-3)
-    assert set(status["retired"]["jobs"]) == {"pod:team/old-1@pod-old-1",
-                                                "pod:team/a-7@forged-7"}
-    # the next pass sees them stopping: billed once, not stopped twice
+    # each held half a GPU for an hour until first seen: billed that at once
+    assert retired is not None and retired["gpuHours"] == pytest.approx(2 * 0.5, abs=1e-4)
+    assert set(retired["jobs"]) == {"pod:team/old-1@pod-old-1", "pod:team/a-7@forged-7"}
+    # the next pass sees them stopping: not stopped twice, nothing more billed yet
     for pod in (gone, forged):
         pod["metadata"]["deletionTimestamp"] = "2027-01-15T08:00:10Z"
-    kube, _ = _pass([real, gone, forged], [_running_job()], T0 + 5)
-    assert kube.deleted == []
+    kube.deleted.clear()
+    assert next_pass(T0 + 5) is None and kube.deleted == []
+    # one ended 4 s after it was first seen, the other is gone when the pass runs: each is
+    # billed up to its end, once
+    gone["status"] = {**gone["status"], "phase": "Failed", "containerStatuses": [{"state": {
+        "terminated": {"startedAt": "2027-01-15T07:00:00Z",
+                       "finishedAt": "2027-01-15T08:00:04Z"}}}]}
+    cluster[PODS] = [real, gone]
+    retired = next_pass(T0 + 7.5)
+    assert retired is not None
+    assert retired["gpuHours"] == pytest.approx(0.5 * (3604 + 3607.5) / 3600, abs=1e-4)
+    assert next_pass(T0 + 9) is None
 
 
 def test_the_attempt_whose_assignment_changed_after_its_bind_is_stopped() -> None:
