@@ -222,7 +222,8 @@ def _progress_detail(report: ProgressReport) -> dict[str, Any]:
     if report.paused_s:
         body["paused"] = round(report.paused_s, 3)
     if report.recent:
-        body["recent"] = [[round(min(0.0, t - report.time), 3), v] for t, v in report.recent]
+        body["recent"] = [[round(min(0.0, t - report.time), 3), round(v, 6)]
+                          for t, v in report.recent]
     return body
 
 

@@ -158,17 +158,25 @@ def expected_duration(job: Job, learned: Mapping[LearnKey, DurationEstimate]) ->
 
 def duration_range(job: Job, learned: Mapping[LearnKey, DurationEstimate]
                    ) -> tuple[float, float]:
-    """(P10, P90) of the job's run time: its expected duration scaled by the 10th and 90th
-    percentiles of its template's past prediction errors (the expected duration twice when
-    there is no template history)."""
+    """(P10, P90) of the job's run time (`run_time`)."""
+    low, _, high = run_time(job, learned)
+    return low, high
+
+
+def run_time(job: Job, learned: Mapping[LearnKey, DurationEstimate]
+             ) -> tuple[float, float, float]:
+    """(P10, expected, P90) of the job's run time: its expected duration
+    (`expected_duration`) scaled by the 10th and 90th percentiles of its template's past
+    prediction errors (the expected duration three times when there is no template
+    history)."""
     expected = expected_duration(job, learned)
     history = _template_history(job, learned)
     if history is None or history.samples < 3:
-        return expected, expected
+        return expected, expected, expected
     low, high = expected * math.exp(history.low), expected * math.exp(history.high)
     if job.max_duration_s > 0:
         high = min(high, job.max_duration_s)
-    return max(1.0, min(low, expected)), max(expected, high)
+    return max(1.0, min(low, expected)), expected, max(expected, high)
 
 
 # ---------------------------------------------------------------- arrivals to come

@@ -14,9 +14,9 @@ reports wrong:
 - **Restarts**: with probability `RESTART_P`, once, the process dies and restarts from
   its last checkpoint: the progress since that checkpoint is done again after a new start-up.
 
-Reports come every `report_every(run time)` seconds of work, as the workload helper sends
-them: the fraction done, the phase, the seconds this attempt paused, and the last
-`SAMPLES` training samples.
+Reports come as the workload helper sends them (`carpool.workload.Progress`): every 30 s of
+work, with the fraction done, the phase, the seconds this attempt paused, and the last 16
+training samples (one every 15 s of training, and one at each pause's start and end).
 
 Pure: a seed and a run time in, curves and reports out.
 """
@@ -31,13 +31,17 @@ from dataclasses import dataclass
 from carpool.core.jobs import ProgressDetail
 
 RESTART_P = 0.15
-SAMPLES = 8  # training samples per report
 RATE_SIGMA = 0.3
+# as `carpool.workload.Progress` reports by default: a report every 30 s, a training sample
+# every 15 s, the latest 16 samples in each report
+REPORT_EVERY_S = 30.0
+SAMPLE_EVERY_S = 15.0
+SAMPLES = 16
 
 
 def report_every(run_s: float) -> float:
-    """Seconds between two reports: a fiftieth of the run, within 10 s and 5 minutes."""
-    return min(300.0, max(10.0, run_s / 50.0))
+    """Seconds of work between two reports (the same for every run)."""
+    return REPORT_EVERY_S
 
 
 @dataclass(frozen=True)
@@ -97,21 +101,26 @@ class Curve:
         if last < first:
             return None
         at = last * every
-        process = since
-        points: set[float] = set()
+        process = since  # where the current process started (after a restart)
         for piece in self.pieces:
             if piece.start >= at:
                 break
             if piece.phase == "start" and piece.end > since:
                 process = max(process, min(piece.end, at))
-            elif piece.phase != "train" and piece.end > since:
-                points.update(t for t in (piece.start, piece.end) if since <= t <= at)
-        tick = last
-        while tick >= first and tick * every >= process and len(points) < 4 * SAMPLES:
-            points.add(tick * every)
+        points: list[float] = []
+        tick = math.floor(at / SAMPLE_EVERY_S)
+        while len(points) < SAMPLES and tick * SAMPLE_EVERY_S >= max(process, since):
+            if self.at(tick * SAMPLE_EVERY_S)[1] == "train":
+                points.append(tick * SAMPLE_EVERY_S)
             tick -= 1
-        samples = [(run_start + t - since, self.at(t)[0]) for t in sorted(points)
-                   if t >= process][-SAMPLES:]
+        window = points[-1] if points else at
+        for piece in self.pieces:
+            if piece.start >= at:
+                break
+            if piece.phase in ("eval", "checkpoint") and piece.end >= window:
+                points.extend(t for t in (piece.start, piece.end) if window <= t <= at)
+        samples = [(run_start + t - since, self.at(t)[0]) for t in sorted(set(points))
+                   ][-SAMPLES:]
         value, phase = self.at(at)
         shown = phase if phase in ("eval", "checkpoint") else "train"
         return value, run_start + at - since, ProgressDetail(

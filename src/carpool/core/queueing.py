@@ -56,10 +56,11 @@ from carpool.core.eta import (
     calibrated_start,
     class_misses,
     expected_duration,
-    expected_remaining,
     fluid_start,
     higher_class_load,
     learn_durations,
+    remaining,
+    run_time,
     start_range,
     started_misses,
     wait_misses,
@@ -328,6 +329,17 @@ class _Cycle:
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
     quota_preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
     holders_by_project: dict[str, list[_Holder]] = field(default_factory=dict)
+    # how much earlier and later than planned an occupancy may end (its P10, P90), for the
+    # occupancies whose end depends on a job's own progress reports (`_Spread`)
+    spreads: dict[str, _Spread] = field(default_factory=dict)
+
+
+class _Spread(NamedTuple):
+    """Seconds an occupancy may end earlier (`early`) or later (`late`) than planned, 80 %
+    of the time, where a running job's progress reports decide it."""
+
+    early: float
+    late: float
 
 
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
@@ -349,17 +361,20 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
                for name, q in snapshot.quotas.items()}
     holders: list[_Holder] = []
     spans: dict[str, list[tuple[float, float, int]]] = {}
+    spreads: dict[str, _Spread] = {}
     for job in (j for j in jobs if j.holds_gpus):
         nominal = nominal_fraction(job.request, reference_mib)
         fraction = held_fraction(job, nodes, nominal)
         memory = _memory_of(job.request, job.grants, reference_mib)
-        remaining = expected_remaining(job, now, expected_duration(job, learned),
-                                       config.min_remaining_s)
+        left = remaining(job, now, run_time(job, learned), config.min_remaining_s)
+        remaining_s = left.expected
         if job.terminating:
-            remaining = min(remaining, leaving_s(job))
+            remaining_s = min(remaining_s, leaving_s(job))
+        elif left.reported:
+            spreads[job.key] = _Spread(left.expected - left.low, left.high - left.expected)
         # a holder occupies at least the instant `now`, even at epoch times where a tiny
         # remainder added to `now` rounds back to `now`
-        end = max(now + remaining, math.nextafter(now, math.inf))
+        end = max(now + remaining_s, math.nextafter(now, math.inf))
         holders.append(_Holder(job, fraction, memory, end))
         if job.grants and job.node in nodes:
             timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
@@ -377,7 +392,7 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         by_project_holders.setdefault(holder.job.project, []).append(holder)
     return _Cycle(snapshot, config, learned, usage, reference_mib, timeline, ledgers, holders,
                   models, capacity, leaving=leaving, running_spans=spans,
-                  holders_by_project=by_project_holders)
+                  holders_by_project=by_project_holders, spreads=spreads)
 
 
 def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: int
@@ -532,7 +547,8 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     by_key = {j.key: j for j in waiting}
     ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
-        _range_stretch(by_key[w.job_key].job_class, loads, config)), now,
+        _range_stretch(by_key[w.job_key].job_class, loads, config),
+        walk.start_spreads.get(w.job_key)), now,
         walk.told_after.get(w.job_key)), by_key, now, config)
         for w in walk.waits), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
@@ -617,19 +633,26 @@ def _range_stretch(job_class: JobClass, loads: Mapping[int, float],
     return wait_stretch(loads.get(level, 0.0), loads.get(when_due, 0.0))
 
 
-def _with_range(wait: Wait, now: float, misses: list[float], stretch: float) -> Wait:
+def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
+                spread: _Spread | None = None) -> Wait:
     """The wait with its 80 % range (`eta.start_range`), whose end reaches at least the
     estimated wait stretched by `stretch` (`_range_stretch`): the estimate is the
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
-    they lately have (a surge the misses of started jobs show only a wait later)."""
+    they lately have (a surge the misses of started jobs show only a wait later). A job
+    whose start is the end of a job that reports progress, or of a reservation behind one
+    (`spread`, `_Walk._spread_behind`), gets at least that end's own range: how the misses
+    of started jobs spread says nothing of how far this one job's progress leaves it."""
     if wait.estimated_start is None:
         return wait
     found = start_range(now, wait.estimated_start, misses)
     if found is None:
         return wait
     stretched = now + max(0.0, wait.estimated_start - now) * stretch
-    return replace(wait, estimated_start_low=found[0],
-                   estimated_start_high=max(found[1], stretched))
+    low, high = found[0], max(found[1], stretched)
+    if spread is not None:
+        low = min(low, max(now, wait.estimated_start - spread.early))
+        high = max(high, wait.estimated_start + spread.late)
+    return replace(wait, estimated_start_low=low, estimated_start_high=high)
 
 
 class _Parked(NamedTuple):
@@ -658,6 +681,7 @@ class _Walk:
         self.reservations = 0  # of jobs waiting for GPUs
         self.limit_reservations = 0  # of jobs waiting for their quota or budget
         self.latest_reserved = cycle.snapshot.now
+        self.start_spreads: dict[str, _Spread] = {}  # waiting jobs behind a known spread
         self.work_beyond_depth = 0.0
         self.ahead = 0  # jobs decided so far that wait for GPUs
         # per job whose estimate the forward simulation made: what its message says after
@@ -994,6 +1018,7 @@ class _Walk:
                                             largest_plan(cycle.config.max_preemptions_per_cycle))
             if found is None:
                 return None, False, ()
+            self._spread_behind(job, found, duration)
             for victim in found.displaces:
                 cycle.timeline.end_at(victim, found.start)
             cycle.timeline.add(found.node, Occupancy(job.key, found.start,
@@ -1008,6 +1033,27 @@ class _Walk:
                                                cycle.capacity_gpus))
         self.work_beyond_depth += self.expected_gpu_hours[job.key]
         return estimate, True, ()
+
+
+    def _spread_behind(self, job: Job, found: Slot, duration: float) -> None:
+        """How much earlier or later the job may start than `found` says, when that start is
+        the end of an occupancy whose spread is known (`_Cycle.spreads`: a job that reports
+        progress, or a reservation behind one); then its own reservation's end spreads by
+        that and its run time's P10-P90 (`eta.run_time`), as independent errors."""
+        cycle = self.cycle
+        if found.displaces:
+            return  # it starts when its victims leave, whatever their progress
+        ending = [cycle.spreads[o.job_key] for o in cycle.timeline.occupancies(found.node)
+                  if o.end == found.start and o.job_key in cycle.spreads]
+        if not ending:
+            return
+        early = max(s.early for s in ending)
+        late = max(s.late for s in ending)
+        self.start_spreads[job.key] = _Spread(early, late)
+        low, expected, high = run_time(job, cycle.learned)
+        scale = duration / expected if expected > 0 else 1.0
+        cycle.spreads[job.key] = _Spread(math.hypot(early, (expected - low) * scale),
+                                         math.hypot(late, (high - expected) * scale))
 
 
 def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bool, float]]],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -11,8 +12,11 @@ from carpool.core.eta import (
     MAX_HIGHER_LOAD,
     MIN_HIGHER_ARRIVALS,
     MIN_RANGE_SAMPLES,
+    PROGRESS_DRIFT,
     RATE_ARRIVALS,
     RECENT_MISSES,
+    UNSEEN_PAUSES,
+    Z80,
     higher_class_load,
     start_range,
     started_misses,
@@ -20,10 +24,19 @@ from carpool.core.eta import (
     wait_misses,
     wait_stretch,
 )
-from carpool.core.jobs import Job, RunRecord, StartMiss, job_template
-from carpool.core.resources import JobClass, Phase
+from carpool.core.jobs import (
+    ClusterSnapshot,
+    Job,
+    ProgressDetail,
+    ProjectQuota,
+    RunRecord,
+    StartMiss,
+    job_template,
+)
+from carpool.core.queueing import AdmissionConfig, admission_cycle
+from carpool.core.resources import GpuGrant, JobClass, Phase
 from carpool.reporting import relative_range
-from carpool_testbed.builders import gpu_job
+from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
 
 def started(key: str, submitted: float, promised: float | None, began: float) -> Job:
@@ -118,3 +131,44 @@ def test_the_range_reads_as_from_now() -> None:
     now = 1_800_000_000.0
     assert relative_range(("2027-01-15T08:02:00Z", "2027-01-15T08:09:00Z"), now) == "2m-9m"
     assert relative_range(None, now) == ""
+
+
+def test_jobs_behind_a_job_that_reports_progress_get_its_range() -> None:
+    """The running job reports a steady rate: 1,000 s left, P10-P90 e^-+0.26 around that
+    (its end 30 % later still: it has not paused yet). The job waiting for its GPUs gets that
+    range around its start; the one behind that, the same spread through the first one's
+    run time (no history: no spread of its own). Without reports, only the misses of
+    started jobs (here all right on time) make the ranges: none wider than the estimate."""
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    samples = tuple((600.0 + 100 * i, 0.3 + 0.05 * i) for i in range(5))
+    running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
+                      grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),),
+                      progress=0.5, progress_at=1000.0,
+                      progress_detail=ProgressDetail("train", 0.0, samples))
+    first = gpu_job("b/first", "b", count=2, submitted=1000.0, estimate=600.0)
+    second = gpu_job("b/second", "b", count=2, submitted=1000.5, estimate=600.0)
+    on_time = tuple(StartMiss(float(i), JobClass.BATCH, 0.0, None)
+                    for i in range(MIN_RANGE_SAMPLES))
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "ab"}
+
+    def ranges(job: Job) -> dict[str, tuple[float | None, float | None, float | None]]:
+        snapshot = ClusterSnapshot(1000.0, (job, first, second), quotas, {"n1": gpu_node()},
+                                   start_misses=on_time)
+        result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer,
+                                                           class_calibration=False))
+        return {w.job_key: (w.estimated_start_low, w.estimated_start, w.estimated_start_high)
+                for w in result.waits}
+
+    reported = ranges(running)
+    low, start, high = reported["b/first"]
+    assert start == pytest.approx(2000.0)
+    assert low == pytest.approx(1000.0 + 1000.0 * math.exp(-Z80 * PROGRESS_DRIFT))
+    assert high == pytest.approx(1000.0 + 1000.0 * (1 + UNSEEN_PAUSES)
+                                 * math.exp(Z80 * PROGRESS_DRIFT))
+    low2, start2, high2 = reported["b/second"]
+    assert start2 == pytest.approx(2600.0)
+    assert (start2 - low2, high2 - start2) == (pytest.approx(start - low),
+                                               pytest.approx(high - start))
+    # the same job without reports: expected to end at its estimate, no spread of its own
+    silent = ranges(replace(running, progress=None, progress_at=None, progress_detail=None))
+    assert silent["b/first"] == (HOUR, HOUR, HOUR)
