@@ -36,6 +36,18 @@ NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
      "gpus": [{"model": "T4", "count": 2, "temperatureC": 60}]},
 ]}
 
+# Added once the story is over, for the README tour's MIG job (examples/gpujobs.yaml): a MIG
+# node offers its GPU to exclusive jobs too, so during the story it would change where the
+# borrowed shards land.
+MIG_NODE: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [
+    {"name": "h200-mig", "zone": "zone-a", "sharing": "mig",
+     "gpus": [{"model": "H200", "count": 1, "migInstances": [
+         {"profile": "3g.71gb", "slices": 3, "memoryMiB": 71424},
+         {"profile": "2g.35gb", "slices": 2, "memoryMiB": 35584},
+         {"profile": "1g.18gb", "slices": 1, "memoryMiB": 17920},
+         {"profile": "1g.18gb", "slices": 1, "memoryMiB": 17920}]}]},
+]}
+
 QUOTAS = [
     {"name": "vision", "namespaces": ["vision"], "concurrent": {"gpus": 6, "memory": "1Ti"},
      "gpuHours": {"budget": 500, "period": "7d"}, "borrowing": {"enabled": True}, "weight": 2},
@@ -232,12 +244,15 @@ def run(log_dir: Path) -> int:
     install_chart(cluster)
     say("Starting Carpool: the scheduler extender and the operator")
     processes = stack.start_detached(cluster, log_dir)
-    print(f"    extender pid {processes['extender']}, operator pid {processes['operator']}; "
-          f"logs in {log_dir}")
+    print(f"    extender pid {processes['extender']}, operator pid {processes['operator']}, "
+          f"simulated nodes' heartbeat pid {processes['heartbeat']}; logs in {log_dir}")
     api = cluster.api()
 
     say("Creating simulated GPU nodes (KWOK): H200s (one running hot), A100s, T4s")
     nodes = simnodes.parse_nodes(NODES)
+    mig_nodes = simnodes.parse_nodes(MIG_NODE)
+    # a rerun tells the same story: the tour's MIG node comes back at the end
+    simnodes.delete_nodes(api, [n.name for n in mig_nodes])
     simnodes.apply_nodes(api, nodes)
     print(simnodes.summary(nodes))
 
@@ -307,9 +322,13 @@ def run(log_dir: Path) -> int:
     say("GPU-hours by project (`kubectl carpool report`):")
     print(_report(cluster))
 
+    say("One more node for the README's tour: an H200 split into MIG instances")
+    simnodes.apply_nodes(api, mig_nodes)
+    print(simnodes.summary(mig_nodes))
+
     kubeconfig = cluster.kubeconfig
     print(f"""
-Explore:
+Explore (the README's tour goes step by step):
   export KUBECONFIG={kubeconfig}
   {cluster.bin_dir}/kubectl get gpujobs -A           # queue, phases, nodes, estimated starts
   {cluster.bin_dir}/kubectl describe gpujob -n vision detector-long

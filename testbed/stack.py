@@ -75,6 +75,10 @@ def _operator_pid_file(cluster_name: str) -> Path:
     return devcluster.ClusterPaths.for_name(cluster_name).workdir / "carpool-operator.pid"
 
 
+def _heartbeat_pid_file(cluster_name: str) -> Path:
+    return devcluster.ClusterPaths.for_name(cluster_name).workdir / "carpool-heartbeat.pid"
+
+
 def _alive(pid_file: Path, marker: bytes) -> int | None:
     try:
         pid = int(pid_file.read_text().strip())
@@ -85,8 +89,8 @@ def _alive(pid_file: Path, marker: bytes) -> int | None:
 
 
 def start_detached(cluster: devcluster.Cluster, log_dir: Path) -> dict[str, int]:
-    """CRDs, extender and operator left running after this process exits (for `make demo`);
-    `stop_detached` (run by `make cluster-down`) ends them."""
+    """CRDs, extender, operator and the simulated nodes' heartbeat left running after this
+    process exits (for `make demo`); `stop_detached` (run by `make cluster-down`) ends them."""
     crds.apply_crds(cluster.api())
     paths = devcluster.ClusterPaths.for_name(cluster.name)
     stop_detached(cluster.name)
@@ -97,18 +101,27 @@ def start_detached(cluster: devcluster.Cluster, log_dir: Path) -> dict[str, int]
     operator = start_operator(cluster.kubeconfig, log_dir / "operator.log",
                               {"CARPOOL_RESYNC_SECONDS": "2"})
     _operator_pid_file(cluster.name).write_text(str(operator.pid))
-    return {"extender": extender.pid, "operator": operator.pid}
+    # simulated GpuNodes have no plugin to beat: without this, `kubectl carpool` calls their
+    # nodes not ready two minutes after the demo ends
+    with (log_dir / "heartbeat.log").open("ab") as log:
+        heartbeat = subprocess.Popen(
+            [sys.executable, "-m", "carpool_testbed", "nodes", "heartbeat",
+             "--kubeconfig", str(cluster.kubeconfig)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _heartbeat_pid_file(cluster.name).write_text(str(heartbeat.pid))
+    return {"extender": extender.pid, "operator": operator.pid, "heartbeat": heartbeat.pid}
 
 
 def stop_detached(cluster_name: str | None = None) -> None:
     name = cluster_name or devcluster.cluster_name()
     devcluster.stop_extender(devcluster.ClusterPaths.for_name(name))
-    pid_file = _operator_pid_file(name)
-    pid = _alive(pid_file, b"carpool.operator")
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 15)
-    pid_file.unlink(missing_ok=True)
+    for pid_file, marker in ((_operator_pid_file(name), b"carpool.operator"),
+                             (_heartbeat_pid_file(name), b"heartbeat")):
+        pid = _alive(pid_file, marker)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 15)
+        pid_file.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
