@@ -568,3 +568,59 @@ def test_the_victim_is_the_job_that_loses_least_since_its_reported_checkpoint(
 def _checkpoint_time(directory: Path) -> float:
     report = json.loads((directory / checkpointing.CHECKPOINT_FILE).read_text())
     return checkpointing.parse_time(report["time"])
+
+
+def test_a_loop_reporting_progress_pulls_in_the_estimate_of_the_job_behind_it(
+        scenario: Scenario, tmp_path: Path) -> None:
+    """A job holds the node's one GPU; its user says an hour. Its code runs a real loop under
+    `workload.Progress` (its reports carried into the status by the node agent's reader,
+    against this API server), at a rate that ends it in about a minute, with an evaluation
+    pause on the way. The job waiting behind it was told about an hour; once the reports
+    land, its estimate follows the loop: within the loop's end, give or take the rounding
+    and the pause."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("prog")
+    project = scenario.project("prog", [ns], concurrent={"gpus": 2})
+    scenario.submit(ns, "train", project, node=node, estimatedDuration="1h")
+    scenario.wait_phase(ns, "train", {"Running"})
+    scenario.submit(ns, "next", project, node=node, estimatedDuration="10m",
+                    simulatedDuration="3s")
+
+    def estimate() -> float | None:
+        text = scenario.status(ns, "next").get("estimatedStart")
+        return _parse(text) if text else None
+
+    told = wait_for("next's first estimate", estimate, timeout=30)
+    assert told - time.time() > 50 * 60, scenario.status(ns, "next")  # the user's hour
+
+    pod = scenario.pod(ns, "train-1")
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    directory = reports.prepare(tmp_path / "reports", pod["metadata"]["uid"])
+    run = workload.Run.from_environment({**env, "CARPOOL_REPORT_DIR": str(directory)})
+    agent_cluster = KubernetesCluster(load_config(str(scenario.cluster.kubeconfig)), node)
+    agent = reports.ReportReader(node, tmp_path / "reports",
+                                 lambda: agent_cluster.pods_on_node(node), agent_cluster)
+    steps, step_s = 600, 0.1  # a minute of training, a third of it run here
+    progress = workload.Progress(steps, run=run, every_s=2.0)
+    began = time.time()
+    for step in range(1, steps // 3 + 1):
+        time.sleep(step_s)
+        progress.update(step)
+        if step == 100:
+            with progress.pause("eval"):
+                time.sleep(2.0)
+        if step % 20 == 0:
+            asyncio.run(agent.step())
+    progress.report()  # where it stands now, not where the last timed report left it
+    asyncio.run(agent.step())
+    recorded = scenario.status(ns, "train")["progress"]
+    assert recorded["step"] == steps // 3 and recorded["total"] == steps
+    assert recorded["paused"] >= 2.0 and len(recorded["recent"]) >= 8, recorded
+    # the rest: 400 steps of 0.1 s at the rate the samples show (the pause not counted as
+    # training), a little more for pauses to come in the share they took so far
+    rate_end = time.time() + (steps - steps // 3) * step_s
+    tightened = wait_for("next's estimate to follow the reports", lambda: (
+        e if (e := estimate()) is not None and e - time.time() < 10 * 60 else None),
+        timeout=30)
+    assert rate_end - 15 <= tightened <= rate_end + 30, (
+        tightened - began, rate_end - began, recorded)

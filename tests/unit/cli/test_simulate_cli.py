@@ -86,6 +86,14 @@ def test_the_written_generated_trace_replays_to_the_same_scores(
     assert [s["jobs"] for s in scores(again.stdout)] == [30, 30]
 
 
+def test_a_share_of_jobs_reports_progress(files: tuple[Path, Path]) -> None:
+    trace, nodes = files
+    done = carpool("simulate", "queue", "--pods", trace, "--nodes", nodes, "--scale", "1",
+                   "--jobs", "1", "--policy", "carpool", "--progress-share", "0.5")
+    assert done.returncode == 0, done.stderr
+    assert "seed 0, 50% reporting progress" in done.stdout.splitlines()[0]
+
+
 def test_the_table_names_the_trace_and_every_policy(files: tuple[Path, Path]) -> None:
     trace, nodes = files
     done = carpool("simulate", "queue", "--pods", trace, "--nodes", nodes, "--scale", "1",
@@ -111,6 +119,7 @@ def test_the_table_names_the_trace_and_every_policy(files: tuple[Path, Path]) ->
     ({"args": ["--scale", "x"]}, "argument --scale: 'x' is not a number"),
     ({"args": ["--policy", "lsf"]}, "unknown policy 'lsf'; choose from fifo, slurm"),
     ({"args": ["--interarrival", "0"]}, "argument --interarrival: '0' must be more than 0"),
+    ({"args": ["--progress-share", "1.5"]}, "argument --progress-share: '1.5' must be in [0, 1]"),
     ({"args": ["--generate", "5", "--write-trace", "/proc/no/such/dir/t.csv"]},
      "cannot write /proc/no/such/dir/t.csv"),
 ])

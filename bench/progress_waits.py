@@ -1,0 +1,119 @@
+"""Estimated starts when a share of the running jobs report their progress: Carpool's replay
+(`carpool simulate queue --progress-share`) at several shares, side by side on the same traces.
+
+Reporting jobs follow `carpool.core.progress_traces` (start-up, rate changes, evaluation
+pauses, checkpoint saves, restarts from a checkpoint), drawn per job from the trace's seed;
+the others are estimated from learned run times alone. Per replay: the median relative error
+of the estimate given at arrival over jobs that waited at least 60 s, overall and per class,
+of the refreshed estimates, how many starts the 80 % range held and how wide it was (median
+of its width over the actual wait), and the replay's CPU seconds. Share 0 is the replay
+without any report.
+
+    .venv/bin/python bench/progress_waits.py [--shares 0,0.25,0.5,1]
+        [--traces load:0:0.85,load:4:0.85,openb:0.004] [--against ../main]
+
+Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
+generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
+replay share 0 with another checkout's carpool (DIR, set up with `make dev`), to show that
+without reports nothing changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eta_calibration import load
+
+from carpool.core import queue_replay
+from carpool.core.queueing import AdmissionConfig, extender_placer
+
+DEFAULT_TRACES = ("gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85,load:4:0.85,load:5:0.85,"
+                  "openb:0.004")
+CLASSES = ("interactive", "short", "long", "batch")
+
+
+def replay(spec: str, share: float) -> dict[str, object]:
+    trace = load(spec)
+    seed = int(spec.split(":")[1]) if not spec.startswith("openb") else 0
+    started = time.process_time()
+    outcome = queue_replay.replay(
+        trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
+        queue_replay.carpool_policy(AdmissionConfig(node_placer=extender_placer())),
+        "carpool", progress_share=share, progress_seed=seed)
+    cpu = time.process_time() - started
+    scores = queue_replay.score(outcome)
+    return {"trace": spec, "share": share, "cpu_s": round(cpu, 1),
+            **{k: scores[k] for k in (
+                "eta_median_abs_rel_error", "eta_median_abs_rel_error_by_class",
+                "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
+                "eta_range_median_rel_width", "eta_median_signed_rel_error",
+                "jobs_waited_60s_with_estimate")}}
+
+
+def replay_in(checkout: Path, spec: str) -> dict[str, object]:
+    """Share 0 with `checkout`'s carpool, in a process of its own (its Python, its code; the
+    replay there takes no share: it has none)."""
+    code = ("import json, sys, time; sys.path.insert(0, 'bench');"
+            "from eta_calibration import replay, load;"
+            f"r = replay(load({spec!r}), 'defaults', True);"
+            "print(json.dumps({'cpu_s': round(r.cpu_s, 1), **r.scores}))")
+    found = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", code],
+                           check=True, capture_output=True, text=True, cwd=checkout)
+    scores = json.loads(found.stdout.splitlines()[-1])
+    return {"trace": spec, "share": f"0 ({checkout.name})", **scores}
+
+
+def pct(value: object) -> str:
+    if not isinstance(value, float):
+        return "–"
+    return f"{100 * value:.1f} %" if value < 0.1 else f"{100 * value:.0f} %"
+
+
+def row(result: dict[str, object]) -> str:
+    by_class = result["eta_median_abs_rel_error_by_class"]
+    assert isinstance(by_class, dict)
+    share = result["share"]
+    shown = f"{100 * share:.0f} %" if isinstance(share, float) else str(share)
+    width = result["eta_range_median_rel_width"]
+    shown_width = f"{width:.2f}" if isinstance(width, float) else "–"
+    return (f"| {result['trace']} | {shown} | {pct(result['eta_median_abs_rel_error'])} | "
+            + " | ".join(pct(by_class.get(c)) for c in CLASSES)
+            + f" | {pct(result['eta_refreshed_median_abs_rel_error'])} | "
+            f"{pct(result['eta_interval_coverage'])} | {shown_width} | "
+            f"{result['jobs_waited_60s_with_estimate']} | {result['cpu_s']} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--traces", default=DEFAULT_TRACES)
+    parser.add_argument("--shares", default="0,0.25,0.5,1")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="another checkout (with its .venv): its replay without reports")
+    args = parser.parse_args()
+    shares = [float(s) for s in args.shares.split(",")]
+    results = []
+    for spec in args.traces.split(","):
+        runs = [*([None] if args.against else []), *shares]
+        for share in runs:
+            result = replay_in(args.against, spec) if share is None else replay(spec, share)
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    print()
+    print("| trace | reporting | median error at arrival | interactive | short | long | batch "
+          "| refreshed | in 80 % range | range width | jobs waited ≥ 60 s | replay CPU s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        print(row(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
