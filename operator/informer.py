@@ -144,6 +144,10 @@ class Informers:
     def objects(self, kind: str) -> list[Obj]:
         return self.by_kind[kind].snapshot()
 
+    def gone_at(self, kind: str, uid: str) -> tuple[float, Obj] | None:
+        """When the watch of `kind` showed the object of `uid` deleted, with its last state."""
+        return self.by_kind[kind].gone_at(uid) if uid else None
+
     def get(self, kind: str, key: str) -> Obj | None:
         """The newest object of `key` (`namespace/name`, or `name`) the watch has shown."""
         return self.by_kind[kind].get(key)

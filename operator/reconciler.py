@@ -415,7 +415,8 @@ class Reconciler:
                 decoded[key] = cached
                 self._reuse(state, obj, cached, guarded, now)
                 continue
-            obs = observe(obj, job_pods, totals, now, mig_slices)
+            obs = observe(obj, job_pods, totals, now, mig_slices,
+                          self._pod_gone_at(str(status_now.get("podUID") or "")))
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = _changes(status, obs.status)
@@ -481,6 +482,16 @@ class Reconciler:
         self._start_delay = admission_to_start_s(
             obj.get("status") or {} for obj in state.objects.values())
         return state
+
+    def _pod_gone_at(self, uid: str) -> float | None:
+        """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted: its
+        containers' end as its last state shows it, else when the deletion was seen."""
+        seen = self.informers.gone_at(PODS, uid)
+        if seen is None:
+            return None
+        at, last = seen
+        finished = view_pod(last).finished
+        return min(at, finished) if finished else at
 
     def _check_unschedulable(self, state: PassState, key: str, status: Obj, pod: PodView,
                              now: float) -> None:
@@ -747,7 +758,8 @@ class Reconciler:
             last = state.pods.get(uid)
             if last is not None and not last.terminal:
                 continue  # a job's attempt after all: its job bills it
-            ended = last.finished if last is not None and last.finished else now
+            ended = (last.finished if last is not None and last.finished else
+                     self._pod_gone_at(uid) or now)
             self._bill_stray(state, stray.pod, quota_of_namespace(quotas, stray.pod.namespace),
                              f"{orphan_key(stray.pod)}/end", stray.billed_until, ended,
                              retired, changed)

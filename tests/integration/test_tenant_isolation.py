@@ -469,6 +469,34 @@ def test_template_fields_carpool_decides_are_refused(tenancy: Tenancy, spec: dic
     refused(result, "crd", field, advice)
 
 
+PRESTOP_REFUSED = ("spec.template.spec.containers[].lifecycle.preStop.sleep.seconds must be "
+                   "less than the pod's grace")
+
+
+@pytest.mark.parametrize(("seconds", "spec", "admitted"), [
+    (31536000, {}, False),  # a year, against the default 30 s
+    (30, {}, False),  # the API server wants it strictly shorter
+    (29, {}, True),
+    (45, {"terminationGracePeriodSeconds": 20}, False),  # the template's own grace first
+    (90, {"checkpoint": {"gracePeriod": "2m"}}, True),
+])
+def test_a_prestop_sleep_must_end_within_the_pods_grace(tenancy: Tenancy, seconds: int,
+                                                         spec: dict[str, Any],
+                                                         admitted: bool) -> None:
+    checkpoint = spec.pop("checkpoint", None)
+    job = gpujob(tenancy, f"tpl-{uuid.uuid4().hex[:5]}",
+                 {"lifecycle": {"preStop": {"sleep": {"seconds": seconds}}}}, **spec)
+    if checkpoint:
+        job["spec"]["checkpoint"] = checkpoint
+    made = tenancy.cluster.kubectl("create", "--dry-run=server", f"--as={tenancy.alice}", "-n",
+                                   tenancy.team, "-f", "-", stdin=yaml.safe_dump(job),
+                                   check=False)
+    if admitted:
+        assert made.returncode == 0, made.stderr
+    else:
+        refused(made, "crd", PRESTOP_REFUSED, "the pod is killed at its grace")
+
+
 def test_a_grace_within_the_checkpoint_grace_is_admitted(tenancy: Tenancy) -> None:
     job = gpujob(tenancy, "tpl-grace", terminationGracePeriodSeconds=60)
     job["spec"]["checkpoint"] = {"gracePeriod": "2m"}

@@ -228,8 +228,12 @@ def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
 
 
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
-            now: float, mig_slices: Mapping[str, int] | None = None) -> Observation:
-    """Derive `job`'s phase and status from its pods (see the module docstring)."""
+            now: float, mig_slices: Mapping[str, int] | None = None,
+            pod_gone_at: float | None = None) -> Observation:
+    """Derive `job`'s phase and status from its pods (see the module docstring).
+
+    `pod_gone_at`: when its current attempt's pod was seen deleted, if it is gone (its run
+    ends then, not at `now`, which may be a pass later)."""
     status: Obj = job.get("status") or {}
     isolation_text = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", ""))
     exclusive = isolation_text == "exclusive"
@@ -256,7 +260,9 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         if reason == "Preempted" and status.get("reason") == UNSCHEDULABLE:
             # given back (give_back_unschedulable): the scheduler's reason stays shown
             reason, message = UNSCHEDULABLE, str(status.get("message") or message)
-        history = [dict(r, end=r.get("end") or format_run_time(now),
+        ended = min(now, pod_gone_at) if pod_gone_at is not None else now
+        history = [dict(r, end=r.get("end") or format_run_time(
+                            max(ended, epoch_seconds(r.get("start")) or ended)),
                         outcome=r.get("outcome") or reason) for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),

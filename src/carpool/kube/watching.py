@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +31,7 @@ from carpool.kube.retry import Backoff
 log = logging.getLogger(__name__)
 WATCH_SECONDS = 240  # the server ends each watch after this; it is then resumed
 ARRIVALS_KEPT = 1024  # newest objects first seen by the watch (`Store.arrived_since`)
+GONE_KEPT = 4096  # newest objects the watch saw deleted (`Store.gone_at`)
 
 
 class WatchEnded(Exception):
@@ -184,6 +185,8 @@ class Store:
         self.synced = False
         self.arrived = 0  # objects first seen by a watch event (a list counts none)
         self.arrivals: deque[Obj] | None = deque(maxlen=ARRIVALS_KEPT) if arrivals else None
+        # uid -> (when the watch showed it deleted, its last state), newest GONE_KEPT
+        self._gone: OrderedDict[str, tuple[float, Obj]] = OrderedDict()
         self._keep = keep
         self._changed = changed
         self._cond = threading.Condition()
@@ -235,6 +238,13 @@ class Store:
                 return None
             return list(arrivals)[len(arrivals) - new:] if new > 0 else []
 
+    def gone_at(self, uid: str) -> tuple[float, Obj] | None:
+        """When the watch showed the object of `uid` deleted (epoch seconds), with its last
+        state; None if it did not (a list that no longer holds an object says nothing of
+        when it went)."""
+        with self._cond:
+            return self._gone.get(uid)
+
     def _replace(self, items: list[Obj], version: str) -> None:
         fresh = {object_key(obj): self._keep(obj) for obj in items}
         with self._cond:
@@ -254,6 +264,10 @@ class Store:
             key = object_key(obj)
             if kind == "DELETED":
                 self.items.pop(key, None)
+                if uid := str((obj.get("metadata") or {}).get("uid") or ""):
+                    self._gone[uid] = (time.time(), self._keep(obj))
+                    if len(self._gone) > GONE_KEPT:
+                        self._gone.popitem(last=False)
             else:
                 kept = self._keep(obj)
                 if self.arrivals is not None and kind == "ADDED" and key not in self.items:

@@ -32,3 +32,16 @@ def test_a_pod_seen_gone_bills_its_run_up_to_that_moment() -> None:
     assert record["outcome"] == "PodLost"
     assert epoch_seconds(record["end"]) == seen_gone
     assert abs(history_gpu_hours(lost.status["history"], seen_gone) * 3600 - 0.5 * 30.8) < 1e-6
+
+
+def test_a_pod_seen_deleted_before_the_pass_ends_its_run_when_it_went() -> None:
+    job = {"metadata": {"name": "train", "namespace": "team"},
+           "spec": {"gpu": {"isolation": "mps"}},
+           "status": {"phase": "Running", "attempts": 1, "history": [
+               {"attempt": 1, "node": "n1", "fraction": 0.5,
+                "start": format_run_time(STARTED)}]}}
+    lost = observe(job, [], {}, STARTED + 31.0, pod_gone_at=STARTED + 30.2)
+    assert epoch_seconds(lost.status["history"][0]["end"]) == STARTED + 30.2
+    # a deletion time before the record's start (another pod's) never makes it negative
+    early = observe(job, [], {}, STARTED + 31.0, pod_gone_at=STARTED - 5)
+    assert epoch_seconds(early.status["history"][0]["end"]) == STARTED

@@ -4,6 +4,7 @@ of the API port (no cluster): what a pass writes, and that it waits for its own 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -150,6 +151,19 @@ def test_watch_events_keep_the_newest_object_and_a_410_asks_for_a_list() -> None
                         {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "12"}}})
     assert informer.version == 12 and len(changes) == 4  # a bookmark changes no object
     assert not _watch_event(informer, {"type": "ERROR", "object": {"code": 410, "message": "gone"}})
+
+
+def test_the_store_remembers_when_the_watch_saw_an_object_deleted() -> None:
+    informer = Informers(FakeKube()).by_kind[PODS]  # type: ignore[arg-type]
+    pod = {"metadata": {"name": "a-1", "namespace": "team", "uid": "pod-a-1",
+                        "resourceVersion": "5"}, "status": {"phase": "Running"}}
+    assert _watch_event(informer, {"type": "ADDED", "object": pod})
+    assert informer.gone_at("pod-a-1") is None
+    before = time.time()
+    assert _watch_event(informer, {"type": "DELETED", "object": pod})
+    seen = informer.gone_at("pod-a-1")
+    assert seen is not None and before <= seen[0] <= time.time()
+    assert seen[1]["status"] == {"phase": "Running"}  # its last state, trimmed as stored
 
 
 def test_a_cache_behind_our_own_write_is_waited_for_then_relisted() -> None:
