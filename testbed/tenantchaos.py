@@ -517,8 +517,8 @@ class Checker:
 
     def billing_differences(self, now: float, most: int = 8) -> list[str]:
         """The pods whose held GPU-seconds differ most from their attempt's usage record in
-        the last status seen of their job (a record a deleted job left open counts until the
-        job was seen gone), to say where a gap between billed and held comes from."""
+        the last status seen of their job (a record a deleted job left open counts until its
+        pod ended), to say where a gap between billed and held comes from."""
         from carpool.core.checkpointing import attempt_of_pod
 
         rows: list[tuple[float, str]] = []
@@ -532,7 +532,10 @@ class Checker:
                 records = [r for r in ((job or {}).get("status") or {}).get("history") or []
                            if r.get("attempt") == attempt]
                 billed = 0.0
-                open_until = self.job_gone_at.get(run.job_uid, now)
+                # a deleted job's last record stays open in what the watch saw (the operator
+                # closes it as it bills the job, without writing it): its pod's end closes it
+                open_until = run.end if run.end is not None else self.job_gone_at.get(
+                    run.job_uid, now)
                 for r in records:
                     start, end = epoch_of(r.get("start")), epoch_of(r.get("end")) or open_until
                     billed += float(r.get("fraction") or 0.0) * (end - (start or end))
