@@ -164,8 +164,7 @@ class Informers:
     def caught_up(self, timeout: float) -> bool:
         """Wait until every store has listed and seen this operator's latest write of its
         kind; a store still behind after `timeout` is told to list again (False)."""
-        with self.kube._lock:
-            written = dict(self.kube.written)
+        written = self.kube.written_versions()
         deadline = time.monotonic() + timeout
         ok = True
         for name, store in self.by_kind.items():

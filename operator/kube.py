@@ -44,14 +44,20 @@ class Kube:
         # admissions in a burst (they queue, and are posted in order as it allows)
         self._event_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
         self._lock = threading.Lock()
-        self.written: dict[str, int] = {}  # kind -> highest resourceVersion we wrote
+        self._written: dict[str, int] = {}  # kind -> highest resourceVersion we wrote
+
+    def written_versions(self) -> dict[str, int]:
+        """Kind -> the highest resourceVersion this client has written so far (a copy): what
+        a watch cache must have seen before a pass may trust it (`Informers.caught_up`)."""
+        with self._lock:
+            return dict(self._written)
 
     def _wrote(self, kind: str, obj: Obj) -> str | None:
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if not version or not str(version).isdigit():
             return None
         with self._lock:
-            self.written[kind] = max(self.written.get(kind, 0), int(version))
+            self._written[kind] = max(self._written.get(kind, 0), int(version))
         return str(version)
 
     def ensure_priority_class(self) -> None:

@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures as cf
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from carpool.core import checkpointing, names
+from carpool.core import job_status, names
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.decoding import (
     first_start,
@@ -38,8 +37,6 @@ from carpool.core.lifecycle import (
     give_back_unschedulable,
     grants_from_assignment,
     grants_from_status,
-    history_gpu_hours,
-    job_conditions,
     observe,
 )
 from carpool.core.ownership import (
@@ -54,7 +51,6 @@ from carpool.core.ownership import (
 )
 from carpool.core.placement import NodeState
 from carpool.core.queueing import (
-    DUE_NOTE,
     Admission,
     AdmissionConfig,
     CycleResult,
@@ -63,11 +59,11 @@ from carpool.core.queueing import (
     Wait,
     admission_cycle,
 )
-from carpool.core.resources import GpuGrant, JobClass, NodeInventory, Phase
+from carpool.core.resources import JobClass, NodeInventory, Phase
 from carpool.kube.client import REQUEST_TIMEOUT
 from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
-from carpool.operator.following import PodView, format_time, parse_time, view_pod
+from carpool.operator.following import PodView, view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
 from carpool.operator.pods import (
@@ -79,27 +75,11 @@ from carpool.operator.pods import (
 )
 
 log = logging.getLogger(__name__)
-ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are counted rounded
-# estimated starts are written rounded to one of these steps (`estimate_step`)
-ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)
-ESTIMATE_PRECISION = 0.05  # the coarsest step within this share of the time until the start
-# a range's end moving by more than this share of the time until it is written at once (a
-# surge of higher-class arrivals widens every waiting job's range a little at each arrival)
-RANGE_JUMP = 0.25
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
 GUARD_WORKERS = 2  # background finalizer writes
 # seconds a stray GPU pod (no live job's current attempt) is given to stop: a pass runs at
 # least every resync period (5 s), so such a pod is gone within 30 s of becoming one
 ORPHAN_GRACE_S = 10
-
-
-def estimate_step(ahead_s: float) -> float:
-    """How an estimated start `ahead_s` from now is rounded when written: to the coarsest of
-    `ESTIMATE_STEPS_S` within `ESTIMATE_PRECISION` of that time (a second up to 40 s ahead,
-    10 s from 200 s on), so status churns less for far-off starts while rounding never costs
-    a short wait more than 2.5 % of it."""
-    fitting = [step for step in ESTIMATE_STEPS_S if step <= ESTIMATE_PRECISION * ahead_s]
-    return fitting[-1] if fitting else ESTIMATE_STEPS_S[0]
 
 
 @dataclass
@@ -112,7 +92,8 @@ class ReconcilerConfig:
     # A queued job whose reason stays the same gets its position, estimate and message
     # rewritten at most this often (they move every pass; thousands of writes otherwise),
     # unless its estimate moved by more than `estimate_jump_s`, its range appeared or went,
-    # or the range's end moved by more than that and `RANGE_JUMP` of the time until it.
+    # or the range's end moved by more than that and a share of the time until it
+    # (`job_status.wait_change_is_urgent`).
     wait_refresh_s: float = 60.0
     estimate_jump_s: float = 60.0
     # ... and those refreshes together stay under this many writes per second: every queued
@@ -182,18 +163,6 @@ def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value.strip().lower() in ("false", "0"):
         return False
     raise ValueError(f"{name} must be true or false, not {value!r}")
-
-
-def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | None) -> list[Obj]:
-    out = []
-    for grant in grants:
-        gpu = inventory.gpu(grant.gpu_uuid) if inventory else None
-        entry: Obj = {"uuid": grant.gpu_uuid, "memoryMiB": grant.memory_mib,
-                      "cores": grant.cores_pct}
-        if gpu is not None:
-            entry.update(index=gpu.index, model=gpu.model)
-        out.append(entry)
-    return out
 
 
 @dataclass(frozen=True)
@@ -282,18 +251,6 @@ class PassState:
         return [orphan_key(pod) for pod in self.orphans]
 
 
-def hardware_of(node: str, gpu_uuids: list[str], state: PassState) -> Obj | None:
-    """The fingerprint a job ran on: GPU model(s) of its GPUs, the node's driver and CUDA."""
-    inventory = state.inventories.get(node)
-    if inventory is None:
-        return None
-    models = sorted({g.model for u in gpu_uuids if (g := inventory.gpu(u)) is not None})
-    driver, cuda = state.node_software.get(node, ("", ""))
-    if not models:
-        return None
-    return {"gpuModel": ",".join(models), "driverVersion": driver, "cudaVersion": cuda}
-
-
 @dataclass
 class _Queued:
     """A background status write: its patch, its task in the pool, set once it has landed."""
@@ -301,15 +258,6 @@ class _Queued:
     patch: Obj
     landed: threading.Event = field(default_factory=threading.Event)
     task: cf.Future[None] | None = None
-
-
-@dataclass
-class _Told:
-    """The Events recorded on one job that a stale read could derive again."""
-
-    derived: set[tuple[str, str]] = field(default_factory=set)  # (reason, note)
-    waiting: str | None = None  # the wait reason recorded since the job's last other Event
-    first_start_counted: bool = False  # its first start counted (_score_first_start)
 
 
 class CacheBehind(RuntimeError):
@@ -339,7 +287,8 @@ class Reconciler:
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._decoded: dict[str, _Decoded] = {}  # see read
-        self._told: dict[str, _Told] = {}  # job uid -> the Events recorded on it (_announce)
+        # job uid -> the Events recorded on it (_announce)
+        self._told: dict[str, job_status.RecordedEvents] = {}
         self._told_lock = threading.Lock()
         # quota name -> (resourceVersion, its retired usage as decoded then); see _retired
         self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
@@ -419,7 +368,7 @@ class Reconciler:
                           self._pod_gone_at(str(status_now.get("podUID") or "")))
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
-            patch = _changes(status, obs.status)
+            patch = job_status.changes(status, obs.status)
             settled = not patch and not obs.events  # nothing to write but hardware facts
             if obs.live_pod is not None:
                 state.attempt_pods[key] = obs.live_pod
@@ -428,7 +377,7 @@ class Reconciler:
                     self._check_unschedulable(state, key, {**status, **patch},
                                               obs.live_pod, now)
             for type_, reason, note in obs.events:
-                self._announce(obj, reason, note, type_, derived=True)
+                self._announce(obj, job_status.JobEvent(reason, note, type_, derived=True))
             merged = {**status, **patch}
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
@@ -445,9 +394,9 @@ class Reconciler:
                                       merged.get("history") or [])
             except ValueError as err:
                 if not obs.phase.finished:
-                    patch.update(self._initial_status(obj), phase=Phase.FAILED.value,
-                                 reason="InvalidSpec", message=str(err))
-                    self._announce(obj, "InvalidSpec", str(err), "Warning", derived=True)
+                    failed, event = job_status.invalid_spec(obj, str(err))
+                    patch.update(failed)
+                    self._announce(obj, event)
                 state.patches[key] = patch
                 continue
             if settled and not meta.get("deletionTimestamp"):
@@ -467,9 +416,9 @@ class Reconciler:
             state.phases[key] = obs.phase
             if patch:
                 # a job written anyway gets its submit time and phase with it
-                state.patches[key] = {**self._initial_status(obj), **patch}
+                state.patches[key] = {**job_status.initial_status(obj), **patch}
             elif not obs.phase.finished:
-                state.initial[key] = self._initial_status(obj)
+                state.initial[key] = job_status.initial_status(obj)
         self._decoded = decoded  # jobs gone from the cache are forgotten
         billed = {str(ns) for quota in self.informers.objects(QUOTAS)
                   for ns in (quota.get("spec") or {}).get("namespaces") or ()}
@@ -520,34 +469,19 @@ class Reconciler:
                 self._check_unschedulable(state, key, obj.get("status") or {},
                                           cached.live_pod, now)
         if patch:
-            state.patches[key] = {**self._initial_status(obj), **patch}
+            state.patches[key] = {**job_status.initial_status(obj), **patch}
         elif not job.phase.finished:
-            state.initial[key] = self._initial_status(obj)
-
-    @staticmethod
-    def _initial_status(obj: Obj) -> Obj:
-        """The submit time and Queued phase a new job shows; written with the job's first
-        other write (its wait reason or its admission), not on its own: a job admitted in
-        the pass that first sees it costs one status write, not two."""
-        status = obj.get("status") or {}
-        out: Obj = {}
-        if not status.get("submitTime"):
-            out["submitTime"] = obj["metadata"].get("creationTimestamp")
-        if not status.get("phase"):
-            out["phase"] = Phase.QUEUED.value
-        return out
+            state.initial[key] = job_status.initial_status(obj)
 
     @staticmethod
     def _observe_hardware(state: PassState, pod: PodView, status: Obj, patch: Obj) -> None:
         """Hardware fingerprint once the pod is on a node; peak memory as it grows."""
         uuids = [g.uuid for g in pod.assignment.gpus] if pod.assignment else []
-        if pod.node and uuids:
-            hardware = hardware_of(pod.node, uuids, state)
-            if hardware is not None and status.get("hardware") != hardware:
-                patch["hardware"] = hardware
-        peak = state.pod_peaks.get((pod.namespace, pod.name))
-        if peak is not None and peak > int(status.get("peakMemoryMiB") or 0):
-            patch["peakMemoryMiB"] = peak
+        hardware = job_status.hardware_fingerprint(
+            state.inventories.get(pod.node), state.node_software.get(pod.node, ("", "")),
+            uuids) if pod.node and uuids else None
+        patch.update(job_status.hardware_facts(
+            status, hardware, state.pod_peaks.get((pod.namespace, pod.name))))
 
     def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
         quotas: dict[str, ProjectQuota] = {}
@@ -812,7 +746,7 @@ class Reconciler:
         for key, status, note in state.unschedulable:
             obj = state.objects[key]
             state.patches.setdefault(key, {}).update(status)
-            self._announce(obj, UNSCHEDULABLE, note, "Warning", "Requeue")
+            self._announce(obj, job_status.JobEvent(UNSCHEDULABLE, note, "Warning", "Requeue"))
             self._flush_one(state, key)
             job = next((j for j in state.jobs if j.key == key), None)
             if job is not None:
@@ -881,8 +815,8 @@ class Reconciler:
         waiting = {w.job_key for w in result.waits}
         for key in [k for k in self._wait_written if k not in waiting]:
             del self._wait_written[key]
-        self._refresh_s = max(self.config.wait_refresh_s,
-                              len(waiting) / max(1e-9, self.config.wait_refresh_per_s))
+        self._refresh_s = job_status.wait_refresh_s(len(waiting), self.config.wait_refresh_s,
+                                                    self.config.wait_refresh_per_s)
         for wait in result.waits:
             self._record_wait(state, wait, now)
 
@@ -915,30 +849,21 @@ class Reconciler:
     def _preempt(self, state: PassState, jobs: Mapping[str, Job], preemption: Preemption) -> None:
         victim = jobs[preemption.victim_key]
         obj = state.objects[victim.key]
-        patch = state.patches.setdefault(victim.key, {})
-        patch.update(phase=Phase.PREEMPTED.value, preemptingAttempt=victim.attempts,
-                     reason=f"Preempted{preemption.cause.value}",
-                     message=preemption.message)
-        self._announce(obj, "Preempted", preemption.message, "Warning", "Preempt")
-        self._announce(state.objects[preemption.preemptor_key], "Preempting",
-                        f"preempting {victim.key} on {preemption.node}", "Normal", "Preempt")
+        patch, on_victim, on_preemptor = job_status.preempted(victim.attempts, preemption)
+        state.patches.setdefault(victim.key, {}).update(patch)
+        self._announce(obj, on_victim)
+        self._announce(state.objects[preemption.preemptor_key], on_preemptor)
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
         self._flush_one(state, victim.key)  # record intent before the pod goes
         self._stop_attempt(state, victim, preemption.grace_s)
 
     def _expire(self, state: PassState, job: Job, expiry: Expiry, now: float) -> None:
         obj = state.objects[job.key]
-        note = (f"ran {expiry.ran_s:.0f}s, over its maxDuration of "
-                f"{expiry.max_duration_s:.0f}s; stopped")
-        history = [dict(r, end=r.get("end") or format_time(now),
-                        outcome=r.get("outcome") or "MaxDurationExceeded")
-                   for r in (state.patches.get(job.key, {}).get("history")
-                             or (obj.get("status") or {}).get("history") or [])]
-        state.patches.setdefault(job.key, {}).update(
-            phase=Phase.FAILED.value, reason="MaxDurationExceeded", message=note,
-            completionTime=format_time(now), history=history,
-            gpuHours=round(history_gpu_hours(history, now), 6))
-        self._announce(obj, "MaxDurationExceeded", note, "Warning", "Stop")
+        patch, event = job_status.expired(state.patches.get(job.key, {}).get("history")
+                                          or (obj.get("status") or {}).get("history") or [],
+                                          expiry, now)
+        state.patches.setdefault(job.key, {}).update(patch)
+        self._announce(obj, event)
         self._flush_one(state, job.key)
         self._stop_attempt(state, job, expiry.grace_s)
 
@@ -961,51 +886,23 @@ class Reconciler:
             log.info("%s: no pod of attempt %d to stop", job.key, job.attempts)
 
     def _record_wait(self, state: PassState, wait: Wait, now: float) -> None:
+        """Carry out `job_status.wait_update`: the wait written now if urgent, with another
+        write of the job, or once its refresh period passed."""
         obj = state.objects[wait.job_key]
-        status = obj.get("status") or {}
-        # the queue estimates the admission as if every admission it decided happened now;
-        # the admissions left for later passes take their time, then the pod its own to run
-        backlog = round(self._backlog_s / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
-        delay = round(self._start_delay / ESTIMATE_ROUNDING_S) * ESTIMATE_ROUNDING_S
-        def shown(epoch: float | None) -> str | None:
-            if epoch is None:
-                return None
-            step = estimate_step(epoch + backlog + delay - now)
-            return format_time(round((epoch + backlog + delay) / step) * step)
-
-        estimate = shown(wait.estimated_start)
-        message = wait.message
-        if estimate is not None and backlog > 0:
-            message += f" (+{backlog:.0f}s to carry out the admissions decided before it)"
-        if estimate is not None and delay > 0:
-            message += f" (+{delay:.0f}s from admission to a running pod, recent median)"
-        fields = {"reason": wait.reason.value, "message": message,
-                  "queuePosition": wait.position or None, "estimatedStart": estimate,
-                  "estimatedStartEarliest": shown(wait.estimated_start_low),
-                  "estimatedStartLatest": shown(wait.estimated_start_high)}
-        if estimate is not None and not status.get("firstEstimatedStart"):
-            fields["firstEstimatedStart"] = estimate  # what the estimate ranges learn from
-            if fields["estimatedStartEarliest"] and fields["estimatedStartLatest"]:
-                # the range shown with it, to score (carpool_eta_first_range_total)
-                fields["firstEstimatedStartEarliest"] = fields["estimatedStartEarliest"]
-                fields["firstEstimatedStartLatest"] = fields["estimatedStartLatest"]
-            # what the class calibration learns from (eta.calibrated_start)
-            fields["firstSimulatedStart"] = shown(wait.simulated_start)
-        changed = _changes(status, fields)  # (no first estimate once the job has started)
-        if not changed:
+        update = job_status.wait_update(obj.get("status") or {}, wait, now, self._backlog_s,
+                                        self._start_delay, self.config.estimate_jump_s)
+        if update is None:
             return
         clock = time.monotonic()
-        urgent = (state.patches.get(wait.job_key)
-                  or wait_change_is_urgent(status, fields, now, self.config.estimate_jump_s))
-        if not urgent and clock - self._wait_written.get(wait.job_key, -math.inf) \
-                < self._refresh_s:
+        since = clock - self._wait_written.get(wait.job_key, -math.inf)
+        if not job_status.write_wait_now(update, bool(state.patches.get(wait.job_key)), since,
+                                         self._refresh_s):
             return  # only the position, message or a small estimate shift: later
         self._wait_written[wait.job_key] = clock
         state.patches.setdefault(wait.job_key, {}).update(
-            state.initial.pop(wait.job_key, {}), **changed)
-        if status.get("reason") != wait.reason.value:
-            self._announce(obj, wait.reason.value, wait.message,
-                           "Warning" if wait.reason.refused else "Normal", "Queue", wait=True)
+            state.initial.pop(wait.job_key, {}), **update.patch)
+        if update.event is not None:
+            self._announce(obj, update.event)
 
     def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
         obj = state.objects[job.key]
@@ -1018,13 +915,11 @@ class Reconciler:
             created, stored = self.kube.create_pod(pod)
         except (ValueError, BadRequest, Forbidden, Invalid) as err:
             # (other API errors are transient: API down, throttled; the next pass tries again)
-            reason = err.message if isinstance(err, ApiError) else str(err)
-            message = f"the pod for attempt {admission.attempt} was refused: {reason}"
-            state.patches.setdefault(job.key, {}).update(
-                state.initial.pop(job.key, {}),
-                phase=Phase.FAILED.value, reason="PodRejected", message=message,
-                completionTime=format_time(now))
-            self._announce(obj, "PodRejected", message, "Warning", "Admit")
+            rejected, event = job_status.pod_rejected(
+                admission.attempt, err.message if isinstance(err, ApiError) else str(err), now)
+            state.patches.setdefault(job.key, {}).update(state.initial.pop(job.key, {}),
+                                                          **rejected)
+            self._announce(obj, event)
             return
         stored_meta = (stored or {}).get("metadata") or {}
         identity = PodIdentity(str(stored_meta.get("namespace", "")),
@@ -1032,47 +927,29 @@ class Reconciler:
                                gpujob_owner(stored_meta.get("ownerReferences")))
         if not created and not controls(job_identity(obj), identity):
             # the name is taken by a pod this job does not control: never take it for ours
-            note = (f"cannot create pod {pod['metadata']['name']} for attempt "
-                    f"{admission.attempt}: a pod of that name exists that this GpuJob does not "
-                    f"control; delete it to let the job start")
-            self._announce(obj, "PodNameTaken", note, "Warning", "Admit", derived=True)
+            self._announce(obj, job_status.pod_name_taken(pod["metadata"]["name"],
+                                                          admission.attempt))
             return
-        inventory = state.inventories.get(admission.node)
-        resume = checkpointing.resume_point(obj.get("status") or {})
+        gpus = job_status.grants_to_status(admission.grants,
+                                           state.inventories.get(admission.node))
         patch = state.patches.setdefault(job.key, {})
         patch.update(state.initial.pop(job.key, {}))
-        patch.update(phase=Phase.ADMITTED.value, attempts=admission.attempt,
-                     node=admission.node, gpus=grants_to_status(admission.grants, inventory),
-                     borrowed=admission.borrowed, admitTime=format_time(now),
-                     podName=pod["metadata"]["name"], podUID=identity.uid,
-                     reason="Admitted",
-                     message=admission.message, queuePosition=None, estimatedStart=None,
-                     estimatedStartEarliest=None, estimatedStartLatest=None,
-                     preemptingAttempt=None,
-                     resumedProgress=(resume or ("", 0.0))[1])
+        patch.update(job_status.admitted(obj.get("status") or {}, admission, gpus,
+                                         pod["metadata"]["name"], identity.uid, now))
         if created:
-            self._announce(obj, "Admitted", admission.message, "Normal", "Admit")
+            self._announce(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
+                                                    "Admit"))
             cls = job.job_class.label
             metrics.ADMISSIONS.labels(job.project, cls).inc()
             metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
 
-    def _announce(self, obj: Obj, reason: str, note: str, type_: str = "Normal",
-                  action: str = "Reconcile", derived: bool = False, wait: bool = False) -> None:
-        """Record an Event on a job, once per change: a job's status write can still be on
-        its way when the next pass reads the job, and that pass derives the same change again.
-        A change `derived` from the job's pods (Started, Requeued, ...: its note names the
-        attempt) is recorded once; a `wait` reason once until the job's next other Event
-        (its numbers move every pass); a decision carried out (Admitted, Preempted, ...)
-        each time."""
+    def _announce(self, obj: Obj, event: job_status.JobEvent) -> None:
+        """Record an Event on a job, once per change (`job_status.RecordedEvents`)."""
         uid = str(obj["metadata"].get("uid", ""))
         with self._told_lock:
-            told = self._told.setdefault(uid, _Told())
-            if (derived and (reason, note) in told.derived) or (wait and told.waiting == reason):
+            if not self._told.setdefault(uid, job_status.RecordedEvents()).admit(event):
                 return
-            if derived:
-                told.derived.add((reason, note))
-            told.waiting = reason if wait else None
-        self.kube.event(obj, reason, note, type_, action)
+        self.kube.event(obj, event.reason, event.note, event.type, event.action)
 
     def _flush_one(self, state: PassState, key: str, background: bool = False) -> None:
         patch = state.patches.pop(key, None)
@@ -1095,10 +972,7 @@ class Reconciler:
         obj = state.objects.get(key)
         current = (obj or {}).get("status") or {}
         # only what changes: most running jobs' derived status equals what they show
-        patch = _changes(current, patch)
-        conditions = job_conditions({**current, **patch}, time.time())
-        if conditions is not None:
-            patch["conditions"] = conditions
+        patch = job_status.status_write(current, patch, time.time())
         if not patch:
             return
         namespace, name = key.split("/", 1)
@@ -1119,7 +993,8 @@ class Reconciler:
         requeued job keeps it), except when a pass reads the job before its own write shows
         and derives it again: the job's uid counts once."""
         with self._told_lock:
-            told = self._told.setdefault(str(obj["metadata"].get("uid", "")), _Told())
+            told = self._told.setdefault(str(obj["metadata"].get("uid", "")),
+                                         job_status.RecordedEvents())
             if told.first_start_counted:
                 return
             told.first_start_counted = True
@@ -1163,19 +1038,8 @@ class Reconciler:
             obj = objects.get(project.project)
             if obj is None:
                 continue
-            status: Obj = {
-                "usedGpuHours": round(project.used_gpu_hours, 4),
-                "remainingGpuHours": (round(project.remaining_gpu_hours, 4)
-                                      if project.remaining_gpu_hours is not None else None),
-                "periodStart": format_time(project.period_start),
-                "running": {"gpus": round(project.running_gpus, 4), "jobs": project.running_jobs},
-                "borrowed": {"gpus": round(project.borrowed_gpus, 4)},
-                "pending": project.pending_jobs,
-                "memoryEfficiency": (round(project.memory_efficiency, 4)
-                                     if project.memory_efficiency is not None else None),
-            }
-            current = obj.get("status") or {}
-            if any(current.get(k) != v for k, v in status.items()):
+            status = job_status.quota_status(project)
+            if job_status.quota_status_changes(obj.get("status") or {}, status):
                 self.kube.patch_quota_status(project.project, status)
 
     def _record_metrics(self, state: PassState, result: CycleResult) -> None:
@@ -1193,30 +1057,6 @@ class Reconciler:
             metrics.RUNNING_GPUS.labels(project.project).set(project.running_gpus)
             if project.remaining_gpu_hours is not None:
                 metrics.BUDGET_REMAINING.labels(project.project).set(project.remaining_gpu_hours)
-
-
-# written once, each group whole once its first field is there: when the job was submitted,
-# and its first estimate with what came with it (a pass that read the job before that write
-# showed would derive them again, from a later estimate that may come with a range)
-FIRST_ESTIMATE = frozenset({"firstEstimatedStart", "firstSimulatedStart",
-                            "firstEstimatedStartEarliest", "firstEstimatedStartLatest"})
-WRITE_ONCE = {"submitTime": frozenset({"submitTime"}), "firstEstimatedStart": FIRST_ESTIMATE}
-
-
-def _changes(current: Obj, patch: Obj) -> Obj:
-    """The fields of `patch` that change `current` (an absent field equals null and, for
-    the history of a pod not started yet, an empty list), but for `WRITE_ONCE` groups
-    `current` already has, and for a first estimate once the job has started: it is the
-    estimate shown before the first start, what the ranges, the class calibration and the
-    `carpool_eta_*` scores compare that start with. A job requeued after its first run
-    (preempted before it was ever estimated) is shown estimates, never a first one."""
-    written = frozenset().union(*(group for first, group in WRITE_ONCE.items()
-                                  if current.get(first)))
-    if current.get("startTime"):
-        written |= FIRST_ESTIMATE
-    return {k: v for k, v in patch.items()
-            if current.get(k) != v and not (v == [] and current.get(k) is None)
-            and k not in written}
 
 
 def quota_of_namespace(quotas: Mapping[str, ProjectQuota], namespace: str
@@ -1252,40 +1092,6 @@ def orphan_key(pod: PodView) -> str:
 
 def _pod_name_of(job: Job) -> str:
     return pod_name(job.name, job.attempts)
-
-
-def wait_change_is_urgent(status: Obj, fields: Mapping[str, Any], now: float,
-                          jump_s: float) -> bool:
-    """Whether a waiting job's new wait `fields` must be written now rather than at its next
-    refresh: its reason changed, it became due or stopped being due (`queueing.DUE_NOTE`: it
-    now ranks ahead of work that passed it), its estimate came, went or moved by more than
-    `jump_s`, its range came or went, or the range's end moved by more than `jump_s` and
-    `RANGE_JUMP` of the time until it (what the user plans by; a position or message alone
-    can wait)."""
-    estimate, latest = fields.get("estimatedStart"), fields.get("estimatedStartLatest")
-    before, latest_before = status.get("estimatedStart"), status.get("estimatedStartLatest")
-    return (status.get("reason") != fields.get("reason")
-            or (DUE_NOTE in (status.get("message") or ""))
-            != (DUE_NOTE in (fields.get("message") or ""))
-            or (before is None) != (estimate is None)
-            or _moved(before, estimate, jump_s)
-            or (latest_before is None) != (latest is None)
-            or _moved(latest_before, latest,
-                      max(jump_s, RANGE_JUMP * _until(latest_before, now))))
-
-
-def _until(when: str | None, now: float) -> float:
-    """Seconds from now until a written time (0 if absent or past)."""
-    epoch = parse_time(when) if when else None
-    return max(0.0, epoch - now) if epoch is not None else 0.0
-
-
-def _moved(before: str | None, after: str | None, jump_s: float) -> bool:
-    """True if an estimated start moved by more than `jump_s` seconds."""
-    if before is None or after is None:
-        return False
-    old, new = parse_time(before), parse_time(after)
-    return old is not None and new is not None and abs(new - old) > jump_s
 
 
 def _detached(job: Job) -> Job:

@@ -22,8 +22,8 @@ import yaml
 
 from carpool.core import names
 from carpool.core.durations import format_duration
+from carpool.core.job_status import ESTIMATE_PRECISION, ESTIMATE_STEPS_S
 from carpool.core.timestamps import epoch_of
-from carpool.operator.reconciler import ESTIMATE_PRECISION, ESTIMATE_STEPS_S
 from carpool_testbed import devcluster, simnodes, stack
 
 NODES: dict[str, Any] = {"sharesPerGpu": 8, "nodes": [

@@ -46,6 +46,10 @@ class FakeKube:
             self.api.writes += 1
             return str(self.version)
 
+    def written_versions(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.written)
+
     def ensure_priority_class(self) -> None:
         pass
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.operator.reconciler import ReconcilerConfig, estimate_step
+from carpool.operator.reconciler import ReconcilerConfig
 
 
 def test_defaults_look_an_hour_back_at_arrivals() -> None:
@@ -27,12 +27,6 @@ def test_the_environment_sets_the_arrival_window_and_the_aging_step() -> None:
                                                 "CARPOOL_AGING_STEP_S": "1800"})
     assert config.admission.arrival_window_s == 120.0
     assert config.admission.aging_step_s == 1800.0
-
-
-def test_estimates_are_rounded_finer_the_nearer_they_are() -> None:
-    # the coarsest of 1, 2, 5 and 10 s within 5 % of the time until the estimate
-    assert [estimate_step(s) for s in (0, 30, 39.9, 40, 99, 100, 199, 200, 86400)] == [
-        1, 1, 1, 2, 2, 5, 5, 10, 10]
 
 
 def test_the_unschedulable_timeout_is_ten_minutes_unless_set() -> None:
