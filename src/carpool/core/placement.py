@@ -88,6 +88,10 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     if gpu.exclusive_process and request.isolation in (Isolation.TIMESLICE, Isolation.EXCLUSIVE):
         return (f"GPU {gpu.index} runs MPS clients only (compute mode EXCLUSIVE_PROCESS), job "
                 f"wants {request.isolation.value}")
+    if gpu.mig_instances and request.isolation is not Isolation.MIG:
+        # in MIG mode a GPU runs work only inside its instances: CUDA sees no whole GPU
+        return (f"GPU {gpu.index} is partitioned into MIG instances, job wants "
+                f"{request.isolation.value}")
     if request.isolation is Isolation.EXCLUSIVE:
         if gpu.memory_total_mib < request.memory_mib:
             return (f"GPU {gpu.index} has {gpu.memory_total_mib // 1024} GiB, "

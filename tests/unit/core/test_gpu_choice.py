@@ -208,3 +208,26 @@ def test_a_node_short_of_the_pods_cpu_stays_usable_ranked_last() -> None:
     roomy = choose_gpus(dataclasses.replace(state, cpu_used_milli=0),
                         RequestScorer(request, Scorer(), cpu_milli=4_000))
     assert not isinstance(roomy, NoFit) and roomy[0] > 0
+
+
+def test_a_gpu_partitioned_into_mig_instances_takes_only_mig_jobs() -> None:
+    mig = (MigInstance("MIG-0-0", "3g.40gb", 3, 40 * GIB),)
+    inventory = NodeInventory("n", (Gpu(0, "g0", "A100", 80 * GIB, mig_instances=mig),
+                                    Gpu(1, "g1", "A100", 80 * GIB)),
+                              sharing=frozenset(Isolation))
+    node = NodeState(inventory, ())
+    for isolation in (Isolation.EXCLUSIVE, Isolation.MPS, Isolation.TIMESLICE):
+        request = GpuRequest(count=1, memory_mib=10 * GIB, cores_pct=30, isolation=isolation)
+        (free_mig, whole) = node.free()
+        assert gpu_rejection(free_mig, request) == (
+            f"GPU 0 is partitioned into MIG instances, job wants {isolation.value}")
+        assert gpu_rejection(whole, request) is None
+        assert node_rejection(dataclasses.replace(node), dataclasses.replace(
+            request, count=2)) is not None
+        chosen = choose_gpus(DerivedState.of(node), scorer_for(request, CARPOOL, 0))
+        assert not isinstance(chosen, NoFit)
+        _, indices = chosen
+        assert [g.gpu_uuid for g in grants_for(DerivedState.of(node), request,
+                                               indices)] == ["g1"]
+    request = GpuRequest(count=1, memory_mib=10 * GIB, isolation=Isolation.MIG, mig_slices=1)
+    assert gpu_rejection(node.free()[0], request) is None
