@@ -8,7 +8,7 @@ request gets is `gpu_choice.choose_gpus`; which MIG instance of a chosen GPU, `g
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
 
@@ -125,6 +125,20 @@ def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
         return None
     shown = sorted({r for r in verdicts if r is not None})[:3]
     return f"{usable} of {request.count} GPUs fit; " + "; ".join(shown)
+
+
+def rejection_by_conditions(inventory: NodeInventory, request: GpuRequest) -> str | None:
+    """Why the empty node cannot take `request` for a passing condition (not ready, GPUs hot,
+    unhealthy or cordoned) where it could with every GPU well; None when it can take it now,
+    or could not even then (the request is too large for it)."""
+    empty = NodeState(inventory, ())
+    reason = node_rejection(empty, request)
+    if reason is None:
+        return None
+    well = replace(inventory, ready=True, gpus=tuple(
+        replace(g, healthy=True, cordoned=False, temperature_c=min(g.temperature_c, 0.0))
+        for g in inventory.gpus))
+    return reason if node_rejection(NodeState(well, ()), request) is None else None
 
 
 def gpu_verdicts(node: NodeState, request: GpuRequest) -> str | list[str | None]:

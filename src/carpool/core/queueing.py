@@ -79,7 +79,7 @@ from carpool.core.fairshare import (
 )
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
-from carpool.core.placement import NodeState
+from carpool.core.placement import NodeState, rejection_by_conditions
 from carpool.core.preemption import (
     MIN_LEAVING_S,
     Candidate,
@@ -324,6 +324,8 @@ class _Cycle:
     running_spans: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
     now_fail: dict[GpuRequest, float] = field(default_factory=dict)
     raw_fail: set[GpuRequest] = field(default_factory=set)
+    # request -> (node, why) where only a passing condition keeps it out (`_never_fits`)
+    held_back: dict[GpuRequest, list[tuple[str, str]]] = field(default_factory=dict)
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
@@ -749,6 +751,18 @@ class _Walk:
                        position)
             return True
         if not cycle.timeline.fits_anywhere_ever(request):
+            passing = cycle.held_back.get(request)
+            if passing is None:
+                passing = cycle.held_back[request] = sorted(
+                    (name, why) for name, node in cycle.snapshot.nodes.items()
+                    if (why := rejection_by_conditions(node.inventory, request)))
+            if passing:  # a node could hold it but for a hot, sick or cordoned GPU
+                shown = "; ".join(f"{name}: {why}" for name, why in passing[:3])
+                self._wait(job, WaitReason.CAPACITY,
+                           f"no node can take {request.count} GPU(s) of "
+                           f"{request.memory_mib // 1024} GiB ({request.isolation.value}) while "
+                           f"its GPUs are as they are now ({shown})", position)
+                return True
             self._wait(job, WaitReason.TOO_LARGE,
                        f"no node could hold {request.count} GPU(s) of "
                        f"{request.memory_mib // 1024} GiB ({request.isolation.value}) even if "

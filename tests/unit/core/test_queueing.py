@@ -274,6 +274,21 @@ def test_no_matching_model_and_too_large() -> None:
     assert huge is not None and huge.reason is WaitReason.TOO_LARGE
 
 
+def test_a_job_kept_out_only_by_a_hot_gpu_waits_for_capacity_saying_why() -> None:
+    """Too large is for a job no node could hold even empty and well; one that a node could
+    hold once its hot GPU cools waits for capacity, naming the GPU."""
+    warm = node("n1", gpus=4)
+    gpus = list(warm.inventory.gpus)
+    gpus[2] = replace(gpus[2], temperature_c=gpus[2].slowdown_temp_c)
+    hot = NodeState(replace(warm.inventory, gpus=tuple(gpus)))
+    result = cycle([job("a/four", count=4), job("a/eight", count=8)], nodes=[hot])
+    four = result.wait_for("a/four")
+    assert four is not None and four.reason is WaitReason.CAPACITY
+    assert "while its GPUs are as they are now (n1: 3 of 4 GPUs fit; GPU 2 is at" in four.message
+    eight = result.wait_for("a/eight")
+    assert eight is not None and eight.reason is WaitReason.TOO_LARGE
+
+
 def test_model_constraint_picks_the_matching_node() -> None:
     nodes = [node("h", model="H100"), node("a", model="A100")]
     result = cycle([job("a/j", models=frozenset({"A100"}))], nodes=nodes)
