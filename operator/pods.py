@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,21 +215,6 @@ class PlatformPodSettings:
     # None: the template's user.
     mps_uid: int | None = None
     mps_gid: int | None = None
-
-    @classmethod
-    def from_environment(cls, env: Mapping[str, str]) -> PlatformPodSettings:
-        """CARPOOL_JOB_RUNTIME_CLASS, CARPOOL_MPS_CLIENT_UID, CARPOOL_MPS_CLIENT_GID."""
-        ids: dict[str, int | None] = {}
-        for name in ("CARPOOL_MPS_CLIENT_UID", "CARPOOL_MPS_CLIENT_GID"):
-            text = env.get(name, "").strip()
-            if not text:
-                ids[name] = None
-                continue
-            if not text.isdigit() or int(text) == 0:
-                raise ValueError(f"{name} must be a user or group ID above 0, got {text!r}")
-            ids[name] = int(text)
-        return cls(env.get("CARPOOL_JOB_RUNTIME_CLASS", "").strip(),
-                   ids["CARPOOL_MPS_CLIENT_UID"], ids["CARPOOL_MPS_CLIENT_GID"])
 
 
 def apply_platform_settings(pod: dict[str, Any], isolation: Isolation,

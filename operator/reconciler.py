@@ -73,6 +73,7 @@ from carpool.operator.pods import (
     build_pod,
     pod_name,
 )
+from carpool.operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
@@ -123,46 +124,24 @@ class ReconcilerConfig:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> ReconcilerConfig:
+        """The reconciler's part of the operator's settings (`operator.settings`)."""
+        return cls.from_settings(OperatorSettings.from_environment(env))
+
+    @classmethod
+    def from_settings(cls, settings: OperatorSettings) -> ReconcilerConfig:
         return cls(AdmissionConfig(
-            fair_share_half_life_s=float(env.get("CARPOOL_FAIR_SHARE_HALF_LIFE_S", 7 * 86400)),
-            aging_step_s=float(env.get("CARPOOL_AGING_STEP_S", 3600)),
-            arrival_window_s=float(env.get("CARPOOL_ARRIVAL_WINDOW_S", 3600)),
-            keep_promises=_switch(env, "CARPOOL_KEEP_PROMISES", True),
-        ), write_workers=int(env.get("CARPOOL_WRITE_WORKERS", "16")),
-            wait_refresh_s=float(env.get("CARPOOL_WAIT_REFRESH_S", "60")),
-            max_admissions_per_pass=int(env.get("CARPOOL_MAX_ADMISSIONS_PER_PASS", "0")),
-            admission_budget_s=float(env.get("CARPOOL_ADMISSION_BUDGET_S", "10")),
-            admission_budget_max_s=float(env.get("CARPOOL_ADMISSION_BUDGET_MAX_S", "60")),
-            platform=PlatformPodSettings.from_environment(env),
-            unschedulable_timeout_s=_seconds(env, "CARPOOL_UNSCHEDULABLE_TIMEOUT_S", 600.0))
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    """A duration setting in seconds (0 or more); anything else stops the operator with the
-    variable's name."""
-    text = env.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, not {text!r}") from None
-    if not value >= 0 or math.isinf(value):
-        raise ValueError(f"{name} must be 0 or more seconds, not {text!r}")
-    return value
-
-
-def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """An on/off setting: true or false (1 or 0); anything else stops the operator with the
-    variable's name, rather than guessing."""
-    value = env.get(name)
-    if value is None:
-        return default
-    if value.strip().lower() in ("true", "1"):
-        return True
-    if value.strip().lower() in ("false", "0"):
-        return False
-    raise ValueError(f"{name} must be true or false, not {value!r}")
+            fair_share_half_life_s=settings.fair_share_half_life_s,
+            aging_step_s=settings.aging_step_s,
+            arrival_window_s=settings.arrival_window_s,
+            keep_promises=settings.keep_promises,
+        ), write_workers=settings.write_workers,
+            wait_refresh_s=settings.wait_refresh_s,
+            max_admissions_per_pass=settings.max_admissions_per_pass,
+            admission_budget_s=settings.admission_budget_s,
+            admission_budget_max_s=settings.admission_budget_max_s,
+            platform=PlatformPodSettings(settings.job_runtime_class, settings.mps_client_uid,
+                                         settings.mps_client_gid),
+            unschedulable_timeout_s=settings.unschedulable_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from carpool.kube.leases import LeaderElector, LeaseConfig
 from carpool.operator.informer import Informers
 from carpool.operator.kube import Kube
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
+from carpool.operator.settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,15 @@ class OperatorRuntime:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> OperatorRuntime:
+        settings = OperatorSettings.from_environment(env)  # a bad value stops it here
+        logging.getLogger("carpool").setLevel(settings.log_level)
         # write workers + events + lease + watches share one pool
-        api = Api.load(env.get("CARPOOL_KUBECONFIG") or env.get("KUBECONFIG"), pool_size=64,
+        api = Api.load(settings.kubeconfig or None, pool_size=64,
                        user_agent="carpool-operator")
-        runtime = RuntimeConfig(
-            namespace=env.get("CARPOOL_NAMESPACE", "default"),
-            resync_seconds=float(env.get("CARPOOL_RESYNC_SECONDS", "5")),
-            metrics_port=int(env.get("CARPOOL_METRICS_PORT", "0")),
-        )
-        return cls(api, runtime, ReconcilerConfig.from_environment(env),
-                   env.get("CARPOOL_IDENTITY"))
+        runtime = RuntimeConfig(namespace=settings.namespace, resync_seconds=settings.resync_s,
+                                metrics_port=settings.metrics_port)
+        return cls(api, runtime, ReconcilerConfig.from_settings(settings),
+                   settings.identity or None)
 
     def start(self) -> None:
         limit_malloc_arenas()

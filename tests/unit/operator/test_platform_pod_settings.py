@@ -11,6 +11,7 @@ from carpool.core.decoding import gpu_request_from_spec
 from carpool.core.resources import Isolation
 from carpool.operator.pods import PlatformPodSettings, apply_platform_settings, build_pod
 from carpool.operator.reconciler import ReconcilerConfig
+from carpool.operator.settings import OperatorSettings
 
 SETTINGS = PlatformPodSettings(runtime_class="nvidia", mps_uid=1000, mps_gid=2000)
 
@@ -75,4 +76,4 @@ def test_settings_from_the_environment_name_the_bad_value() -> None:
     assert ReconcilerConfig.from_environment({}).platform == PlatformPodSettings()
     for value in ("0", "-1", "root"):
         with pytest.raises(ValueError, match="CARPOOL_MPS_CLIENT_UID must be a user or group"):
-            PlatformPodSettings.from_environment({"CARPOOL_MPS_CLIENT_UID": value})
+            OperatorSettings.from_environment({"CARPOOL_MPS_CLIENT_UID": value})
