@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import math
 import os
@@ -706,8 +705,8 @@ def table(result: dict[str, Any]) -> str:
 
 def write_doc(path: Path, result: dict[str, Any], command: str, notes: str) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    day = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = (f"{SECTION}\n\nMeasured {day} with `{command}`.\n\n{table(result)}\n\n{notes}\n")
+    machine = f"{os.cpu_count()} CPUs"
+    section = (f"{SECTION}\n\n`{command}` on {machine}.\n\n{table(result)}\n\n{notes}\n")
     if SECTION in text:
         start = text.index(SECTION)
         following = text.find("\n## ", start + len(SECTION))
