@@ -552,17 +552,25 @@ class Explanation:
     findings: tuple[Finding, ...]
 
 
-def _inventories(gpunodes: Iterable[Obj], now: float) -> tuple[list[NodeInventory], list[str]]:
-    """Placement inventories of the GpuNodes, and a note for each one that cannot be read."""
-    inventories, problems = [], []
+def _inventories(gpunodes: Iterable[Obj], now: float
+                 ) -> tuple[list[NodeInventory], list[str], list[str]]:
+    """Placement inventories of the GpuNodes as the operator and the extender read them, the
+    names of those whose heartbeat is stale (their plugin silent for over two minutes: the
+    deciders still place there, on the last numbers it sent), and a note for each GpuNode
+    that cannot be read."""
+    inventories, stale, problems = [], [], []
+    stamp = dt.datetime.fromtimestamp(now, dt.UTC)
     for obj in gpunodes:
         name = str(_meta(obj).get("name", ""))
         try:
-            inventories.append(inventory_from_gpunode(
-                name, _status(obj), {}, now=dt.datetime.fromtimestamp(now, dt.UTC)))
+            inventory = inventory_from_gpunode(name, _status(obj), {})
+            if inventory.ready and not inventory_from_gpunode(name, _status(obj), {},
+                                                              now=stamp).ready:
+                stale.append(name)
+            inventories.append(inventory)
         except ValueError as err:
             problems.append(str(err))
-    return inventories, problems
+    return inventories, stale, problems
 
 
 def _grants_on(inventory: NodeInventory, shares: Mapping[str, list[Share]]) -> tuple[GpuGrant, ...]:
@@ -752,7 +760,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
         findings.append(Finding(Topic.CONSTRAINTS, True, f"the spec cannot be read: {err}"))
         return Explanation(key, phase or "Queued", True, summary, tuple(findings))
 
-    inventories, problems = _inventories(gpunodes, now)
+    inventories, stale, problems = _inventories(gpunodes, now)
     reference = max((g.memory_total_mib for inv in inventories for g in inv.gpus),
                     default=max(GPU_MODEL_MEMORY_MIB.values()))
     fraction = nominal_fraction(request, reference)
@@ -764,10 +772,10 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
         states = [NodeState(inv, _grants_on(inv, shares)) for inv in inventories]
         findings.append(_capacity_finding(request, states))
     findings.extend(_constraint_findings(request, inventories))
-    stale = [inv.name for inv in inventories if not inv.ready]
     if stale:
         findings.append(Finding(Topic.CAPACITY, False,
-                                f"{len(stale)} GPU node(s) have a stale heartbeat and take no "
-                                f"work: {', '.join(sorted(stale)[:5])}"))
+                                f"{len(stale)} GPU node(s) have a stale heartbeat (no report "
+                                f"from their device plugin for over 2 min; placement still "
+                                f"uses their last one): {', '.join(sorted(stale)[:5])}"))
     findings.extend(Finding(Topic.CAPACITY, False, f"unreadable GpuNode: {p}") for p in problems)
     return Explanation(key, phase or "Queued", True, summary, tuple(findings))
