@@ -227,6 +227,12 @@ def _record(history: list[Obj], pod: PodView, fraction: float, now: float,
     return out
 
 
+# A waiting job's fields, cleared once it runs or ends (whatever write of a wait was still
+# on its way when it was admitted)
+NOT_WAITING: dict[str, None] = dict.fromkeys(
+    ("queuePosition", "estimatedStart", "estimatedStartEarliest", "estimatedStartLatest"))
+
+
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             now: float, mig_slices: Mapping[str, int] | None = None,
             pod_gone_at: float | None = None) -> Observation:
@@ -274,7 +280,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
 
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices,
                                    timeslice)
-    gpus = [{"index": g.index, "uuid": g.uuid, "memoryMiB": g.memory_mib, "cores": g.cores_pct}
+    gpus = [{"index": g.index, "uuid": g.uuid, "memoryMiB": g.memory_mib, "cores": g.cores_pct,
+             **({"migInstance": g.mig_instance} if g.mig_instance else {})}
             for g in (current.assignment.gpus if current.assignment is not None else ())]
     if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):
         requeued = _requeue_failed(phase, history, current, not_its_fault, fraction,
@@ -290,7 +297,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         history = _record(history, current, fraction, now,
                           outcome if outcome == "Succeeded" else reason)
         patch = {"phase": new_phase.value, "attempts": attempts, "history": history,
-                 "gpuHours": round(history_gpu_hours(history, now), 6),
+                 "gpuHours": round(history_gpu_hours(history, now), 6), **NOT_WAITING,
                  "completionTime": format_timestamp(current.finished or now),
                  "reason": reason,
                  "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
@@ -321,7 +328,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     if new_phase is Phase.RUNNING and not status.get("startTime") and current.started:
         patch["startTime"] = format_timestamp(current.started)
     if new_phase is Phase.RUNNING and phase is not Phase.RUNNING:
-        patch.update(reason="Running", message=f"running on {current.node}")
+        patch.update(reason="Running", message=f"running on {current.node}", **{
+            k: None for k in NOT_WAITING if status.get(k) is not None})
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
                        f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
     return Observation(new_phase, attempts, patch, tuple(events), current)

@@ -4,6 +4,8 @@ average (`core.timestamps.format_run_time`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from carpool.core.lifecycle import history_gpu_hours, observe
 from carpool.core.timestamps import epoch_seconds, format_run_time
 
@@ -45,3 +47,24 @@ def test_a_pod_seen_deleted_before_the_pass_ends_its_run_when_it_went() -> None:
     # a deletion time before the record's start (another pod's) never makes it negative
     early = observe(job, [], {}, STARTED + 31.0, pod_gone_at=STARTED - 5)
     assert epoch_seconds(early.status["history"][0]["end"]) == STARTED
+
+
+def test_a_job_that_runs_or_ends_shows_no_wait() -> None:
+    from carpool.core.lifecycle import NOT_WAITING, PodView
+
+    waited = {"queuePosition": 3, "estimatedStart": "2027-01-15T08:10:00Z",
+              "estimatedStartEarliest": "2027-01-15T08:05:00Z",
+              "estimatedStartLatest": "2027-01-15T08:20:00Z"}
+    job = {"metadata": {"name": "train", "namespace": "team"},
+           "spec": {"gpu": {"isolation": "mps"}},
+           "status": {"phase": "Admitted", "attempts": 1, **waited}}
+    pod = PodView(name="train-1", namespace="team", attempt=1, phase="Running", node="n1",
+                  assignment=None, started=STARTED, finished=None, deleting=False,
+                  exit_reason="", uid="p1", gpu_pod=True)
+    running = observe(job, [pod], {}, STARTED + 1)
+    assert running.status["phase"] == "Running"
+    assert {k: running.status[k] for k in NOT_WAITING} == NOT_WAITING
+    done = observe({**job, "status": {**job["status"], "phase": "Running"}},
+                   [replace(pod, phase="Succeeded", finished=STARTED + 60)], {}, STARTED + 61)
+    assert done.status["phase"] == "Succeeded"
+    assert {k: done.status[k] for k in NOT_WAITING} == NOT_WAITING
