@@ -5,6 +5,7 @@ average (`core.timestamps.format_run_time`)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from carpool.core.lifecycle import history_gpu_hours, observe
 from carpool.core.timestamps import epoch_seconds, format_run_time
@@ -55,9 +56,9 @@ def test_a_job_that_runs_or_ends_shows_no_wait() -> None:
     waited = {"queuePosition": 3, "estimatedStart": "2027-01-15T08:10:00Z",
               "estimatedStartEarliest": "2027-01-15T08:05:00Z",
               "estimatedStartLatest": "2027-01-15T08:20:00Z"}
-    job = {"metadata": {"name": "train", "namespace": "team"},
-           "spec": {"gpu": {"isolation": "mps"}},
-           "status": {"phase": "Admitted", "attempts": 1, **waited}}
+    job: dict[str, Any] = {"metadata": {"name": "train", "namespace": "team"},
+                           "spec": {"gpu": {"isolation": "mps"}},
+                           "status": {"phase": "Admitted", "attempts": 1, **waited}}
     pod = PodView(name="train-1", namespace="team", attempt=1, phase="Running", node="n1",
                   assignment=None, started=STARTED, finished=None, deleting=False,
                   exit_reason="", uid="p1", gpu_pod=True)
