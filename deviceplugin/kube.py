@@ -4,18 +4,18 @@ Events, through `carpool.kube` (synchronous requests, so calls run in worker thr
 from __future__ import annotations
 
 import asyncio
-import time
+import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
 from carpool.core.names import ANN_ALLOCATED, RESOURCE_GPU
 from carpool.core.ownership import gpujob_owner
-from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.reports import Refused
 from carpool.kube.client import Api
 from carpool.kube.errors import Forbidden, Invalid, NotFound
-from carpool.kube.resources import CORE_EVENTS, GPUJOBS, GPUNODES, PODS
+from carpool.kube.events import event_body, events_path
+from carpool.kube.resources import GPUJOBS, GPUNODES, PODS
 
 COMPONENT = "carpool-device-plugin"
 
@@ -99,15 +99,9 @@ class KubernetesCluster:
             raise Refused(str(err)) from None
 
     async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
-        now = format_timestamp(time.time())
-        event = {
-            "apiVersion": "v1", "kind": "Event",
-            "metadata": {"generateName": f"{pod.name}.", "namespace": pod.namespace},
-            "involvedObject": {"kind": "Pod", "namespace": pod.namespace, "name": pod.name,
-                               "uid": pod.uid},
-            "reason": reason, "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": COMPONENT, "host": self.node},
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
-        await asyncio.to_thread(self.api.create, CORE_EVENTS.path(pod.namespace), event)
+        regarding = {"apiVersion": "v1", "kind": "Pod", "name": pod.name,
+                     "namespace": pod.namespace, "uid": pod.uid}
+        event = event_body(regarding, reason, message, "Warning" if warning else "Normal",
+                           "Watch", "device-plugin", f"{COMPONENT}-{self.node}",
+                           dt.datetime.now(dt.UTC))
+        await asyncio.to_thread(self.api.create, events_path(pod.namespace), event)

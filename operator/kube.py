@@ -13,20 +13,19 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from carpool.core import names
 from carpool.kube.client import MERGE_PATCH, Api
 from carpool.kube.errors import Conflict, Forbidden, NotFound
+from carpool.kube.events import event_body, events_path, reference
+from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import (
-    EVENTS,
     PERSISTENTVOLUMECLAIMS,
     PRIORITY_CLASSES,
     PROJECTQUOTAS,
 )
-from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import PODS as POD_RESOURCE
 
 log = logging.getLogger(__name__)
@@ -154,31 +153,16 @@ class Kube:
         to the object waits in the queue, not the object (a burst queues thousands). Not
         kopf's Event queue: it is reachable only from handlers of objects kopf watches
         (docs/architecture.md)."""
-        meta = regarding.get("metadata", {})
-        reference = {"apiVersion": regarding.get("apiVersion"), "kind": regarding.get("kind"),
-                     "name": meta.get("name"), "namespace": meta.get("namespace"),
-                     "uid": meta.get("uid")}
-        self._event_pool.submit(self._post_event, reference, reason, note, type_, action)
+        self._event_pool.submit(self._post_event, reference(regarding), reason, note, type_,
+                                action)
 
     def _post_event(self, regarding: Obj, reason: str, note: str, type_: str,
                     action: str) -> None:
-        now = dt.datetime.now(dt.UTC)
-        namespace = regarding.get("namespace") or "default"
+        body = event_body(regarding, reason, note, type_, action, self.component, self.component,
+                          dt.datetime.now(dt.UTC))
+        namespace = body["metadata"]["namespace"]
         name = str(regarding.get("name") or "carpool")
-        body: Obj = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"name": f"{name[:200]}.{uuid.uuid4().hex[:16]}",
-                         "namespace": namespace},
-            "eventTime": now.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-            "reportingController": f"{names.GROUP}/{self.component}",
-            "reportingInstance": self.component,
-            "action": action,
-            "reason": reason,
-            "note": note[:1024],
-            "type": type_,
-            "regarding": regarding,
-        }
         try:
-            self.api.create(EVENTS.path(namespace), body)
+            self.api.create(events_path(namespace), body)
         except Exception as err:
             log.warning("event %s on %s not recorded: %s", reason, name, err)

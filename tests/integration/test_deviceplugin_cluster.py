@@ -164,5 +164,5 @@ def test_allocate_finds_the_bound_pod_marks_it_and_publishes_status(
         if events or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert [(e.reason, e.type, e.source.component) for e in events] == [
-        ("GpuMemoryOverGrant", "Warning", "carpool-device-plugin")]
+    assert [(e.reason, e.type, e.reporting_component) for e in events] == [
+        ("GpuMemoryOverGrant", "Warning", "carpool.dev/device-plugin")]

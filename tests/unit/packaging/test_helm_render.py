@@ -139,7 +139,7 @@ def test_device_plugin_rbac_is_its_node_agent_work_only(default: list[Obj]) -> N
         (names.GROUP, "gpunodes/status", "patch"),
         (names.GROUP, "gpujobs/status", "get"),
         (names.GROUP, "gpujobs/status", "patch"),  # jobs' reports; narrowed by a policy
-        ("", "events", "create"), ("", "events", "patch"),
+        ("events.k8s.io", "events", "create"),
     }
 
 
