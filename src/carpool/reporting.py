@@ -19,7 +19,7 @@ from typing import Any
 from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.decoding import gpu_request_from_spec, job_from_object, quota_from_object
-from carpool.core.durations import parse_duration
+from carpool.core.durations import format_duration_roughly, parse_duration
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, inventory_from_gpunode
@@ -46,30 +46,6 @@ _MIB_PER_GIB = 1024
 # --- small readers ------------------------------------------------------------------------
 
 
-def human_duration(seconds: float) -> str:
-    """A short, rounded duration for tables, coarser as it grows: 95s, 7m30s, 42m, 3h20m,
-    20h, 2d6h, 12d."""
-    s = round(abs(seconds))
-    if s < 120:
-        return f"{s}s"
-    if s < 600:
-        minutes, rest = divmod(s, 60)
-        return f"{minutes}m{rest}s" if rest else f"{minutes}m"
-    minutes = round(s / 60)
-    if minutes < 180:
-        return f"{minutes}m"
-    if minutes < 8 * 60:
-        hours, rest = divmod(minutes, 60)
-        return f"{hours}h{rest}m" if rest else f"{hours}h"
-    hours = round(s / 3600)
-    if hours < 48:
-        return f"{hours}h"
-    if hours < 8 * 24:
-        days, rest = divmod(hours, 24)
-        return f"{days}d{rest}h" if rest else f"{days}d"
-    return f"{round(s / 86400)}d"
-
-
 def relative(epoch: float | None, now: float) -> str:
     """'in 12m', '3h ago', 'now'; '-' when unknown."""
     if epoch is None:
@@ -77,7 +53,7 @@ def relative(epoch: float | None, now: float) -> str:
     delta = epoch - now
     if abs(delta) < 1:
         return "now"
-    text = human_duration(delta)
+    text = format_duration_roughly(delta)
     return f"in {text}" if delta > 0 else f"{text} ago"
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from carpool.core import job_traces, queue_replay, simulation
+from carpool.core.durations import format_duration_roughly
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
 
@@ -305,9 +306,7 @@ def _pct(value: object) -> str:
 
 
 def _secs(value: object) -> str:
-    if not isinstance(value, (int, float)):
-        return "-"
-    return f"{value / 3600:.1f}h" if value >= 3600 else f"{value:.0f}s"
+    return format_duration_roughly(value) if isinstance(value, (int, float)) else "-"
 
 
 def format_queue_table(scores: Sequence[dict[str, Any]]) -> str:

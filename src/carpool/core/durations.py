@@ -29,3 +29,27 @@ def format_duration(seconds: float) -> str:
     parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
     text = "".join(f"{n}{u}" for n, u in parts if n)
     return text or "0s"
+
+
+def format_duration_roughly(seconds: float) -> str:
+    """A short duration for tables and messages, coarser as it grows (`format_duration`
+    gives it exactly): 95s, 7m30s, 42m, 3h20m, 20h, 2d6h, 12d."""
+    s = round(abs(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 600:
+        minutes, rest = divmod(s, 60)
+        return f"{minutes}m{rest}s" if rest else f"{minutes}m"
+    minutes = round(s / 60)
+    if minutes < 180:
+        return f"{minutes}m"
+    if minutes < 8 * 60:
+        hours, rest = divmod(minutes, 60)
+        return f"{hours}h{rest}m" if rest else f"{hours}h"
+    hours = round(s / 3600)
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 8 * 24:
+        days, rest = divmod(hours, 24)
+        return f"{days}d{rest}h" if rest else f"{days}d"
+    return f"{round(s / 86400)}d"

@@ -287,10 +287,6 @@ class CycleResult:
 # ---------------------------------------------------------------- helpers
 
 
-def _fmt_time(delta_s: float) -> str:
-    return format_duration(delta_s)
-
-
 def _memory_of(request: GpuRequest, grants: tuple[GpuGrant, ...], reference_mib: int) -> int:
     if grants:
         return sum(g.memory_mib for g in grants)
@@ -606,7 +602,7 @@ def _told(wait: Wait, now: float, after: str | None) -> Wait:
         return wait
     told = wait.message
     if wait.estimated_start is not None:
-        told += f"; estimated start in {_fmt_time(wait.estimated_start - now)}"
+        told += f"; estimated start in {format_duration(wait.estimated_start - now)}"
     return replace(wait, message=told + after)
 
 
@@ -816,7 +812,8 @@ class _Walk:
                            verdict.message + "; more than a whole period's budget",
                            not_before, estimable=False)
         return _Parked(WaitReason.BUDGET,
-                       f"{verdict.message}; the budget refills in {_fmt_time(not_before - now)}",
+                       f"{verdict.message}; the budget refills in "
+                       f"{format_duration(not_before - now)}",
                        not_before)
 
     def _over_quota(self, job: Job, position: int, verdict: Verdict, fraction: float,
@@ -875,7 +872,7 @@ class _Walk:
         victims = ", ".join(p.victim_key for p in preempted)
         self._wait(job, WaitReason.PREEMPTING,
                    f"preempting {victims}{' ' + why if why else ''}; starts when they leave "
-                   f"in about {_fmt_time(start - now)}", position, start)
+                   f"in about {format_duration(start - now)}", position, start)
         self.reservations += 1
         self.latest_reserved = max(self.latest_reserved, start)
 
@@ -899,7 +896,7 @@ class _Walk:
             reason = WaitReason.REQUEUE_BACKOFF
             message = (f"its last attempt failed through no fault of its own (a node refused "
                        f"or disrupted its pod); next attempt in "
-                       f"{_fmt_time(job.not_before - now)}"
+                       f"{format_duration(job.not_before - now)}"
                        + (f"; {parked.message}" if limits else ""))
         self._wait(job, reason, message, position, estimate, coarse, simulated=True,
                    after_estimate=after, held_by=parked.reason)

@@ -9,8 +9,9 @@ import pytest
 
 from carpool import reporting
 from carpool.core import names
+from carpool.core.durations import format_duration_roughly
 from carpool.core.timestamps import format_timestamp as format_time
-from carpool.reporting import human_duration, parse_since, relative
+from carpool.reporting import parse_since, relative
 
 NOW = 1_800_000_000.0
 
@@ -20,8 +21,8 @@ NOW = 1_800_000_000.0
     (600, "10m"), (2550, "42m"), (3 * 3600, "3h"), (3 * 3600 + 1200, "3h20m"),
     (8 * 3600, "8h"), (20 * 3600 + 1700, "20h"), (54 * 3600, "2d6h"), (12 * 86400, "12d"),
 ])
-def test_human_duration(seconds: float, text: str) -> None:
-    assert human_duration(seconds) == text
+def test_format_duration_roughly(seconds: float, text: str) -> None:
+    assert format_duration_roughly(seconds) == text
 
 
 def test_relative() -> None:
