@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +74,9 @@ async def health_step(state: PluginState, wait_s: float) -> bool:
     return True
 
 
+ACTIVITY_STEP_S = 60  # pods' last activity is published to the minute
+
+
 @dataclass
 class Telemetry:
     """Rate-limited GpuNode status publishing, plus per-pod peak memory bookkeeping."""
@@ -83,12 +87,29 @@ class Telemetry:
     thresholds: PublishThresholds = field(default_factory=PublishThresholds)
     monotonic: Callable[[], float] = time.monotonic
     peaks: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    # (namespace, pod, GPU) -> when its processes last used the GPU's SMs, to the next minute
+    # (a reading every few seconds must not rewrite the status each time); None: the
+    # backend does not measure it
+    active: dict[tuple[str, str, str], float] | None = None
     _last: dict[str, Any] | None = None
     _last_at: float = 0.0
 
     def record_usage(self, usage: Mapping[tuple[str, str, str], int]) -> None:
         """Fold in a reading of (namespace, pod, GPU) -> MiB; pods no longer seen are dropped."""
         self.peaks = {k: max(self.peaks.get(k, 0), v) for k, v in usage.items()}
+        if self.active is not None:
+            self.active = {k: v for k, v in self.active.items() if k in self.peaks}
+
+    def record_activity(self, working: Iterable[tuple[str, str, str]] | None,
+                        now: float) -> None:
+        """The (namespace, pod, GPU)s whose processes used the GPU since the last reading
+        (None: the backend cannot tell)."""
+        if working is None:
+            self.active = None
+            return
+        # up to the next minute: rounding may make a pod look busy a little longer, never idle
+        minute = math.ceil(now / ACTIVITY_STEP_S) * ACTIVITY_STEP_S
+        self.active = {**(self.active or {}), **dict.fromkeys(working, minute)}
 
     async def step(self) -> bool:
         state = self.state
@@ -100,7 +121,9 @@ class Telemetry:
             now=datetime.now(UTC),
             unhealthy=state.health.unhealthy,
             datasets=cached_datasets(self.dataset_dir),
-            pod_peaks=[PodPeak(ns, name, gpu, mib) for (ns, name, gpu), mib in self.peaks.items()],
+            pod_peaks=[PodPeak(ns, name, gpu, mib, (self.active or {}).get((ns, name, gpu)))
+                       for (ns, name, gpu), mib in self.peaks.items()],
+            process_activity=self.active is not None,
             shares_per_gpu=state.config.shares_per_gpu,
             mps_ceiling_pct=state.config.mps.ceiling_pct,
             health_reasons={u: state.health.reason(u) for u in state.health.unhealthy},
@@ -160,6 +183,12 @@ class Watchdog:
                 (by_uid[uid].namespace, by_uid[uid].name, gpu): used
                 for (uid, gpu), (used, _) in usage.items() if uid in by_uid
             })
+            activity = await asyncio.to_thread(state.backend.process_activity)
+            self.telemetry.record_activity(
+                None if activity is None else
+                [(pod.namespace, pod.name, a.gpu_uuid) for a in activity
+                 if (uid := pod_of.get(a.pid) or self.pod_of(a.pid)) and (pod := by_uid.get(uid))],
+                time.time())
             state.metrics.observe_peaks(
                 PodPeak(ns, name, gpu, mib) for (ns, name, gpu), mib in self.telemetry.peaks.items()
             )

@@ -33,6 +33,7 @@ class PodPeak:
     name: str
     gpu_uuid: str
     peak_memory_mib: int
+    last_active: float | None = None  # when its processes last used the GPU's SMs (epoch s)
 
 
 def gpu_status(gpu: GpuFacts, healthy: bool, reason: str = "") -> dict[str, Any]:
@@ -72,9 +73,11 @@ def gpunode_status(
     shares_per_gpu: int | None = None,
     health_reasons: Mapping[str, str] | None = None,
     mps_ceiling_pct: int = 100,
+    process_activity: bool = False,
 ) -> dict[str, Any]:
     """The full status object; `unhealthy` holds GPU UUIDs the health tracker has marked,
-    `health_reasons` why (by UUID)."""
+    `health_reasons` why (by UUID); `process_activity` that the backend measures each
+    process's GPU activity (the pods' `lastActiveTime`)."""
     reasons = health_reasons or {}
     status: dict[str, Any] = {
         "driverVersion": driver_version,
@@ -87,11 +90,15 @@ def gpunode_status(
         ],
         "pods": [
             {"namespace": p.namespace, "name": p.name, "gpuUuid": p.gpu_uuid,
-             "peakMemoryMiB": p.peak_memory_mib}
+             "peakMemoryMiB": p.peak_memory_mib,
+             **({"lastActiveTime": format_timestamp(p.last_active)}
+                if p.last_active is not None else {})}
             for p in sorted(pod_peaks, key=lambda p: (p.namespace, p.name, p.gpu_uuid))
         ],
         "heartbeat": format_timestamp(now.timestamp()),
     }
+    if process_activity:
+        status["processActivity"] = True
     if shares_per_gpu is not None:
         status["sharesPerGpu"] = shares_per_gpu
     if mps_ceiling_pct < 100:
@@ -158,8 +165,9 @@ def _structure(status: Mapping[str, Any]) -> object:
         tuple(status["datasets"]),
         tuple((g["uuid"], g["health"], g["memoryTotalMiB"],
                tuple(m["uuid"] for m in g["migInstances"])) for g in status["gpus"]),
-        tuple((p["namespace"], p["name"], p["gpuUuid"], p["peakMemoryMiB"])
-              for p in status["pods"]),
+        tuple((p["namespace"], p["name"], p["gpuUuid"], p["peakMemoryMiB"],
+               p.get("lastActiveTime")) for p in status["pods"]),  # (to the minute)
+        status.get("processActivity"),
     )
 
 

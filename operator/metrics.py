@@ -12,6 +12,10 @@ WAIT_SECONDS = Histogram(
     buckets=(1, 5, 15, 60, 300, 900, 1800, 3600, 4 * 3600, 12 * 3600, 24 * 3600, 7 * 86400))
 ADMISSIONS = Counter("carpool_admissions_total", "GpuJobs admitted", ["project", "job_class"])
 PREEMPTIONS = Counter("carpool_preemptions_total", "GpuJobs preempted", ["project", "cause"])
+JOBS_STOPPED = Counter("carpool_jobs_stopped_total",
+                       "running GpuJobs the operator stopped, by reason (MaxDurationExceeded, "
+                       "IdleTimeout: an interactive session whose GPUs did no work)",
+                       ["project", "reason"])
 STRAYS_STOPPED = Counter("carpool_stray_pods_stopped_total",
                          "GPU pods stopped for being no live GpuJob's current attempt",
                          ["reason"])

@@ -60,6 +60,7 @@ from carpool.core.queueing import (
     admission_cycle,
 )
 from carpool.core.resources import JobClass, NodeInventory, Phase
+from carpool.core.timestamps import epoch_of
 from carpool.kube.client import REQUEST_TIMEOUT
 from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
@@ -209,6 +210,10 @@ class PassState:
     inventories: dict[str, NodeInventory] = field(default_factory=dict)
     node_software: dict[str, tuple[str, str]] = field(default_factory=dict)  # driver, CUDA
     pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
+    # nodes whose device plugin measures per-process GPU activity, and when each pod's
+    # processes last did work on a GPU there: (ns, pod) -> epoch seconds
+    activity_nodes: set[str] = field(default_factory=set)
+    pod_active: dict[tuple[str, str], float] = field(default_factory=dict)
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
     arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read, then as checked
@@ -292,6 +297,8 @@ class Reconciler:
                 continue
             state.node_software[name] = (str(status.get("driverVersion") or ""),
                                          str(status.get("cudaVersion") or ""))
+            if status.get("processActivity") is True:
+                state.activity_nodes.add(name)
             for pod in status.get("pods") or []:
                 try:
                     key = (str(pod["namespace"]), str(pod["name"]))
@@ -299,6 +306,8 @@ class Reconciler:
                 except (KeyError, TypeError, ValueError):
                     continue
                 state.pod_peaks[key] = max(peak, state.pod_peaks.get(key, 0))
+                if (active := epoch_of(pod.get("lastActiveTime"))) is not None:
+                    state.pod_active[key] = max(active, state.pod_active.get(key, active))
 
     def read(self, now: float) -> PassState:
         state = PassState()
@@ -459,8 +468,12 @@ class Reconciler:
         hardware = job_status.hardware_fingerprint(
             state.inventories.get(pod.node), state.node_software.get(pod.node, ("", "")),
             uuids) if pod.node and uuids else None
+        activity = None
+        if pod.node in state.activity_nodes and pod.started is not None:
+            activity = max(pod.started,
+                           state.pod_active.get((pod.namespace, pod.name), pod.started))
         patch.update(job_status.hardware_facts(
-            status, hardware, state.pod_peaks.get((pod.namespace, pod.name))))
+            status, hardware, state.pod_peaks.get((pod.namespace, pod.name)), activity))
 
     def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
         quotas: dict[str, ProjectQuota] = {}
@@ -843,6 +856,7 @@ class Reconciler:
                                           expiry, now)
         state.patches.setdefault(job.key, {}).update(patch)
         self._announce(obj, event)
+        metrics.JOBS_STOPPED.labels(job.project, expiry.reason).inc()
         self._flush_one(state, job.key)
         self._stop_attempt(state, job, expiry.grace_s)
 

@@ -59,6 +59,15 @@ class ProcessMemory:
     used_mib: int
 
 
+@dataclass(frozen=True)
+class ProcessActivity:
+    """A compute process that used one GPU's SMs since the previous reading."""
+
+    pid: int
+    gpu_uuid: str
+    sm_pct: int  # its largest SM utilization sample in that time
+
+
 class HealthEventKind(enum.Enum):
     XID = "xid"  # a driver-reported Xid error
     ECC = "ecc"  # an uncorrectable (double-bit) memory error
@@ -89,6 +98,11 @@ class GpuBackend(Protocol):
 
     def process_memory(self) -> list[ProcessMemory]:
         """GPU memory held by each compute process, across all GPUs."""
+        ...
+
+    def process_activity(self) -> list[ProcessActivity] | None:
+        """The processes that used their GPU's SMs since the last call; None where the
+        driver cannot say (then no pod on the node counts as idle)."""
         ...
 
     def health_events(self, timeout_s: float) -> list[HealthEvent]:

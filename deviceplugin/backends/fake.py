@@ -22,6 +22,7 @@ from carpool.deviceplugin.backends.base import (
     HealthEvent,
     HealthEventKind,
     MigFacts,
+    ProcessActivity,
     ProcessMemory,
 )
 
@@ -68,6 +69,7 @@ class FakeBackend:
         self._driver = driver_version
         self._cuda = cuda_version
         self._processes: list[ProcessMemory] = []
+        self._activity: list[ProcessActivity] | None = None  # None: not measured
         self._events: list[HealthEvent] = []
         self._failing: set[str] = set()
         self._cond = threading.Condition()
@@ -169,6 +171,10 @@ class FakeBackend:
         with self._cond:
             return list(self._processes)
 
+    def process_activity(self) -> list[ProcessActivity] | None:
+        with self._cond:
+            return None if self._activity is None else list(self._activity)
+
     def health_events(self, timeout_s: float) -> list[HealthEvent]:
         with self._cond:
             if not self._events:
@@ -201,6 +207,11 @@ class FakeBackend:
     def set_processes(self, processes: list[ProcessMemory]) -> None:
         with self._cond:
             self._processes = list(processes)
+
+    def set_activity(self, activity: list[ProcessActivity] | None) -> None:
+        """What `process_activity` reports from now on (None, the start: not measured)."""
+        with self._cond:
+            self._activity = None if activity is None else list(activity)
 
     def inject_xid(self, index: int, xid: int, persistent: bool = True) -> None:
         """Report an Xid error; with `persistent`, probes fail until `clear_fault`."""

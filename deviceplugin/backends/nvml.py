@@ -20,6 +20,7 @@ from carpool.deviceplugin.backends.base import (
     HealthEvent,
     HealthEventKind,
     MigFacts,
+    ProcessActivity,
     ProcessMemory,
 )
 from carpool.deviceplugin.cdi import MIG_MINORS, mig_cap_nodes
@@ -60,6 +61,7 @@ class NvmlBackend:
                          for i in range(pynvml.nvmlDeviceGetCount())]
         self._uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self._handles]
         self._by_uuid = dict(zip(self._uuids, self._handles, strict=True))
+        self._activity_seen: dict[str, int] = {}  # GPU uuid -> newest sample time read (us)
         self._ecc_baseline = {u: self._uncorrected_ecc(h) for u, h in self._by_uuid.items()}
         self._events: Any = None
         self._event_gpus: list[str] = []
@@ -178,6 +180,32 @@ class NvmlBackend:
                     used = p.usedGpuMemory
                     out.append(ProcessMemory(int(p.pid), uuid, int(used) // MIB if used else 0))
             return out
+
+    def process_activity(self) -> list[ProcessActivity] | None:
+        """NVML's per-process utilization samples since the previous call, per GPU (the
+        driver keeps a short buffer of them); None when no GPU answers the query."""
+        with self._lock:
+            out: list[ProcessActivity] = []
+            measured = False
+            for uuid, handle in self._by_uuid.items():
+                since = self._activity_seen.get(uuid, 0)
+                try:
+                    samples: list[Any] = pynvml.nvmlDeviceGetProcessUtilization(handle, since)
+                except pynvml.NVMLError_NotFound:  # no sample since: nothing ran
+                    measured = True
+                    continue
+                except pynvml.NVMLError:
+                    continue
+                measured = True
+                busiest: dict[int, int] = {}
+                for sample in samples:
+                    since = max(since, int(sample.timeStamp))
+                    if int(sample.smUtil) > 0:
+                        pid = int(sample.pid)
+                        busiest[pid] = max(busiest.get(pid, 0), int(sample.smUtil))
+                self._activity_seen[uuid] = since
+                out += [ProcessActivity(pid, uuid, pct) for pid, pct in sorted(busiest.items())]
+            return out if measured else None
 
     def health_events(self, timeout_s: float) -> list[HealthEvent]:
         if self._events is None:

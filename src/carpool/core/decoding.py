@@ -127,6 +127,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         borrowed=bool(status.get("borrowed", False)),
         runs=runs_from_history(history),
         peak_memory_mib=status.get("peakMemoryMiB"),
+        last_gpu_activity=epoch_of(status.get("lastGpuActivity")),
         template=job_template(str(meta["name"]), _image(spec)),
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
         first_simulated_start=epoch_of(status.get("firstSimulatedStart")),
@@ -185,6 +186,7 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         on_budget_exhausted=BudgetPolicy.parse(str(hours.get("onExhausted", "Hold"))),
         weight=float(spec.get("weight", 1.0)),
         class_limits=class_limits_from_spec(spec),
+        idle_session_timeout_s=_seconds(spec, "idleSessions.timeout", 0.0),
     )
 
 

@@ -8,6 +8,7 @@ here is tested without an API server, threads or a clock.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from carpool.core.checkpointing import resume_point
 from carpool.core.lifecycle import history_gpu_hours, job_conditions
 from carpool.core.queueing import DUE_NOTE, Admission, Expiry, Preemption, ProjectStatus, Wait
 from carpool.core.resources import GpuGrant, NodeInventory, Phase
-from carpool.core.timestamps import epoch_seconds, format_timestamp
+from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
 Obj = dict[str, Any]
 
@@ -150,15 +151,24 @@ def hardware_fingerprint(inventory: NodeInventory | None, software: tuple[str, s
     return {"gpuModel": ",".join(models), "driverVersion": driver, "cudaVersion": cuda}
 
 
-def hardware_facts(status: Mapping[str, Any], hardware: Obj | None, peak_mib: int | None
-                   ) -> Obj:
-    """The hardware fingerprint once it is known and differs, and the pod's peak GPU memory
-    as it grows."""
+ACTIVITY_STEP_S = 60  # lastGpuActivity moves in whole minutes: one write a minute at most
+
+
+def hardware_facts(status: Mapping[str, Any], hardware: Obj | None, peak_mib: int | None,
+                   last_active: float | None = None) -> Obj:
+    """The hardware fingerprint once it is known and differs, the pod's peak GPU memory as it
+    grows, and when its processes last used its GPUs (None: not measured on its node), to
+    the next minute, as it moves on."""
     out: Obj = {}
     if hardware is not None and status.get("hardware") != hardware:
         out["hardware"] = hardware
     if peak_mib is not None and peak_mib > int(status.get("peakMemoryMiB") or 0):
         out["peakMemoryMiB"] = peak_mib
+    if last_active is not None:
+        # up to the next minute: a session is stopped late by under a minute, never early
+        minute = math.ceil(last_active / ACTIVITY_STEP_S) * ACTIVITY_STEP_S
+        if minute > (epoch_seconds(status.get("lastGpuActivity")) or 0.0):
+            out["lastGpuActivity"] = format_timestamp(minute)
     return out
 
 
@@ -203,16 +213,16 @@ def preempted(attempts: int, preemption: Preemption) -> tuple[Obj, JobEvent, Job
 
 def expired(history: list[Mapping[str, Any]], expiry: Expiry, now: float
             ) -> tuple[Obj, JobEvent]:
-    """A job past its maxDuration fails; its open run ends now as `MaxDurationExceeded`, and
-    its GPU-hours are those of the runs so closed."""
-    note = (f"ran {expiry.ran_s:.0f}s, over its maxDuration of "
-            f"{expiry.max_duration_s:.0f}s; stopped")
-    closed = [dict(r, end=r.get("end") or format_timestamp(now),
-                   outcome=r.get("outcome") or "MaxDurationExceeded") for r in history]
-    patch: Obj = {"phase": Phase.FAILED.value, "reason": "MaxDurationExceeded",
+    """A job stopped by `expiry` (past its maxDuration, or an idle interactive session)
+    fails with its reason; its open run ends now with that outcome, and its GPU-hours are
+    those of the runs so closed."""
+    note = expiry.message
+    closed = [dict(r, end=r.get("end") or format_run_time(now),
+                   outcome=r.get("outcome") or expiry.reason) for r in history]
+    patch: Obj = {"phase": Phase.FAILED.value, "reason": expiry.reason,
                   "message": note, "completionTime": format_timestamp(now), "history": closed,
                   "gpuHours": round(history_gpu_hours(closed, now), 6)}
-    return patch, JobEvent("MaxDurationExceeded", note, "Warning", "Stop")
+    return patch, JobEvent(expiry.reason, note, "Warning", "Stop")
 
 
 @dataclass(frozen=True)

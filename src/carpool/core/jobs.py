@@ -139,6 +139,9 @@ class Job:
     borrowed: bool = False
     runs: tuple[RunRecord, ...] = ()
     peak_memory_mib: int | None = None  # per GPU, as the device plugin saw it
+    # when the device plugin last saw its pod's processes use its GPUs (its start if never);
+    # None where its node's plugin does not measure that (core.queueing.idle_expiry)
+    last_gpu_activity: float | None = None
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
     first_estimated_start: float | None = None  # the first estimate it was shown
     # that estimate as the forward simulation made it, before calibration (eta.calibrated_start)
@@ -235,6 +238,8 @@ class ProjectQuota:
     on_budget_exhausted: BudgetPolicy = BudgetPolicy.HOLD
     weight: float = 1.0
     class_limits: tuple[ClassLimit, ...] = ()
+    # an interactive job whose GPUs see no work this long is stopped (0: never)
+    idle_session_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.weight > 0:

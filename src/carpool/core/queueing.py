@@ -242,14 +242,47 @@ class Wait:
     simulated_start: float | None = None
 
 
+MAX_DURATION_EXCEEDED = "MaxDurationExceeded"
+IDLE_TIMEOUT = "IdleTimeout"
+
+
 @dataclass(frozen=True)
 class Expiry:
-    """This running job passed its maxDuration: stop it (with its grace period)."""
+    """This running job must stop (with its grace period, to checkpoint): past its
+    maxDuration, or an interactive session whose GPUs sat idle past its project's limit.
+    `reason` ends it (the status reason, its Event's, its run's outcome); `note` says why."""
 
     job_key: str
     ran_s: float
     max_duration_s: float
     grace_s: float
+    reason: str = MAX_DURATION_EXCEEDED
+    note: str = ""
+
+    @property
+    def message(self) -> str:
+        return self.note or (f"ran {self.ran_s:.0f}s, over its maxDuration of "
+                             f"{self.max_duration_s:.0f}s; stopped")
+
+
+def idle_expiry(job: Job, quota: ProjectQuota | None, now: float) -> Expiry | None:
+    """An interactive job whose GPUs its project's `idleSessions.timeout` has seen do no
+    work, stopped with its grace to checkpoint (billing ends with its pod). Only where its
+    node's device plugin measures per-process GPU activity (`Job.last_gpu_activity`): a job
+    is never stopped for a silence nobody measured."""
+    if (quota is None or quota.idle_session_timeout_s <= 0
+            or job.job_class is not JobClass.INTERACTIVE or job.phase is not Phase.RUNNING
+            or job.last_gpu_activity is None or (started := job.started_at) is None):
+        return None
+    idle_s = now - max(started, job.last_gpu_activity)
+    if idle_s < quota.idle_session_timeout_s:
+        return None
+    note = (f"its GPUs did no work for {format_duration(idle_s)}; project {quota.name} "
+            f"stops interactive sessions idle for {format_duration(quota.idle_session_timeout_s)}"
+            f" (spec.idleSessions.timeout); stopped with {job.checkpoint_grace_s:.0f}s to "
+            f"checkpoint, its GPU time billed until its pod is gone")
+    return Expiry(job.key, now - started, job.max_duration_s, job.checkpoint_grace_s,
+                  IDLE_TIMEOUT, note)
 
 
 @dataclass(frozen=True)
@@ -505,6 +538,10 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         for h in cycle.holders
         if h.job.phase is Phase.RUNNING and h.job.max_duration_s > 0
         and (started := h.job.started_at) is not None and now - started >= h.job.max_duration_s)
+    past_max = {e.job_key for e in expiries}
+    expiries += tuple(
+        idle for h in cycle.holders if h.job.key not in past_max
+        and (idle := idle_expiry(h.job, snapshot.quotas.get(h.job.project), now)) is not None)
 
     waiting = [j for j in snapshot.jobs if j.waiting]
     durations = {j.key: expected_duration(j, cycle.learned) for j in waiting}

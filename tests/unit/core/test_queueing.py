@@ -357,3 +357,14 @@ def test_jobs_held_by_limits_do_not_use_up_the_exact_estimates() -> None:
     assert quota_wait is not None and quota_wait.reason is WaitReason.QUOTA
     assert capacity_wait is not None and capacity_wait.reason is WaitReason.CAPACITY
     assert not quota_wait.coarse_estimate and not capacity_wait.coarse_estimate
+
+
+def test_the_cycle_stops_an_idle_session_and_keeps_a_busy_one() -> None:
+    now = 5 * HOUR
+    idle = replace(run_on(job("a/idle", cls=JobClass.INTERACTIVE), [0], started=now - HOUR),
+                   last_gpu_activity=now - HOUR)
+    busy = replace(run_on(job("a/busy", cls=JobClass.INTERACTIVE), [1], started=now - HOUR),
+                   last_gpu_activity=now - 60)
+    result = cycle([idle, busy], now=now,
+                   quota_map=quotas("a", idle_session_timeout_s=1800.0))
+    assert [(e.job_key, e.reason) for e in result.expiries] == [("a/idle", "IdleTimeout")]

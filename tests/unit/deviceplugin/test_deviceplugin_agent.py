@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step
-from carpool.deviceplugin.backends.base import ProcessMemory
+from carpool.deviceplugin.backends.base import ProcessActivity, ProcessMemory
 from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.mps import MpsDaemon
@@ -81,6 +81,34 @@ def test_watchdog_kills_timesliced_and_mps_pods_over_their_grant_and_tracks_peak
     metrics = generate_latest(state.metrics.registry).decode()
     assert 'carpool_gpu_watchdog_kills_total{node="n1"} 2.0' in metrics
     assert "carpool_gpu_pod_memory_peak_mib" in metrics
+
+
+def test_the_gpunode_says_when_each_pod_last_used_its_gpu_where_the_driver_measures() -> None:
+    """Per-process GPU activity, when the backend measures it, becomes each pod's
+    lastActiveTime (to the minute) and the GpuNode's processActivity; a backend that cannot
+    say leaves both out, so no pod there is taken for idle."""
+    backend = FakeBackend.from_spec({"node": NODE, "gpus": [{"model": "T4"}]})
+    gpu = backend.inventory()[0].uuid
+    pods = StaticPodSource([running_pod("busy", gpu, 2048, "mps"),
+                            running_pod("idle", gpu, 2048, "mps")])
+    backend.set_processes([ProcessMemory(100, gpu, 500), ProcessMemory(200, gpu, 500)])
+    state = PluginState(PluginConfig(NODE, "mps"), backend, pods)
+    writer = RecordingWriter()
+    telemetry = Telemetry(state, writer)
+    owners = {100: "uid-busy", 200: "uid-idle"}
+    dog = Watchdog(state, writer, telemetry, pod_of=owners.get, kill=lambda pid: None)
+    asyncio.run(dog.step())
+    assert asyncio.run(telemetry.step())
+    assert "processActivity" not in writer.statuses[-1]  # the fake measures nothing yet
+    assert all("lastActiveTime" not in p for p in writer.statuses[-1]["pods"])
+
+    backend.set_activity([ProcessActivity(100, gpu, 35)])
+    asyncio.run(dog.step())
+    assert asyncio.run(telemetry.step())
+    status = writer.statuses[-1]
+    assert status["processActivity"] is True
+    active = {p["name"]: p.get("lastActiveTime") for p in status["pods"]}
+    assert active["idle"] is None and active["busy"].endswith(":00Z")
 
 
 def test_health_step_feeds_metrics_and_status() -> None:
