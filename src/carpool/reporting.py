@@ -13,7 +13,7 @@ import enum
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from carpool.core import names
@@ -731,7 +731,9 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
             + (f", 80 % range {low_high}" if (low_high := relative_range(_range(status), now))
                else "")))
     try:
-        request = gpu_request_from_spec(spec)
+        # (GpuNodes carry no Node labels: the nodeSelector is the operator's to check, and its
+        # NoMatchingNode reason above says when no node has them)
+        request = replace(gpu_request_from_spec(spec), node_selector=frozenset())
     except ValueError as err:
         findings.append(Finding(Topic.CONSTRAINTS, True, f"the spec cannot be read: {err}"))
         return Explanation(key, phase or "Queued", True, summary, tuple(findings))

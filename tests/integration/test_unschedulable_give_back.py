@@ -1,7 +1,7 @@
 """An admitted job whose pod no node takes is given back, then failed, as a tenant sees it.
 
 alice holds `edit` in her project's namespace (`carpool_testbed.tenants`) and submits, with
-`kubectl --as`, a GpuJob whose template's nodeSelector matches no node. Carpool admits it (the
+`kubectl --as`, a GpuJob whose template's node affinity matches no node. Carpool admits it (the
 node it places it on has room), kube-scheduler finds no node for its pod. The operator here
 gives such a job back after CARPOOL_UNSCHEDULABLE_TIMEOUT_S = 4 s (600 s by default): the job
 goes back to the queue with reason `Unschedulable` and the scheduler's message, its quota
@@ -62,8 +62,13 @@ def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> N
                  "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps", "models": [model]},
                  "estimatedDuration": "5m", "simulatedDuration": "60s",
                  "template": {"spec": {
-                     "nodeSelector": {"kubernetes.io/hostname": node,
-                                      "carpool.dev/test-rack": "no-such-rack"},
+                     "nodeSelector": {"kubernetes.io/hostname": node},
+                     # the operator places by nodeSelector, not by affinity: it admits the job
+                     "affinity": {"nodeAffinity": {
+                         "requiredDuringSchedulingIgnoredDuringExecution": {
+                             "nodeSelectorTerms": [{"matchExpressions": [{
+                                 "key": "carpool.dev/test-rack", "operator": "In",
+                                 "values": ["no-such-rack"]}]}]}}},
                      "containers": [{"name": "main", "image": "trainer"}]}}}}))
     admitted = wait_for("the job admitted", lambda: (
         s if (s := alice.status(team, "nowhere")).get("phase") == "Admitted" else None),
@@ -90,3 +95,29 @@ def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> N
     wait_for("its last pod gone", lambda: not json.loads(
         world.admin("get", "pods", "-n", team, "-o", "json"))["items"] or None,
         timeout=20, interval=0.5)
+
+
+def test_a_job_whose_node_selector_no_node_has_waits_saying_so(world: tenants.World) -> None:
+    """Placement keeps a job to nodes with its nodeSelector's labels: with none, it is never
+    admitted (no pod, no quota held) and waits with reason NoMatchingNode."""
+    model = world.name("m")
+    world.node("n", model)
+    team = world.namespace("team")
+    world.apply_cluster_scoped(user_roles(world))
+    project = world.project("team", [team])
+    alice = tenant(world, team, "alice")
+    wait_for("the GpuJob roles to aggregate into edit",
+             lambda: tenants.can_create_gpujobs(world, alice, team))
+    alice.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump({
+        "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": "rackless"},
+        "spec": {"project": project, "class": "batch",
+                 "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps", "models": [model]},
+                 "estimatedDuration": "5m", "simulatedDuration": "60s",
+                 "template": {"spec": {
+                     "nodeSelector": {"carpool.dev/test-rack": "no-such-rack"},
+                     "containers": [{"name": "main", "image": "trainer"}]}}}}))
+    waiting = wait_for("the job waiting for a matching node", lambda: (
+        s if (s := alice.status(team, "rackless")).get("reason") == "NoMatchingNode" else None),
+        timeout=30, interval=0.3)
+    assert waiting["phase"] == "Queued" and not waiting.get("attempts"), waiting
+    assert "carpool.dev/test-rack=no-such-rack" in waiting["message"], waiting

@@ -57,6 +57,9 @@ def gpu_request_from_spec(spec: Mapping[str, Any]) -> GpuRequest:
         isolation=isolation,
         models=frozenset(str(m) for m in gpu.get("models") or ()),
         mig_slices=mig_slices,
+        node_selector=frozenset(
+            (str(k), str(v)) for k, v in
+            ((((spec.get("template") or {}).get("spec") or {}).get("nodeSelector")) or {}).items()),
     )
 
 

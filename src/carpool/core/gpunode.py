@@ -207,4 +207,5 @@ def inventory_from_gpunode(
         datasets=datasets,
         sharing=frozenset(sharing),
         ready=ready,
+        labels=frozenset((str(k), str(v)) for k, v in labels.items()),
     )

@@ -148,6 +148,9 @@ def gpu_verdicts(node: NodeState, request: GpuRequest) -> str | list[str | None]
     inv = node.inventory
     if not inv.ready:
         return "node is not ready"
+    if missing := sorted(request.node_selector - inv.labels):
+        return ("node does not match the job's nodeSelector ("
+                + ", ".join(f"{k}={v}" for k, v in missing) + ")")
     if request.isolation not in inv.sharing:
         return f"node does not offer {request.isolation.value} isolation"
     frees = node.free()

@@ -176,6 +176,7 @@ class WaitReason(enum.Enum):
     UNBOUND_NAMESPACE = "UnboundNamespace"
     CLASS_LIMIT = "ClassLimitExceeded"  # the project's spec.classLimits refuse it
     NO_MATCHING_GPU_MODEL = "NoMatchingGpuModel"
+    NO_MATCHING_NODE = "NoMatchingNode"  # no GPU node has its template's nodeSelector labels
     TOO_LARGE = "TooLargeForAnyNode"
     BUDGET = "Budget"
     QUOTA = "Quota"
@@ -781,6 +782,13 @@ class _Walk:
             self._wait(job, WaitReason.NO_MATCHING_GPU_MODEL,
                        f"no node has a GPU of model {', '.join(sorted(request.models))}; "
                        f"the cluster has {', '.join(sorted(cycle.models)) or 'no GPUs'}",
+                       position)
+            return True
+        if request.node_selector and not any(
+                request.node_selector <= n.inventory.labels for n in cycle.snapshot.nodes.values()):
+            self._wait(job, WaitReason.NO_MATCHING_NODE,
+                       "no GPU node has the labels of its spec.template.spec.nodeSelector ("
+                       + ", ".join(f"{k}={v}" for k, v in sorted(request.node_selector)) + ")",
                        position)
             return True
         if not cycle.timeline.fits_anywhere_ever(request):

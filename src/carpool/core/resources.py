@@ -88,6 +88,8 @@ class GpuRequest:
     isolation: Isolation = Isolation.MPS
     models: frozenset[str] = frozenset()  # empty: any model
     mig_slices: int = 0  # for MIG: compute slices of the instance wanted (1..7); 0: from memory
+    # the pod template's nodeSelector: only nodes with every one of these labels can take it
+    node_selector: frozenset[tuple[str, str]] = frozenset()
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -161,6 +163,7 @@ class NodeInventory:
         default_factory=lambda: frozenset({Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE})
     )
     ready: bool = True
+    labels: frozenset[tuple[str, str]] = frozenset()  # the Node's labels
 
     def gpu(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
