@@ -28,8 +28,8 @@ from carpool.kube.resources import GPUNODES, NODES, PROJECTQUOTAS, Resource
 from carpool.kube.resources import PODS as POD_RESOURCE
 from carpool.kube.retry import Backoff
 from carpool.kube.watching import Store
-from carpool.operator.following import DISRUPTION_TARGET
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
+from carpool.operator.pod_view import DISRUPTION_TARGET
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ KINDS = (
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
-# What a pass reads of a pod (`following.view_pod` and the job it belongs to): a store of
+# What a pass reads of a pod (`pod_view.view_pod` and the job it belongs to): a store of
 # thousands of pods keeps only these, not their conditions (but DisruptionTarget, and
 # PodScheduled while it says Unschedulable), IPs,
 # images and labels; of its owner references only GpuJobs', of its containers only their

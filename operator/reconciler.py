@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent import futures as cf
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from carpool.core import job_status, names
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.decoding import (
-    first_start,
     job_from_object,
     quota_from_object,
     retired_from_status,
@@ -61,12 +57,11 @@ from carpool.core.queueing import (
 )
 from carpool.core.resources import JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_of
-from carpool.kube.client import REQUEST_TIMEOUT
 from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
-from carpool.operator.following import PodView, view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube, Obj
+from carpool.operator.pod_view import PodView, view_pod
 from carpool.operator.pods import (
     PlatformPodSettings,
     apply_platform_settings,
@@ -75,10 +70,9 @@ from carpool.operator.pods import (
     pod_name,
 )
 from carpool.operator.settings import OperatorSettings
+from carpool.operator.writes import Writer
 
 log = logging.getLogger(__name__)
-STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
-GUARD_WORKERS = 2  # background finalizer writes
 # seconds a stray GPU pod (no live job's current attempt) is given to stop: a pass runs at
 # least every resync period (5 s), so such a pod is gone within 30 s of becoming one
 ORPHAN_GRACE_S = 10
@@ -201,8 +195,10 @@ def _attempt_pods(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
 
 @dataclass
 class PassState:
-    """What one pass read and derived, before the core decides."""
+    """What one pass observed and derived (the snapshot the core decides on), then what it
+    decided to write."""
 
+    now: float = 0.0
     objects: dict[str, Obj] = field(default_factory=dict)
     jobs: list[Job] = field(default_factory=list)
     phases: dict[str, Phase] = field(default_factory=dict)
@@ -229,19 +225,15 @@ class PassState:
     attempt_pods: dict[str, PodView] = field(default_factory=dict)
     # admitted jobs whose pod no node took in time: (job key, status to write, Event note)
     unschedulable: list[tuple[str, Obj, str]] = field(default_factory=list)
+    # Events the read derived from the jobs' pods and specs, recorded by the write stage
+    events: list[tuple[Obj, job_status.JobEvent]] = field(default_factory=list)
+    quotas: dict[str, ProjectQuota] = field(default_factory=dict)
+    quota_objects: dict[str, Obj] = field(default_factory=dict)
+    retired: dict[str, RetiredUsage] = field(default_factory=dict)  # by project
 
     @property
     def orphan_keys(self) -> list[str]:
         return [orphan_key(pod) for pod in self.orphans]
-
-
-@dataclass
-class _Queued:
-    """A background status write: its patch, its task in the pool, set once it has landed."""
-
-    patch: Obj
-    landed: threading.Event = field(default_factory=threading.Event)
-    task: cf.Future[None] | None = None
 
 
 class CacheBehind(RuntimeError):
@@ -255,25 +247,15 @@ class Reconciler:
         self.config = config
         self.last_result: CycleResult | None = None
         self._priority_class_ready = False
-        self._pool = ThreadPoolExecutor(max_workers=max(1, config.write_workers),
-                                        thread_name_prefix="writes")
-        self._guard_pool = ThreadPoolExecutor(max_workers=GUARD_WORKERS,
-                                              thread_name_prefix="_guard_pool")
-        self._status_pool = ThreadPoolExecutor(max_workers=STATUS_WORKERS,
-                                               thread_name_prefix="_status_pool")
-        self._flushing: dict[str, _Queued] = {}  # job key -> its background write
-        self._flushing_lock = threading.Lock()
-        self._guarding: set[str] = set()  # job keys whose finalizer write is in flight
-        self._guarding_lock = threading.Lock()
+        # the write stage; it reads the newest job from whichever caches the pass reads
+        self.writer = Writer(kube, lambda key: self.informers.get(GPUJOBS, key),
+                             config.write_workers)
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
         self._refresh_s = config.wait_refresh_s  # see ReconcilerConfig.wait_refresh_per_s
         self._start_delay = 0.0  # recent median seconds from admission to a running pod
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._decoded: dict[str, _Decoded] = {}  # see read
-        # job uid -> the Events recorded on it (_announce)
-        self._told: dict[str, job_status.RecordedEvents] = {}
-        self._told_lock = threading.Lock()
         # quota name -> (resourceVersion, its retired usage as decoded then); see _retired
         self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
         self._status_problems: set[str] = set()  # malformed quota statuses logged already
@@ -310,7 +292,8 @@ class Reconciler:
                     state.pod_active[key] = max(active, state.pod_active.get(key, active))
 
     def read(self, now: float) -> PassState:
-        state = PassState()
+        """The jobs, pods and nodes in the watch caches, decoded; derives, writes nothing."""
+        state = PassState(now=now)
         self._read_nodes(state)
         totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
                   for g in inv.gpus}
@@ -364,8 +347,8 @@ class Reconciler:
                 if obs.phase is Phase.ADMITTED and not meta.get("deletionTimestamp"):
                     self._check_unschedulable(state, key, {**status, **patch},
                                               obs.live_pod, now)
-            for type_, reason, note in obs.events:
-                self._announce(obj, job_status.JobEvent(reason, note, type_, derived=True))
+            state.events.extend((obj, job_status.JobEvent(reason, note, type_, derived=True))
+                                for type_, reason, note in obs.events)
             merged = {**status, **patch}
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
@@ -384,7 +367,7 @@ class Reconciler:
                 if not obs.phase.finished:
                     failed, event = job_status.invalid_spec(obj, str(err))
                     patch.update(failed)
-                    self._announce(obj, event)
+                    state.events.append((obj, event))
                 state.patches[key] = patch
                 continue
             if settled and not meta.get("deletionTimestamp"):
@@ -414,8 +397,7 @@ class Reconciler:
         state.orphans = [pod for pod, _ in by_uid.values() if is_orphan(
             pod.identity, pod.holds_gpus, pod.uid in linked, pod.namespace in billed)]
         uids = {str(obj["metadata"].get("uid", "")) for obj in state.objects.values()}
-        with self._told_lock:
-            self._told = {u: t for u, t in self._told.items() if u in uids}
+        self.writer.forget_jobs_except(uids)
         self._start_delay = admission_to_start_s(
             obj.get("status") or {} for obj in state.objects.values())
         return state
@@ -492,46 +474,20 @@ class Reconciler:
 
     def run_pass(self, now: float, still_leader: Callable[[], bool] = lambda: True,
                  catch_up_s: float = 15.0) -> CycleResult:
+        """One pass, in stages: observe the caches, account for what left (deleted jobs' usage,
+        stray pods, pods no node took), decide, then act on the decisions."""
         started = time.monotonic()
-        if not self.informers.caught_up(catch_up_s):
-            raise CacheBehind("a watch cache is behind this operator's own writes")
-        now = max(now, time.time())  # the wait above may have taken a while
-        arrived = self.informers.arrived(GPUJOBS)  # jobs after this are new to the pass
-        state = self.read(now)
-        state.arrived = arrived
-        quotas, quota_objects = self.quotas()
-        retired = self._retired(quota_objects)
-        if state.deleting and still_leader():
-            self._retire(state, quotas, quota_objects, retired, now)
-        if (state.orphans or state.tampered or self._strays) and still_leader():
-            self._stop_strays(state, quotas, quota_objects, retired, now)
-        if state.unschedulable and still_leader():
-            self._give_back_unschedulable(state)
-        nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
-        # what deleted jobs taught the estimates, as the replay keeps it run by run
-        learned, misses = kept_history(retired.values())
-        snapshot = ClusterSnapshot(now=now, jobs=tuple(state.jobs), quotas=quotas, nodes=nodes,
-                                   retired=retired, learned=learned, start_misses=misses)
+        state = self.observe(now, catch_up_s)
+        self.account_departures(state, still_leader)
         read_s = time.monotonic() - started
-        result = admission_cycle(snapshot, self.config.admission)
+        result = self.decide(state)
         decide_s = time.monotonic() - started - read_s
         if not still_leader():
             log.info("lost leadership during the pass; not acting on it")
             return result
-        if not self._priority_class_ready:
-            self.kube.ensure_priority_class()
-            self._priority_class_ready = True
         writes_before = self.kube.api.writes
-        self._apply(state, result, now, budget=max(self.config.admission_budget_s,
-                                                   3 * (read_s + decide_s)),
-                    still_leader=still_leader)
-        self._write_quota_status(result, quota_objects)
-        self._flush_later(state)
-        # off the admission path: a job's pod and status first, its finalizer after, on a
-        # lane of its own that the next pass does not wait for
-        for key in [*state.unguarded, *state.admitted]:
-            self._guard_later(state.objects[key])
-        self._record_metrics(state, result)
+        self.act(state, result, budget=max(self.config.admission_budget_s,
+                                           3 * (read_s + decide_s)), still_leader=still_leader)
         self.last_result = result
         writes = self.kube.api.writes - writes_before
         spent = time.monotonic() - started
@@ -542,45 +498,67 @@ class Reconciler:
                  spent - read_s - decide_s)
         return result
 
+    def observe(self, now: float, catch_up_s: float = 15.0) -> PassState:
+        """Stage 1: the watch caches, once they show this operator's own writes, decoded into
+        the pass's snapshot (jobs, pods, nodes, quotas and their retired usage), with the
+        Events derived from them as data."""
+        if not self.informers.caught_up(catch_up_s):
+            raise CacheBehind("a watch cache is behind this operator's own writes")
+        now = max(now, time.time())  # the wait above may have taken a while
+        arrived = self.informers.arrived(GPUJOBS)  # jobs after this are new to the pass
+        state = self.read(now)
+        state.arrived = arrived
+        state.quotas, state.quota_objects = self.quotas()
+        state.retired = self._retired(state.quota_objects)
+        return state
+
+    def account_departures(self, state: PassState, still_leader: Callable[[], bool]) -> None:
+        """Before deciding, what the decision counts on: the Events the read derived, deleted
+        jobs' and stray pods' GPU time billed (in `state.retired`), and admitted jobs whose
+        pod no node took given back."""
+        for obj, event in state.events:
+            self._record_event(obj, event)
+        if state.deleting and still_leader():
+            self._retire(state, state.quotas, state.quota_objects, state.retired, state.now)
+        if (state.orphans or state.tampered or self._strays) and still_leader():
+            self._stop_strays(state, state.quotas, state.quota_objects, state.retired,
+                              state.now)
+        if state.unschedulable and still_leader():
+            self._give_back_unschedulable(state)
+
+    def decide(self, state: PassState) -> CycleResult:
+        """Stage 2: the core's admission cycle on the snapshot (pure)."""
+        nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
+        # what deleted jobs taught the estimates, as the replay keeps it run by run
+        learned, misses = kept_history(state.retired.values())
+        snapshot = ClusterSnapshot(now=state.now, jobs=tuple(state.jobs), quotas=state.quotas,
+                                   nodes=nodes, retired=state.retired, learned=learned,
+                                   start_misses=misses)
+        return admission_cycle(snapshot, self.config.admission)
+
+    def act(self, state: PassState, result: CycleResult, budget: float,
+            still_leader: Callable[[], bool]) -> None:
+        """Stage 3: carry the decisions out through the writer: admissions (within the
+        budget), preemptions, expiries and waits as `job_status` words them, the quotas'
+        status, then the rest of the statuses and the finalizers in the background."""
+        if not self._priority_class_ready:
+            self.kube.ensure_priority_class()
+            self._priority_class_ready = True
+        self._apply(state, result, state.now, budget=budget, still_leader=still_leader)
+        self._write_quota_status(result, state.quota_objects)
+        self.writer.statuses_later(state.patches)
+        state.patches = {}
+        # off the admission path: a job's pod and status first, its finalizer after, on a
+        # lane of its own that the next pass does not wait for
+        for key in [*state.unguarded, *state.admitted]:
+            self.writer.finalizer_later(state.objects[key])
+        self._record_metrics(state, result)
+
     # -- accounting of deleted jobs ---------------------------------------------------------
 
-    def settle(self) -> None:
+    def wait_for_writes(self) -> None:
         """Wait until every background write submitted so far has landed (tests, shutdown)."""
-        for name, workers in (("_status_pool", STATUS_WORKERS), ("_guard_pool", GUARD_WORKERS)):
-            pool: ThreadPoolExecutor = getattr(self, name)
-            pool.shutdown(wait=True)
-            setattr(self, name, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name))
-
-    def _guard_later(self, obj: Obj) -> None:
-        """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
-        deletion waits until its GPU-hours are folded into its project's retired usage; in
-        the background, on the newest version of the job the watch has shown by then (a
-        queue of them can take minutes behind a burst, and the write is conditional on it)."""
-        meta = obj["metadata"]
-        if names.FINALIZER in (meta.get("finalizers") or ()) or meta.get("deletionTimestamp"):
-            return
-        key = _job_key(obj)
-        with self._guarding_lock:
-            if key in self._guarding:
-                return  # already on its way (a pass may run before it lands)
-            self._guarding.add(key)
-
-        def guard() -> None:
-            try:
-                latest = (self.informers.get(GPUJOBS, key) or obj)["metadata"]
-                finalizers = list(latest.get("finalizers") or [])
-                if names.FINALIZER not in finalizers and not latest.get("deletionTimestamp"):
-                    self.kube.set_job_finalizers(
-                        latest["namespace"], latest["name"], [*finalizers, names.FINALIZER],
-                        str(latest.get("resourceVersion", "")))
-            except Exception:
-                log.exception("adding the accounting finalizer to %s failed; next pass "
-                              "retries", key)
-            finally:
-                with self._guarding_lock:
-                    self._guarding.discard(key)
-
-        self._guard_pool.submit(guard)
+        self.writer.drain()
 
     def _retired(self, quota_objects: Mapping[str, Obj]) -> dict[str, RetiredUsage]:
         """Each quota's retired usage from its status, decoded once per version of the quota;
@@ -738,8 +716,8 @@ class Reconciler:
         for key, status, note in state.unschedulable:
             obj = state.objects[key]
             state.patches.setdefault(key, {}).update(status)
-            self._announce(obj, job_status.JobEvent(UNSCHEDULABLE, note, "Warning", "Requeue"))
-            self._flush_one(state, key)
+            self._record_event(obj, job_status.JobEvent(UNSCHEDULABLE, note, "Warning", "Requeue"))
+            self._write_status_now(state, key)
             job = next((j for j in state.jobs if j.key == key), None)
             if job is not None:
                 self._stop_attempt(state, job, 0)
@@ -764,7 +742,7 @@ class Reconciler:
         def admit(admission: Admission) -> None:
             try:
                 self._admit(state, jobs[admission.job_key], admission, now)
-                self._flush_one(state, admission.job_key)  # Admitted as soon as its pod is
+                self._write_status_now(state, admission.job_key)  # Admitted as soon as its pod is
             except Exception:  # one job's failure must not stop the others' decisions
                 log.exception("admitting %s failed; retrying next pass", admission.job_key)
 
@@ -777,21 +755,16 @@ class Reconciler:
         acting = time.monotonic()
         deadline = acting + budget
         latest = acting + max(budget, self.config.admission_budget_max_s)
-        slots = threading.BoundedSemaphore(max(1, self.config.write_workers))
-        pending = []
-        for admission in admissions[:cap] if cap > 0 else admissions:
-            slots.acquire()  # submit only as fast as the pool writes, so the budget holds
+
+        def go_on(admission: Admission) -> bool:
             at = time.monotonic()
             spent = budget > 0 and at > deadline and (
                 at > latest or self._outranked(state, jobs[admission.job_key]))
-            if spent or not still_leader():  # a long pass must not outlive its lease
-                slots.release()
-                break
-            state.admitted.append(admission.job_key)
-            future = self._pool.submit(admit, admission)
-            future.add_done_callback(lambda _: slots.release())
-            pending.append(future)
-        cf.wait(pending)
+            return not spent and still_leader()  # a long pass must not outlive its lease
+
+        started = self.writer.admit_in_parallel(
+            admissions[:cap] if cap > 0 else admissions, admit, go_on)
+        state.admitted.extend(a.job_key for a in started)
         self._note_backlog(len(state.admitted), len(admissions) - len(state.admitted),
                            time.monotonic() - acting)
         for preemption in result.preemptions:
@@ -843,10 +816,10 @@ class Reconciler:
         obj = state.objects[victim.key]
         patch, on_victim, on_preemptor = job_status.preempted(victim.attempts, preemption)
         state.patches.setdefault(victim.key, {}).update(patch)
-        self._announce(obj, on_victim)
-        self._announce(state.objects[preemption.preemptor_key], on_preemptor)
+        self._record_event(obj, on_victim)
+        self._record_event(state.objects[preemption.preemptor_key], on_preemptor)
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
-        self._flush_one(state, victim.key)  # record intent before the pod goes
+        self._write_status_now(state, victim.key)  # record intent before the pod goes
         self._stop_attempt(state, victim, preemption.grace_s)
 
     def _expire(self, state: PassState, job: Job, expiry: Expiry, now: float) -> None:
@@ -855,9 +828,9 @@ class Reconciler:
                                           or (obj.get("status") or {}).get("history") or [],
                                           expiry, now)
         state.patches.setdefault(job.key, {}).update(patch)
-        self._announce(obj, event)
+        self._record_event(obj, event)
         metrics.JOBS_STOPPED.labels(job.project, expiry.reason).inc()
-        self._flush_one(state, job.key)
+        self._write_status_now(state, job.key)
         self._stop_attempt(state, job, expiry.grace_s)
 
     def _stop_attempt(self, state: PassState, job: Job, grace_s: float) -> None:
@@ -895,7 +868,7 @@ class Reconciler:
         state.patches.setdefault(wait.job_key, {}).update(
             state.initial.pop(wait.job_key, {}), **update.patch)
         if update.event is not None:
-            self._announce(obj, update.event)
+            self._record_event(obj, update.event)
 
     def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
         obj = state.objects[job.key]
@@ -912,7 +885,7 @@ class Reconciler:
                 admission.attempt, err.message if isinstance(err, ApiError) else str(err), now)
             state.patches.setdefault(job.key, {}).update(state.initial.pop(job.key, {}),
                                                           **rejected)
-            self._announce(obj, event)
+            self._record_event(obj, event)
             return
         stored_meta = (stored or {}).get("metadata") or {}
         identity = PodIdentity(str(stored_meta.get("namespace", "")),
@@ -920,7 +893,7 @@ class Reconciler:
                                gpujob_owner(stored_meta.get("ownerReferences")))
         if not created and not controls(job_identity(obj), identity):
             # the name is taken by a pod this job does not control: never take it for ours
-            self._announce(obj, job_status.pod_name_taken(pod["metadata"]["name"],
+            self._record_event(obj, job_status.pod_name_taken(pod["metadata"]["name"],
                                                           admission.attempt))
             return
         gpus = job_status.grants_to_status(admission.grants,
@@ -930,101 +903,23 @@ class Reconciler:
         patch.update(job_status.admitted(obj.get("status") or {}, admission, gpus,
                                          pod["metadata"]["name"], identity.uid, now))
         if created:
-            self._announce(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
+            self._record_event(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
                                                     "Admit"))
             cls = job.job_class.label
             metrics.ADMISSIONS.labels(job.project, cls).inc()
             metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
 
-    def _announce(self, obj: Obj, event: job_status.JobEvent) -> None:
-        """Record an Event on a job, once per change (`job_status.RecordedEvents`)."""
-        uid = str(obj["metadata"].get("uid", ""))
-        with self._told_lock:
-            if not self._told.setdefault(uid, job_status.RecordedEvents()).admit(event):
-                return
-        self.kube.event(obj, event.reason, event.note, event.type, event.action)
+    def _record_event(self, obj: Obj, event: job_status.JobEvent) -> None:
+        self.writer.event(obj, event)
 
-    def _flush_one(self, state: PassState, key: str, background: bool = False) -> None:
+    def _write_status_now(self, state: PassState, key: str) -> None:
+        """Write job `key`'s patch of this pass now; the pass sees the job as written."""
         patch = state.patches.pop(key, None)
         if not patch:
             return
-        landing = None
-        if not background:
-            with self._flushing_lock:
-                queued = self._flushing.get(key)
-                if queued is not None and queued.task is not None and queued.task.cancel():
-                    # not started yet: this write carries it (an admission or a preemption
-                    # must not wait behind a backlog of wait statuses in the background lane)
-                    del self._flushing[key]
-                    queued.landed.set()
-                    patch = {**queued.patch, **patch}
-                elif queued is not None:
-                    landing = queued.landed
-        if landing is not None:  # a background write of this job first, so they land in order
-            landing.wait(REQUEST_TIMEOUT[1])
-        obj = state.objects.get(key)
-        current = (obj or {}).get("status") or {}
-        # only what changes: most running jobs' derived status equals what they show
-        patch = job_status.status_write(current, patch, time.time())
-        if not patch:
-            return
-        namespace, name = key.split("/", 1)
-        version = self.kube.patch_job_status(namespace, name, patch)
-        if obj is not None and patch.get("startTime") and not current.get("startTime"):
-            self._score_first_start(obj, {**current, **patch})
-        if obj is not None:  # a second flush in this pass sees what the first wrote
-            # a new object: the cached one is shared with the watch's store
-            meta = dict(obj["metadata"], resourceVersion=version or
-                        obj["metadata"].get("resourceVersion"))
-            state.objects[key] = {**obj, "metadata": meta, "status": {
-                k: v for k, v in {**current, **patch}.items() if v is not None}}
-
-    def _score_first_start(self, obj: Obj, status: Obj) -> None:
-        """The `carpool_eta_*` metrics of a job whose first start was just written: the start
-        counted, and scored where it had a first estimate. That write happens once per job
-        (a later pass, a restarted or new leader reads the startTime back and derives none; a
-        requeued job keeps it), except when a pass reads the job before its own write shows
-        and derives it again: the job's uid counts once."""
-        with self._told_lock:
-            told = self._told.setdefault(str(obj["metadata"].get("uid", "")),
-                                         job_status.RecordedEvents())
-            if told.first_start_counted:
-                return
-            told.first_start_counted = True
-        first = first_start(obj, status)
-        if first is not None:
-            metrics.observe_first_start(first[0].label, first[1])
-
-    def _flush_later(self, state: PassState) -> None:
-        """Write the remaining statuses (waits, started and finished runs) in the background:
-        the next pass reads and decides meanwhile. At most one write per job is in flight, so
-        a job's writes land in order; a job whose write is still in flight is left to a later
-        pass (which derives its patch again from the pods). A queued write holds only its
-        patch and compares it with the newest status the watch shows when it goes out (a
-        backlog of thousands must not keep as many old copies of jobs alive). An admission or
-        preemption of a job whose write has not started yet takes that write over."""
-        for key in list(state.patches):
-            queued = _Queued(state.patches.pop(key))
-
-            def flush(key: str = key, queued: _Queued = queued) -> None:
-                try:
-                    latest = self.informers.get(GPUJOBS, key)
-                    single = PassState(objects={key: latest} if latest else {},
-                                       patches={key: queued.patch})
-                    self._flush_one(single, key, background=True)
-                except Exception:
-                    log.exception("writing the status of %s failed; next pass retries", key)
-                finally:
-                    with self._flushing_lock:
-                        if self._flushing.get(key) is queued:
-                            del self._flushing[key]
-                    queued.landed.set()
-
-            with self._flushing_lock:
-                if key in self._flushing:
-                    continue
-                self._flushing[key] = queued
-                queued.task = self._status_pool.submit(flush)
+        written = self.writer.status_now(key, state.objects.get(key), patch)
+        if written is not None:
+            state.objects[key] = written
 
     def _write_quota_status(self, result: CycleResult, objects: Mapping[str, Obj]) -> None:
         for project in result.projects:

@@ -1,5 +1,5 @@
 """A GpuJob's lifecycle: its state derived from its pods, every pass (level-triggered,
-restart-safe). Pure: the operator decodes pods into `PodView`s (`operator.following`), calls
+restart-safe). Pure: the operator decodes pods into `PodView`s (`operator.pod_view`), calls
 `observe`, and writes the status and events it returns.
 
 The pods are the truth about what runs: a job holds GPUs exactly while it has a live pod, and

@@ -554,7 +554,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     ranked = rank_queue(waiting, decayed, weights, now, config.aging_step_s, expected_gpu_hours,
                         config.keep_promises)
 
-    walk = _Walk(cycle, durations, expected_gpu_hours)
+    walk = _QueueDecisions(cycle, durations, expected_gpu_hours)
     borrowers: list[tuple[int, Job]] = []
     position = 0
     for _, job in ranked:
@@ -569,10 +569,10 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
             walk.waits.append(Wait(job.key, WaitReason.CLASS_LIMIT, beyond, 0, 0, None))
             continue
         position += 1
-        if not walk.consider(job, position, borrowers_allowed=False):
+        if not walk.decide_job(job, position, borrowers_allowed=False):
             borrowers.append((position, job))
     for position, job in borrowers:
-        walk.consider(job, position, borrowers_allowed=True)
+        walk.decide_job(job, position, borrowers_allowed=True)
 
     recent = started_misses(snapshot.jobs, snapshot.start_misses)
     misses = wait_misses(recent)
@@ -676,8 +676,8 @@ def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
     they lately have (a surge the misses of started jobs show only a wait later). A job
     whose start is the end of a job that reports progress, or of a reservation behind one
-    (`spread`, `_Walk._spread_behind`), gets at least that end's own range: how the misses
-    of started jobs spread says nothing of how far this one job's progress leaves it."""
+    (`spread`, `_QueueDecisions._spread_behind`), gets at least that end's own range: how the
+    misses of started jobs spread says nothing of how far this one job's progress leaves it."""
     if wait.estimated_start is None:
         return wait
     found = start_range(now, wait.estimated_start, misses)
@@ -703,7 +703,7 @@ class _Parked(NamedTuple):
     in_quota: bool | None = None
 
 
-class _Walk:
+class _QueueDecisions:
     """The per-job decisions of one cycle, in the order jobs are considered."""
 
     def __init__(self, cycle: _Cycle, durations: Mapping[str, float],
@@ -740,7 +740,7 @@ class _Walk:
         if (held_by or reason).competes_for_capacity:
             self.ahead += 1
 
-    def consider(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
+    def decide_job(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
         """Admit, preempt for, or park one job; False if it would borrow and borrowers are not
         considered yet (the caller comes back to it).
 

@@ -42,7 +42,7 @@ def _sample(name: str, **labels: str) -> float:
 
 def _flush(reconciler: Reconciler, obj: Obj, patch: Obj) -> None:
     key = f"team/{obj['metadata']['name']}"
-    reconciler._flush_one(PassState(objects={key: obj}, patches={key: dict(patch)}), key)
+    reconciler._write_status_now(PassState(objects={key: obj}, patches={key: dict(patch)}), key)
 
 
 @pytest.mark.parametrize("cls", ["short", "long"])

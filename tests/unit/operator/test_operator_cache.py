@@ -11,9 +11,9 @@ import pytest
 
 from carpool.core import names
 from carpool.kube.watching import Store, WatchEnded
-from carpool.operator.following import view_pod
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
+from carpool.operator.pod_view import view_pod
 from carpool.operator.reconciler import CacheBehind, Reconciler, ReconcilerConfig
 
 MODEL = "H100"
@@ -199,7 +199,7 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     cluster[GPUJOBS] = [_job("a"), _job("b")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     assert sorted(a.job_key for a in result.admissions) == ["team/a", "team/b"]
     assert sorted(p["metadata"]["name"] for p in kube.pods) == ["a-1", "b-1"]
     # one status write per job: its submit time rides along with the admission
@@ -216,7 +216,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[GPUJOBS] = [_job("a")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     ((_, status),) = kube.statuses
     # what the watch then shows: the pod (pending, placed by the extender) and the status
     pod = copy.deepcopy(kube.pods[0])
@@ -227,7 +227,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     statuses, pods = len(kube.statuses), len(kube.pods)
     result = reconciler.run_pass(1_800_000_001.0)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     assert not result.admissions
     # the derived status equals the shown one (a pending pod's empty history included)
     assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
@@ -240,7 +240,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[PODS] = [running]
     reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
     reconciler.run_pass(1_800_000_010.0)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     assert kube.statuses[-1][1]["phase"] == "Running"
 
 
@@ -251,7 +251,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     # 1 GPU of 80 GiB, MPS at 50 % cores: two of the three fit
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     waiting = [w.job_key for w in result.waits]
     assert len(result.admissions) == 2 and len(waiting) == 1
     (write,) = [s for k, s in kube.statuses if k == waiting[0]]
@@ -260,7 +260,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     for informer in reconciler.informers.by_kind.values():
         informer.version = kube.version  # caught up (the objects left as they were)
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
-    reconciler.settle()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses and finalizers land in the background
     # the queued job's object is the same: its decoding is reused
     assert reconciler._decoded[waiting[0]].job is decoded
 
@@ -374,7 +374,7 @@ def test_a_job_has_at_most_one_status_write_in_flight() -> None:
         informer.version = 10_000  # the next pass does not wait for the watch
     reconciler._wait_written.clear()  # and would write c's wait again at once
     reconciler.run_pass(1_800_000_100.0, catch_up_s=0.05)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert most[0] == 1
 
 
@@ -407,7 +407,7 @@ def test_an_admission_takes_over_its_jobs_queued_background_write() -> None:
     release = threading.Event()
     busy = ThreadPoolExecutor(max_workers=1)
     busy.submit(release.wait)  # the background lane is stuck behind a slow write
-    reconciler._status_pool = busy
+    reconciler.writer.statuses.pool = busy
     first = reconciler.run_pass(1_800_000_000.0)  # c waits: its write is queued, not sent
     (waiting,) = [w.job_key for w in first.waits]
     assert waiting not in {k for k, _ in kube.statuses}
@@ -419,7 +419,7 @@ def test_an_admission_takes_over_its_jobs_queued_background_write() -> None:
     passed.join(10)
     assert not passed.is_alive(), "the admission waited behind the background lane"
     release.set()
-    reconciler.settle()
+    reconciler.wait_for_writes()
     writes = [s for k, s in kube.statuses if k == waiting]
     assert len(writes) == 1  # the queued wait status went out with the admission, not after
     assert writes[0]["phase"] == "Admitted" and writes[0]["submitTime"]
@@ -481,7 +481,7 @@ def _burst(arrival_class: str | None, max_s: float = 30.0) -> int:
         write_workers=1, admission_budget_s=0.1, admission_budget_max_s=max_s),
         informers["it"])
     result = reconciler.run_pass(1_800_000_000.0)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert len(result.admissions) == 8
     return len(kube.pods)
 
@@ -525,7 +525,7 @@ def test_a_pass_stops_admitting_when_it_loses_its_lease() -> None:
     reconciler = Reconciler(kube, ReconcilerConfig(  # type: ignore[arg-type]
         write_workers=1, admission_budget_s=30.0), _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0, still_leader=lambda: leading[0])
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert len(kube.pods) == 2  # well inside its budget, yet no admission after the lease
 
 
@@ -573,7 +573,7 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
     release = threading.Event()
     busy = ThreadPoolExecutor(max_workers=1)
     busy.submit(release.wait)  # the status lane is stuck: the watch keeps showing the old status
-    reconciler._status_pool = busy
+    reconciler.writer.statuses.pool = busy
     try:
         for second in range(3):
             for informer in reconciler.informers.by_kind.values():
@@ -581,7 +581,7 @@ def test_a_change_is_announced_once_while_its_status_write_is_on_its_way() -> No
             reconciler.run_pass(1_800_000_000.0 + second, catch_up_s=0.05)
     finally:
         release.set()
-    reconciler.settle()
+    reconciler.wait_for_writes()
     told = sorted(kube.told)
     assert ("a", "Started") in told and ("c", "Requeued") in told
     assert {job for job, _ in told} == {"a", "b", "c"}  # b and c: their wait reasons
@@ -606,7 +606,7 @@ def test_a_deleted_jobs_run_time_is_kept_in_its_quota_and_used_by_later_passes(
     cluster[QUOTAS][0]["status"] = {"retired": {"jobs": ["team/old@u-old"]}}
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert kube.finalized == ["team/train-1"]
     ((project, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
     assert status["retired"]["jobs"] == ["team/train-1@u-train-1"]
@@ -629,7 +629,7 @@ def test_a_deleted_jobs_run_time_is_kept_in_its_quota_and_used_by_later_passes(
         for informer in reconciler.informers.by_kind.values():
             informer.version = kube.version
         reconciler.run_pass(now + 1, catch_up_s=0.05)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     (wait,) = [w for w in result.waits if w.job_key == "team/train-3"]
     # behind train-2, expected to take the learned 30 s, not its estimated 10 minutes
     assert wait.estimated_start is not None and wait.estimated_start - now < 60
@@ -674,7 +674,7 @@ def _pass(pods: list[Obj], jobs: list[Obj], now: float = T0) -> tuple[TellingKub
     cluster[GPUJOBS], cluster[PODS] = jobs, pods
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(now)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     return kube, reconciler
 
 
@@ -742,7 +742,7 @@ def test_a_gpu_pod_of_no_live_job_is_stopped_and_billed_to_its_project() -> None
         kube.quota_statuses.clear()
         reconciler.informers = _informers(kube, cluster, version=kube.version)
         reconciler.run_pass(now)
-        reconciler.settle()
+        reconciler.wait_for_writes()
         written = [s for _, s in kube.quota_statuses if "retired" in s]
         if written:  # what the quota's status holds from now on
             quota = cluster[QUOTAS][0]
@@ -855,7 +855,7 @@ def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
     cluster[GPUJOBS], cluster[PODS] = [job], [pod]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(T0)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert kube.deleted == [] and ("a", "Unschedulable") not in kube.told
     # what the watch then shows: the job with what the pass wrote
     for _, status in kube.statuses:
@@ -863,14 +863,14 @@ def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
     job["metadata"].update(resourceVersion=str(kube.version), finalizers=[names.FINALIZER])
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     reconciler.run_pass(T0 + 1)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert reconciler._decoded["team/a"].version == job["metadata"]["resourceVersion"]
     assert kube.deleted == [] and not [s for _, s in kube.statuses if "phase" in s][1:]
     # ten minutes after it became unschedulable, nothing else having changed (the pass
     # reuses the job's decoding): its quota is given back, its pod stopped by uid
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     reconciler.run_pass(T0 + 300)
-    reconciler.settle()
+    reconciler.wait_for_writes()
     assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
     assert ("a", "Unschedulable") in kube.told
     (written,) = [s for _, s in kube.statuses if s.get("reason") == "Unschedulable"]

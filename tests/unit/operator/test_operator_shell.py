@@ -23,7 +23,7 @@ from carpool.core.lifecycle import (
 from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_seconds
-from carpool.operator.following import view_pod
+from carpool.operator.pod_view import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool.operator.reconciler import PassState, Reconciler
 from carpool_testbed.builders import gpu_node
