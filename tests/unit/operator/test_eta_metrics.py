@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from carpool.core.timestamps import format_timestamp
-from carpool.operator.reconciler import PassState, Reconciler, ReconcilerConfig
+from carpool.operator.observe import PassState
+from carpool.operator.reconciler import Reconciler, ReconcilerConfig
 
 T0 = 1_800_000_000.0
 Obj = dict[str, Any]

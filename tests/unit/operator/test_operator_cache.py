@@ -231,7 +231,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     assert not result.admissions
     # the derived status equals the shown one (a pending pod's empty history included)
     assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
-    assert reconciler._decoded["team/a"].pods == (pod["metadata"]["resourceVersion"],)
+    assert reconciler.observer.decoded["team/a"].pods == (pod["metadata"]["resourceVersion"],)
     # the pod runs: a new pod version, so the job is derived again and shows Running
     running = copy.deepcopy(pod)
     running["metadata"]["resourceVersion"] = str(kube.version + 1)
@@ -256,13 +256,13 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     assert len(result.admissions) == 2 and len(waiting) == 1
     (write,) = [s for k, s in kube.statuses if k == waiting[0]]
     assert write["phase"] == "Queued" and write["submitTime"] and write["reason"]
-    decoded: Any = reconciler._decoded[waiting[0]].job
+    decoded: Any = reconciler.observer.decoded[waiting[0]].job
     for informer in reconciler.informers.by_kind.values():
         informer.version = kube.version  # caught up (the objects left as they were)
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
     reconciler.wait_for_writes()  # statuses and finalizers land in the background
     # the queued job's object is the same: its decoding is reused
-    assert reconciler._decoded[waiting[0]].job is decoded
+    assert reconciler.observer.decoded[waiting[0]].job is decoded
 
 
 def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
@@ -322,7 +322,7 @@ def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
 
 def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
     from carpool.core.queueing import Wait, WaitReason
-    from carpool.operator.reconciler import PassState
+    from carpool.operator.observe import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
@@ -330,14 +330,13 @@ def test_a_shown_estimate_adds_the_recent_admission_to_start_delay() -> None:
                 1_800_000_000.0)
     for delay, shown in ((0.0, "2027-01-15T08:00:00Z"), (33.0, "2027-01-15T08:00:30Z")):
         state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
-        reconciler._start_delay = delay
+        state.start_delay_s = delay
         reconciler._wait_written.clear()
         reconciler._record_wait(state, wait, 1_800_000_000.0 - 3600)  # an hour ahead: 10 s
         assert state.patches["team/a"]["estimatedStart"] == shown
     assert "+30s from admission to a running pod" in state.patches["team/a"]["message"]
     # 30 s ahead, the estimate is written to the second
     state = PassState(objects={"team/a": _job("a", status={"phase": "Queued"})})
-    reconciler._start_delay = 0.0
     reconciler._wait_written.clear()
     near = Wait("team/a", WaitReason.CAPACITY, "no node has room now", 1, 0, 1_800_000_003.4)
     reconciler._record_wait(state, near, 1_800_000_003.4 - 30)
@@ -380,7 +379,7 @@ def test_a_job_has_at_most_one_status_write_in_flight() -> None:
 
 def test_admissions_left_for_later_passes_push_estimates_back_by_their_time() -> None:
     from carpool.core.queueing import Wait, WaitReason
-    from carpool.operator.reconciler import PassState
+    from carpool.operator.observe import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
@@ -429,7 +428,7 @@ def test_a_long_queue_refreshes_positions_less_often() -> None:
     import time
 
     from carpool.core.queueing import CycleResult, Wait, WaitReason
-    from carpool.operator.reconciler import PassState
+    from carpool.operator.observe import PassState
 
     kube = FakeKube()
     reconciler = _reconciler(kube, _informers(kube, _cluster(1), version=10))
@@ -806,7 +805,7 @@ def test_a_job_past_its_max_duration_stops_only_the_pod_of_its_attempt() -> None
 def test_a_preempted_attempt_is_deleted_by_its_uid() -> None:
     from carpool.core.preemption import PreemptionCause
     from carpool.core.queueing import Preemption
-    from carpool.operator.reconciler import PassState
+    from carpool.operator.observe import PassState
 
     cluster = _cluster(2)
     cluster[GPUJOBS] = [_running_job()]
@@ -864,7 +863,7 @@ def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     reconciler.run_pass(T0 + 1)
     reconciler.wait_for_writes()
-    assert reconciler._decoded["team/a"].version == job["metadata"]["resourceVersion"]
+    assert reconciler.observer.decoded["team/a"].version == job["metadata"]["resourceVersion"]
     assert kube.deleted == [] and not [s for _, s in kube.statuses if "phase" in s][1:]
     # ten minutes after it became unschedulable, nothing else having changed (the pass
     # reuses the job's decoding): its quota is given back, its pod stopped by uid

@@ -23,9 +23,9 @@ from carpool.core.lifecycle import (
 from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_seconds
+from carpool.operator.observe import Observer, PassState
 from carpool.operator.pod_view import view_pod
 from carpool.operator.pods import build_pod, pod_name
-from carpool.operator.reconciler import PassState, Reconciler
 from carpool_testbed.builders import gpu_node
 
 UUID = "GPU-aaaa"
@@ -291,11 +291,11 @@ def test_hardware_fingerprint_and_peak_memory_come_from_the_gpunode() -> None:
     state.pod_peaks[("team", "train-1")] = 9000
     pod = view_pod(_pod(1, "Running", started="2026-11-29T10:00:00Z"))
     patch: dict[str, Any] = {}
-    Reconciler._observe_hardware(state, pod, {"peakMemoryMiB": 4000}, patch)
+    Observer._observe_hardware(state, pod, {"peakMemoryMiB": 4000}, patch)
     assert patch == {"hardware": {"gpuModel": "H200", "driverVersion": "580.1",
                                   "cudaVersion": "13.0"}, "peakMemoryMiB": 9000}
     unchanged: dict[str, Any] = {}
-    Reconciler._observe_hardware(state, pod, {**patch, "peakMemoryMiB": 9500}, unchanged)
+    Observer._observe_hardware(state, pod, {**patch, "peakMemoryMiB": 9500}, unchanged)
     assert unchanged == {}
 
 

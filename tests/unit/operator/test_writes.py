@@ -57,7 +57,11 @@ def test_a_status_is_written_only_where_it_changes_and_the_job_shows_the_write()
 def test_draining_a_lane_waits_for_what_was_submitted() -> None:
     lane = Lane("test", 1)
     release, ran = threading.Event(), threading.Event()
-    lane.submit(release.wait)
+
+    def slow() -> None:
+        release.wait()
+
+    lane.submit(slow)
     lane.submit(ran.set)
     release.set()
     lane.drain()

@@ -1,0 +1,367 @@
+"""Stage 1 of a pass: observe. The watch caches decoded into the pass's snapshot.
+
+Reads only: every GpuJob's state is derived again from its pods (`core.lifecycle.observe`),
+with what is to be written (status patches, Events) kept as data in the `PassState` for the
+later stages. A job's decoding is reused while neither it nor its pods changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from carpool.core import job_status, names
+from carpool.core.decoding import job_from_object, quota_from_object, retired_from_status
+from carpool.core.gpunode import inventory_from_gpunode
+from carpool.core.jobs import Job, ProjectQuota, RetiredUsage
+from carpool.core.lifecycle import (
+    admission_to_start_s,
+    give_back_unschedulable,
+    grants_from_assignment,
+    grants_from_status,
+    observe,
+)
+from carpool.core.ownership import JobIdentity, Link, assignment_tampered, attempt_link, is_orphan
+from carpool.core.resources import JobClass, NodeInventory, Phase
+from carpool.core.timestamps import epoch_of
+from carpool.operator.informer import Informers
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
+from carpool.operator.pod_view import PodView, view_pod
+from carpool.operator.pods import pod_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Decoded:
+    """A job's decoding, valid while its resourceVersion and its pods' stay the same (any
+    pods for a finished job: they cannot change what it shows)."""
+
+    version: str
+    pods: tuple[str, ...] | None
+    job: Job
+    live_pod: PodView | None
+
+
+def _job_key(obj: Obj) -> str:
+    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
+
+
+def job_identity(obj: Obj) -> JobIdentity:
+    """What `core.ownership` reads of a GpuJob object."""
+    meta, status = obj["metadata"], obj.get("status") or {}
+    attempts = int(status.get("attempts") or 0)
+    return JobIdentity(
+        namespace=str(meta.get("namespace", "")), name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")), attempts=attempts,
+        pod_uid=str(status.get("podUID") or ""), pod_name=str(status.get("podName") or ""),
+        next_pod_name=pod_name(str(meta.get("name", "")), attempts + 1),
+        admittable=status.get("phase") in (None, "", Phase.QUEUED.value))
+
+
+def _attempt_pods(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
+                  by_name: Mapping[str, str]) -> list[tuple[PodView, Link]]:
+    """The job's pods that `core.ownership.attempt_link` takes for its attempts: looked up by
+    the uid and the names its status records (never by a label or annotation)."""
+    job = job_identity(obj)
+    candidates = {job.pod_uid} if job.pod_uid else set()
+    for name in (job.pod_name, job.next_pod_name):
+        if name and (uid := by_name.get(f"{job.namespace}/{name}")):
+            candidates.add(uid)
+    out = []
+    for uid in sorted(candidates):
+        pod = by_uid.get(uid)
+        link = attempt_link(job, pod[0].identity) if pod is not None else None
+        if pod is not None and link is not None:
+            out.append((pod[0], link))
+    return out
+
+
+@dataclass
+class PassState:
+    """What one pass observed and derived (the snapshot the core decides on), then what it
+    decided to write."""
+
+    now: float = 0.0
+    objects: dict[str, Obj] = field(default_factory=dict)
+    jobs: list[Job] = field(default_factory=list)
+    phases: dict[str, Phase] = field(default_factory=dict)
+    patches: dict[str, Obj] = field(default_factory=dict)
+    inventories: dict[str, NodeInventory] = field(default_factory=dict)
+    node_software: dict[str, tuple[str, str]] = field(default_factory=dict)  # driver, CUDA
+    pod_peaks: dict[tuple[str, str], int] = field(default_factory=dict)  # (ns, pod) -> MiB
+    # nodes whose device plugin measures per-process GPU activity, and when each pod's
+    # processes last did work on a GPU there: (ns, pod) -> epoch seconds
+    activity_nodes: set[str] = field(default_factory=set)
+    pod_active: dict[tuple[str, str], float] = field(default_factory=dict)
+    deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
+    unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
+    arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read, then as checked
+    best_arrival: JobClass | None = None  # the highest class among the arrivals checked
+    admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
+    initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
+    # GPU pods that are no live job's attempt, and (job key, pod) of a job's recorded attempt
+    # the job no longer controls: both are stopped (`_stop_strays`)
+    orphans: list[PodView] = field(default_factory=list)
+    pods: dict[str, PodView] = field(default_factory=dict)  # uid -> every pod in view
+    tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
+    # job key -> the pod of its current attempt as the pass saw it (what a stop deletes)
+    attempt_pods: dict[str, PodView] = field(default_factory=dict)
+    # admitted jobs whose pod no node took in time: (job key, status to write, Event note)
+    unschedulable: list[tuple[str, Obj, str]] = field(default_factory=list)
+    # Events the read derived from the jobs' pods and specs, recorded before deciding
+    events: list[tuple[Obj, job_status.JobEvent]] = field(default_factory=list)
+    quotas: dict[str, ProjectQuota] = field(default_factory=dict)
+    quota_objects: dict[str, Obj] = field(default_factory=dict)
+    retired: dict[str, RetiredUsage] = field(default_factory=dict)  # by project
+    start_delay_s: float = 0.0  # recent median seconds from admission to a running pod
+
+    @property
+    def orphan_keys(self) -> list[str]:
+        return [orphan_key(pod) for pod in self.orphans]
+
+
+class Observer:
+    """Reads the watch caches into a `PassState`; keeps what makes the next read cheaper
+    (each job's decoding, each quota's retired usage) and nothing a later stage writes."""
+
+    def __init__(self, informers: Informers, unschedulable_timeout_s: float):
+        self.informers = informers
+        self.unschedulable_timeout_s = unschedulable_timeout_s
+        self.decoded: dict[str, _Decoded] = {}  # job key -> its decoding (see read)
+        # quota name -> (resourceVersion, its retired usage as decoded then); see retired
+        self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
+        self._status_problems: set[str] = set()  # malformed quota statuses logged already
+
+    def _read_nodes(self, state: PassState) -> None:
+        """Inventories, driver/CUDA versions and per-pod peak memory from the GpuNodes."""
+        labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
+                  for n in self.informers.objects("nodes")}
+        for gn in self.informers.objects(names.GPUNODE_PLURAL):
+            name = gn["metadata"]["name"]
+            if name not in labels:
+                continue  # the Node is gone; its GpuNode is stale
+            status = gn.get("status") or {}
+            try:
+                state.inventories[name] = inventory_from_gpunode(name, status, labels[name])
+            except ValueError as err:
+                log.warning("ignoring GpuNode %s: %s", name, err)
+                continue
+            state.node_software[name] = (str(status.get("driverVersion") or ""),
+                                         str(status.get("cudaVersion") or ""))
+            if status.get("processActivity") is True:
+                state.activity_nodes.add(name)
+            for pod in status.get("pods") or []:
+                try:
+                    key = (str(pod["namespace"]), str(pod["name"]))
+                    peak = int(pod.get("peakMemoryMiB") or 0)
+                except (KeyError, TypeError, ValueError):
+                    continue
+                state.pod_peaks[key] = max(peak, state.pod_peaks.get(key, 0))
+                if (active := epoch_of(pod.get("lastActiveTime"))) is not None:
+                    state.pod_active[key] = max(active, state.pod_active.get(key, active))
+
+    def read(self, now: float) -> PassState:
+        """The jobs, pods and nodes in the watch caches, decoded; derives, writes nothing."""
+        state = PassState(now=now)
+        self._read_nodes(state)
+        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
+                  for g in inv.gpus}
+        mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
+                      for g in inv.gpus for m in g.mig_instances}
+        by_uid: dict[str, tuple[PodView, str]] = {}  # uid -> (pod, resourceVersion)
+        by_name: dict[str, str] = {}  # namespace/name -> uid
+        for pod in self.informers.objects(PODS):
+            view = view_pod(pod)
+            by_uid[view.uid] = (view, str(pod["metadata"].get("resourceVersion", "")))
+            by_name[f"{view.namespace}/{view.name}"] = view.uid
+        linked: set[str] = set()  # uids of pods that are some job's attempt
+        decoded: dict[str, _Decoded] = {}
+        for obj in self.informers.objects(GPUJOBS):
+            key = _job_key(obj)
+            state.objects[key] = obj
+            meta = obj["metadata"]
+            version = str(meta.get("resourceVersion", ""))
+            guarded = names.FINALIZER in (meta.get("finalizers") or ())
+            links = _attempt_pods(obj, by_uid, by_name)
+            status_now = obj.get("status") or {}
+            for linked_pod, link in links:
+                linked.add(linked_pod.uid)
+                if meta.get("deletionTimestamp") or linked_pod.terminal:
+                    continue
+                why = ("its ownerReference no longer names that job" if link.tampered else
+                       assignment_tampered(linked_pod.assignment, linked_pod.limits, str(
+                           status_now.get("podAssignment") or "")
+                           if link.attempt == int(status_now.get("attempts") or 0) else ""))
+                if why:
+                    state.tampered.append((key, linked_pod, why))
+            job_pods = [replace(p, attempt=link.attempt) for p, link in links]
+            signature = tuple(sorted(by_uid[p.uid][1] for p in job_pods))
+            cached = self.decoded.get(key)
+            if cached is not None and cached.version == version \
+                    and cached.pods in (None, signature):
+                # neither the job nor its pods changed since a pass derived nothing to write
+                # for it: the same decoding (thousands of jobs wait or run through many passes)
+                decoded[key] = cached
+                self._reuse(state, obj, cached, guarded, now)
+                continue
+            obs = observe(obj, job_pods, totals, now, mig_slices,
+                          self.pod_gone_at(str(status_now.get("podUID") or "")))
+            status = obj.get("status") or {}
+            # only what differs: a running job's derived status mostly equals what it shows
+            patch = job_status.changes(status, obs.status)
+            settled = not patch and not obs.events  # nothing to write but hardware facts
+            if obs.live_pod is not None:
+                state.attempt_pods[key] = obs.live_pod
+                self._observe_hardware(state, obs.live_pod, status, patch)
+                if obs.phase is Phase.ADMITTED and not meta.get("deletionTimestamp"):
+                    self._check_unschedulable(state, key, {**status, **patch},
+                                              obs.live_pod, now)
+            state.events.extend((obj, job_status.JobEvent(reason, note, type_, derived=True))
+                                for type_, reason, note in obs.events)
+            merged = {**status, **patch}
+            exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
+                == "exclusive"
+            if obs.live_pod is not None and obs.live_pod.assignment:
+                grants = grants_from_assignment(obs.live_pod.assignment, exclusive)
+                node = obs.live_pod.node or obs.live_pod.assignment.node
+            elif obs.phase.holds_gpus or (obs.phase is Phase.PREEMPTED and obs.live_pod):
+                grants = grants_from_status(merged.get("gpus"), exclusive)
+                node = str(merged.get("node") or "")
+            else:
+                grants, node = (), ""
+            try:
+                job = job_from_object(obj, obs.phase, obs.attempts, grants, node,
+                                      merged.get("history") or [])
+            except ValueError as err:
+                if not obs.phase.finished:
+                    failed, event = job_status.invalid_spec(obj, str(err))
+                    patch.update(failed)
+                    state.events.append((obj, event))
+                state.patches[key] = patch
+                continue
+            if settled and not meta.get("deletionTimestamp"):
+                decoded[key] = _Decoded(version, None if obs.phase.finished else signature,
+                                        job, obs.live_pod)
+            if job.holds_gpus and node not in state.inventories:
+                job = _detached(job)  # its node is gone: it holds nothing we can see
+            if meta.get("deletionTimestamp"):
+                live = obs.live_pod if obs.live_pod and not obs.live_pod.terminal else None
+                if guarded:
+                    state.deleting[key] = (job, live)
+                if live is None:
+                    continue  # gone for the queue; its usage is retired (see _retire)
+            elif not guarded and (job.runs or obs.live_pod is not None):
+                state.unguarded.append(key)
+            state.jobs.append(job)
+            state.phases[key] = obs.phase
+            if patch:
+                # a job written anyway gets its submit time and phase with it
+                state.patches[key] = {**job_status.initial_status(obj), **patch}
+            elif not obs.phase.finished:
+                state.initial[key] = job_status.initial_status(obj)
+        self.decoded = decoded  # jobs gone from the cache are forgotten
+        billed = {str(ns) for quota in self.informers.objects(QUOTAS)
+                  for ns in (quota.get("spec") or {}).get("namespaces") or ()}
+        state.pods = {uid: pod for uid, (pod, _) in by_uid.items()}
+        state.orphans = [pod for pod, _ in by_uid.values() if is_orphan(
+            pod.identity, pod.holds_gpus, pod.uid in linked, pod.namespace in billed)]
+        state.start_delay_s = admission_to_start_s(
+            obj.get("status") or {} for obj in state.objects.values())
+        return state
+
+    def pod_gone_at(self, uid: str) -> float | None:
+        """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted: its
+        containers' end as its last state shows it, else when the deletion was seen."""
+        seen = self.informers.gone_at(PODS, uid)
+        if seen is None:
+            return None
+        at, last = seen
+        finished = view_pod(last).finished
+        return min(at, finished) if finished else at
+
+    def _check_unschedulable(self, state: PassState, key: str, status: Obj, pod: PodView,
+                             now: float) -> None:
+        given_back = give_back_unschedulable(status, pod, now,
+                                             self.unschedulable_timeout_s)
+        if given_back is not None:
+            state.unschedulable.append((key, *given_back))
+
+    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, guarded: bool,
+               now: float) -> None:
+        """A job decoded as before; only its node's presence and hardware facts (from the
+        GpuNodes, which change on their own) are looked at again."""
+        key = cached.job.key
+        job = cached.job
+        if job.holds_gpus and job.node not in state.inventories:
+            job = _detached(job)
+        if not guarded and (job.runs or cached.live_pod is not None):
+            state.unguarded.append(key)
+        state.jobs.append(job)
+        state.phases[key] = job.phase
+        patch: Obj = {}
+        if cached.live_pod is not None:
+            state.attempt_pods[key] = cached.live_pod
+            self._observe_hardware(state, cached.live_pod, obj.get("status") or {}, patch)
+            if job.phase is Phase.ADMITTED:  # (a pod waiting for a node changes nothing)
+                self._check_unschedulable(state, key, obj.get("status") or {},
+                                          cached.live_pod, now)
+        if patch:
+            state.patches[key] = {**job_status.initial_status(obj), **patch}
+        elif not job.phase.finished:
+            state.initial[key] = job_status.initial_status(obj)
+
+    @staticmethod
+    def _observe_hardware(state: PassState, pod: PodView, status: Obj, patch: Obj) -> None:
+        """Hardware fingerprint once the pod is on a node; peak memory as it grows."""
+        uuids = [g.uuid for g in pod.assignment.gpus] if pod.assignment else []
+        hardware = job_status.hardware_fingerprint(
+            state.inventories.get(pod.node), state.node_software.get(pod.node, ("", "")),
+            uuids) if pod.node and uuids else None
+        activity = None
+        if pod.node in state.activity_nodes and pod.started is not None:
+            activity = max(pod.started,
+                           state.pod_active.get((pod.namespace, pod.name), pod.started))
+        patch.update(job_status.hardware_facts(
+            status, hardware, state.pod_peaks.get((pod.namespace, pod.name)), activity))
+
+    def quotas(self) -> tuple[dict[str, ProjectQuota], dict[str, Obj]]:
+        quotas: dict[str, ProjectQuota] = {}
+        objects: dict[str, Obj] = {}
+        for obj in self.informers.objects(QUOTAS):
+            try:
+                quota = quota_from_object(obj)
+            except ValueError as err:
+                log.warning("ignoring ProjectQuota %s: %s", obj["metadata"]["name"], err)
+                continue
+            quotas[quota.name] = quota
+            objects[quota.name] = obj
+        return quotas, objects
+
+    def retired(self, quota_objects: Mapping[str, Obj]) -> dict[str, RetiredUsage]:
+        """Each quota's retired usage from its status, decoded once per version of the quota;
+        a malformed part (a hand-edited status) is left out and logged once."""
+        decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
+        for name, obj in quota_objects.items():
+            version = str(obj["metadata"].get("resourceVersion", ""))
+            cached = self._retired_decoded.get(name)
+            if cached is None or cached[0] != version:
+                usage, problems = retired_from_status(name, obj.get("status"))
+                for problem in problems:
+                    if (said := f"ProjectQuota {name}: {problem}") not in self._status_problems:
+                        self._status_problems.add(said)
+                        log.warning("%s", said)
+                cached = (version, usage)
+            decoded[name] = cached
+        self._retired_decoded = decoded
+        return {name: usage for name, (_, usage) in decoded.items() if usage is not None}
+
+
+def orphan_key(pod: PodView) -> str:
+    """An orphan's key in its project's retired usage (once per pod object)."""
+    return f"pod:{pod.namespace}/{pod.name}@{pod.uid}"
+
+
+def _detached(job: Job) -> Job:
+    return replace(job, grants=(), node="")
