@@ -17,7 +17,7 @@ threads) and follows them with a watch until all have started. It reports:
 - the median absolute error of the first estimated start a queued job showed vs. its actual
   start (status.startTime, from the pod), over jobs that waited;
 - the same first estimates in the issue's terms, by the replay's rule
-  (`carpool.core.queue_replay.first_estimate_errors`, `eta_first` in the result):
+  (`carpool.replay.queue_replay.first_estimate_errors`, `eta_first` in the result):
   |estimated start - actual start| / actual wait (the server's creation time, as in the
   job's status.submitTime, or the operator's start if later, to the first start) over jobs
   that waited >= 60 s, median, P90 and signed; the share of them whose start fell inside
@@ -30,7 +30,7 @@ threads) and follows them with a watch until all have started. It reports:
   so a platform team's dashboard and this bench can be checked against each other.
 
 The jobs' `estimatedDuration` is their simulated run time unless `--user-estimates realistic`
-draws it from that run time as users estimate (`carpool.core.job_traces.user_estimate`), and
+draws it from that run time as users estimate (`carpool.replay.job_traces.user_estimate`), and
 with `--templates N` the jobs come from N templates (repeating name stems) with their own
 typical run times, so that run-time learning from finished GpuJobs has something to learn;
 `--arrival-rate` spreads the creations so later arrivals are estimated after jobs finished.
@@ -67,9 +67,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from carpool.core import names
 from carpool.core.eta_accuracy import score_first_estimate
-from carpool.core.job_traces import user_estimate
-from carpool.core.queue_replay import Estimate, first_estimate_errors
 from carpool.core.timestamps import epoch_seconds
+from carpool.replay.job_traces import user_estimate
+from carpool.replay.queue_replay import Estimate, first_estimate_errors
 from carpool_testbed import crds, devcluster, simnodes, stack
 
 SECTION = "## Operator admission (bench/admission.py)"

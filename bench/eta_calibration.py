@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.replay import job_traces, queue_replay, simulation
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 DEFAULT_TRACES = "gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85"

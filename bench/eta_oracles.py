@@ -45,12 +45,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.eta import LearnKey, expected_duration, expected_remaining, fold_finished
 from carpool.core.jobs import DurationEstimate, Job
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool.core.resources import Phase
+from carpool.replay import job_traces, queue_replay, simulation
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 VARIANTS = ("as-is", "exact", "no-preemption", "exact+no-preemption")

@@ -624,7 +624,7 @@ def sampled_replay(nodes: list[Any], sequence: list[Any], scorer: Any,
     `numFeasibleNodesToFind` fit (at least 100; 0 = the adaptive default, 50 − nodes/125 %,
     at least 5 %). 100 reproduces bench/placement.py. (GPU allocation at 100 % arrival, at
     the end.)"""
-    from carpool.core import simulation
+    from carpool.replay import simulation
 
     cluster = simulation._Cluster(nodes)
     n = len(nodes)
@@ -665,7 +665,8 @@ def sampled_replay(nodes: list[Any], sequence: list[Any], scorer: Any,
 
 
 def bench_sampling(args: argparse.Namespace) -> int:
-    from carpool.core import scoring, simulation
+    from carpool.core import scoring
+    from carpool.replay import simulation
 
     nodes = simulation.parse_nodes_csv(NODES_CSV.read_text())
     print(f"{'trace':<12} {'percentage':>10} {'at 100 %':>9} {'at end':>8}  (medians of "

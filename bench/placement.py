@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from carpool.core import simulation
+from carpool.replay import simulation
 from carpool_testbed import simulate
 from carpool_testbed.simulate import NODE_LIST, Outcome, Run, replay_all, traces_dir
 
@@ -178,7 +178,7 @@ NOTES = [
     "workload's CPU-per-GPU ratio — plus a small model-scarcity term that keeps unconstrained "
     "pods off the models `gpu_spec`-constrained pods need).",
     "",
-    "The GPU-sharing schedulers' policies (`carpool.core.peers`, each written from the peer's "
+    "The GPU-sharing schedulers' policies (`carpool.replay.peers`, each written from the peer's "
     "code, cited there by file and function): *hami-NODE-GPU* is HAMi's extender with its "
     "node policy (binpack: the node whose GPUs are most used before the pod, by pods per slot "
     "+ cores + memory; spread: the least) and its GPU policy (binpack: the busiest GPU that "

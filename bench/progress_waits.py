@@ -1,7 +1,7 @@
 """Estimated starts when a share of the running jobs report their progress: Carpool's replay
 (`carpool simulate queue --progress-share`) at several shares, side by side on the same traces.
 
-Reporting jobs follow `carpool.core.progress_traces` (start-up, rate changes, evaluation
+Reporting jobs follow `carpool.replay.progress_traces` (start-up, rate changes, evaluation
 pauses, checkpoint saves, restarts from a checkpoint), drawn per job from the trace's seed;
 the others are estimated from learned run times alone. Per replay: the median relative error
 of the estimate given at arrival over jobs that waited at least 60 s, overall and per class,
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eta_calibration import load
 
-from carpool.core import queue_replay
 from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.replay import queue_replay
 
 DEFAULT_TRACES = ("gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85,load:4:0.85,load:5:0.85,"
                   "openb:0.004")

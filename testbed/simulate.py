@@ -22,12 +22,13 @@ from typing import Any
 
 from carpool.cli import simulator
 from carpool.cli.simulator import policy_list, positive
-from carpool.core import peers, scoring, simulation
+from carpool.core import scoring
 from carpool.core.workload import TargetWorkload
+from carpool.replay import peers, simulation
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 
 POLICIES = ("random", "best-fit", "dot-product", "fgd", "carpool")
-PEER_POLICIES = tuple(peers.POLICIES)  # the GPU-sharing schedulers' (carpool.core.peers)
+PEER_POLICIES = tuple(peers.POLICIES)  # the GPU-sharing schedulers' (carpool.replay.peers)
 ALL_POLICIES = POLICIES + PEER_POLICIES
 
 

@@ -1,4 +1,4 @@
-"""`carpool simulate queue`: the queue replay (`carpool.core.queue_replay`) as a command.
+"""`carpool simulate queue`: the queue replay (`carpool.replay.queue_replay`) as a command.
 
 It reads the trace and node list the user names, fans the policies out to worker processes
 and formats the numbers; the replay, the policies and the scores live in the core. It needs
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from carpool.core import job_traces, queue_replay, simulation
 from carpool.core.durations import format_duration_roughly
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.replay import job_traces, queue_replay, simulation
 
 Scores = dict[str, object]
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.core import queue_replay as qr
+from carpool.replay import queue_replay as qr
 from carpool_testbed.__main__ import main as carpool_testbed
 
 CARPOOL = Path(sys.executable).parent / "carpool"

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from carpool.core import queue_replay as qr
 from carpool.core.accounting import retire_deleted
 from carpool.core.decoding import job_from_object, retired_from_status, retired_to_status
 from carpool.core.eta import kept_history
-from carpool.core.job_traces import TraceJob
 from carpool.core.jobs import ClusterSnapshot, Job, RetiredUsage, job_template
 from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import format_timestamp
+from carpool.replay import queue_replay as qr
+from carpool.replay.job_traces import TraceJob
 from carpool_testbed.builders import packing_placer
 
 T0 = 1_800_000_000

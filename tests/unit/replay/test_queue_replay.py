@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from carpool.core import job_traces as traces
-from carpool.core import queue_replay as qr
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass
+from carpool.replay import job_traces as traces
+from carpool.replay import queue_replay as qr
 from carpool_testbed.builders import packing_placer
 
 NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\nn1,64000,262144,2,T4\n"

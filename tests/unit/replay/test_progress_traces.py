@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.core import job_traces as traces
-from carpool.core import queue_replay as qr
 from carpool.core.eta import reported_remaining
 from carpool.core.jobs import Job, RunRecord
-from carpool.core.progress_traces import curve, report_every
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.replay import job_traces as traces
+from carpool.replay import queue_replay as qr
+from carpool.replay.progress_traces import curve, report_every
 from carpool_testbed.builders import packing_placer
 
 NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\nn1,64000,262144,1,T4\n"

@@ -1,4 +1,4 @@
-"""The GPU-sharing schedulers' policies (carpool.core.peers): each choice checked by hand on
+"""The GPU-sharing schedulers' policies (carpool.replay.peers): each choice checked by hand on
 small nodes, kube-scheduler's integer scores, and a replay through the simulator against a
 brute-force search."""
 
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from carpool.core import peers, simulation
-from carpool.core.peers import PeerPlanner
 from carpool.core.scoring import GpuSlot, NodeProfile
-from carpool.core.simulation import TraceNode, TracePod
 from carpool.core.workload import Demand
+from carpool.replay import peers, simulation
+from carpool.replay.peers import PeerPlanner
+from carpool.replay.simulation import TraceNode, TracePod
 
 QUARTER = Demand(cpu_milli=1000, memory_mib=1024, gpu_count=1, gpu_milli=250)
 

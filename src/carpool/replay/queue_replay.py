@@ -51,7 +51,6 @@ from carpool.core.eta import (
 from carpool.core.eta_accuracy import INSIDE, score_first_estimate
 from carpool.core.eta_accuracy import MIN_WAIT_S as MIN_WAIT_S  # the replay's: one rule
 from carpool.core.fairshare import nominal_fraction
-from carpool.core.job_traces import TraceJob
 from carpool.core.jobs import (
     ClusterSnapshot,
     DurationEstimate,
@@ -62,10 +61,11 @@ from carpool.core.jobs import (
     StartMiss,
 )
 from carpool.core.placement import NodeState
-from carpool.core.progress_traces import Curve, curve
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import as_written
+from carpool.replay.job_traces import TraceJob
+from carpool.replay.progress_traces import Curve, curve
 
 POLICIES = ("fifo", "slurm", "kueue", "carpool")
 REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at most this often

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from carpool.core import scoring, simulation
+from carpool.core import scoring
 from carpool.core.scoring import Plan, Scorer
-from carpool.core.simulation import TraceNode, TracePod
 from carpool.core.workload import Demand, TargetWorkload
+from carpool.replay import simulation
+from carpool.replay.simulation import TraceNode, TracePod
 from carpool_testbed import simulate as simulate_cli
 from carpool_testbed import traces
 from carpool_testbed.__main__ import main as carpool_main

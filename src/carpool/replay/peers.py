@@ -3,7 +3,7 @@
 HAMi, gpushare and Volcano cannot run beside Carpool here (their modules are not served by
 the Go module proxy), so their documented node and GPU choices are written again, in our
 own terms, from their code (read at the commits named below), and replayed on the same
-openb traces under the same protocol (`carpool.core.simulation`). What each one is based on:
+openb traces under the same protocol (`carpool.replay.simulation`). What each one is based on:
 
 *HAMi* (Project-HAMi/HAMi @ 4707fb0, Aug 2026). Its scheduler extender answers filter with one
 node, so it alone picks the node of a GPU pod.

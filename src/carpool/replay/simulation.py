@@ -24,9 +24,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from carpool.core.peers import PeerPlanner
 from carpool.core.scoring import GpuSlot, NodeProfile, Plan, Scorer, fits, slot_fits, take
 from carpool.core.workload import MILLI_PER_GPU, Demand, TargetWorkload
+from carpool.replay.peers import PeerPlanner
 
 INFLATION = 1.3  # requests arrive until 130 % of GPU capacity
 RANDOM_POLICY = "random"
