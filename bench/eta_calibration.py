@@ -1,9 +1,9 @@
 """Estimated starts with one of their corrections off and on, side by side on the same
 traces: Carpool's replay (`carpool simulate queue`'s Carpool policy) with the setting off and
 on, alternating, one trace after another. `--setting calibration` (the default): the class
-calibration (`AdmissionConfig.class_calibration`, eta.calibrated_start); `--setting
+calibration (`AdmissionConfig.class_calibration`, estimate_ranges.calibrated_start); `--setting
 arrivals`: higher-class arrivals widening the ranges' end (`AdmissionConfig.
-arrival_window_s` 0 against its default, eta.wait_stretch); `--setting promises`: jobs
+arrival_window_s` 0 against its default, estimate_ranges.wait_stretch); `--setting promises`: jobs
 queued past their first promised start ranking ahead of work that would overtake them
 (`AdmissionConfig.keep_promises`, fairshare). `--against DIR`: no setting; Carpool's replay
 with its defaults in another checkout of this repository (DIR, set up with `make dev`) against

@@ -11,9 +11,10 @@ per class, over jobs that waited at least 60 s:
 - both.
 
 First, run-time prediction on its own: for every job, in the order the jobs end, the run time
-the operator's learning (`eta.fold_finished`, `eta.expected_duration`) predicts from the runs
-that ended before it, against the user's estimate and against hindsight (its template's median
-run time over the whole trace, which no predictor can know): median |ln(actual / predicted)|.
+the operator's learning (`run_times.fold_finished`, `run_times.expected_duration`) predicts from
+the runs that ended before it, against the user's estimate and against hindsight (its template's
+median run time over the whole trace, which no predictor can know): median |ln(actual /
+predicted)|.
 
 For every variant, each job given an estimate when it arrived is also followed in a fork of
 the replay in which nothing arrives after it ("no later arrivals"): its start there, against
@@ -45,11 +46,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from carpool.core.eta import LearnKey, expected_duration, expected_remaining, fold_finished
 from carpool.core.jobs import DurationEstimate, Job
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool.core.resources import Phase
+from carpool.core.run_times import LearnKey, expected_duration, expected_remaining, fold_finished
 from carpool.replay import job_traces, queue_replay, simulation
 from carpool_testbed.traces import DEFAULT_PODS, NODE_LIST, traces_dir
 

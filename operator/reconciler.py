@@ -22,7 +22,7 @@ from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.decoding import (
     retired_to_status,
 )
-from carpool.core.eta import kept_history
+from carpool.core.estimate_ranges import kept_history
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.lifecycle import (
     UNSCHEDULABLE,

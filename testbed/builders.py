@@ -51,7 +51,7 @@ def project_quota(name: str = "a", **fields: Any) -> ProjectQuota:
 
 def packing_placer(node: NodeState, request: GpuRequest
                    ) -> tuple[float, tuple[GpuGrant, ...]] | None:
-    """A node placer (`carpool.core.eta.NodePlacer`) ranking independently of the extender's
+    """A node placer (`carpool.core.timeline.NodePlacer`) ranking independently of the extender's
     scoring: the GPUs are the extender's choice (`gpu_choice.choose_gpus` under a default
     scorer), the score prefers the node that ends up fullest.
 

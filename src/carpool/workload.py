@@ -202,7 +202,7 @@ T = TypeVar("T")
 class Progress:
     """A loop's progress, reported as it goes: steps done of a known total, the phase it is
     in, and recent training samples, so that Carpool tells a steady rate from an evaluation
-    pause or a checkpoint stall (`carpool.core.eta.reported_remaining`).
+    pause or a checkpoint stall (`carpool.core.run_times.reported_remaining`).
 
     Steps are counted over the whole job (`start`: where this attempt resumed). A sample is
     kept every `every_s` / 2 seconds of training and at each pause's start and end (no

@@ -1,14 +1,14 @@
 """The 80 % range of an estimated start, through the real operator and API server.
 
-A range needs `eta.MIN_RANGE_SAMPLES` started jobs whose first estimate promised a wait of at
-least a minute; the class calibration needs `eta.MIN_CLASS_MISSES` per class. Running that many
-jobs for real takes many minutes, so the test seeds the history the operator reads back as
-the platform team's admin would find it after those jobs ran: deleted jobs' misses in a
-ProjectQuota's `status.retired.startMisses` (written with the core's own `retire_history`,
-as the operator writes it when a finished job is deleted), and one finished GpuJob whose
-status says when it was promised and when it started. Writing statuses is admin work (a
-tenant's `edit` role has no access to the status subresource); everything a user does here
-(submitting, `kubectl get gpujobs`, `kubectl carpool why` / `queue`) is done as a tenant: a
+A range needs `estimate_ranges.MIN_RANGE_SAMPLES` started jobs whose first estimate promised a
+wait of at least a minute; the class calibration needs `estimate_ranges.MIN_CLASS_MISSES` per
+class. Running that many jobs for real takes many minutes, so the test seeds the history the
+operator reads back as the platform team's admin would find it after those jobs ran: deleted
+jobs' misses in a ProjectQuota's `status.retired.startMisses` (written with the core's own
+`retire_history`, as the operator writes it when a finished job is deleted), and one finished
+GpuJob whose status says when it was promised and when it started. Writing statuses is admin
+work (a tenant's `edit` role has no access to the status subresource); everything a user does
+here (submitting, `kubectl get gpujobs`, `kubectl carpool why` / `queue`) is done as a tenant: a
 ServiceAccount bound to its namespace's `edit` role (and to `carpool-cluster-view`, as the
 chart's user roles advise), with `kubectl --as` and a token kubeconfig for the plugin.
 
@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from carpool import reporting
 from carpool.core import names
 from carpool.core.decoding import retired_to_status
-from carpool.core.eta import (
+from carpool.core.estimate_ranges import (
     MAX_HIGHER_LOAD,
     MIN_CLASS_MISSES,
     MIN_RANGE_SAMPLES,
@@ -333,7 +333,7 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     _between(simulated_2, (simulated + 300, simulated + 300), 2 * ROUNDING_S,
              "the second long job's simulated start: after the first")
     class_misses = [math.log(3.0)] * (MIN_CLASS_MISSES - 1) + [
-        math.log((t0 - submitted) / (promised - submitted))]  # eta.overdue_miss
+        math.log((t0 - submitted) / (promised - submitted))]  # estimate_ranges.overdue_miss
     aging = _epoch(calibrated["submitTime"]) + 3600
     _between(_epoch(calibrated["firstEstimatedStart"]),
              (_scaled(t0, simulated_2, 3.0), _scaled(t1, simulated_2, 3.0)), 4 * ROUNDING_S,

@@ -12,12 +12,13 @@ from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
-from carpool.core.eta import DURATION_LEARNING_RATE, retire_history
+from carpool.core.estimate_ranges import retire_history
 from carpool.core.fairshare import decay_factor, decayed_gpu_hours
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.jobs import Job, ProjectQuota, ProjectUsage, RetiredUsage, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation, NodeInventory
+from carpool.core.run_times import DURATION_LEARNING_RATE
 
 
 def grants_fraction(grants: Iterable[GpuGrant], inventory: NodeInventory,
@@ -132,9 +133,9 @@ def retire_runs(retired: RetiredUsage | None, key: str, runs: Iterable[RunRecord
 def retire_deleted(retired: RetiredUsage | None, job: Job, quota: ProjectQuota, now: float,
                    half_life_s: float, alpha: float = DURATION_LEARNING_RATE) -> RetiredUsage:
     """Fold a job that is being deleted into its project's retired usage: its GPU-hours
-    (`retire_job`) and what it taught the estimates (`eta.retire_history`). Idempotent by
-    `job.key` (the operator makes it unique per object: key@uid); returns `retired` itself
-    when the job was folded in already."""
+    (`retire_job`) and what it taught the estimates (`estimate_ranges.retire_history`).
+    Idempotent by `job.key` (the operator makes it unique per object: key@uid); returns
+    `retired` itself when the job was folded in already."""
     if retired is not None and job.key in retired.job_keys:
         return retired
     return retire_history(retire_job(retired, job, quota, now, half_life_s), job, alpha)

@@ -15,7 +15,7 @@ from typing import Any, TypeGuard
 
 from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
-from carpool.core.eta import recent_misses
+from carpool.core.estimate_ranges import recent_misses
 from carpool.core.eta_accuracy import FirstStart, score_first_start
 from carpool.core.jobs import (
     BudgetPolicy,

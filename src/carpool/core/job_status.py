@@ -267,7 +267,7 @@ def wait_fields(status: Mapping[str, Any], wait: Wait, now: float, backlog_s: fl
             # the range shown with it, to score (carpool_eta_first_range_total)
             fields["firstEstimatedStartEarliest"] = fields["estimatedStartEarliest"]
             fields["firstEstimatedStartLatest"] = fields["estimatedStartLatest"]
-        # what the class calibration learns from (eta.calibrated_start)
+        # what the class calibration learns from (estimate_ranges.calibrated_start)
         fields["firstSimulatedStart"] = shown(wait.simulated_start)
     return fields
 

@@ -85,7 +85,7 @@ def job_template(name: str, image: str = "") -> str:
 
 @dataclass(frozen=True)
 class DurationEstimate:
-    """Exponentially weighted history of finished runs of one group of jobs (see `eta`)."""
+    """Exponentially weighted history of finished runs of one group of jobs (see `run_times`)."""
 
     seconds: float  # weighted mean actual run time
     ratio: float  # weighted mean of actual / estimated run time
@@ -144,7 +144,8 @@ class Job:
     last_gpu_activity: float | None = None
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
     first_estimated_start: float | None = None  # the first estimate it was shown
-    # that estimate as the forward simulation made it, before calibration (eta.calibrated_start)
+    # that estimate as the forward simulation made it, before calibration
+    # (estimate_ranges.calibrated_start)
     first_simulated_start: float | None = None
     # requeued after a failure not by its code: not admitted before this (lifecycle.
     # requeue_not_before); 0.0: no wait
@@ -268,7 +269,7 @@ class StartMiss:
     estimated wait): the first estimate it was shown (`shown`; the estimate ranges follow
     these) and the forward simulation's first start before calibration (`simulated`; the
     class calibration follows these). None where there was none, or it promised under a
-    minute (eta.wait_miss, eta.simulated_miss)."""
+    minute (estimate_ranges.wait_miss, estimate_ranges.simulated_miss)."""
 
     start: float  # first started at
     job_class: JobClass
@@ -291,12 +292,12 @@ class RetiredUsage:
     decayed_gpu_hours: float = 0.0  # fair-share usage, valid at `decayed_as_of`
     decayed_as_of: float = 0.0
     job_keys: frozenset[str] = frozenset()
-    # learned run times of this project's keys (eta.LearnKey), least recently updated first;
-    # at most eta.MAX_RETIRED_TEMPLATES templates (eta.retire_history)
+    # learned run times of this project's keys (run_times.LearnKey), least recently updated first;
+    # at most estimate_ranges.MAX_RETIRED_TEMPLATES templates (estimate_ranges.retire_history)
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(
         default_factory=dict)
     # how the estimates of deleted jobs missed, by start time; only those that can still
-    # count (eta.recent_misses)
+    # count (estimate_ranges.recent_misses)
     start_misses: tuple[StartMiss, ...] = ()
 
 
@@ -328,7 +329,7 @@ class ClusterSnapshot:
     # run-time history of finished jobs no longer in `jobs` (a replay keeps it run by run);
     # the cycle adds what the finished jobs in `jobs` teach
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(default_factory=dict)
-    # how the estimates of started jobs no longer in `jobs` missed (eta.recent_misses)
+    # how the estimates of started jobs no longer in `jobs` missed (estimate_ranges.recent_misses)
     start_misses: tuple[StartMiss, ...] = ()
     # (submitted at, class level, GPU-seconds) of recent arrivals no longer in `jobs`
     recent_arrivals: tuple[tuple[float, int, float], ...] = ()

@@ -34,11 +34,11 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.core.eta import Timeline
 from carpool.core.fairshare import effective_level
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.jobs import Job
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass
+from carpool.core.timeline import Timeline
 
 MIN_LEAVING_S = 1.0  # a victim's GPUs are not free before the operator has seen its pod gone
 

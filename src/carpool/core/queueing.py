@@ -13,7 +13,7 @@ What it does, in queue order (see `fairshare` for the order and the aging bound)
    the node, so nothing later in the cycle takes the same GPUs. A job still in its requeue
    backoff is judged and estimated as any other but neither admitted nor preempting yet.
 4. Otherwise it waits and, within the first `reservation_depth` waiting jobs, reserves the
-   earliest slot the forward simulation (`eta`) finds: that is its estimated start, and no
+   earliest slot the forward simulation (`timeline`) finds: that is its estimated start, and no
    lower-ranked job may take it (backfill only fills holes). Deeper jobs get a coarse
    estimate from the cluster's drain rate.
 5. A job that is allowed to start but finds no room may preempt (`preemption`): victims are
@@ -42,25 +42,13 @@ from typing import NamedTuple
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
 from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
-from carpool.core.eta import (
-    DURATION_LEARNING_RATE,
+from carpool.core.estimate_ranges import (
     MIN_RANGE_SAMPLES,
     RATE_ARRIVALS,
-    LearnKey,
-    NodePlacer,
-    Occupancy,
-    Slot,
-    Timeline,
-    TimelineMemo,
     arrival_work,
     calibrated_start,
     class_misses,
-    expected_duration,
-    fluid_start,
     higher_class_load,
-    learn_durations,
-    remaining,
-    run_time,
     start_range,
     started_misses,
     wait_misses,
@@ -104,7 +92,16 @@ from carpool.core.quota import (
     judge,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.run_times import (
+    DURATION_LEARNING_RATE,
+    LearnKey,
+    expected_duration,
+    learn_durations,
+    remaining,
+    run_time,
+)
 from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
+from carpool.core.timeline import NodePlacer, Occupancy, Slot, Timeline, TimelineMemo, fluid_start
 
 
 def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
@@ -148,13 +145,13 @@ class AdmissionConfig:
     # higher_class_load, wait_stretch); 0: off
     arrival_window_s: float = 3600.0
     # scale simulated starts by how their class's recent ones missed, up to the next aging
-    # step (eta.calibrated_start); off: the forward simulation's start as it is
+    # step (estimate_ranges.calibrated_start); off: the forward simulation's start as it is
     class_calibration: bool = True
     # a job queued past its first promised start ranks ahead of work that would overtake it
     # (fairshare: due jobs); off: classes and aging alone order the queue
     keep_promises: bool = True
     # weight of the newest finished run in learned durations, once a group has 1/rate runs
-    # (before that, runs are averaged: eta.update_duration_estimate)
+    # (before that, runs are averaged: run_times.update_duration_estimate)
     duration_learning_rate: float = DURATION_LEARNING_RATE
     node_placer: NodePlacer = field(default_factory=extender_placer)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
@@ -238,8 +235,8 @@ class Wait:
     coarse_estimate: bool = False  # beyond the reservation depth: drain-rate estimate
     estimated_start_low: float | None = None  # the P10-P90 range around `estimated_start`
     estimated_start_high: float | None = None
-    # the forward simulation's start before calibration (eta.calibrated_start); None when
-    # the estimate is not the simulation's (the job's own victims leaving)
+    # the forward simulation's start before calibration (estimate_ranges.calibrated_start);
+    # None when the estimate is not the simulation's (the job's own victims leaving)
     simulated_start: float | None = None
 
 
@@ -597,7 +594,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
 
 def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, float]]:
-    """What `eta.higher_class_load` may count: the snapshot's arrivals of jobs gone, and
+    """What `estimate_ranges.higher_class_load` may count: the snapshot's arrivals of jobs gone, and
     of the jobs present within the window the latest `RATE_ARRIVALS` of each class above
     batch (no class is below batch, and no class counts more of those above it), so the
     work they bring is computed for those only."""
@@ -661,9 +658,10 @@ def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, config: Admission
 
 def _range_stretch(job_class: JobClass, loads: Mapping[int, float],
                    config: AdmissionConfig) -> float:
-    """How much a class's wait stretches if higher classes keep arriving (`eta.wait_stretch`):
-    all classes above it may overtake it until its promised start, and with promises kept
-    only those above the level it is then due at (`fairshare.due_level`) after it."""
+    """How much a class's wait stretches if higher classes keep arriving
+    (`estimate_ranges.wait_stretch`): all classes above it may overtake it until its promised
+    start, and with promises kept only those above the level it is then due at
+    (`fairshare.due_level`) after it."""
     level = int(job_class)
     when_due = due_level(level) if config.keep_promises else level
     return wait_stretch(loads.get(level, 0.0), loads.get(when_due, 0.0))
@@ -671,7 +669,7 @@ def _range_stretch(job_class: JobClass, loads: Mapping[int, float],
 
 def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
                 spread: _Spread | None = None) -> Wait:
-    """The wait with its 80 % range (`eta.start_range`), whose end reaches at least the
+    """The wait with its 80 % range (`estimate_ranges.start_range`), whose end reaches at least the
     estimated wait stretched by `stretch` (`_range_stretch`): the estimate is the
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
     they lately have (a surge the misses of started jobs show only a wait later). A job
@@ -1095,7 +1093,7 @@ class _QueueDecisions:
         """How much earlier or later the job may start than `found` says, when that start is
         the end of an occupancy whose spread is known (`_Cycle.spreads`: a job that reports
         progress, or a reservation behind one); then its own reservation's end spreads by
-        that and its run time's P10-P90 (`eta.run_time`), as independent errors."""
+        that and its run time's P10-P90 (`run_times.run_time`), as independent errors."""
         cycle = self.cycle
         if found.displaces:
             return  # it starts when its victims leave, whatever their progress

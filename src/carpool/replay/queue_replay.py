@@ -36,18 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
-from carpool.core.eta import (
-    DURATION_LEARNING_RATE,
-    LearnKey,
-    NodePlacer,
-    Occupancy,
-    Timeline,
-    TimelineMemo,
-    arrival_work,
-    fold_finished,
-    recent_misses,
-    start_miss,
-)
+from carpool.core.estimate_ranges import arrival_work, recent_misses, start_miss
 from carpool.core.eta_accuracy import INSIDE, score_first_estimate
 from carpool.core.eta_accuracy import MIN_WAIT_S as MIN_WAIT_S  # the replay's: one rule
 from carpool.core.fairshare import nominal_fraction
@@ -63,6 +52,8 @@ from carpool.core.jobs import (
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
+from carpool.core.run_times import DURATION_LEARNING_RATE, LearnKey, fold_finished
+from carpool.core.timeline import NodePlacer, Occupancy, Timeline, TimelineMemo
 from carpool.core.timestamps import as_written
 from carpool.replay.job_traces import TraceJob
 from carpool.replay.progress_traces import Curve, curve
@@ -147,7 +138,7 @@ class State:
     jobs: dict[str, Job] = field(default_factory=dict)  # queued, running, leaving
     retired: dict[str, RetiredUsage] = field(default_factory=dict)
     learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
-    start_misses: tuple[StartMiss, ...] = ()  # of finished jobs (eta.recent_misses)
+    start_misses: tuple[StartMiss, ...] = ()  # of finished jobs (estimate_ranges.recent_misses)
     arrivals: deque[tuple[float, int, float]] = field(default_factory=deque)
 
     def snapshot(self) -> ClusterSnapshot:

@@ -11,7 +11,7 @@ import pytest
 
 from carpool.core.decoding import job_from_object
 from carpool.core.durations import format_duration
-from carpool.core.eta import (
+from carpool.core.estimate_ranges import (
     CLASS_MISSES,
     MIN_CLASS_MISSES,
     MIN_HIGHER_ARRIVALS,

@@ -8,15 +8,12 @@ from dataclasses import replace
 import pytest
 
 from carpool.core.decoding import job_from_object
-from carpool.core.eta import (
+from carpool.core.estimate_ranges import (
     MAX_HIGHER_LOAD,
     MIN_HIGHER_ARRIVALS,
     MIN_RANGE_SAMPLES,
-    PROGRESS_DRIFT,
     RATE_ARRIVALS,
     RECENT_MISSES,
-    UNSEEN_PAUSES,
-    Z80,
     higher_class_load,
     start_range,
     started_misses,
@@ -35,6 +32,7 @@ from carpool.core.jobs import (
 )
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import GpuGrant, JobClass, Phase
+from carpool.core.run_times import PROGRESS_DRIFT, UNSEEN_PAUSES, Z80
 from carpool.reporting import relative_range
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 

@@ -9,17 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.core.eta import (
-    DurationEstimate,
-    Occupancy,
-    Timeline,
-    expected_duration,
-    expected_remaining,
-    fluid_start,
-    learn_durations,
-    update_duration_estimate,
-)
-from carpool.core.jobs import Job, RunRecord
+from carpool.core.jobs import DurationEstimate, Job, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.resources import (
     GpuGrant,
@@ -29,6 +19,13 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
+from carpool.core.run_times import (
+    expected_duration,
+    expected_remaining,
+    learn_durations,
+    update_duration_estimate,
+)
+from carpool.core.timeline import Occupancy, Timeline, fluid_start
 from carpool_testbed.builders import GIB, HOUR, gpu_node, packing_placer, packing_score
 
 WHOLE = GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE)

@@ -10,7 +10,7 @@ import pytest
 
 from carpool.core.accounting import retire_deleted
 from carpool.core.decoding import job_from_object, retired_from_status, retired_to_status
-from carpool.core.eta import kept_history
+from carpool.core.estimate_ranges import kept_history
 from carpool.core.jobs import ClusterSnapshot, Job, RetiredUsage, job_template
 from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.core.eta import Occupancy, Timeline, expected_remaining
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
@@ -22,6 +21,8 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
+from carpool.core.run_times import expected_remaining
+from carpool.core.timeline import Occupancy, Timeline
 from carpool_testbed.builders import packing_placer
 
 GIB = 1024

@@ -8,7 +8,6 @@ from functools import partial
 
 import pytest
 
-from carpool.core.eta import Occupancy, Timeline
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
 from carpool.core.preemption import (
@@ -28,6 +27,7 @@ from carpool.core.resources import (
     JobClass,
     Phase,
 )
+from carpool.core.timeline import Occupancy, Timeline
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
 CONFIG = AdmissionConfig(node_placer=packing_placer)

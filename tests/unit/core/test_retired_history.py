@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from carpool.core import eta
+from carpool.core import estimate_ranges, run_times
 from carpool.core.accounting import forget_gone, project_usage, retire_deleted
 from carpool.core.decoding import retired_from_status, retired_to_status
 from carpool.core.jobs import (
@@ -66,9 +66,10 @@ def test_a_deleted_jobs_run_is_folded_into_its_template_and_class_by_hand() -> N
     # a new job of the template is expected to take the typical run time, not its 10 minutes
     waiting = Job("lab/train-3", "lab", JobClass.BATCH, GpuRequest(1, 0), NOW, 600.0,
                   template="train@img")
-    assert eta.expected_duration(waiting, second.learned) == pytest.approx(math.sqrt(1800))
+    assert run_times.expected_duration(waiting, second.learned) == pytest.approx(math.sqrt(1800))
     # and the same as if both finished jobs were still in the cluster
-    in_cluster = eta.learn_durations([finished("train-1", 100, 30), finished("train-2", 200, 60)])
+    in_cluster = run_times.learn_durations([finished("train-1", 100, 30),
+                                            finished("train-2", 200, 60)])
     assert second.learned == in_cluster
 
 
@@ -93,7 +94,7 @@ def test_only_succeeded_runs_teach_run_times_but_every_started_job_its_miss() ->
 
 
 def test_learned_templates_are_capped_keeping_the_most_recently_updated() -> None:
-    cap = eta.MAX_RETIRED_TEMPLATES
+    cap = estimate_ranges.MAX_RETIRED_TEMPLATES
     jobs = [finished(f"t{i}-job", 10.0 * i, 5, template=f"t{i}") for i in range(cap + 5)]
     retired = retire(*jobs)
     templates = [k for _, k in retired.learned if isinstance(k, str)]
@@ -115,7 +116,7 @@ def test_misses_are_kept_by_start_time_the_last_hundred() -> None:
     jobs = [finished(f"j{i}", 1000.0 + (i * 37) % 150, 5, first_estimate=100.0)
             for i in range(150)]
     retired = retire(*jobs)
-    assert len(retired.start_misses) == eta.RECENT_MISSES
+    assert len(retired.start_misses) == estimate_ranges.RECENT_MISSES
     starts = [miss.start for miss in retired.start_misses]
     assert starts == sorted(starts) and starts[0] == 1050.0
 
@@ -210,14 +211,14 @@ def test_kept_history_merges_projects_and_keeps_the_last_misses_by_start() -> No
     a = retire(*(finished(f"a{i}", 2.0 * i, 5, first_estimate=100.0) for i in range(80)))
     b = retire(*(finished(f"b{i}", 2.0 * i + 1, 5, first_estimate=100.0, project="other")
                  for i in range(80)))
-    learned, misses = eta.kept_history([a, b])
+    learned, misses = estimate_ranges.kept_history([a, b])
     assert set(learned) == {("lab", JobClass.BATCH), ("lab", "train@img"),
                             ("other", JobClass.BATCH), ("other", "train@img")}
     # the last 100 of 160 misses by start time, oldest first: starts 60..159
     assert [m.start for m in misses] == list(range(60, 160))
     assert [m.shown for m in misses] == pytest.approx(
         [math.log(start / 100) for start in range(60, 160)])
-    assert eta.kept_history([]) == ({}, ())
+    assert estimate_ranges.kept_history([]) == ({}, ())
 
 
 def test_a_new_budget_period_keeps_the_history() -> None:
@@ -260,14 +261,15 @@ def test_simulated_misses_are_kept_per_class_the_last_fifty_and_read_back() -> N
                    phase=job.phase, template=job.template, runs=job.runs,
                    first_simulated_start=start / 2)  # every start twice as late as simulated
 
-    longs = [simulated(f"l-{i}", 1000.0 + i, JobClass.LONG) for i in range(eta.CLASS_MISSES + 3)]
+    longs = [simulated(f"l-{i}", 1000.0 + i, JobClass.LONG)
+             for i in range(estimate_ranges.CLASS_MISSES + 3)]
     retired = retire(*longs, simulated("b-1", 5000.0, JobClass.BATCH))
-    _, kept = eta.kept_history([retired])
+    _, kept = estimate_ranges.kept_history([retired])
     long_starts = [m.start for m in kept if m.job_class is JobClass.LONG]
     # simulated misses only: of the long jobs, the last 50 are kept
-    assert long_starts == [1003.0 + i for i in range(eta.CLASS_MISSES)]
-    by_class = eta.class_misses(kept)
-    assert by_class[JobClass.LONG] == [pytest.approx(math.log(2))] * eta.CLASS_MISSES
+    assert long_starts == [1003.0 + i for i in range(estimate_ranges.CLASS_MISSES)]
+    by_class = estimate_ranges.class_misses(kept)
+    assert by_class[JobClass.LONG] == [pytest.approx(math.log(2))] * estimate_ranges.CLASS_MISSES
     assert by_class[JobClass.BATCH] == [pytest.approx(math.log(2))]
     back, problems = round_trip(retired)
     assert problems == [] and back is not None
@@ -285,7 +287,8 @@ def test_a_miss_is_kept_while_either_of_its_parts_can_count() -> None:
     # 100 batch jobs shown an estimate, none simulated, start after one long job that was
     # simulated only: its shown miss no longer counts, its simulated one does
     long_job = StartMiss(1.0, JobClass.LONG, None, 0.7)
-    shown = [StartMiss(10.0 + i, JobClass.BATCH, 0.1, None) for i in range(eta.RECENT_MISSES)]
+    shown = [StartMiss(10.0 + i, JobClass.BATCH, 0.1, None)
+             for i in range(estimate_ranges.RECENT_MISSES)]
     older_shown = StartMiss(2.0, JobClass.BATCH, 0.9, None)
-    kept = eta.recent_misses([*shown, older_shown, long_job])
+    kept = estimate_ranges.recent_misses([*shown, older_shown, long_job])
     assert kept == (long_job, *shown)

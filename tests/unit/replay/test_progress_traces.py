@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.core.eta import reported_remaining
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.core.run_times import reported_remaining
 from carpool.replay import job_traces as traces
 from carpool.replay import queue_replay as qr
 from carpool.replay.progress_traces import curve, report_every

@@ -18,9 +18,9 @@ import pytest
 
 from carpool import workload
 from carpool.core import checkpointing as protocol
-from carpool.core.eta import reported_remaining
 from carpool.core.jobs import Job, ProgressDetail, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.core.run_times import reported_remaining
 
 NOW = 1_800_000_000.0
 

@@ -19,9 +19,9 @@ import pytest
 from carpool import workload
 from carpool.core import checkpointing as protocol
 from carpool.core.decoding import job_from_object
-from carpool.core.eta import expected_remaining, progress_remaining
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
+from carpool.core.run_times import expected_remaining, progress_remaining
 from carpool.deviceplugin.handshake import PodView
 from carpool.deviceplugin.reports import Refused, ReportReader, prepare, write_ack
 from carpool.operator.pods import build_checkpoint_claim, build_pod
