@@ -78,7 +78,8 @@ def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> N
     given_back = wait_for("the job given back", lambda: (
         s if (s := alice.status(team, "nowhere")).get("reason") == "Unschedulable"
         else None), timeout=30, interval=0.3)
-    assert given_back["phase"] in ("Preempted", "Queued", "Admitted"), given_back
+    # (on a loaded machine the poll may first see it after its last give-back: Failed)
+    assert given_back["phase"] in ("Preempted", "Queued", "Admitted", "Failed"), given_back
     assert "no node took its pod" in given_back["message"]
     assert "didn't match Pod's node affinity/selector" in given_back["message"], given_back
     events = json.loads(world.admin("get", "events", "-n", team, "-o", "json"))["items"]
