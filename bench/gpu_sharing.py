@@ -308,11 +308,11 @@ def pod_view(name: str, gpu_uuid: str, index: int, memory_mib: int, cores: int,
     from carpool.core.ownership import Owner
     from carpool.core.resources import Isolation
     from carpool.core.timestamps import format_timestamp
-    from carpool.deviceplugin.handshake import PodView
+    from carpool.deviceplugin.handshake import ServedPod
 
     assignment = Assignment("bench-node", (AssignedGpu(gpu_uuid, index, memory_mib, cores),),
                             Isolation.parse(isolation) if isolation else None)
-    return PodView("bench", name, f"uid-{name}", "Pending", False, {
+    return ServedPod("bench", name, f"uid-{name}", "Pending", False, {
         ANN_ASSIGNMENT: encode_assignment(assignment),
         ANN_ASSIGNED_AT: format_timestamp(time.time()),
         ANN_ISOLATION: isolation,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from carpool.core.resources import Isolation
-from carpool.deviceplugin.handshake import PodView, assignment_on
+from carpool.deviceplugin.handshake import ServedPod, assignment_on
 from carpool.deviceplugin.plugin import PluginState
 from carpool.deviceplugin.telemetry import (
     PodPeak,
@@ -46,7 +46,7 @@ class ClusterWriter(Protocol):
         """Write the node's GpuNode status (creating the GpuNode if needed)."""
         ...
 
-    async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
+    async def pod_event(self, pod: ServedPod, reason: str, message: str, warning: bool) -> None:
         ...
 
 
@@ -139,7 +139,7 @@ class Telemetry:
 WATCHED = (Isolation.TIMESLICE.value, Isolation.MPS.value)
 
 
-def watched_grants(pods: list[PodView], node: str, node_mode: str) -> list[MemoryGrant]:
+def watched_grants(pods: list[ServedPod], node: str, node_mode: str) -> list[MemoryGrant]:
     """Memory grants of the running time-sliced and MPS pods on `node`, from their assignments.
 
     Time-sliced pods have no other memory limit. An MPS client is fenced by the daemon only at

@@ -44,8 +44,10 @@ class HandshakeError(Exception):
 
 
 @dataclass(frozen=True)
-class PodView:
-    """What the handshake needs to know about a pod on this node."""
+class ServedPod:
+    """A pod on this node as the device plugin serves it: what the kubelet handshake, the
+    watchdog and the report reader need (the operator's view of a job's pod is
+    `core.lifecycle.PodView`, what a job's state is derived from)."""
 
     namespace: str
     name: str
@@ -70,13 +72,13 @@ class PodView:
 class Match:
     """The container an Allocate call is for, and the GPUs it was assigned."""
 
-    pod: PodView
+    pod: ServedPod
     container: str
     gpus: tuple[AssignedGpu, ...]
     isolation: Isolation | None  # None: the extender did not record it; the node's mode
 
 
-def allocated_containers(pod: PodView) -> set[str]:
+def allocated_containers(pod: ServedPod) -> set[str]:
     """Containers the plugin already handed devices to (from `carpool.dev/allocated`)."""
     text = pod.annotations.get(ANN_ALLOCATED)
     if not text:
@@ -91,7 +93,7 @@ def allocated_containers(pod: PodView) -> set[str]:
     return set(containers)
 
 
-def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str],
+def allocated_annotation(pod: ServedPod, container: str, device_ids: Sequence[str],
                          gpus: Sequence[str], now: datetime) -> str:
     """The new `carpool.dev/allocated` value after handing `device_ids` to `container`."""
     text = pod.annotations.get(ANN_ALLOCATED)
@@ -109,7 +111,7 @@ def allocated_annotation(pod: PodView, container: str, device_ids: Sequence[str]
                       separators=(",", ":"), sort_keys=True)
 
 
-def _assigned_at(pod: PodView) -> float:
+def _assigned_at(pod: ServedPod) -> float:
     at = epoch_of(pod.annotations.get(ANN_ASSIGNED_AT))
     return 0.0 if at is None else at  # unknown bind time: oldest first, and counted as stale
 
@@ -130,10 +132,10 @@ def _container_gpus(gpus: tuple[AssignedGpu, ...], container: str,
     return ()
 
 
-Candidate = tuple[PodView, str, tuple[AssignedGpu, ...]]
+Candidate = tuple[ServedPod, str, tuple[AssignedGpu, ...]]
 
 
-def assignment_on(pod: PodView, node: str) -> Assignment | None:
+def assignment_on(pod: ServedPod, node: str) -> Assignment | None:
     """The pod's assignment when it names `node`; None when it has none, names another node,
     or cannot be read (a user-writable annotation: skipped, never fatal)."""
     text = pod.annotations.get(ANN_ASSIGNMENT)
@@ -146,7 +148,7 @@ def assignment_on(pod: PodView, node: str) -> Assignment | None:
     return assignment if assignment.node == node else None
 
 
-def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
+def in_flight(pods: Iterable[ServedPod], node: str) -> list[Candidate]:
     """(pod, container, its GPUs) still waiting for an Allocate on `node`; bad annotations skip."""
     out = []
     for pod in pods:
@@ -166,7 +168,7 @@ def in_flight(pods: Iterable[PodView], node: str) -> list[Candidate]:
 
 
 def expected_container(
-    pods: Iterable[PodView],
+    pods: Iterable[ServedPod],
     node: str,
     count: int,
     now: float,
@@ -202,7 +204,7 @@ def expected_container(
 
 
 def match_request(
-    pods: Iterable[PodView],
+    pods: Iterable[ServedPod],
     node: str,
     shares: Sequence[ShareId],
     now: float,
@@ -257,7 +259,7 @@ def preferred_shares(
     return chosen
 
 
-def mps_client_refusal(pod: PodView, client_uid: int | None, client_gid: int | None) -> str:
+def mps_client_refusal(pod: ServedPod, client_uid: int | None, client_gid: int | None) -> str:
     """Why `pod` may not be an MPS client on this node ("" when it may): one of its containers
     runs as another user or group than the one every MPS client runs as (the chart's
     mpsDaemon.clientUid/clientGid; None: not configured, anyone).

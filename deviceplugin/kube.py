@@ -10,7 +10,7 @@ from typing import Any
 
 from carpool.core.names import ANN_ALLOCATED, RESOURCE_GPU
 from carpool.core.ownership import gpujob_owner
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import ServedPod
 from carpool.deviceplugin.reports import Refused
 from carpool.kube.client import Api
 from carpool.kube.errors import Forbidden, Invalid, NotFound
@@ -32,9 +32,9 @@ def _gpu_count(container: Mapping[str, Any]) -> int:
     return 0
 
 
-def pod_view(pod: Mapping[str, Any]) -> PodView:
+def pod_view(pod: Mapping[str, Any]) -> ServedPod:
     meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
-    return PodView(
+    return ServedPod(
         namespace=meta["namespace"],
         name=meta["name"],
         uid=meta.get("uid") or "",
@@ -68,12 +68,12 @@ class KubernetesCluster:
         self.api = Api.of(api)
         self.node = node
 
-    async def pods_on_node(self, node: str) -> list[PodView]:
+    async def pods_on_node(self, node: str) -> list[ServedPod]:
         listed, _ = await asyncio.to_thread(
             self.api.list_all, PODS.path(), {"fieldSelector": f"spec.nodeName={node}"})
         return [pod_view(p) for p in listed]
 
-    async def mark_allocated(self, pod: PodView, value: str) -> None:
+    async def mark_allocated(self, pod: ServedPod, value: str) -> None:
         body = {"metadata": {"annotations": {ANN_ALLOCATED: value}}}
         await asyncio.to_thread(self.api.patch, PODS.path(pod.namespace, pod.name), body)
 
@@ -98,7 +98,7 @@ class KubernetesCluster:
         except (Forbidden, NotFound, Invalid) as err:
             raise Refused(str(err)) from None
 
-    async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
+    async def pod_event(self, pod: ServedPod, reason: str, message: str, warning: bool) -> None:
         regarding = {"apiVersion": "v1", "kind": "Pod", "name": pod.name,
                      "namespace": pod.namespace, "uid": pod.uid}
         event = event_body(regarding, reason, message, "Warning" if warning else "Normal",

@@ -32,7 +32,7 @@ from carpool.deviceplugin.devices import advertised_shares
 from carpool.deviceplugin.handshake import (
     HandshakeError,
     Match,
-    PodView,
+    ServedPod,
     allocated_annotation,
     expected_container,
     match_request,
@@ -144,7 +144,7 @@ class PluginState:
             await self._cond.wait_for(lambda: self._closed or self._version != seen)
             return not self._closed
 
-    def retry_mark(self, pod: PodView, value: str, backoff: Backoff | None = None,
+    def retry_mark(self, pod: ServedPod, value: str, backoff: Backoff | None = None,
                    attempts: int = 5) -> None:
         """Keep trying to set `pod`'s allocated mark (1, 2, 4, 8, 16 s apart): until it lands
         the extender keeps other pods with the same GPU count off this node."""
@@ -233,7 +233,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             await self._abort(context, err)
             raise AssertionError("unreachable") from err
 
-    def _assigned_gpus(self, pods: list[PodView], count: int, now: float) -> list[str]:
+    def _assigned_gpus(self, pods: list[ServedPod], count: int, now: float) -> list[str]:
         """The GPUs of the in-flight container this request is most likely for, or none."""
         match = expected_container(pods, self.state.config.node, count, now,
                                    frozenset(self.state.handed_over))

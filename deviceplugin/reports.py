@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from carpool.core import checkpointing as protocol
 from carpool.core.names import ANN_JOB
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import ServedPod
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class ReportReader:
 
     node: str
     root: Path
-    pods: Callable[[], Any]  # async () -> list[PodView]: the pods bound to this node
+    pods: Callable[[], Any]  # async () -> list[ServedPod]: the pods bound to this node
     writer: StatusWriter
     clock: Callable[[], float] = time.time
     seen: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
@@ -113,7 +113,7 @@ class ReportReader:
         """One round; returns what it recorded or refused, one line each."""
         if not self.root.is_dir():
             return []
-        pods: list[PodView] = await self.pods()
+        pods: list[ServedPod] = await self.pods()
         by_uid = {p.uid: p for p in pods if p.uid}
         done: list[str] = []
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
@@ -129,7 +129,7 @@ class ReportReader:
                     done.append(line)
         return done
 
-    async def _carry(self, pod: PodView, directory: Path, name: str) -> str:
+    async def _carry(self, pod: ServedPod, directory: Path, name: str) -> str:
         read = read_report(directory, name)
         key = (pod.uid, name)
         if read is None or self.seen.get(key) == read[1]:
@@ -183,7 +183,7 @@ class ReportReader:
         self.seen = {k: v for k, v in self.seen.items() if k[0] != entry.name}
 
 
-def _job_of(pod: PodView) -> tuple[str, str] | None:
+def _job_of(pod: ServedPod) -> tuple[str, str] | None:
     """The pod's GpuJob (namespace, name); only a job in the pod's own namespace."""
     ref = pod.annotations.get(ANN_JOB, "")
     namespace, _, name = ref.partition("/")

@@ -16,7 +16,7 @@ from carpool.core.names import ANN_ASSIGNMENT, ANN_ISOLATION
 from carpool.deviceplugin.agent import Telemetry, Watchdog, health_step
 from carpool.deviceplugin.backends.base import ProcessActivity, ProcessMemory
 from carpool.deviceplugin.backends.fake import FakeBackend
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import ServedPod
 from carpool.deviceplugin.mps import MpsDaemon
 from carpool.deviceplugin.plugin import PluginConfig, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
@@ -32,14 +32,14 @@ class RecordingWriter:
     async def publish_status(self, node: str, status: Any) -> None:
         self.statuses.append(dict(status))
 
-    async def pod_event(self, pod: PodView, reason: str, message: str, warning: bool) -> None:
+    async def pod_event(self, pod: ServedPod, reason: str, message: str, warning: bool) -> None:
         self.events.append((pod.key, reason))
 
 
-def running_pod(name: str, gpu: str, memory_mib: int, isolation: str) -> PodView:
+def running_pod(name: str, gpu: str, memory_mib: int, isolation: str) -> ServedPod:
     assignment = {"node": NODE, "gpus": [{"uuid": gpu, "index": 0, "memoryMiB": memory_mib,
                                           "cores": 0}]}
-    return PodView("lab", name, f"uid-{name}", "Running", False,
+    return ServedPod("lab", name, f"uid-{name}", "Running", False,
                    {ANN_ASSIGNMENT: json.dumps(assignment), ANN_ISOLATION: isolation},
                    (("main", 1),))
 

@@ -32,7 +32,7 @@ from carpool.deviceplugin.agent import health_step
 from carpool.deviceplugin.api.v1beta1 import api_pb2, api_pb2_grpc
 from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.cdi import SPEC_FILE, CdiSettings, DeviceDelivery
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import ServedPod
 from carpool.deviceplugin.health import HealthTracker
 from carpool.deviceplugin.plugin import KUBELET_SOCKET, PluginConfig, PluginServer, PluginState
 from carpool.deviceplugin.pods import StaticPodSource
@@ -94,7 +94,7 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
 
 def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int | None = None,
         assigned_at: str = "2027-01-15T08:00:00Z", node: str = NODE, owner: str = "job"
-        ) -> PodView:
+        ) -> ServedPod:
     # the extender records the job's isolation in the assignment; the pod's own annotation
     # says the same here (a test below makes them differ)
     assignment: dict[str, Any] = {"node": node, "gpus": gpus}
@@ -103,7 +103,7 @@ def pod(name: str, gpus: list[dict[str, Any]], isolation: str = "", count: int |
     annotations = {ANN_ASSIGNMENT: json.dumps(assignment), ANN_ASSIGNED_AT: assigned_at}
     if isolation:
         annotations[ANN_ISOLATION] = isolation
-    return PodView("lab", name, f"uid-{name}", "Pending", False, annotations,
+    return ServedPod("lab", name, f"uid-{name}", "Pending", False, annotations,
                    (("main", count if count is not None else len(gpus)),),
                    Owner(owner, f"uid-{owner}") if owner else None, SCHEDULER_NAME)
 
@@ -121,7 +121,7 @@ Running = tuple[FakeKubelet, PluginServer, FakeBackend, StaticPodSource]
 
 @asynccontextmanager
 async def running(plugin_dir: Path, spec: dict[str, Any], mode: str = "mps",
-                  pods: list[PodView] | None = None, source: StaticPodSource | None = None,
+                  pods: list[ServedPod] | None = None, source: StaticPodSource | None = None,
                   reports_root: Path | None = None,
                   delivery: DeviceDelivery = DeviceDelivery.CDI,
                   mps_client: tuple[int | None, int | None] = (None, None)
@@ -499,7 +499,7 @@ class MarksLostTwice(StaticPodSource):
 
     failures = 2
 
-    async def mark_allocated(self, pod: PodView, value: str) -> None:
+    async def mark_allocated(self, pod: ServedPod, value: str) -> None:
         if self.failures:
             self.failures -= 1
             raise ConnectionError("API server unreachable")

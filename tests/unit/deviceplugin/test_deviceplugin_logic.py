@@ -17,7 +17,7 @@ from carpool.deviceplugin.backends.fake import FakeBackend
 from carpool.deviceplugin.devices import advertised_shares
 from carpool.deviceplugin.handshake import (
     HandshakeError,
-    PodView,
+    ServedPod,
     allocated_annotation,
     in_flight,
     match_request,
@@ -46,10 +46,10 @@ T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
 def pod(name: str, gpus: list[dict[str, object]], containers: tuple[tuple[str, int], ...] = (),
         at: str = "2027-01-15T08:00:00Z", phase: str = "Pending", node: str = NODE,
-        extra: dict[str, str] | None = None) -> PodView:
+        extra: dict[str, str] | None = None) -> ServedPod:
     ann = {ANN_ASSIGNMENT: json.dumps({"node": node, "gpus": gpus}), ANN_ASSIGNED_AT: at,
            **(extra or {})}
-    return PodView("ns", name, f"uid-{name}", phase, False, ann,
+    return ServedPod("ns", name, f"uid-{name}", phase, False, ann,
                    containers or (("main", len(gpus)),))
 
 
@@ -98,7 +98,7 @@ def test_multi_container_pods_are_matched_container_by_container() -> None:
     assert [(c, [x.uuid for x in gs]) for _, c, gs in in_flight([p], NODE)] == [
         ("a", ["A"]), ("b", ["B", "C"])]
     value = allocated_annotation(p, "a", ["A::0"], ["A"], datetime(2027, 1, 15, tzinfo=UTC))
-    done = PodView(p.namespace, p.name, p.uid, p.phase, False,
+    done = ServedPod(p.namespace, p.name, p.uid, p.phase, False,
                    {**p.annotations, ANN_ALLOCATED: value}, p.gpu_containers)
     assert [c for _, c, _ in in_flight([done], NODE)] == ["b"]
     unnamed = pod("unnamed", [g("A"), g("B"), g("C")], containers=(("x", 2), ("y", 1)))
@@ -107,7 +107,7 @@ def test_multi_container_pods_are_matched_container_by_container() -> None:
 
 
 def test_a_pod_with_a_bad_assignment_is_skipped_not_fatal() -> None:
-    bad = PodView("ns", "bad", "u", "Pending", False, {ANN_ASSIGNMENT: "{"}, (("main", 1),))
+    bad = ServedPod("ns", "bad", "u", "Pending", False, {ANN_ASSIGNMENT: "{"}, (("main", 1),))
     assert in_flight([bad, pod("ok", [g("A")])], NODE)[0][0].name == "ok"
 
 

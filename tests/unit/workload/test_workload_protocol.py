@@ -22,7 +22,7 @@ from carpool.core.decoding import job_from_object
 from carpool.core.jobs import Job, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.core.run_times import expected_remaining, progress_remaining
-from carpool.deviceplugin.handshake import PodView
+from carpool.deviceplugin.handshake import ServedPod
 from carpool.deviceplugin.reports import Refused, ReportReader, prepare, write_ack
 from carpool.operator.pods import build_checkpoint_claim, build_pod
 
@@ -43,13 +43,13 @@ class Statuses:
         self.status.setdefault((namespace, name), {}).update(status)
 
 
-def job_pod(name: str = "train-2", uid: str = "uid-1", job: str = "lab/train") -> PodView:
-    return PodView("lab", name, uid, "Running", False, {"carpool.dev/job": job}, (("main", 1),))
+def job_pod(name: str = "train-2", uid: str = "uid-1", job: str = "lab/train") -> ServedPod:
+    return ServedPod("lab", name, uid, "Running", False, {"carpool.dev/job": job}, (("main", 1),))
 
 
-def reader(root: Path, pods: list[PodView], statuses: Statuses,
+def reader(root: Path, pods: list[ServedPod], statuses: Statuses,
            clock: float = NOW) -> ReportReader:
-    async def listed() -> list[PodView]:
+    async def listed() -> list[ServedPod]:
         return pods
     return ReportReader("node-a", root, listed, statuses, clock=lambda: clock)
 
