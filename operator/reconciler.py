@@ -301,12 +301,7 @@ class Reconciler:
                     log.info("billed deleted GpuJob %s (uid %s) to project %s: %s", key, uid,
                              job.project, _runs_text(job.runs, now))
             releasable.append(obj)
-        present = _present(state)
-        for project in sorted(changed):
-            if project in quota_objects:
-                retired[project] = forget_gone(retired[project], present)
-                self.kube.patch_quota_status(project,
-                                             {"retired": retired_to_status(retired[project])})
+        self._write_retired(state, changed, quota_objects, retired)
         for obj in releasable:
             meta = obj["metadata"]
             keep = [f for f in meta.get("finalizers") or [] if f != names.FINALIZER]
@@ -359,6 +354,13 @@ class Reconciler:
                    f"but {what}; stopped (Carpool's ownerReferences, labels and annotations "
                    f"are not to be changed)")
             self._stop(state, pod, "AttemptTampered", why, key)
+        self._write_retired(state, changed, quota_objects, retired)
+
+    def _write_retired(self, state: PassState, changed: set[str],
+                       quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage]
+                       ) -> None:
+        """Write the retired usage of the `changed` projects, keeping only the keys of what
+        still exists (`accounting.forget_gone`)."""
         present = _present(state)
         for project in sorted(changed):
             if project in quota_objects:
