@@ -20,9 +20,11 @@ from typing import Any
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def setting(env: str, default: Any, doc: str) -> Any:
-    """A field of `OperatorSettings`: the variable it is read from and what it means."""
-    return dataclasses.field(default=default, metadata={"env": env, "doc": doc})
+def setting(env: str, default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
+    """A field of `OperatorSettings`: the variable it is read from, what it means, and for
+    text the values it may take (any, when none are named; compared in upper case)."""
+    return dataclasses.field(default=default,
+                             metadata={"env": env, "doc": doc, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class OperatorSettings:
     identity: str = setting(
         "CARPOOL_IDENTITY", "", "this replica's name in the Lease (default: the host name)")
     log_level: str = setting(
-        "CARPOOL_LOG_LEVEL", "INFO", "level of Carpool's own log: DEBUG, INFO, WARNING or ERROR")
+        "CARPOOL_LOG_LEVEL", "INFO", "level of Carpool's own log: DEBUG, INFO, WARNING or ERROR",
+        choices=LOG_LEVELS)
     resync_s: float = setting(
         "CARPOOL_RESYNC_SECONDS", 5.0, "seconds between passes when no watch event comes")
     metrics_port: int = setting(
@@ -90,7 +93,7 @@ class OperatorSettings:
             name = f.metadata["env"]
             text = env.get(name, "").strip()
             if text:
-                values[f.name] = _parse(name, text, types[f.name])
+                values[f.name] = _parse(name, text, types[f.name], f.metadata["choices"])
         if not values.get("kubeconfig") and env.get("KUBECONFIG"):
             values["kubeconfig"] = env["KUBECONFIG"]
         return cls(**values)
@@ -102,7 +105,7 @@ class OperatorSettings:
                  f.metadata["doc"]) for f in dataclasses.fields(cls)]
 
 
-def _parse(name: str, text: str, kind: Any) -> Any:
+def _parse(name: str, text: str, kind: Any, choices: tuple[str, ...]) -> Any:
     if kind is bool:
         if text.lower() in ("true", "1"):
             return True
@@ -125,6 +128,8 @@ def _parse(name: str, text: str, kind: Any) -> Any:
         if not text.isdigit() or int(text) == 0:
             raise ValueError(f"{name} must be a user or group ID above 0, got {text!r}")
         return int(text)
-    if name == "CARPOOL_LOG_LEVEL" and text.upper() not in LOG_LEVELS:
-        raise ValueError(f"{name} must be one of {', '.join(LOG_LEVELS)}, not {text!r}")
-    return text.upper() if name == "CARPOOL_LOG_LEVEL" else text
+    if choices:
+        if text.upper() not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, not {text!r}")
+        return text.upper()
+    return text
