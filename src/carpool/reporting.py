@@ -16,14 +16,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from carpool.core import names
+from carpool.core import names, right_sizing
 from carpool.core.assignment import AssignmentError, parse_assignment
-from carpool.core.decoding import gpu_request_from_spec, job_from_object, quota_from_object
+from carpool.core.decoding import (
+    first_image,
+    gpu_request_from_spec,
+    job_from_object,
+    quota_from_object,
+)
 from carpool.core.durations import format_duration_roughly, parse_duration
 from carpool.core.fairshare import nominal_fraction
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, inventory_from_gpunode
-from carpool.core.jobs import BudgetPolicy
+from carpool.core.jobs import BudgetPolicy, job_template
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.quota import (
     ProjectLedger,
@@ -34,6 +39,7 @@ from carpool.core.quota import (
     may_borrow,
 )
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, NodeInventory, Phase
+from carpool.core.right_sizing import SizeAdvice
 from carpool.core.timestamps import epoch_of, format_timestamp
 
 Obj = Mapping[str, Any]
@@ -394,6 +400,24 @@ class QuotaView:
     pending: int
     memory_efficiency: float | None
     weight: float
+
+
+def size_advice(gpujobs: Iterable[Obj]) -> list[SizeAdvice]:
+    """Right-sizing advice (`core.right_sizing`) from the finished GpuJobs whose peak GPU
+    memory the device plugin recorded."""
+    runs = []
+    for obj in gpujobs:
+        spec, status = obj.get("spec") or {}, _status(obj)
+        peak = status.get("peakMemoryMiB")
+        if status.get("phase") != "Succeeded" or not isinstance(peak, int) or peak <= 0:
+            continue
+        try:
+            requested = gpu_request_from_spec(spec).memory_mib
+        except ValueError:
+            continue
+        template = job_template(str(_meta(obj).get("name", "")), first_image(spec))
+        runs.append((str(spec.get("project") or ""), template, requested, peak))
+    return right_sizing.size_advice(runs)
 
 
 def quota_views(quotas: Iterable[Obj]) -> list[QuotaView]:

@@ -286,3 +286,41 @@ def test_no_cluster(cluster: devcluster.Cluster, tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert result.stderr.startswith("error: cannot reach the cluster:")
+
+
+def test_quota_shows_where_finished_jobs_asked_for_far_more_memory_than_they_used(
+        cluster: devcluster.Cluster) -> None:
+    """Three finished runs of one template asked for 40 GiB a GPU and peaked near 5 GiB:
+    `kubectl carpool quota` advises 6 GiB (their 90th-percentile peak + 20 %)."""
+    api = cluster.api()
+    crds.apply_crds(api)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    namespace = project = f"plugin-sizes-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": namespace}})
+    try:
+        custom.create_cluster_custom_object(
+            names.GROUP, names.VERSION, names.PROJECTQUOTA_PLURAL,
+            {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+             "metadata": {"name": project}, "spec": {"namespaces": [namespace]}})
+        for i, peak in enumerate((4800, 5000, 5100), start=1):
+            body = job_body(f"resnet-{i}", project, "batch", 1, "40Gi")
+            body["spec"]["template"]["spec"]["containers"][0]["image"] = "lab/resnet:3"
+            custom.create_namespaced_custom_object(names.GROUP, names.VERSION, namespace,
+                                                   names.GPUJOB_PLURAL, body)
+            custom.patch_namespaced_custom_object_status(
+                names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, f"resnet-{i}",
+                {"status": {"phase": "Succeeded", "peakMemoryMiB": peak}})
+        result = kubectl_carpool(cluster, "quota", "-n", namespace)
+        assert result.returncode == 0, result.stderr
+        assert "Right-sizing: finished jobs of these templates used far less GPU memory" \
+            in result.stdout, result.stdout
+        rows = [line.split() for line in result.stdout.splitlines()
+                if line.startswith(project)]
+        assert [project, "resnet@lab/resnet:3", "3", "40.0", "5.0", "6.0"] in rows, result.stdout
+    finally:
+        with contextlib.suppress(client.ApiException):
+            custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
+                                                names.PROJECTQUOTA_PLURAL, project)
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(namespace)
+        api.close()

@@ -214,6 +214,8 @@ def cmd_why(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
 
 
 def cmd_quota(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    """The quotas' table, then where finished jobs asked for much more GPU memory than they
+    used (`core.right_sizing`)."""
     views = reporting.quota_views(reader.list_quotas())
     scope = _scope(args, default_all=True)
     if scope is not None:
@@ -228,7 +230,7 @@ def cmd_quota(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
             return "-"
         return f"{100 * v.used_gpu_hours / v.budget_gpu_hours:.0f}%"
 
-    return table(
+    quotas = table(
         ["project", "budget", "period", "used", "remaining", "used%", "refills", "guaranteed",
          "running", "borrowed", "pending", "mem-eff"],
         [[v.project, reporting.fmt_number(v.budget_gpu_hours), v.period or None,
@@ -240,6 +242,21 @@ def cmd_quota(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
           reporting.fmt_number(v.borrowed_gpus), v.pending,
           f"{100 * v.memory_efficiency:.0f}%" if v.memory_efficiency is not None else None]
          for v in views])
+    try:
+        jobs = reader.list_gpujobs(scope)
+    except NotAllowed:  # right-sizing needs the jobs; a user who may not list them sees none
+        return quotas
+    shown = {v.project for v in views}
+    advice = [a for a in reporting.size_advice(jobs) if a.project in shown]
+    if not advice:
+        return quotas
+    sizes = table(
+        ["project", "template", "runs", "asks (GiB)", "p90 peak (GiB)", "would do (GiB)"],
+        [[a.project, a.template, a.runs, _gib(a.requested_mib), _gib(a.peak_mib),
+          _gib(a.recommended_mib)] for a in advice])
+    return [quotas, "Right-sizing: finished jobs of these templates used far less GPU memory "
+            "than they ask for (per GPU; their 90th-percentile peak + 20 %, in whole GiB):",
+            sizes]
 
 
 def _gib(mib: float | None) -> str:

@@ -131,7 +131,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         runs=runs_from_history(history),
         peak_memory_mib=status.get("peakMemoryMiB"),
         last_gpu_activity=epoch_of(status.get("lastGpuActivity")),
-        template=job_template(str(meta["name"]), _image(spec)),
+        template=job_template(str(meta["name"]), first_image(spec)),
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
         first_simulated_start=epoch_of(status.get("firstSimulatedStart")),
         not_before=requeue_not_before(history),
@@ -160,7 +160,7 @@ def first_start(obj: Mapping[str, Any], status: Mapping[str, Any]
         epoch_of(status.get("firstEstimatedStartLatest")))
 
 
-def _image(spec: Mapping[str, Any]) -> str:
+def first_image(spec: Mapping[str, Any]) -> str:
     """The first container's image (what the job runs), or ""."""
     pod = (spec.get("template") or {}).get("spec") or {}
     containers = pod.get("containers") or []
