@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -47,29 +49,52 @@ def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
         made.cleanup()
 
 
+@dataclass
+class Scene:
+    """One simulated node with a GPU of a model of its own, a project and its namespace, and
+    alice with `edit` there."""
+
+    model: str
+    node: str
+    team: str
+    project: str
+    alice: Any
+
+    @classmethod
+    def make(cls, world: tenants.World) -> Scene:
+        model = world.name("m")
+        node = world.node("n", model)
+        team = world.namespace("team")
+        world.apply_cluster_scoped(user_roles(world))
+        project = world.project("team", [team])
+        alice = tenant(world, team, "alice")
+        wait_for("the GpuJob roles to aggregate into edit",
+                 lambda: tenants.can_create_gpujobs(world, alice, team))
+        return cls(model, node, team, project, alice)
+
+    def submit(self, name: str, pod_spec: dict[str, Any]) -> None:
+        """alice's batch GpuJob `name` of one 20 GiB MPS share of the node's model, its pod
+        as `pod_spec` says besides its container."""
+        self.alice.kubectl("create", "-n", self.team, "-f", "-", stdin=yaml.safe_dump({
+            "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
+            "spec": {"project": self.project, "class": "batch",
+                     "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps",
+                             "models": [self.model]},
+                     "estimatedDuration": "5m", "simulatedDuration": "60s",
+                     "template": {"spec": {
+                         **pod_spec, "containers": [{"name": "main", "image": "trainer"}]}}}}))
+
+
 def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> None:
-    model = world.name("m")
-    node = world.node("n", model)
-    team = world.namespace("team")
-    world.apply_cluster_scoped(user_roles(world))
-    project = world.project("team", [team])
-    alice = tenant(world, team, "alice")
-    wait_for("the GpuJob roles to aggregate into edit",
-             lambda: tenants.can_create_gpujobs(world, alice, team))
-    alice.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump({
-        "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": "nowhere"},
-        "spec": {"project": project, "class": "batch",
-                 "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps", "models": [model]},
-                 "estimatedDuration": "5m", "simulatedDuration": "60s",
-                 "template": {"spec": {
-                     "nodeSelector": {"kubernetes.io/hostname": node},
-                     # the operator places by nodeSelector, not by affinity: it admits the job
-                     "affinity": {"nodeAffinity": {
-                         "requiredDuringSchedulingIgnoredDuringExecution": {
-                             "nodeSelectorTerms": [{"matchExpressions": [{
-                                 "key": "carpool.dev/test-rack", "operator": "In",
-                                 "values": ["no-such-rack"]}]}]}}},
-                     "containers": [{"name": "main", "image": "trainer"}]}}}}))
+    scene = Scene.make(world)
+    alice, team, node = scene.alice, scene.team, scene.node
+    scene.submit("nowhere", {
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        # the operator places by nodeSelector, not by affinity: it admits the job
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{
+                "key": "carpool.dev/test-rack", "operator": "In",
+                "values": ["no-such-rack"]}]}]}}}})
     admitted = wait_for("the job admitted", lambda: (
         s if (s := alice.status(team, "nowhere")).get("phase") == "Admitted" else None),
         timeout=30, interval=0.3)
@@ -101,22 +126,9 @@ def test_a_job_no_node_takes_is_given_back_then_fails(world: tenants.World) -> N
 def test_a_job_whose_node_selector_no_node_has_waits_saying_so(world: tenants.World) -> None:
     """Placement keeps a job to nodes with its nodeSelector's labels: with none, it is never
     admitted (no pod, no quota held) and waits with reason NoMatchingNode."""
-    model = world.name("m")
-    world.node("n", model)
-    team = world.namespace("team")
-    world.apply_cluster_scoped(user_roles(world))
-    project = world.project("team", [team])
-    alice = tenant(world, team, "alice")
-    wait_for("the GpuJob roles to aggregate into edit",
-             lambda: tenants.can_create_gpujobs(world, alice, team))
-    alice.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump({
-        "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": "rackless"},
-        "spec": {"project": project, "class": "batch",
-                 "gpu": {"count": 1, "memory": "20Gi", "isolation": "mps", "models": [model]},
-                 "estimatedDuration": "5m", "simulatedDuration": "60s",
-                 "template": {"spec": {
-                     "nodeSelector": {"carpool.dev/test-rack": "no-such-rack"},
-                     "containers": [{"name": "main", "image": "trainer"}]}}}}))
+    scene = Scene.make(world)
+    alice, team = scene.alice, scene.team
+    scene.submit("rackless", {"nodeSelector": {"carpool.dev/test-rack": "no-such-rack"}})
     waiting = wait_for("the job waiting for a matching node", lambda: (
         s if (s := alice.status(team, "rackless")).get("reason") == "NoMatchingNode" else None),
         timeout=30, interval=0.3)
