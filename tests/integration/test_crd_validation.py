@@ -205,6 +205,12 @@ BAD_JOBS: dict[str, tuple[str, Callable[[Obj], None], str]] = {
     "unknown-placement-policy": (
         "spec.placementPolicy", setter("spec.placementPolicy", "random"), "binpack"
     ),
+    "p99-zero": ("spec.objectives.p99Latency", setter("spec.objectives.p99Latency", "0ms"),
+                 "positive duration"),
+    "p99-minutes": ("spec.objectives.p99Latency", setter("spec.objectives.p99Latency", "1m"),
+                    "should match"),
+    "slowdown-below-one": ("spec.objectives.maxSlowdown",
+                           setter("spec.objectives.maxSlowdown", 0.5), "greater than or equal"),
 }
 
 BAD_QUOTAS: dict[str, tuple[str, Callable[[Obj], None], str]] = {
@@ -284,6 +290,12 @@ def test_good_gpu_requests_are_accepted(
     body = good_job("good")
     body["spec"]["gpu"] = gpu
     assert create_job(api, namespace, body)["spec"]["gpu"]["count"] == gpu["count"]
+
+
+def test_objectives_are_accepted(api: client.ApiClient, namespace: str) -> None:
+    body = good_job("serving")
+    body["spec"]["objectives"] = {"p99Latency": "60ms", "maxSlowdown": 1.5}
+    assert create_job(api, namespace, body)["spec"]["objectives"]["maxSlowdown"] == 1.5
 
 
 @pytest.mark.parametrize(

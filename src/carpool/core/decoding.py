@@ -30,7 +30,7 @@ from carpool.core.jobs import (
 )
 from carpool.core.lifecycle import requeue_not_before
 from carpool.core.quantities import quantity_mib
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Objectives, Phase
 from carpool.core.timestamps import epoch_of, epoch_seconds, format_timestamp
 
 _MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
@@ -60,7 +60,26 @@ def gpu_request_from_spec(spec: Mapping[str, Any]) -> GpuRequest:
         node_selector=frozenset(
             (str(k), str(v)) for k, v in
             ((((spec.get("template") or {}).get("spec") or {}).get("nodeSelector")) or {}).items()),
+        objectives=objectives_from_spec(spec),
     )
+
+
+def objectives_from_spec(spec: Mapping[str, Any]) -> Objectives | None:
+    """spec.objectives, or None when the job makes no promise."""
+    raw = spec.get("objectives")
+    if not isinstance(raw, Mapping) or not raw:
+        return None
+    p99: float | None = None
+    if raw.get("p99Latency") is not None:
+        try:
+            p99 = parse_duration(str(raw["p99Latency"]))
+        except ValueError as err:
+            raise ValueError(f"spec.objectives.p99Latency: {err}") from None
+    slowdown = raw.get("maxSlowdown")
+    if slowdown is not None and (isinstance(slowdown, bool)
+                                 or not isinstance(slowdown, int | float)):
+        raise ValueError(f"spec.objectives.maxSlowdown must be a number, got {slowdown!r}")
+    return Objectives(p99, None if slowdown is None else float(slowdown))
 
 
 DEFAULT_ESTIMATE_S = {

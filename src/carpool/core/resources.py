@@ -79,6 +79,22 @@ def mps_ceiling_mib(memory_total_mib: int, ceiling_pct: int) -> int:
 
 
 @dataclass(frozen=True)
+class Objectives:
+    """What a serving job must keep while it shares a GPU (spec.objectives): placement shares
+    a GPU no further than its learned interference profile says keeps them
+    (`core.interference`)."""
+
+    p99_latency_s: float | None = None  # its requests' 99th-percentile latency, at most
+    max_slowdown: float | None = None  # its throughput alone / shared, at most
+
+    def __post_init__(self) -> None:
+        if self.p99_latency_s is not None and not self.p99_latency_s > 0:
+            raise ValueError("spec.objectives.p99Latency must be positive")
+        if self.max_slowdown is not None and not self.max_slowdown >= 1:
+            raise ValueError("spec.objectives.maxSlowdown must be at least 1")
+
+
+@dataclass(frozen=True)
 class GpuRequest:
     """Per-job GPU demand: `count` GPUs, each with this memory and compute."""
 
@@ -90,6 +106,7 @@ class GpuRequest:
     mig_slices: int = 0  # for MIG: compute slices of the instance wanted (1..7); 0: from memory
     # the pod template's nodeSelector: only nodes with every one of these labels can take it
     node_selector: frozenset[tuple[str, str]] = frozenset()
+    objectives: Objectives | None = None  # None: no latency or slowdown promise
 
     def __post_init__(self) -> None:
         if self.count < 1:
