@@ -203,7 +203,9 @@ async def run(args: argparse.Namespace) -> None:
                           PublishThresholds(interval_s=args.publish_interval))
     watchdog = Watchdog(state, cluster, telemetry, max_strikes=args.watchdog_strikes)
     reader = ReportReader(args.node_name, args.reports_dir,
-                          lambda: cluster.pods_on_node(args.node_name), cluster)
+                          lambda: cluster.pods_on_node(args.node_name), cluster,
+                          gpu_models=lambda: {g.uuid: g.model for g in backend.inventory()},
+                          on_measures=state.metrics.observe_services)
     tasks = [
         asyncio.create_task(server.supervise()),
         asyncio.create_task(run_every(0.0, lambda: health_step(state, args.health_interval),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from carpool.core.service_levels import ServiceMeasure
 from carpool.deviceplugin.backends.base import GpuFacts
 from carpool.deviceplugin.telemetry import PodPeak
 
@@ -31,6 +32,19 @@ class GpuMetrics:
         self.pod_peak = Gauge("carpool_gpu_pod_memory_peak_mib",
                               "Peak GPU memory of a pod's processes",
                               ["node", "namespace", "pod", "uuid"], registry=r)
+        job = ["node", "namespace", "job", "model"]
+        self.service_throughput = Gauge(
+            "carpool_service_throughput", "Successful requests per second a job served over "
+            "its last report's window", job, registry=r)
+        self.service_p99 = Gauge("carpool_service_p99_latency_seconds",
+                                 "99th-percentile request latency of a job's last report", job,
+                                 registry=r)
+        self.service_failure_ratio = Gauge(
+            "carpool_service_failure_ratio", "Failed requests over all finished, last report",
+            job, registry=r)
+        self.service_sharing = Gauge("carpool_service_sharing",
+                                     "Jobs on the job's GPU when it last reported (itself too)",
+                                     job, registry=r)
         self.allocations = Counter("carpool_gpu_allocations", "Allocate answers",
                                    ["node", "isolation", "result"], registry=r)
         self.watchdog_kills = Counter("carpool_gpu_watchdog_kills",
@@ -54,3 +68,18 @@ class GpuMetrics:
         self.pod_peak.clear()
         for p in peaks:
             self.pod_peak.labels(self.node, p.namespace, p.name, p.gpu_uuid).set(p.peak_memory_mib)
+
+    def observe_services(self, measures: Mapping[str, tuple[tuple[str, str], ServiceMeasure]]
+                         ) -> None:
+        """The latest service measure of each job on this node (`reports.ReportReader`)."""
+        gauges = (self.service_throughput, self.service_p99, self.service_failure_ratio,
+                  self.service_sharing)
+        for gauge in gauges:
+            gauge.clear()
+        for (namespace, name), m in measures.values():
+            labels = (self.node, namespace, name, m.gpu_model)
+            self.service_throughput.labels(*labels).set(m.report.throughput)
+            if m.report.p99_s is not None:
+                self.service_p99.labels(*labels).set(m.report.p99_s)
+            self.service_failure_ratio.labels(*labels).set(m.report.failure_rate)
+            self.service_sharing.labels(*labels).set(m.sharing)

@@ -1,4 +1,5 @@
-"""What jobs on this node report (checkpoints, progress), carried into their GpuJobs' status.
+"""What jobs on this node report (checkpoints, progress, service measures), carried into their
+GpuJobs' status.
 
 Tenants' pods hold no credentials and tenants may not write GpuJob status, so a job reports by
 writing files (core.checkpointing) into a directory this agent made for its pod and handed to
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from carpool.core import checkpointing as protocol
-from carpool.core.names import ANN_JOB
+from carpool.core import service_levels
+from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.names import ANN_ASSIGNMENT, ANN_JOB
 from carpool.deviceplugin.handshake import ServedPod
 
 log = logging.getLogger(__name__)
@@ -108,6 +111,12 @@ class ReportReader:
     writer: StatusWriter
     clock: Callable[[], float] = time.time
     seen: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
+    gpu_models: Callable[[], Mapping[str, str]] = dict  # GPU uuid -> model on this node
+    # the latest service measure recorded per pod key, with its job (for the metrics)
+    measures: dict[str, tuple[tuple[str, str], service_levels.ServiceMeasure]] = field(
+        default_factory=dict)
+    on_measures: Callable[[Mapping[str, tuple[tuple[str, str], service_levels.ServiceMeasure]]],
+                          None] | None = None  # after each round (the metrics)
 
     async def step(self) -> list[str]:
         """One round; returns what it recorded or refused, one line each."""
@@ -123,13 +132,18 @@ class ReportReader:
                 continue
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            for name in (protocol.CHECKPOINT_FILE, protocol.PROGRESS_FILE):
-                line = await self._carry(pod, Path(entry.path), name)
+            for name in (protocol.CHECKPOINT_FILE, protocol.PROGRESS_FILE,
+                         service_levels.SERVICE_FILE):
+                line = await self._carry(pod, Path(entry.path), name, pods)
                 if line:
                     done.append(line)
+        self.forget_measures({p.key for p in pods})
+        if self.on_measures is not None:
+            self.on_measures(self.measures)
         return done
 
-    async def _carry(self, pod: ServedPod, directory: Path, name: str) -> str:
+    async def _carry(self, pod: ServedPod, directory: Path, name: str,
+                     pods: list[ServedPod]) -> str:
         read = read_report(directory, name)
         key = (pod.uid, name)
         if read is None or self.seen.get(key) == read[1]:
@@ -142,10 +156,18 @@ class ReportReader:
             return ""
         now = self.clock()
         try:
+            measure: service_levels.ServiceMeasure | None = None
             if name == protocol.CHECKPOINT_FILE:
                 report = protocol.parse_checkpoint(data, now)
                 status = protocol.checkpoint_status(report, attempt)
                 what = f"checkpoint {report.path!r} at {protocol.format_time(report.time)}"
+            elif name == service_levels.SERVICE_FILE:
+                served = service_levels.parse_service(data, now)
+                model, sharing = self._where(pod, pods)
+                measure = service_levels.ServiceMeasure(served, attempt, model, sharing)
+                status = service_levels.service_status(measure)
+                what = (f"service {served.requests} requests, {served.throughput:.1f}/s, "
+                        f"shared by {sharing}")
             else:
                 progress = protocol.parse_progress(data, now)
                 status = protocol.progress_status(progress, attempt)
@@ -162,10 +184,23 @@ class ReportReader:
                         *job, err)
             return f"{pod.key}: refused {what}: {err}"
         self.seen[key] = version
+        if measure is not None:
+            self.measures[pod.key] = (job, measure)
         if name == protocol.CHECKPOINT_FILE:
             write_ack(directory, status[protocol.STATUS_LAST_CHECKPOINT_TIME])
         log.info("pod %s: recorded %s in GpuJob %s/%s", pod.key, what, *job)
         return f"{pod.key}: recorded {what}"
+
+    def _where(self, pod: ServedPod, pods: list[ServedPod]) -> tuple[str, int]:
+        """The model of the pod's (first) GPU and how many of this node's pods share it, the
+        pod included, from the assignments the extender wrote."""
+        mine = _gpus_of(pod)
+        if not mine:
+            return "", 1
+        first = mine[0]
+        sharing = sum(1 for other in pods if first in _gpus_of(other)
+                      and other.phase not in ("Succeeded", "Failed"))
+        return self.gpu_models().get(first, ""), max(1, sharing)
 
     def _forget(self, entry: os.DirEntry[str]) -> None:
         """Remove the directory of a pod gone from this node, once it has been quiet a while."""
@@ -182,6 +217,10 @@ class ReportReader:
                 os.unlink(entry.path)
         self.seen = {k: v for k, v in self.seen.items() if k[0] != entry.name}
 
+    def forget_measures(self, present: set[str]) -> None:
+        """Drop the measures of pods no longer on this node (their series leave the metrics)."""
+        self.measures = {k: v for k, v in self.measures.items() if k in present}
+
 
 def _job_of(pod: ServedPod) -> tuple[str, str] | None:
     """The pod's GpuJob (namespace, name); only a job in the pod's own namespace."""
@@ -190,3 +229,14 @@ def _job_of(pod: ServedPod) -> tuple[str, str] | None:
     if namespace != pod.namespace or not name:
         return None
     return namespace, name
+
+
+def _gpus_of(pod: ServedPod) -> tuple[str, ...]:
+    """The GPU uuids the extender assigned to the pod (none if it has no readable assignment)."""
+    text = pod.annotations.get(ANN_ASSIGNMENT, "")
+    if not text:
+        return ()
+    try:
+        return tuple(g.uuid for g in parse_assignment(text).gpus)
+    except AssignmentError:
+        return ()

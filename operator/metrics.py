@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
+from carpool.core import service_levels
 from carpool.core.eta_accuracy import FirstStart
 
 QUEUE_LENGTH = Gauge("carpool_queue_length", "Waiting GpuJobs", ["project", "job_class"])
@@ -23,6 +27,16 @@ GPU_HOURS = Gauge("carpool_project_gpu_hours", "GPU-hours used this budget perio
 BUDGET_REMAINING = Gauge("carpool_project_budget_remaining_gpu_hours",
                          "GPU-hours left this period (absent: no budget)", ["project"])
 RUNNING_GPUS = Gauge("carpool_project_running_gpus", "GPU equivalents held", ["project"])
+# Serving jobs' measures (carpool.core.service_levels), per scope (job, project, class, node)
+# and its key; refreshed each pass from the running jobs' reports.
+SERVICE_THROUGHPUT = Gauge("carpool_service_scope_throughput",
+                           "Successful requests per second of the running jobs reporting them",
+                           ["scope", "key"])
+SERVICE_P99 = Gauge("carpool_service_scope_p99_latency_seconds",
+                    "99th-percentile request latency, from the jobs' summed histograms",
+                    ["scope", "key"])
+SERVICE_FAILURE_RATIO = Gauge("carpool_service_scope_failure_ratio",
+                              "Failed requests over all finished ones", ["scope", "key"])
 PASS_SECONDS = Histogram("carpool_reconcile_pass_seconds", "Duration of one reconcile pass",
                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -66,3 +80,16 @@ def observe_first_start(job_class: str, first: FirstStart) -> None:
         ETA_MISSES.labels(job_class, score.direction).inc()
     if score.range_result is not None:
         ETA_RANGE.labels(job_class, score.range_result).inc()
+
+
+def observe_services(gpujobs: Iterable[Mapping[str, Any]]) -> None:
+    """The running jobs' service measures, per job, project, class and node."""
+    measured = [m for m in map(service_levels.measured_of, gpujobs) if m is not None]
+    for gauge in (SERVICE_THROUGHPUT, SERVICE_P99, SERVICE_FAILURE_RATIO):
+        gauge.clear()
+    for scope in service_levels.Scope.ALL:
+        for summary in service_levels.aggregate(measured, scope):
+            SERVICE_THROUGHPUT.labels(scope, summary.key).set(summary.throughput)
+            if summary.p99_s is not None:
+                SERVICE_P99.labels(scope, summary.key).set(summary.p99_s)
+            SERVICE_FAILURE_RATIO.labels(scope, summary.key).set(summary.failure_rate)

@@ -626,6 +626,7 @@ class Reconciler:
             job = jobs[wait.job_key]
             key = (job.project, job.job_class.label)
             lengths[key] = lengths.get(key, 0) + 1
+        metrics.observe_services(state.objects.values())
         metrics.QUEUE_LENGTH.clear()
         for (project_name, cls), count in lengths.items():
             metrics.QUEUE_LENGTH.labels(project_name, cls).set(count)

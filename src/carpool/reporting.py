@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from carpool.core import names, right_sizing
+from carpool.core import names, right_sizing, service_levels
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.decoding import (
     first_image,
@@ -521,6 +521,58 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
                   hours[key] / total if total > 0 else 0.0) for key in hours),
         key=lambda r: (-r.gpu_hours, r.key)))
     return UsageReport(format_timestamp(since), format_timestamp(now), by, rows, total)
+
+
+# --- services -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceRow:
+    """The three measures of one job, project, class or node (`core.service_levels`), and,
+    per job, its objective and how many jobs shared its GPU."""
+
+    key: str
+    jobs: int
+    throughput: float  # successful requests per second
+    p99_ms: float | None
+    failure_rate: float
+    requests: int
+    p99_objective_ms: float | None = None  # per job: spec.objectives.p99Latency
+    sharing: int | None = None  # per job: jobs on its GPU when it reported
+    gpu_model: str = ""
+
+    @property
+    def objective_met(self) -> bool | None:
+        if self.p99_objective_ms is None or self.p99_ms is None:
+            return None
+        return self.p99_ms <= self.p99_objective_ms
+
+
+def service_rows(jobs: Iterable[Obj], by: str = "job") -> list[ServiceRow]:
+    """The latest service measures of running jobs, per `by` (job, project, class, node)."""
+    measured: list[service_levels.Measured] = []
+    details: dict[str, tuple[float | None, int, str]] = {}
+    for obj in jobs:
+        found = service_levels.measured_of(obj)
+        if found is None:
+            continue
+        measured.append(found)
+        try:
+            objectives = gpu_request_from_spec(_spec(obj)).objectives
+        except ValueError:
+            objectives = None
+        target = objectives.p99_latency_s if objectives is not None else None
+        details[found.job] = (None if target is None else target * 1000,
+                              found.measure.sharing, found.measure.gpu_model)
+    rows = []
+    for summary in service_levels.aggregate(measured, by):
+        p99 = summary.p99_s
+        target, sharing, model = details.get(summary.key, (None, 0, "")) \
+            if by == service_levels.Scope.JOB else (None, 0, "")
+        rows.append(ServiceRow(summary.key, summary.jobs, summary.throughput,
+                               None if p99 is None else p99 * 1000, summary.failure_rate,
+                               summary.requests, target, sharing or None, model))
+    return rows
 
 
 # --- why ----------------------------------------------------------------------------------

@@ -29,6 +29,13 @@ pauses, not as a slower rate):
 
 The two callbacks import their framework only when used, so this module needs neither.
 
+Serving: time each request, and Carpool sees the job's throughput, P99 latency and failure
+rate, and keeps GPU sharing within the job's `spec.objectives` (`Service`):
+
+    service = workload.Service()
+    with service.request():
+        answer = model(batch)
+
 Outside Carpool (no environment) the same code runs: attempt 1, nothing to resume from, and
 reports are dropped.
 """
@@ -51,6 +58,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from carpool.core import checkpointing as protocol
+from carpool.core import service_levels
 
 DEFAULT_GRACE_S = 30.0
 ACK_POLL_S = 0.1
@@ -160,6 +168,13 @@ class Run:
         text = protocol.encode_progress(report)
         protocol.parse_progress(text, report.time)
         return self._write(protocol.PROGRESS_FILE, text)
+
+    def report_service(self, report: service_levels.ServiceReport) -> bool:
+        """Tell Carpool what this job served (`Service` builds the report); False when there
+        is nowhere to report to."""
+        text = service_levels.encode_service(report)
+        service_levels.parse_service(text, report.time)
+        return self._write(service_levels.SERVICE_FILE, text)
 
     def _write(self, name: str, text: str) -> bool:
         """Replace `name` in the report directory at once (write aside, then rename), so the
@@ -290,6 +305,75 @@ class Progress:
         return self.run.report_progress(self.fraction, phase=self.phase, step=self.step,
                                         total=self.total, paused_s=paused,
                                         recent=tuple(self._samples))
+
+
+# ---------------------------------------------------------------- serving requests
+
+SERVICE_EVERY_S = 10.0  # a service report at most this often (each one patches the GpuJob)
+
+
+class Service:
+    """A serving job's three measures, reported as it goes: requests finished, failures and
+    their latencies (counted in the shared buckets of `carpool.core.service_levels`, so
+    Carpool can add jobs up and learn how sharing a GPU changes them).
+
+        service = workload.Service()
+        while True:
+            batch = next_batch()
+            with service.request():          # an exception counts as a failure, then rises
+                answer = model(batch)
+
+    Code that times its requests itself calls `record(latency_s, ok)`. Each report covers
+    the requests since the last one; one goes out at most every `every_s` seconds.
+    """
+
+    def __init__(self, run: Run | None = None, every_s: float = SERVICE_EVERY_S,
+                 clock: Callable[[], float] | None = None,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
+        self.run = run if run is not None else current()
+        self.clock = clock if clock is not None else self.run.clock
+        self.timer = timer
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._since = self.clock()
+        self._requests = 0
+        self._failures = 0
+        self._buckets: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Time one request; it failed if the block raises."""
+        began = self.timer()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.record(self.timer() - began, ok)
+
+    def record(self, latency_s: float, ok: bool = True) -> None:
+        """One request finished after `latency_s` seconds; `ok` False: it failed."""
+        index = service_levels.bucket_of(max(0.0, latency_s))
+        with self._lock:
+            self._requests += 1
+            self._failures += 0 if ok else 1
+            self._buckets[index] = self._buckets.get(index, 0) + 1
+        if self.clock() - self._since >= self.every_s:
+            self.report()
+
+    def report(self) -> bool:
+        """Send what was served since the last report now; False: nowhere to report to."""
+        now = self.clock()
+        with self._lock:
+            window = now - self._since
+            if window < 0.001:  # reports carry the window to the millisecond
+                return False
+            report = service_levels.ServiceReport(
+                now, window, self._requests, self._failures,
+                service_levels.Histogram(tuple(sorted(self._buckets.items()))))
+            self._since, self._requests, self._failures = now, 0, 0
+            self._buckets = {}
+        return self.run.report_service(report)
 
 
 def steps(items: Iterable[T], total: int | None = None, start: int | None = None,

@@ -320,9 +320,37 @@ def cmd_report(reader: ClusterReader, args: argparse.Namespace, now: float) -> A
     return [header, table([first, "jobs", "runs", "gpu-hours", "share"], rows)]
 
 
+def cmd_services(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
+    """Throughput, P99 latency and failure rate of running serving jobs, per job, project,
+    class or node (what their code reports through `carpool.workload.Service`)."""
+    rows = reporting.service_rows(_scoped_gpujobs(reader, args), by=args.by)
+    if args.output == "json":
+        return rows
+    if not rows:
+        return "No running GpuJob reports service measures (see carpool.workload.Service)."
+    by_job = args.by == "job"
+
+    def ms(value: float | None) -> str | None:
+        return None if value is None else f"{value:.1f}"
+
+    headers = [args.by, "jobs", "req/s", "p99-ms", "failures", "requests"]
+    if by_job:
+        headers += ["p99-objective", "met", "gpu", "shared-by"]
+    body = []
+    for r in rows:
+        row: list[object] = [r.key, r.jobs, f"{r.throughput:.1f}", ms(r.p99_ms),
+                             f"{100 * r.failure_rate:.2f}%", r.requests]
+        if by_job:
+            met = r.objective_met
+            row += [ms(r.p99_objective_ms), None if met is None else ("yes" if met else "NO"),
+                    r.gpu_model or None, r.sharing]
+        body.append(row)
+    return table(headers, body)
+
+
 COMMANDS: dict[str, Callable[[ClusterReader, argparse.Namespace, float], Any]] = {
     "queue": cmd_queue, "why": cmd_why, "quota": cmd_quota, "nodes": cmd_nodes,
-    "report": cmd_report,
+    "report": cmd_report, "services": cmd_services,
 }
 
 
@@ -360,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="window start: a duration back from now (7d, 12h) or a date "
                         "(2026-11-01); default 7d")
     report.add_argument("--by", choices=("project", "job"), default="project")
+    services = add("services", "serving jobs' throughput, P99 latency and failure rate, per "
+                   "job, project, class or node, against their objectives", ("table", "json"))
+    services.add_argument("--by", choices=("job", "project", "class", "node"), default="job")
     return parser
 
 

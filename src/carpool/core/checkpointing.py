@@ -56,8 +56,9 @@ MAX_RECENT: Final = 16  # recent training samples a progress report carries, at 
 STATUS_LAST_CHECKPOINT_TIME: Final = "lastCheckpointTime"
 STATUS_LAST_CHECKPOINT: Final = "lastCheckpoint"  # {time, path, progress?, attempt}
 STATUS_PROGRESS: Final = "progress"  # {value, time, attempt}
+STATUS_SERVICE: Final = "service"  # a serving job's measures (core.service_levels)
 REPORTED_STATUS_FIELDS: Final = (STATUS_LAST_CHECKPOINT_TIME, STATUS_LAST_CHECKPOINT,
-                                 STATUS_PROGRESS)
+                                 STATUS_PROGRESS, STATUS_SERVICE)
 # Written by the operator at admission: the progress the new attempt starts from.
 STATUS_RESUMED_PROGRESS: Final = "resumedProgress"
 

@@ -10,6 +10,7 @@ import pytest
 
 from carpool.cli import kubectl_plugin
 from carpool.cli.tables import render, render_csv, table
+from carpool.core import service_levels
 from carpool.core.timestamps import format_timestamp as format_time
 
 NOW = 1_800_000_000.0
@@ -376,3 +377,31 @@ def test_tables_align_numbers_right_and_quote_csv() -> None:
     assert render_csv(table(["a", "b"], [["x,y", None]])) == 'a,b\n"x,y",\n'
     with pytest.raises(ValueError, match="row 1 has 1 cells, the table has 2 columns"):
         table(["a", "b"], [["only"]])
+
+
+def served(name: str, project: str, latencies: list[float], failures: int, sharing: int,
+           **spec: Any) -> Obj:
+    report = service_levels.ServiceReport(NOW, 10.0, len(latencies), failures,
+                                          service_levels.Histogram.of(latencies))
+    status = {"phase": "Running", "node": "h200-a",
+              **service_levels.service_status(
+                  service_levels.ServiceMeasure(report, 1, "H200", sharing))}
+    return job("serve", name, project, "short", status, **spec)
+
+
+def test_services_show_the_three_measures_against_objectives() -> None:
+    jobs = [served("resnet", "vision", [0.02] * 1000, 0, 2, objectives={"p99Latency": "60ms"}),
+            served("bert", "nlp", [0.09] * 500, 5, 3, objectives={"p99Latency": "60ms"}),
+            *JOBS]
+    code, text = run("services", reader=CannedReader(jobs=jobs))
+    assert code == 0
+    [resnet] = lines_with(text, "serve/resnet")
+    assert resnet.split()[1:3] == ["1", "100.0"] and "yes" in resnet and "H200" in resnet
+    [bert] = lines_with(text, "serve/bert")
+    assert "NO" in bert and "1.00%" in bert
+    code, text = run("services", "--by", "node", reader=CannedReader(jobs=jobs))
+    [node] = lines_with(text, "h200-a")
+    assert node.split()[1:3] == ["2", "149.5"]
+    code, text = run("services", "-o", "json", reader=CannedReader(jobs=jobs))
+    assert {row["key"] for row in json.loads(text)} == {"serve/resnet", "serve/bert"}
+    assert run("services")[1].startswith("No running GpuJob reports")
