@@ -168,6 +168,7 @@ OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x i
 # pauses, restarts from a checkpoint; near the end one pause is much of what is left).
 PROGRESS_DRIFT = 0.2
 UNSEEN_PAUSES = 0.3  # the range's end, for a job that reported no pause yet: this much more
+JUST_BEGUN = 0.01  # done this attempt, below which a loop's first report gives no rate
 MAX_PAUSE_SHARE = 0.9  # a job paused more than this share of its time says little of its rate
 Z80 = 1.2816  # the 90th percentile of the standard normal: an 80 % range is +-Z80 sigma
 
@@ -200,7 +201,11 @@ def reported_remaining(job: Job, now: float) -> Remaining | None:
     took so far this attempt: the rest, 1 - progress, takes (1 - progress) / rate / (1 -
     pause share), from the report on, less the time since it while the job was training.
     Without samples, the average rate of the attempt: from `resumed_progress` (where it
-    started) to `progress` in `progress_at - started` seconds.
+    started) to `progress` in `progress_at - started` seconds; but None for a loop that has
+    just begun (samples, no rate between them yet, under `JUST_BEGUN` done this attempt): that
+    average would count its start-up (loading data and model, starting CUDA) as training, and
+    a loop 0.1 % done when it first reports, 9 s after its process started, is not 2.5 hours
+    long.
 
     The range: the spread of the recent rates (log space) and `PROGRESS_DRIFT`, for what may
     still change, combined as independent errors; its end `UNSEEN_PAUSES` later for a job
@@ -211,6 +216,9 @@ def reported_remaining(job: Job, now: float) -> Remaining | None:
         return None
     detail = job.progress_detail
     rates = _recent_rates(detail.recent, started) if detail is not None else []
+    if (detail is not None and detail.recent and not rates
+            and progress - job.resumed_progress < JUST_BEGUN):
+        return None  # the loop has just begun: its average would count its start-up
     spread = 0.0
     if detail is not None and rates:
         rate = statistics.median(rates)

@@ -10,6 +10,7 @@ trainer and state objects carrying the attributes the hooks read: installing eit
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -86,6 +87,33 @@ def test_pauses_are_reported_as_phases_and_do_not_read_as_a_slow_rate(tmp_path: 
     pause_share = 300.0 / (report.time - started)
     assert found.expected == pytest.approx(train_left / (1 - pause_share), rel=0.01)
     assert found.low < found.expected < found.high
+
+
+def test_a_loops_first_report_gives_no_rate_until_a_second_sample(tmp_path: Path) -> None:
+    """The first report comes with the loop's first step, after a start-up (data, model,
+    CUDA) that is no training: no rate until two samples, then the training rate alone."""
+    clock = Clock(NOW + 60.0)  # 60 s of start-up
+    progress = workload.Progress(1000, run=run_in(tmp_path, clock), every_s=10.0)
+    job = Job("lab/train", "lab", JobClass.BATCH, GpuRequest(1, 0, 100, Isolation.EXCLUSIVE),
+              NOW - 10, 3600.0, phase=Phase.RUNNING, attempts=1,
+              runs=(RunRecord(1, NOW, None, 1.0),))
+
+    def reported(at: float) -> Job:
+        report = last_report(tmp_path)
+        return replace(job, progress=report.value, progress_at=report.time,
+                       progress_detail=ProgressDetail(report.phase, report.paused_s,
+                                                      report.recent))
+
+    clock.at += 0.5
+    progress.update(1)
+    assert len(last_report(tmp_path).recent) == 1
+    assert reported_remaining(reported(clock.at), clock.at) is None
+    for step in range(2, 41):
+        clock.at += 0.5  # 2 steps a second
+        progress.update(step)
+    found = reported_remaining(reported(clock.at), clock.at)
+    assert found is not None
+    assert found.expected == pytest.approx((1000 - 40) / 2.0, rel=0.01)
 
 
 def test_reports_stay_within_the_protocol(tmp_path: Path) -> None:
