@@ -16,14 +16,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from carpool.core import names
+from carpool.core import interference, names
 from carpool.core.assignment import (
     HAND_OVER_STALE_S,
     Assignment,
     AssignmentError,
     parse_assignment,
 )
-from carpool.core.decoding import gpu_request_from_spec
+from carpool.core.decoding import first_image, gpu_request_from_spec
+from carpool.core.jobs import job_template
 from carpool.core.ownership import Owner
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
@@ -116,6 +117,11 @@ class ClusterCache:
         self._synced: set[str] = set()
         # GpuJobs by namespace/name: (uid, the GPU request of their immutable spec)
         self._jobs: dict[str, tuple[str, GpuRequest | str]] = {}
+        # what the jobs' service measures teach (core.interference): samples by job, each
+        # job's template, and the profiles, learned again when a sample changes
+        self._samples: dict[str, interference.Sample] = {}
+        self._templates: dict[str, str] = {}
+        self._profiles: interference.Profiles | None = interference.NO_PROFILES
         self.pods_watch_healthy = False
         self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
         self._expiry_checked = float("-inf")
@@ -215,19 +221,33 @@ class ClusterCache:
         except ValueError as exc:
             request = f"its GpuJob's spec.gpu cannot be read: {exc}"
         self._jobs[key] = (str(meta.get("uid") or ""), request)
+        self._templates[key] = job_template(str(meta.get("name", "")),
+                                            first_image(job.get("spec") or {}))
+        sample = interference.sample_of(job)
+        if sample != self._samples.get(key):
+            if sample is None:
+                self._samples.pop(key, None)
+            else:
+                self._samples[key] = sample
+            self._profiles = None
 
     def apply_gpujob(self, event: str, job: Mapping[str, Any]) -> None:
         meta = job.get("metadata") or {}
         with self._lock:
             self.events["gpujobs"] += 1
             if event == "DELETED":
-                self._jobs.pop(f"{meta.get('namespace', '')}/{meta.get('name', '')}", None)
+                key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+                self._jobs.pop(key, None)
+                self._templates.pop(key, None)
+                if self._samples.pop(key, None) is not None:
+                    self._profiles = None
             else:
                 self._set_job(job)
 
     def replace_gpujobs(self, jobs: Iterable[Mapping[str, Any]]) -> None:
         with self._lock:
-            self._jobs = {}
+            self._jobs, self._templates, self._samples = {}, {}, {}
+            self._profiles = None
             for job in jobs:
                 self._set_job(job)
 
@@ -235,11 +255,18 @@ class ClusterCache:
         """The GPU request of the GpuJob `owner` names in `namespace` when its uid is the one
         named (a job of that name created since is another job), why not when its spec
         cannot be read, None when the watch has not shown it."""
+        key = f"{namespace}/{owner.name}"
         with self._lock:
-            known = self._jobs.get(f"{namespace}/{owner.name}")
-        if known is None or known[0] != owner.uid:
-            return None
-        return known[1]
+            known = self._jobs.get(key)
+            if known is None or known[0] != owner.uid:
+                return None
+            request = known[1]
+            if isinstance(request, str):
+                return request
+            if self._profiles is None:
+                self._profiles = interference.learn(self._samples.values())
+            # with the sharing limits its template's profiles give (core.interference)
+            return interference.limited(request, self._templates.get(key, ""), self._profiles)
 
     # --- pods --------------------------------------------------------------------------
 

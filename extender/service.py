@@ -126,7 +126,8 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
     for container, grants in zip(demand.containers, placement.per_container, strict=True):
         for grant in grants:
             gpus.append(AssignedGpu(grant.gpu_uuid, index[grant.gpu_uuid], grant.memory_mib,
-                                    grant.cores_pct, grant.mig_instance, container.container))
+                                    grant.cores_pct, grant.mig_instance, container.container,
+                                    grant.sharing_limit))
     isolation = demand.containers[0].request.isolation if demand.containers else None
     return Assignment(node.name, tuple(gpus), isolation)
 
@@ -296,7 +297,8 @@ class Extender:
                             f"pod only as its GpuJob asks)")
         ((container, asked),) = [(c.container, c.request) for c in demand.containers]
         request = replace(asked, isolation=known.isolation, models=known.models,
-                          mig_slices=known.mig_slices)
+                          mig_slices=known.mig_slices, objectives=known.objectives,
+                          sharing_limits=known.sharing_limits)
         return replace(demand, containers=(ContainerDemand(container, request),))
 
     def _policy(self, demand: PodDemand) -> str:

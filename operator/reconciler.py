@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from carpool.core import job_status, names
+from carpool.core import interference, job_status, names
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.decoding import (
     retired_to_status,
@@ -236,7 +236,10 @@ class Reconciler:
         nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
         # what deleted jobs taught the estimates, as the replay keeps it run by run
         learned, misses = kept_history(state.retired.values())
-        snapshot = ClusterSnapshot(now=state.now, jobs=tuple(state.jobs), quotas=state.quotas,
+        # each job's sharing limits from what the jobs' service measures teach
+        profiles = interference.learn_from_gpujobs(state.objects.values())
+        jobs = interference.with_limits(state.jobs, profiles)
+        snapshot = ClusterSnapshot(now=state.now, jobs=tuple(jobs), quotas=state.quotas,
                                    nodes=nodes, retired=state.retired, learned=learned,
                                    start_misses=misses)
         return admission_cycle(snapshot, self.config.admission)

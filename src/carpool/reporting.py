@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from carpool.core import names, right_sizing, service_levels
+from carpool.core import interference, names, right_sizing, service_levels
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.decoding import (
     first_image,
@@ -30,6 +30,7 @@ from carpool.core.gpuhours import gpu_hours
 from carpool.core.gpunode import GPU_MODEL_MEMORY_MIB, inventory_from_gpunode
 from carpool.core.jobs import BudgetPolicy, job_template
 from carpool.core.placement import NodeState, node_rejection
+from carpool.core.queueing import WaitReason
 from carpool.core.quota import (
     ProjectLedger,
     Standing,
@@ -585,6 +586,7 @@ class Topic(enum.Enum):
     QUOTA = "quota"
     BUDGET = "budget"
     CAPACITY = "capacity"
+    SHARING = "sharing"
     CONSTRAINTS = "constraints"
 
 
@@ -631,6 +633,32 @@ def _grants_on(inventory: NodeInventory, shares: Mapping[str, list[Share]]) -> t
                  100 if s.exclusive else s.cores_pct, exclusive=s.exclusive,
                  mig_instance=s.mig_instance)
         for gpu in inventory.gpus for s in shares.get(gpu.uuid, ()))
+
+
+def _sharing_findings(job: Obj, request: GpuRequest, reason: str, jobs: Iterable[Obj] | None
+                      ) -> list[Finding]:
+    """The job's objectives and how far its template's interference profiles let a GPU be
+    shared with it (`core.interference`), blocking when sharing is what keeps it waiting."""
+    blocking = reason == WaitReason.SHARING_OBJECTIVE.value
+    objectives = request.objectives
+    if objectives is None and not blocking:
+        return []
+    promised = []
+    if objectives is not None and objectives.p99_latency_s is not None:
+        promised.append(f"P99 latency under {objectives.p99_latency_s * 1000:g} ms")
+    if objectives is not None and objectives.max_slowdown is not None:
+        promised.append(f"at most {objectives.max_slowdown:g}x slower than alone")
+    text = (f"objectives: {', '.join(promised)}" if promised else "no objectives of its own")
+    if jobs is not None:
+        template = job_template(str(_meta(job).get("name", "")), first_image(_spec(job)))
+        limits = interference.learn_from_gpujobs(jobs).limits(template, objectives)
+        text += ("; its template's profiles allow "
+                 + ", ".join(f"{n} job(s) per {model}" for model, n in limits) if limits
+                 else "; its template has no interference profile yet (no limit from it)")
+    if blocking:
+        text += ("; every GPU with room already runs as many jobs as its objective, or the "
+                 "objective of a job there, allows")
+    return [Finding(Topic.SHARING, blocking, text)]
 
 
 def _constraint_findings(request: GpuRequest, inventories: Sequence[NodeInventory]
@@ -825,6 +853,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
         shares = assignments_by_gpu(pods)
         states = [NodeState(inv, _grants_on(inv, shares)) for inv in inventories]
         findings.append(_capacity_finding(request, states))
+    findings.extend(_sharing_findings(job, request, reason, jobs))
     findings.extend(_constraint_findings(request, inventories))
     if stale:
         findings.append(Finding(Topic.CAPACITY, False,

@@ -8,13 +8,14 @@ the one codec for all of them: `encode_assignment` writes what the extender reco
 
     {"node": "gpu-1", "isolation": "mps",
      "gpus": [{"uuid": "GPU-…", "index": 0, "memoryMiB": 20480, "cores": 25,
-               "migInstance": "MIG-…", "container": "main"}]}
+               "migInstance": "MIG-…", "container": "main", "sharingLimit": 2}]}
 
 `isolation` is the sharing mode the extender placed the pod for, taken from its GpuJob's
 spec (immutable), so the device plugin, the operator and the reports read it from what
 Carpool wrote rather than from the pod's own annotations; it is left out of assignments made
-before it was recorded (readers then fall back to the node's mode). `migInstance` and
-`container` are left out when empty; `cores` defaults to 0; keys this version does not know
+before it was recorded (readers then fall back to the node's mode). `migInstance`,
+`container` and `sharingLimit` (the most jobs the pod's job lets its GPU carry,
+`core.interference`) are left out when empty; `cores` defaults to 0; keys this version does not know
 are ignored (a newer extender may add some).
 """
 
@@ -53,6 +54,7 @@ class AssignedGpu:
     cores_pct: int
     mig_instance: str = ""
     container: str = ""
+    sharing_limit: int = 0  # the most jobs the holder lets this GPU carry (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Assignment:
         if exclusive or self.isolation is Isolation.EXCLUSIVE:
             return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
                          for g in self.gpus)
-        return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance)
+        return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance,
+                              sharing_limit=g.sharing_limit)
                      for g in self.gpus)
 
 
@@ -93,6 +96,8 @@ def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
         entry["migInstance"] = gpu.mig_instance
     if gpu.container:
         entry["container"] = gpu.container
+    if gpu.sharing_limit:
+        entry["sharingLimit"] = gpu.sharing_limit
     return entry
 
 
@@ -138,7 +143,8 @@ def _gpu(raw: object, where: str) -> AssignedGpu:
                        memory_mib=_count(raw, "memoryMiB", where),
                        cores_pct=_count(raw, "cores", where, 0),
                        mig_instance=_text(raw, "migInstance", where),
-                       container=_text(raw, "container", where))
+                       container=_text(raw, "container", where),
+                       sharing_limit=_count(raw, "sharingLimit", where, 0))
 
 
 def _count(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:

@@ -62,7 +62,8 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
     them (kube-scheduler enforces those: the node stays usable, ranked last with score 0, as
     it is in the too-few case). Fast path: the scorer's memoised plan over every GPU it sees,
     kept when the GPUs it maps to are all accepted (checked only on the state's
-    `doubtful_gpus`: elsewhere a fitting slot is an accepted GPU). Then the plain plan is the
+    `doubtful_gpus`, and on every GPU for a request with sharing limits: elsewhere a fitting
+    slot is an accepted GPU). Then the plain plan is the
     same one: each greedy step picks the best candidate slot, and the fast path's pick is
     among the plain path's candidates, a subset of its own (tests/unit/core/test_gpu_choice.py).
     """
@@ -76,7 +77,7 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
             scored = None
         if scored is not None:
             doubtful = state.doubtful_gpus(request.isolation)
-            if not doubtful or doubtful.isdisjoint(scored[1]):
+            if not request.sharing_limits and (not doubtful or doubtful.isdisjoint(scored[1])):
                 return scored
             frees = state.frees_by_index
             if all(gpu_rejection(frees[i], request) is None for i in scored[1]):

@@ -135,6 +135,8 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
                       "cores": grant.cores_pct}
         if gpu is not None:
             entry.update(index=gpu.index, model=gpu.model)
+        if grant.sharing_limit:
+            entry["sharingLimit"] = grant.sharing_limit
         out.append(entry)
     return out
 

@@ -25,6 +25,7 @@ class GpuFree:
     exclusive_taken: bool
     grants: int
     free_mig: tuple[str, ...]  # unused MIG instance UUIDs
+    sharing_limit: int = 0  # the smallest limit of the jobs on it (0: none has one)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class NodeState:
                     exclusive_taken=any(g.exclusive for g in held),
                     grants=len(held),
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
+                    sharing_limit=min((g.sharing_limit for g in held if g.sharing_limit),
+                                      default=0),
                 )
             )
         return out
@@ -102,6 +105,8 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
                    if m.uuid in free.free_mig and m.memory_mib >= request.memory_mib
                    and m.slices >= request.mig_slices]
         return None if fitting else f"GPU {gpu.index} has no free MIG instance that fits"
+    if (why := sharing_rejection(free, request)) is not None:
+        return why
     if request.isolation is Isolation.MPS and gpu.mps_ceiling_pct < 100 and (
             request.memory_mib > gpu.mps_ceiling_mib or request.cores_pct > gpu.mps_ceiling_pct):
         return (f"GPU {gpu.index} holds one MPS client to {gpu.mps_ceiling_mib // 1024} GiB and "
@@ -112,6 +117,26 @@ def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
                 f"job needs {request.memory_mib // 1024} GiB")
     if free.cores_pct < request.cores_pct:
         return f"GPU {gpu.index} has {free.cores_pct}% cores free, job needs {request.cores_pct}%"
+    return None
+
+
+SHARING_WOULD_BREAK = "sharing it by"  # how every sharing rejection reads (`why` finds it)
+
+
+def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
+    """Why one more job on this GPU would break an objective or pass the knee of the
+    throughput curve (`core.interference`): the request's own limit for the GPU's model, or
+    the smallest limit of the jobs already there; None if both allow it."""
+    degree = free.grants + 1
+    own = request.sharing_limit(free.gpu.model)
+    if own and degree > own:
+        return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
+                f"{degree} would break this job's objective (its profile on "
+                f"{free.gpu.model} allows {own})")
+    if free.sharing_limit and degree > free.sharing_limit:
+        return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
+                f"{degree} would break the objective of a job there (its profile allows "
+                f"{free.sharing_limit})")
     return None
 
 
@@ -171,4 +196,5 @@ def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
                          key=lambda m: (m.memory_mib, m.slices, m.uuid))
         chosen = fitting[0]
         return GpuGrant(gpu.uuid, chosen.memory_mib, 0, mig_instance=chosen.uuid)
-    return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct)
+    return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct,
+                    sharing_limit=request.sharing_limit(gpu.model))

@@ -67,7 +67,12 @@ from carpool.core.fairshare import (
 )
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
-from carpool.core.placement import NodeState, rejection_by_conditions
+from carpool.core.placement import (
+    SHARING_WOULD_BREAK,
+    NodeState,
+    gpu_verdicts,
+    rejection_by_conditions,
+)
 from carpool.core.preemption import (
     MIN_LEAVING_S,
     Candidate,
@@ -181,6 +186,9 @@ class WaitReason(enum.Enum):
     BEHIND_HIGHER_RANKED = "BehindHigherRanked"
     PREEMPTING = "Preempting"  # victims were told to stop; waiting for them to leave
     REQUEUE_BACKOFF = "RequeueBackoff"  # its last pod failed through no fault of its own
+    # GPUs have room, but one more job on them would break its objective or one of the jobs
+    # there (core.interference)
+    SHARING_OBJECTIVE = "SharingWouldBreakObjective"
 
     @property
     def refused(self) -> bool:
@@ -191,7 +199,8 @@ class WaitReason(enum.Enum):
     @property
     def competes_for_capacity(self) -> bool:
         return self in (WaitReason.CAPACITY, WaitReason.BEHIND_HIGHER_RANKED,
-                        WaitReason.PREEMPTING, WaitReason.REQUEUE_BACKOFF)
+                        WaitReason.PREEMPTING, WaitReason.REQUEUE_BACKOFF,
+                        WaitReason.SHARING_OBJECTIVE)
 
 
 @dataclass(frozen=True)
@@ -353,6 +362,8 @@ class _Cycle:
     raw_fail: set[GpuRequest] = field(default_factory=set)
     # request -> (node, why) where only a passing condition keeps it out (`_never_fits`)
     held_back: dict[GpuRequest, list[tuple[str, str]]] = field(default_factory=dict)
+    # request -> why sharing limits alone keep it off every node now (None: they do not)
+    sharing_blocked: dict[GpuRequest, str | None] = field(default_factory=dict)
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
@@ -369,6 +380,33 @@ class _Spread(NamedTuple):
 
     early: float
     late: float
+
+
+def _sharing_blocked(cycle: _Cycle, request: GpuRequest) -> str | None:
+    """Why a request finds no node now only because one more job would take a GPU past a
+    sharing limit (its own or a holder's, `placement.sharing_rejection`); None when that is
+    not what keeps it out, or no limit is in play (the usual case, answered at once)."""
+    if request in cycle.sharing_blocked:
+        return cycle.sharing_blocked[request]
+    held: dict[str, list[GpuGrant]] = {}
+    for holder in cycle.holders:
+        if holder.job.node in cycle.snapshot.nodes:
+            held.setdefault(holder.job.node, []).extend(holder.job.grants)
+    why = None
+    if request.sharing_limits or any(g.sharing_limit for gs in held.values() for g in gs):
+        for name in sorted(cycle.snapshot.nodes):
+            state = cycle.snapshot.nodes[name].with_grants(held.get(name, ()))
+            verdicts = gpu_verdicts(state, request)
+            if isinstance(verdicts, str):
+                continue
+            fit = verdicts.count(None)
+            sharing = [v for v in verdicts if v is not None and SHARING_WOULD_BREAK in v]
+            if fit < request.count <= fit + len(sharing):
+                why = (f"no GPU can take it without breaking an objective ({name}: "
+                       f"{sharing[0]})")
+                break
+    cycle.sharing_blocked[request] = why
+    return why
 
 
 def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
@@ -958,6 +996,9 @@ class _QueueDecisions:
         if leaving and cycle.timeline.best_now(request, duration, without=leaving) is not None:
             return (WaitReason.PREEMPTING,
                     f"waiting for {len(leaving)} preempted job(s) to leave")
+        blocked = _sharing_blocked(cycle, request)
+        if blocked is not None:
+            return WaitReason.SHARING_OBJECTIVE, blocked
         return (WaitReason.CAPACITY,
                 f"no node has room now; {self.ahead} higher-ranked job(s) wait for GPUs")
 

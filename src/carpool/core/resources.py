@@ -107,6 +107,9 @@ class GpuRequest:
     # the pod template's nodeSelector: only nodes with every one of these labels can take it
     node_selector: frozenset[tuple[str, str]] = frozenset()
     objectives: Objectives | None = None  # None: no latency or slowdown promise
+    # the most jobs a GPU of each model may carry with this one on it (itself included), from
+    # its template's interference profile (`core.interference`); a model not listed: no limit
+    sharing_limits: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -118,6 +121,13 @@ class GpuRequest:
 
     def allows_model(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def sharing_limit(self, model: str) -> int:
+        """The most jobs a GPU of `model` may carry with this one on it; 0: no limit."""
+        for name, limit in self.sharing_limits:
+            if name == model:
+                return limit
+        return 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,7 @@ class GpuGrant:
     cores_pct: int  # compute actually reserved (100 for exclusive)
     exclusive: bool = False
     mig_instance: str = ""  # MIG instance UUID when isolation is MIG
+    sharing_limit: int = 0  # the most jobs the holder lets its GPU carry (0: no limit)
 
 
 @dataclass(frozen=True)

@@ -166,13 +166,15 @@ def doubtful_gpus(node: NodeState, isolation: Isolation) -> frozenset[int]:
     fit rules (`placement.gpu_rejection`) accept it: every GPU for MIG (instances are not
     in the slot), over-booked GPUs (negative free memory or cores, which a slot clamps to
     0), GPUs partitioned into MIG instances, for MPS the GPUs whose MPS ceiling is below
-    100 %, and for the others the GPUs that run MPS clients only. Elsewhere a fitting slot is
-    accepted (tests/unit/core/test_gpu_choice.py)."""
+    100 %, for the others the GPUs that run MPS clients only, and GPUs whose jobs limit how
+    far they are shared (`core.interference`). Elsewhere a fitting slot is accepted
+    (tests/unit/core/test_gpu_choice.py)."""
     if isolation is Isolation.MIG:
         return frozenset(g.index for g in node.inventory.gpus)
     mps = isolation is Isolation.MPS
     return frozenset(f.gpu.index for f in node.free()
                      if f.memory_mib < 0 or f.cores_pct < 0 or f.gpu.mig_instances
+                     or f.sharing_limit
                      or (mps and f.gpu.mps_ceiling_pct < 100)
                      or (not mps and f.gpu.exclusive_process))
 

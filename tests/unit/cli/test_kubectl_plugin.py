@@ -405,3 +405,18 @@ def test_services_show_the_three_measures_against_objectives() -> None:
     code, text = run("services", "-o", "json", reader=CannedReader(jobs=jobs))
     assert {row["key"] for row in json.loads(text)} == {"serve/resnet", "serve/bert"}
     assert run("services")[1].startswith("No running GpuJob reports")
+
+
+def test_why_explains_a_wait_for_sharing_that_would_break_an_objective() -> None:
+    waiting = job("serve", "resnet-9", "vision", "short",
+                  {"phase": "Queued", "queuePosition": 1,
+                   "reason": "SharingWouldBreakObjective",
+                   "message": "no GPU can take it without breaking an objective"},
+                  objectives={"p99Latency": "10ms"})
+    measured = [served(f"resnet-{d}", "vision", [0.004 * d] * 1000, 0, d) for d in (1, 2, 3)]
+    code, out = run("why", "serve/resnet-9",
+                    reader=CannedReader(jobs=[waiting, *measured, *JOBS]))
+    assert code == 0 and "SharingWouldBreakObjective" in out
+    [sharing] = lines_with(out, "sharing ")
+    assert "BLOCKING" in sharing and "P99 latency under 10 ms" in sharing
+    assert "profiles allow 2 job(s) per H200" in sharing

@@ -1,0 +1,241 @@
+"""How far a GPU may be shared: interference profiles learned from what running jobs report.
+
+Sharing a GPU raises total throughput only up to a point, and every job added slows the
+others and stretches their latency tails. Carpool learns, per GPU model and job template
+(`jobs.job_template`), how one job's throughput and P99 latency change with the number of
+jobs on its GPU (the sharing degree, itself included), from the service measures the node
+agent records (`core.service_levels`: each carries the GPU model and the degree it ran at).
+From a profile it takes each job's sharing limit, the most jobs its GPU may carry:
+
+- a job with objectives (`spec.objectives`): the largest degree at which the profile keeps
+  its P99 under `p99Latency` and its slowdown against running alone under `maxSlowdown`,
+  every smaller degree included (1 when even running alone breaks them: sharing only makes
+  it worse);
+- a job without: the knee of the measured throughput curve, the first degree from which one
+  more job adds less than `KNEE_GAIN` to the GPU's total throughput (none while the curve
+  still climbs at the highest degree measured, so Carpool goes on to measure the next).
+
+A template with measures at fewer than two degrees has no profile, and its jobs no limit:
+placement is then what it is without this module. The limit counts jobs, whatever they run:
+a GPU takes one more job only while that job's limit and the limit of every job already there
+allow it (`placement.gpu_rejection`).
+
+Everything here is pure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Any
+
+from carpool.core import service_levels
+from carpool.core.decoding import first_image
+from carpool.core.jobs import Job, job_template
+from carpool.core.resources import GpuRequest, Objectives
+
+KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total throughput
+MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
+MIN_DEGREES = 2  # measured degrees before a template has a profile
+EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be judged at
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One job's measure: its template on a GPU model, shared by `degree` jobs."""
+
+    model: str
+    template: str
+    degree: int
+    throughput: float  # the job's own successful requests per second
+    p99_s: float | None
+
+
+@dataclass(frozen=True)
+class Point:
+    """A profile at one degree: the median of the jobs' measures there."""
+
+    degree: int
+    throughput: float  # per job
+    p99_s: float | None
+    samples: int
+
+    @property
+    def total(self) -> float:
+        """The GPU's throughput when every one of the `degree` jobs runs this template."""
+        return self.degree * self.throughput
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How one template behaves on one GPU model as its GPU is shared more."""
+
+    model: str
+    template: str
+    points: tuple[Point, ...]  # by degree, at least MIN_DEGREES of them
+
+    def point(self, degree: int) -> Point | None:
+        return next((p for p in self.points if p.degree == degree), None)
+
+    def throughput_at(self, degree: int) -> float:
+        """Per-job throughput at `degree`: measured, else linear between the measured
+        degrees around it, else along the nearest two (never below 0)."""
+        return max(0.0, _along([(p.degree, p.throughput) for p in self.points], degree))
+
+    def p99_at(self, degree: int) -> float | None:
+        """P99 at `degree`, read like `throughput_at` (never below the lowest measured)."""
+        known = [(p.degree, p.p99_s) for p in self.points if p.p99_s is not None]
+        if not known:
+            return None
+        if len(known) == 1:
+            return known[0][1] if degree <= known[0][0] else None
+        return max(min(v for _, v in known), _along(known, degree))
+
+    def alone(self) -> float:
+        """Throughput running alone (degree 1, measured or read along the curve)."""
+        return self.throughput_at(1)
+
+    def knee(self) -> int | None:
+        """The first measured degree after which one more job adds less than KNEE_GAIN of
+        the GPU's total throughput; None while the measured curve still climbs."""
+        measured = [p.degree for p in self.points]
+        for degree in range(1, max(measured)):
+            now = degree * self.throughput_at(degree)
+            more = (degree + 1) * self.throughput_at(degree + 1)
+            if now > 0 and more < now * (1 + KNEE_GAIN):
+                return degree
+        return None
+
+    def keeps(self, objectives: Objectives, degree: int) -> bool | None:
+        """Whether a job of this template keeps `objectives` at `degree`; None when the
+        profile cannot say (too far beyond what was measured)."""
+        if degree > max(p.degree for p in self.points) + EXTRAPOLATE:
+            return None
+        if objectives.p99_latency_s is not None:
+            p99 = self.p99_at(degree)
+            if p99 is None:
+                return None
+            if p99 > objectives.p99_latency_s:
+                return False
+        if objectives.max_slowdown is not None:
+            shared = self.throughput_at(degree)
+            if shared <= 0 or self.alone() / shared > objectives.max_slowdown:
+                return False
+        return True
+
+    def limit(self, objectives: Objectives | None) -> int | None:
+        """The most jobs a GPU may carry with a job of this template on it; None: no limit
+        from this profile."""
+        if objectives is None:
+            return self.knee()
+        best = 0
+        for degree in range(1, MAX_DEGREE + 1):
+            kept = self.keeps(objectives, degree)
+            if kept is None:
+                break
+            if not kept:
+                return max(1, best)
+            best = degree
+        return max(1, best)
+
+
+def _along(points: list[tuple[int, float]], degree: int) -> float:
+    """The value at `degree` on the line through the measured points (sorted by degree):
+    linear between neighbours, extended along the first or last two beyond the ends."""
+    if len(points) == 1:
+        return points[0][1]
+    if degree <= points[0][0]:
+        (d0, v0), (d1, v1) = points[0], points[1]
+    elif degree >= points[-1][0]:
+        (d0, v0), (d1, v1) = points[-2], points[-1]
+    else:
+        (d0, v0), (d1, v1) = next((a, b) for a, b in pairwise(points)
+                                  if a[0] <= degree <= b[0])
+    return v0 + (v1 - v0) * (degree - d0) / (d1 - d0)
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """Every learned profile, by (GPU model, template)."""
+
+    by_key: Mapping[tuple[str, str], Profile]
+
+    def get(self, model: str, template: str) -> Profile | None:
+        return self.by_key.get((model, template))
+
+    def limits(self, template: str, objectives: Objectives | None
+               ) -> tuple[tuple[str, int], ...]:
+        """A job's sharing limit per GPU model its template has a profile on, model order
+        (`GpuRequest.sharing_limits`); empty: no limit anywhere."""
+        out = []
+        for (model, name), profile in sorted(self.by_key.items()):
+            if name != template:
+                continue
+            limit = profile.limit(objectives)
+            if limit is not None:
+                out.append((model, limit))
+        return tuple(out)
+
+
+NO_PROFILES = Profiles({})
+
+
+def learn(samples: Iterable[Sample]) -> Profiles:
+    """Profiles from job measures: per (model, template, degree) the median throughput and
+    P99 of its samples; a (model, template) measured at fewer than MIN_DEGREES degrees has
+    none. Samples without a model or template, or with no throughput, say nothing."""
+    groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
+    for s in samples:
+        if not s.model or not s.template or s.degree < 1 or not math.isfinite(s.throughput) \
+                or s.throughput <= 0:
+            continue
+        groups.setdefault((s.model, s.template), {}).setdefault(s.degree, []).append(s)
+    profiles: dict[tuple[str, str], Profile] = {}
+    for key, by_degree in groups.items():
+        if len(by_degree) < MIN_DEGREES:
+            continue
+        points = []
+        for degree in sorted(by_degree):
+            group = by_degree[degree]
+            tails = [s.p99_s for s in group if s.p99_s is not None]
+            points.append(Point(degree, statistics.median(s.throughput for s in group),
+                                statistics.median(tails) if tails else None, len(group)))
+        profiles[key] = Profile(key[0], key[1], tuple(points))
+    return Profiles(profiles)
+
+
+def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:
+    """The sample a GpuJob's recorded service measure gives (any phase: a finished job's
+    last measure still says how its template ran); None without one."""
+    measure = service_levels.measure_from_status(gpujob.get("status") or {})
+    if measure is None:
+        return None
+    meta, spec = gpujob.get("metadata") or {}, gpujob.get("spec") or {}
+    report = measure.report
+    return Sample(measure.gpu_model, job_template(str(meta.get("name", "")), first_image(spec)),
+                  measure.sharing, report.throughput, report.p99_s)
+
+
+def learn_from_gpujobs(gpujobs: Iterable[Mapping[str, Any]]) -> Profiles:
+    """`learn` over what the GpuJobs' statuses record (the operator and the extender both)."""
+    return learn(s for s in map(sample_of, gpujobs) if s is not None)
+
+
+def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuRequest:
+    """`request` with its sharing limits from `profiles` (the same request, unchanged, where
+    its template has none: placement is then exactly what it is without profiles)."""
+    limits = profiles.limits(template, request.objectives) if profiles.by_key else ()
+    return request if limits == request.sharing_limits else replace(request,
+                                                                   sharing_limits=limits)
+
+
+def with_limits(jobs: Iterable[Job], profiles: Profiles) -> list[Job]:
+    """Jobs whose requests carry their sharing limits (`limited`); the operator's snapshot."""
+    out = []
+    for job in jobs:
+        request = limited(job.request, job.template, profiles)
+        out.append(job if request is job.request else replace(job, request=request))
+    return out

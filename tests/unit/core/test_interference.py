@@ -1,0 +1,137 @@
+"""Interference profiles (`core.interference`) and the sharing limits placement takes from
+them: a job's objective, or the knee of the throughput curve, caps how many jobs its GPU
+carries; without a profile placement is what it always was."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from carpool.core import interference as inf
+from carpool.core import service_levels as levels
+from carpool.core.derived import DerivedState
+from carpool.core.gpu_choice import NoFit, choose_gpus
+from carpool.core.jobs import ClusterSnapshot, Job, RunRecord
+from carpool.core.placement import NodeState, gpu_rejection, grant_for, node_rejection
+from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
+from carpool.core.resources import Gpu, GpuGrant, GpuRequest, NodeInventory, Objectives, Phase
+from carpool.core.scoring import RequestScorer, Scorer
+from carpool_testbed.builders import GIB, gpu_job, packing_placer, project_quota
+
+# ResNet-like: per-job throughput and P99 by degree (the GPU's total flattens after 3)
+RESNET = {1: (227.0, 0.0068), 2: (200.0, 0.0090), 3: (160.0, 0.0150), 4: (125.0, 0.0300),
+          5: (100.0, 0.0700)}
+
+
+def samples(curve: dict[int, tuple[float, float]], template: str = "resnet",
+            model: str = "H200") -> list[inf.Sample]:
+    return [inf.Sample(model, template, d, t, p) for d, (t, p) in curve.items()]
+
+
+def test_a_profile_needs_two_degrees_and_takes_medians() -> None:
+    assert inf.learn(samples({1: (227.0, 0.007)})).get("H200", "resnet") is None
+    profile = inf.learn([*samples({1: (220.0, 0.007), 2: (200.0, 0.009)}),
+                         inf.Sample("H200", "resnet", 1, 234.0, 0.005),
+                         inf.Sample("H200", "resnet", 1, 100.0, None),
+                         inf.Sample("", "resnet", 1, 1.0, 1.0)]).get("H200", "resnet")
+    assert profile is not None
+    one = profile.point(1)
+    assert one is not None and (one.throughput, one.p99_s, one.samples) == (220.0, 0.006, 3)
+
+
+def test_the_knee_is_where_one_more_job_adds_under_a_tenth() -> None:
+    profile = inf.learn(samples(RESNET)).get("H200", "resnet")
+    assert profile is not None
+    # totals 227, 400, 480, 500, 500: 3 -> 4 adds 4 %
+    assert profile.knee() == 3
+    assert profile.limit(None) == 3
+    climbing = inf.learn(samples({1: (100.0, 0.01), 2: (95.0, 0.011)})).get("H200", "resnet")
+    assert climbing is not None and climbing.knee() is None  # still climbing: no limit yet
+
+
+def test_an_objective_caps_the_degree_where_its_profile_keeps_it() -> None:
+    profile = inf.learn(samples(RESNET)).get("H200", "resnet")
+    assert profile is not None
+    assert profile.limit(Objectives(p99_latency_s=0.020)) == 3
+    assert profile.limit(Objectives(p99_latency_s=0.010)) == 2
+    assert profile.limit(Objectives(p99_latency_s=0.001)) == 1  # even alone: run alone
+    assert profile.limit(Objectives(max_slowdown=1.5)) == 3  # 227/160 = 1.42, 227/125 = 1.8
+    assert profile.limit(Objectives(p99_latency_s=1.0)) == 6  # one beyond what was measured
+
+
+def test_limits_per_model_and_the_request_they_give() -> None:
+    profiles = inf.learn([*samples(RESNET), *samples(RESNET, model="A100"),
+                          *samples(RESNET, template="bert")])
+    assert profiles.limits("resnet", Objectives(0.010)) == (("A100", 2), ("H200", 2))
+    request = GpuRequest(1, GIB, 25, objectives=Objectives(0.010))
+    assert inf.limited(request, "resnet", profiles).sharing_limit("H200") == 2
+    assert inf.limited(request, "unknown", profiles) is request
+    assert inf.limited(request, "resnet", inf.NO_PROFILES) is request
+
+
+def h200(*grants: GpuGrant) -> NodeState:
+    return NodeState(NodeInventory("n1", (Gpu(0, "g0", "H200", 140 * GIB),)), grants)
+
+
+def test_placement_keeps_a_gpu_within_its_jobs_and_the_newcomers_limits() -> None:
+    limited = GpuRequest(1, GIB, 10, sharing_limits=(("H200", 2),))
+    free = GpuRequest(1, GIB, 10)
+    one = GpuGrant("g0", GIB, 10)
+    # the newcomer's own limit: a third job would break its objective
+    assert node_rejection(h200(one), limited) is None
+    why = node_rejection(h200(one, one), limited)
+    assert why is not None and "sharing it by 3 would break this job's objective" in why
+    # a job there with a limit of 2 keeps every newcomer off once it has company
+    held = grant_for(h200().free()[0], limited)
+    assert held.sharing_limit == 2
+    assert gpu_rejection(h200(held).free()[0], free) is None
+    why = gpu_rejection(h200(held, one).free()[0], free)
+    assert why is not None and "objective of a job there" in why
+    # the GPU choice (its fast path included) agrees with the filter
+    scorer = RequestScorer(limited, Scorer())
+    assert isinstance(choose_gpus(DerivedState.of(h200(one, one)), scorer), NoFit)
+    assert isinstance(choose_gpus(DerivedState.of(h200(held, one)),
+                                  RequestScorer(free, Scorer())), NoFit)
+    assert not isinstance(choose_gpus(DerivedState.of(h200(one, one)),
+                                      RequestScorer(free, Scorer())), NoFit)
+
+
+def test_a_job_blocked_only_by_sharing_waits_with_its_own_reason() -> None:
+    node = h200()
+    limit = (("H200", 2),)
+
+    def running(key: str) -> Job:
+        j = gpu_job(key, exclusive=False, memory_gib=1)
+        return replace(j, phase=Phase.RUNNING, node="n1", attempts=1,
+                       grants=(GpuGrant("g0", GIB, 0, sharing_limit=2),),
+                       runs=(RunRecord(1, 0.0, None, 0.1),),
+                       request=replace(j.request, sharing_limits=limit))
+    waiting = gpu_job("a/new", exclusive=False, memory_gib=1, submitted=5.0)
+    result = admission_cycle(ClusterSnapshot(10.0, (running("a/one"), running("a/two"), waiting),
+                                             {"a": project_quota("a")}, {"n1": node}),
+                             AdmissionConfig(node_placer=packing_placer))
+    wait = result.wait_for("a/new")
+    assert wait is not None and wait.reason is WaitReason.SHARING_OBJECTIVE
+    assert "would break the objective of a job there" in wait.message
+    # without the limits on the jobs there, it is admitted
+    plain = admission_cycle(ClusterSnapshot(10.0, (
+        replace(running("a/one"), grants=(GpuGrant("g0", GIB, 0),)),
+        replace(running("a/two"), grants=(GpuGrant("g0", GIB, 0),)), waiting),
+        {"a": project_quota("a")}, {"n1": node}), AdmissionConfig(node_placer=packing_placer))
+    assert [a.job_key for a in plain.admissions] == ["a/new"]
+
+
+def test_profiles_are_learned_from_recorded_measures() -> None:
+    def gpujob(name: str, degree: int, throughput: float) -> dict[str, object]:
+        report = levels.ServiceReport(0.0, 10.0, int(throughput * 10), 0,
+                                      levels.Histogram.of([0.01] * 10))
+        return {"metadata": {"namespace": "s", "name": name},
+                "spec": {"template": {"spec": {"containers": [{"image": "resnet:1"}]}}},
+                "status": levels.service_status(levels.ServiceMeasure(report, 1, "H200",
+                                                                      degree))}
+    profiles = inf.learn_from_gpujobs([gpujob("web-1", 1, 200.0), gpujob("web-2", 2, 190.0),
+                                       {"metadata": {"name": "idle"}, "status": {}}])
+    profile = profiles.get("H200", "web@resnet:1")
+    assert profile is not None and [p.degree for p in profile.points] == [1, 2]
+    assert profile.throughput_at(2) == pytest.approx(190.0)
