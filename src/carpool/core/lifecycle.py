@@ -18,7 +18,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.core.assignment import Assignment, AssignmentError, encode_assignment, parse_gpus
+from carpool.core.assignment import (
+    Assignment,
+    AssignmentError,
+    encode_assignment,
+    gpu_entry,
+    parse_gpus,
+)
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.ownership import GpuLimits, Owner, PodIdentity
 from carpool.core.resources import GpuGrant, Isolation, Phase
@@ -280,8 +286,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
 
     fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices,
                                    timeslice)
-    gpus = [{"index": g.index, "uuid": g.uuid, "memoryMiB": g.memory_mib, "cores": g.cores_pct,
-             **({"migInstance": g.mig_instance} if g.mig_instance else {})}
+    # the assignment's GPUs as its annotation writes them, less the container
+    gpus = [{k: v for k, v in gpu_entry(g).items() if k != "container"}
             for g in (current.assignment.gpus if current.assignment is not None else ())]
     if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):
         requeued = _requeue_failed(phase, history, current, not_its_fault, fraction,

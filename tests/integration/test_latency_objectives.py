@@ -1,0 +1,105 @@
+"""Sharing kept within latency objectives, through the real operator, extender, kube-scheduler
+and API server.
+
+Jobs of one template ("web", image "server") have reported their service measures before, on
+this node's GPU model, at sharing degrees 1, 2 and 3 (seeded as the node agent records them, in
+`status.service` of jobs that never run here: their model is absent): P99 5, 8 and 30 ms. alice
+submits, with `kubectl --as`, jobs of that template promising a P99 under 10 ms: the profile
+allows two on a GPU. The first two run on the node's one GPU (the extender records the limit in
+their assignment); the third, and a job without objectives of a template with no profile, find
+the GPU with room by memory and cores, but wait with reason SharingWouldBreakObjective, and
+`kubectl carpool why` says so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from carpool.core import names, service_levels
+from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed.tenants import tenant, user_roles
+from carpool_testbed.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+MEASURED = {1: (200.0, 0.005), 2: (180.0, 0.008), 3: (150.0, 0.030)}  # degree: (req/s, P99)
+
+
+@pytest.fixture(scope="module")
+def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[None]:
+    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
+    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}):
+        yield
+
+
+@pytest.fixture
+def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
+          ) -> Iterator[tenants.World]:
+    made = tenants.World(cluster, tmp_path, "slo")
+    try:
+        yield made
+    finally:
+        made.cleanup()
+
+
+def gpujob(name: str, project: str, model: str, image: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
+            "spec": {"project": project, "class": "short",
+                     "gpu": {"count": 1, "memory": "1Gi", "cores": 10, "isolation": "mps",
+                             "models": [model]},
+                     "estimatedDuration": "30m", "simulatedDuration": "30m", **spec,
+                     "template": {"spec": {"containers": [{"name": "main", "image": image}]}}}}
+
+
+def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.World) -> None:
+    model = world.name("m")
+    node = world.node("n", model)
+    seed = world.namespace("seed")
+    world.project("seed", [seed])
+    for degree, (throughput, p99) in MEASURED.items():
+        name = f"web-{degree}"
+        world.admin("create", "-n", seed, "-f", "-", stdin=yaml.safe_dump(
+            gpujob(name, world.name("seed"), f"{model}-absent", "server")))
+        report = service_levels.ServiceReport(0.0, 10.0, int(throughput * 10), 0,
+                                              service_levels.Histogram.of([p99] * 100))
+        world.patch_status(["gpujob", name, "-n", seed], service_levels.service_status(
+            service_levels.ServiceMeasure(report, 1, model, degree)))
+
+    team = world.namespace("team")
+    world.apply_cluster_scoped(user_roles(world))
+    project = world.project("team", [team])
+    alice = tenant(world, team, "alice")
+    wait_for("the GpuJob roles to aggregate into edit",
+             lambda: tenants.can_create_gpujobs(world, alice, team))
+
+    def submit(name: str, image: str, **spec: Any) -> None:
+        alice.kubectl("create", "-n", team, "-f", "-",
+                      stdin=yaml.safe_dump(gpujob(name, project, model, image, **spec)))
+
+    promise = {"objectives": {"p99Latency": "10ms"}}
+    for name in ("web-10", "web-11"):
+        submit(name, "server", **promise)
+        wait_for(f"{name} running", lambda n=name: (  # type: ignore[misc]
+            alice.status(team, n).get("phase") == "Running" or None), timeout=60, interval=0.5)
+    pod = json.loads(world.admin("get", "pod", "web-10-1", "-n", team, "-o", "json"))
+    assignment = json.loads(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])
+    assert assignment["node"] == node and assignment["gpus"][0]["sharingLimit"] == 2
+    assert alice.status(team, "web-10")["gpus"][0]["sharingLimit"] == 2
+
+    submit("web-12", "server", **promise)
+    submit("other-1", "other")  # no objectives, no profile: held by the jobs there
+    for name, words in [("web-12", "would break this job's objective"),
+                        ("other-1", "would break the objective of a job there")]:
+        waiting = wait_for(f"{name} waiting for sharing", lambda n=name: (  # type: ignore[misc]
+            s if (s := alice.status(team, n)).get("reason") == "SharingWouldBreakObjective"
+            else None), timeout=60, interval=0.5)
+        assert waiting["phase"] == "Queued" and words in waiting["message"], waiting
+    why = alice.carpool("why", "web-12", "-n", team)
+    [sharing] = [line for line in why.splitlines() if line.lstrip().startswith("sharing")]
+    assert "BLOCKING" in sharing and "P99 latency under 10 ms" in sharing, why
