@@ -23,7 +23,7 @@ from carpool.core.assignment import (
     AssignmentError,
     parse_assignment,
 )
-from carpool.core.decoding import first_image, gpu_request_from_spec
+from carpool.core.decoding import first_image, gpu_request_from_spec, worker_requests_from_spec
 from carpool.core.jobs import job_template
 from carpool.core.ownership import Owner
 from carpool.core.placement import NodeState
@@ -122,6 +122,7 @@ class ClusterCache:
         self._samples: dict[str, interference.Sample] = {}
         self._templates: dict[str, str] = {}
         self._profiles: interference.Profiles | None = interference.NO_PROFILES
+        self._shapes: dict[str, tuple[GpuRequest, ...]] = {}  # a gang's worker requests
         self.pods_watch_healthy = False
         self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
         self._expiry_checked = float("-inf")
@@ -218,8 +219,10 @@ class ClusterCache:
         key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
         try:
             request: GpuRequest | str = gpu_request_from_spec(job.get("spec") or {})
+            shapes = worker_requests_from_spec(job.get("spec") or {})
         except ValueError as exc:
             request = f"its GpuJob's spec.gpu cannot be read: {exc}"
+            shapes = ()
         self._jobs[key] = (str(meta.get("uid") or ""), request)
         self._templates[key] = job_template(str(meta.get("name", "")),
                                             first_image(job.get("spec") or {}))
@@ -230,6 +233,7 @@ class ClusterCache:
             else:
                 self._samples[key] = sample
             self._profiles = None
+        self._shapes[key] = tuple(dict.fromkeys(shapes))
 
     def apply_gpujob(self, event: str, job: Mapping[str, Any]) -> None:
         meta = job.get("metadata") or {}
@@ -238,6 +242,7 @@ class ClusterCache:
             if event == "DELETED":
                 key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
                 self._jobs.pop(key, None)
+                self._shapes.pop(key, None)
                 self._templates.pop(key, None)
                 if self._samples.pop(key, None) is not None:
                     self._profiles = None
@@ -248,8 +253,17 @@ class ClusterCache:
         with self._lock:
             self._jobs, self._templates, self._samples = {}, {}, {}
             self._profiles = None
+            self._shapes = {}
             for job in jobs:
                 self._set_job(job)
+
+    def job_shapes(self, namespace: str, owner: Owner) -> tuple[GpuRequest, ...]:
+        """The distinct requests of a gang's workers (spec.workers); empty for a one-pod job
+        (its pod asks for `job_request`)."""
+        with self._lock:
+            known = self._jobs.get(f"{namespace}/{owner.name}")
+            shapes = self._shapes.get(f"{namespace}/{owner.name}", ())
+        return shapes if known is not None and known[0] == owner.uid else ()
 
     def job_request(self, namespace: str, owner: Owner) -> GpuRequest | str | None:
         """The GPU request of the GpuJob `owner` names in `namespace` when its uid is the one

@@ -132,6 +132,18 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
     return Assignment(node.name, tuple(gpus), isolation)
 
 
+def planned_assignment(pod: Mapping[str, Any]) -> Assignment | None:
+    """The node and GPUs the operator's admission chose for a gang worker (None: not a gang
+    worker, or not readable: placed as any pod)."""
+    text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANN_PLANNED)
+    if not text:
+        return None
+    try:
+        return parse_assignment(str(text))
+    except AssignmentError:
+        return None
+
+
 def fits_exactly(node: NodeState, grants: tuple[GpuGrant, ...]) -> bool:
     """True if recorded grants still fit: known healthy GPUs, nothing over-committed."""
     gpus = {g.uuid: g for g in node.inventory.gpus}
@@ -291,7 +303,11 @@ class Extender:
                             final=False)
         if isinstance(known, str):
             return Mismatch(f"pod {demand.key}: {known}")
-        problem = grant_mismatch(known, [(c.container, c.request) for c in demand.containers])
+        asked_for = [(c.container, c.request) for c in demand.containers]
+        problem = grant_mismatch(known, asked_for)
+        for shape in self.cache.job_shapes(demand.namespace, demand.owner):
+            if problem and not grant_mismatch(shape, asked_for):  # a gang worker's shape
+                known, problem = shape, ""
         if problem:
             return Mismatch(f"pod {demand.key} {problem}; not placed (Carpool places a job's "
                             f"pod only as its GpuJob asks)")
@@ -305,7 +321,22 @@ class Extender:
         return demand.policy or self.settings.policy
 
     def filter(self, args: ExtenderArgs) -> dict[str, Any]:
-        """ExtenderFilterResult: nodes where every GPU container fits, reasons for the rest."""
+        """ExtenderFilterResult: nodes where every GPU container fits, reasons for the rest.
+
+        A gang's worker goes only to the node its gang's admission chose for it
+        (`names.ANN_PLANNED`): the gang was placed as a whole, so no worker picks another."""
+        planned = planned_assignment(args.pod)
+        if planned is None:
+            return self._filter(args)
+        elsewhere = {n: f"carpool: a gang worker; its gang was placed with it on {planned.node}"
+                     for n in args.node_names if n != planned.node}
+        if planned.node not in args.node_names:
+            return encode_filter_result(args, [], elsewhere, {})
+        result = self._filter(replace(args, node_names=(planned.node,)))
+        result["FailedNodes"] = {**elsewhere, **(result.get("FailedNodes") or {})}
+        return result
+
+    def _filter(self, args: ExtenderArgs) -> dict[str, Any]:
         if not self.cache.synced(CACHE_KINDS):
             return encode_filter_result(args, [], {}, {}, NOT_SYNCED)
         try:
@@ -470,8 +501,12 @@ class Extender:
             if isinstance(checked, Mismatch):
                 return Refused(checked.reason)
             demand = checked
+        previous = self._previous_assignment(pod, args.node)
+        if previous is None:  # a gang worker: the GPUs its gang's admission chose, if free
+            planned = planned_assignment(pod)
+            previous = planned if planned is not None and planned.node == args.node else None
         return BindPlan(args, demand, uid, str(meta.get("resourceVersion") or ""),
-                        self._previous_assignment(pod, args.node), self._policy(demand), fresh)
+                        previous, self._policy(demand), fresh)
 
     def reserve(self, plan: BindPlan) -> Assignment | Refused | InFlightClash:
         """Choose the GPUs on the node and assume them; `InFlightClash` means: wait, retry."""

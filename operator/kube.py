@@ -25,6 +25,7 @@ from carpool.kube.resources import (
     PERSISTENTVOLUMECLAIMS,
     PRIORITY_CLASSES,
     PROJECTQUOTAS,
+    SERVICES,
 )
 from carpool.kube.resources import PODS as POD_RESOURCE
 
@@ -93,6 +94,14 @@ class Kube:
         """Create the PersistentVolumeClaim unless it exists; True if this call created it."""
         try:
             self.api.create(PERSISTENTVOLUMECLAIMS.path(claim["metadata"]["namespace"]), claim)
+        except Conflict:
+            return False
+        return True
+
+    def ensure_service(self, service: Obj) -> bool:
+        """Create the Service unless it exists; True if this call created it."""
+        try:
+            self.api.create(SERVICES.path(service["metadata"]["namespace"]), service)
         except Conflict:
             return False
         return True

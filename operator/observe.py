@@ -12,7 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from carpool.core import job_status, names
-from carpool.core.decoding import job_from_object, quota_from_object, retired_from_status
+from carpool.core.accounting import grants_fraction
+from carpool.core.decoding import (
+    job_from_object,
+    placements_from_status,
+    quota_from_object,
+    retired_from_status,
+    worker_names_from_spec,
+)
+from carpool.core.gangs import WorkerPlacement
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import Job, ProjectQuota, RetiredUsage
 from carpool.core.lifecycle import (
@@ -22,13 +30,20 @@ from carpool.core.lifecycle import (
     grants_from_status,
     observe,
 )
-from carpool.core.ownership import JobIdentity, Link, assignment_tampered, attempt_link, is_orphan
-from carpool.core.resources import JobClass, NodeInventory, Phase
+from carpool.core.ownership import (
+    JobIdentity,
+    Link,
+    assignment_tampered,
+    attempt_link,
+    controls,
+    is_orphan,
+)
+from carpool.core.resources import Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_of
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
 from carpool.operator.pod_view import PodView, view_pod
-from carpool.operator.pods import pod_name
+from carpool.operator.pods import pod_name, worker_pod_name
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +125,12 @@ class PassState:
     attempt_pods: dict[str, PodView] = field(default_factory=dict)
     # admitted jobs whose pod no node took in time: (job key, status to write, Event note)
     unschedulable: list[tuple[str, Obj, str]] = field(default_factory=list)
+    # a gang's workers other than rank 0, as this pass saw them (stopped with rank 0)
+    gang_pods: dict[str, list[PodView]] = field(default_factory=dict)
+    # gangs running in part (a worker gone or failed): (job key, why); stopped whole
+    broken_gangs: list[tuple[str, str]] = field(default_factory=list)
+    # workers still alive after their gang's rank 0 ended: stopped
+    gang_leftovers: list[PodView] = field(default_factory=list)
     # Events the read derived from the jobs' pods and specs, recorded before deciding
     events: list[tuple[Obj, job_status.JobEvent]] = field(default_factory=list)
     quotas: dict[str, ProjectQuota] = field(default_factory=dict)
@@ -197,7 +218,9 @@ class Observer:
                 if why:
                     state.tampered.append((key, linked_pod, why))
             job_pods = [replace(p, attempt=link.attempt) for p, link in links]
-            signature = tuple(sorted(by_uid[p.uid][1] for p in job_pods))
+            workers = _gang_followers(obj, by_uid, by_name)
+            linked.update(p.uid for p in workers.values())
+            signature = tuple(sorted(by_uid[p.uid][1] for p in [*job_pods, *workers.values()]))
             cached = self.decoded.get(key)
             if cached is not None and cached.version == version \
                     and cached.pods in (None, signature):
@@ -206,8 +229,12 @@ class Observer:
                 decoded[key] = cached
                 self._reuse(state, obj, cached, guarded, now)
                 continue
+            exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
+                == "exclusive"
+            placements = placements_from_status(status_now, exclusive)
             obs = observe(obj, job_pods, totals, now, mig_slices,
-                          self.pod_gone_at(str(status_now.get("podUID") or "")))
+                          self.pod_gone_at(str(status_now.get("podUID") or "")),
+                          _gang_fraction(obj, placements, state.inventories))
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = job_status.changes(status, obs.status)
@@ -221,8 +248,6 @@ class Observer:
             state.events.extend((obj, job_status.JobEvent(reason, note, type_, derived=True))
                                 for type_, reason, note in obs.events)
             merged = {**status, **patch}
-            exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
-                == "exclusive"
             if obs.live_pod is not None and obs.live_pod.assignment:
                 grants = grants_from_assignment(obs.live_pod.assignment, exclusive)
                 node = obs.live_pod.node or obs.live_pod.assignment.node
@@ -241,7 +266,9 @@ class Observer:
                     state.events.append((obj, event))
                 state.patches[key] = patch
                 continue
-            if settled and not meta.get("deletionTimestamp"):
+            if job.workers:
+                job = self._observe_gang(state, job, obs.live_pod, workers, placements)
+            if settled and not meta.get("deletionTimestamp") and not job.workers:
                 decoded[key] = _Decoded(version, None if obs.phase.finished else signature,
                                         job, obs.live_pod)
             if job.holds_gpus and node not in state.inventories:
@@ -280,6 +307,34 @@ class Observer:
         at, last = seen
         finished = view_pod(last).finished
         return min(at, finished) if finished else at
+
+    @staticmethod
+    def _observe_gang(state: PassState, job: Job, lead: PodView | None,
+                      workers: Mapping[int, PodView],
+                      placements: tuple[WorkerPlacement, ...]) -> Job:
+        """A gang as a whole: the job holds every worker's GPUs while it holds any; a worker
+        gone, failed or being deleted while rank 0 runs breaks the gang (`broken_gangs`: the
+        whole attempt is stopped and requeued, never left running in part); workers still
+        alive once rank 0 has ended are stopped (`gang_leftovers`)."""
+        state.gang_pods[job.key] = [p for p in workers.values() if not p.terminal]
+        alive = lead is not None and not lead.terminal and not lead.deleting
+        if not alive:
+            state.gang_leftovers.extend(p for p in workers.values()
+                                        if not p.terminal and not p.deleting)
+        elif job.phase in (Phase.ADMITTED, Phase.RUNNING):
+            for rank in range(1, len(job.workers)):
+                pod = workers.get(rank)
+                why = ("is gone" if pod is None else "is being deleted" if pod.deleting
+                       else f"failed ({pod.exit_reason or 'Failed'})" if pod.phase == "Failed"
+                       else "")
+                if why:
+                    state.broken_gangs.append((job.key, f"worker {rank} of {len(job.workers)} "
+                                               f"{why}"))
+                    break
+        if placements and job.grants:
+            job = replace(job, placements=placements, node=placements[0].node,
+                          grants=tuple(g for p in placements for g in p.grants))
+        return job
 
     def _check_unschedulable(self, state: PassState, key: str, status: Obj, pod: PodView,
                              now: float) -> None:
@@ -356,6 +411,37 @@ class Observer:
             decoded[name] = cached
         self._retired_decoded = decoded
         return {name: usage for name, (_, usage) in decoded.items() if usage is not None}
+
+
+def _gang_followers(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
+                    by_name: Mapping[str, str]) -> dict[int, PodView]:
+    """A gang's workers of rank 1 and up of its current attempt, by rank: found by the names
+    the operator gives them and kept only if the job controls them (`core.ownership`)."""
+    spec = obj.get("spec") or {}
+    count = len(worker_names_from_spec(spec))
+    job = job_identity(obj)
+    out: dict[int, PodView] = {}
+    for rank in range(1, count):
+        uid = by_name.get(f"{job.namespace}/{worker_pod_name(job.name, job.attempts, rank)}")
+        pod = by_uid.get(uid or "")
+        if pod is not None and controls(job, pod[0].identity):
+            out[rank] = pod[0]
+    return out
+
+
+def _gang_fraction(obj: Obj, placements: tuple[WorkerPlacement, ...],
+                   inventories: Mapping[str, NodeInventory]) -> float | None:
+    """GPU equivalents a gang's workers hold together (what its runs are billed at); None for
+    a one-pod job or when a worker's node is gone (its rank 0's assignment is used then)."""
+    if not placements:
+        return None
+    isolation = Isolation.parse(str(((obj.get("spec") or {}).get("gpu") or {}).get(
+        "isolation", "mps")))
+    try:
+        return sum(grants_fraction(p.grants, inventories[p.node], isolation)
+                   for p in placements)
+    except (KeyError, ValueError):
+        return None
 
 
 def orphan_key(pod: PodView) -> str:

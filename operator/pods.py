@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core import checkpointing, names
+from carpool.core.assignment import Assignment, encode_assignment
 from carpool.core.durations import parse_duration
 from carpool.core.quantities import gib_ceil, quantity_mib
 from carpool.core.resources import GpuRequest, Isolation
@@ -44,7 +47,10 @@ COPIED_POD_FIELDS = frozenset({
 
 def pod_name(job_name: str, attempt: int) -> str:
     """`<job>-<attempt>`, shortened with a hash when the job name is long."""
-    suffix = f"-{attempt}"
+    return _suffixed(job_name, f"-{attempt}")
+
+
+def _suffixed(job_name: str, suffix: str) -> str:
     if len(job_name) + len(suffix) <= MAX_NAME:
         return job_name + suffix
     digest = hashlib.sha256(job_name.encode()).hexdigest()[:8]
@@ -237,3 +243,95 @@ def apply_platform_settings(pod: dict[str, Any], isolation: Isolation,
             if container.get("securityContext"):
                 container["securityContext"] = {**container["securityContext"], **ids}
     return pod
+
+
+# --- gangs (spec.workers) -----------------------------------------------------------------
+#
+# A gang's attempt is one pod per worker, created together once the admission cycle placed
+# them all. Rank 0's pod carries the attempt's usual name (`pod_name`), so everything that
+# follows an attempt by its pod follows the gang by its rank 0; the others are
+# `<job>-<attempt>-w<rank>`. Each pod gets hostname `w<rank>` under a headless Service named
+# for the job, so rank 0 is reachable at `w0.<service>` from the first try, and the
+# environment `torchrun` reads (its `PET_*` options) as well as the plain variables a
+# one-process-per-pod program reads.
+
+MASTER_PORT = 29500
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def worker_pod_name(job_name: str, attempt: int, rank: int) -> str:
+    """Rank 0: the attempt's pod name; rank r > 0: `<job>-<attempt>-w<r>`."""
+    return pod_name(job_name, attempt) if rank == 0 else _suffixed(job_name, f"-{attempt}-w{rank}")
+
+
+def gang_service_name(job_name: str) -> str:
+    """The gang's headless Service: the job's name where that is a valid Service name (a DNS
+    label starting with a letter), else `gang-<hash>`."""
+    if _DNS_LABEL.match(job_name) and len(job_name) <= MAX_NAME:
+        return job_name
+    return "gang-" + hashlib.sha256(job_name.encode()).hexdigest()[:16]
+
+
+def gang_env(service: str, rank: int, workers: int, gpus: int) -> list[dict[str, str]]:
+    """What distributed training reads: rank 0's stable address and port, the world size in
+    workers, this worker's rank and its GPU count; the same as `torchrun` options (`PET_*`),
+    so `torchrun train.py` needs no flags."""
+    address = f"w0.{service}"
+    plain = {"MASTER_ADDR": address, "MASTER_PORT": str(MASTER_PORT),
+             "WORLD_SIZE": str(workers), "RANK": str(rank), "NODE_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(gpus),
+             "PET_MASTER_ADDR": address, "PET_MASTER_PORT": str(MASTER_PORT),
+             "PET_NNODES": str(workers), "PET_NODE_RANK": str(rank),
+             "PET_NPROC_PER_NODE": str(gpus)}
+    return [{"name": k, "value": v} for k, v in plain.items()]
+
+
+def build_worker_pods(job: dict[str, Any], requests: Sequence[GpuRequest], attempt: int,
+                      planned: Sequence[Assignment]) -> list[dict[str, Any]]:
+    """One pod per worker of a gang (rank order), each pinned to the node and GPUs the
+    admission cycle chose for it (`names.ANN_PLANNED`, which the extender binds to)."""
+    if len(planned) != len(requests):
+        raise ValueError(f"{len(requests)} workers but {len(planned)} placements")
+    name = job["metadata"]["name"]
+    service = gang_service_name(name)
+    pods = []
+    for rank, (request, assignment) in enumerate(zip(requests, planned, strict=True)):
+        pod = build_pod(job, request, attempt)
+        pod["metadata"]["name"] = worker_pod_name(name, attempt, rank)
+        pod["metadata"]["annotations"][names.ANN_WORKER_RANK] = str(rank)
+        pod["metadata"]["annotations"][names.ANN_PLANNED] = encode_assignment(assignment)
+        spec = pod["spec"]
+        spec["hostname"] = f"w{rank}"
+        spec["subdomain"] = service
+        env = gang_env(service, rank, len(requests), request.count)
+        ours = {e["name"] for e in env}
+        for container in spec["containers"]:
+            container["env"] = [e for e in container["env"] if e.get("name") not in ours] + env
+        pods.append(pod)
+    return pods
+
+
+def build_gang_service(job: dict[str, Any]) -> dict[str, Any]:
+    """The headless Service that gives a gang's workers stable names (`w<rank>.<service>`),
+    published before they are ready (rank 0 must be found while the others start), owned by
+    the job (deleted with it)."""
+    meta = job["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": gang_service_name(meta["name"]),
+            "namespace": meta["namespace"],
+            "labels": {names.LABEL_MANAGED: "true", names.LABEL_JOB: meta["name"]},
+            "ownerReferences": [{
+                "apiVersion": names.API_VERSION, "kind": "GpuJob", "name": meta["name"],
+                "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True,
+            }],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {names.LABEL_MANAGED: "true", names.LABEL_JOB: meta["name"]},
+            "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}],
+        },
+    }

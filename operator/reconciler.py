@@ -19,8 +19,10 @@ from dataclasses import dataclass, field, replace
 
 from carpool.core import interference, job_status, names
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
+from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.decoding import (
     retired_to_status,
+    worker_names_from_spec,
 )
 from carpool.core.estimate_ranges import kept_history
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
@@ -54,7 +56,9 @@ from carpool.operator.pods import (
     PlatformPodSettings,
     apply_platform_settings,
     build_checkpoint_claim,
+    build_gang_service,
     build_pod,
+    build_worker_pods,
     pod_name,
 )
 from carpool.operator.settings import OperatorSettings
@@ -230,6 +234,8 @@ class Reconciler:
                               state.now)
         if state.unschedulable and still_leader():
             self._give_back_unschedulable(state)
+        if (state.broken_gangs or state.gang_leftovers) and still_leader():
+            self._stop_broken_gangs(state)
 
     def decide(self, state: PassState) -> CycleResult:
         """Stage 2: the core's admission cycle on the snapshot (pure)."""
@@ -414,6 +420,24 @@ class Reconciler:
             if job is not None:
                 self._stop_attempt(state, job, 0)
 
+    def _stop_broken_gangs(self, state: PassState) -> None:
+        """A gang never runs in part: one whose worker is gone or failed is stopped whole
+        (its rank 0 gone, the next pass requeues it: `lifecycle.observe`, PodLost), and
+        workers left after their rank 0 ended are stopped."""
+        jobs = {j.key: j for j in state.jobs}
+        for key, why in state.broken_gangs:
+            job = jobs.get(key)
+            if job is None:
+                continue
+            note = (f"{why}; the gang is stopped whole and requeued (a gang never runs "
+                    f"in part)")
+            log.warning("%s: %s", key, note)
+            self._record_event(state.objects[key], job_status.JobEvent(
+                "GangBroken", note, "Warning", "Stop"))
+            self._stop_attempt(state, job, job.checkpoint_grace_s)
+        for pod in state.gang_leftovers:
+            self.kube.delete_pod(pod.namespace, pod.name, ORPHAN_GRACE_S, uid=pod.uid)
+
     def _stop(self, state: PassState, pod: PodView, reason: str, why: str, job_key: str) -> None:
         if pod.deleting:
             return
@@ -531,6 +555,9 @@ class Reconciler:
         recreated under the attempt's name since (by anyone) is not it and is left alone; with
         neither uid known there is no pod to stop."""
         grace = max(0, math.ceil(grace_s))
+        for worker in state.gang_pods.get(job.key, ()):  # a gang stops whole
+            if not worker.deleting:
+                self.kube.delete_pod(worker.namespace, worker.name, grace, uid=worker.uid)
         pod = state.attempt_pods.get(job.key)
         if pod is not None and pod.uid:
             self.kube.delete_pod(pod.namespace, pod.name, grace, uid=pod.uid)
@@ -565,8 +592,15 @@ class Reconciler:
     def _admit(self, state: PassState, job: Job, admission: Admission, now: float) -> None:
         obj = state.objects[job.key]
         try:
-            pod = apply_platform_settings(build_pod(obj, job.request, admission.attempt),
-                                          job.request.isolation, self.config.platform)
+            if admission.workers:
+                pods = [apply_platform_settings(p, job.request.isolation, self.config.platform)
+                        for p in build_worker_pods(obj, job.workers, admission.attempt,
+                                                   _planned(admission, obj, job, state))]
+                self.kube.ensure_service(build_gang_service(obj))
+            else:
+                pods = [apply_platform_settings(build_pod(obj, job.request, admission.attempt),
+                                                job.request.isolation, self.config.platform)]
+            pod = pods[0]
             claim = build_checkpoint_claim(obj)
             if claim is not None:
                 self.kube.ensure_claim(claim)
@@ -588,12 +622,25 @@ class Reconciler:
             self._record_event(obj, job_status.pod_name_taken(pod["metadata"]["name"],
                                                           admission.attempt))
             return
-        gpus = job_status.grants_to_status(admission.grants,
-                                           state.inventories.get(admission.node))
+        # rank 0 is the attempt's pod; a gang's other workers start with it (a worker that
+        # cannot be created stops the whole gang next pass: `Observer`, broken gangs)
+        for worker in pods[1:]:
+            try:
+                self.kube.create_pod(worker)
+            except ApiError as err:
+                log.warning("%s: creating worker pod %s failed: %s", job.key,
+                            worker["metadata"]["name"], err)
+        gpus = job_status.grants_to_status(
+            admission.workers[0].grants if admission.workers else admission.grants,
+            state.inventories.get(admission.node))
         patch = state.patches.setdefault(job.key, {})
         patch.update(state.initial.pop(job.key, {}))
         patch.update(job_status.admitted(obj.get("status") or {}, admission, gpus,
                                          pod["metadata"]["name"], identity.uid, now))
+        if admission.workers:
+            patch["workers"] = job_status.gang_workers(
+                admission, state.inventories, worker_names_from_spec(obj.get("spec") or {}),
+                [p["metadata"]["name"] for p in pods])
         if created:
             self._record_event(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
                                                     "Admit"))
@@ -664,6 +711,24 @@ def _present(state: PassState) -> set[str]:
     """The retired-usage keys of what still exists: jobs (key@uid) and orphan pods."""
     return {f"{key}@{obj['metadata'].get('uid', '')}"
             for key, obj in state.objects.items()} | set(state.orphan_keys)
+
+
+def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
+             ) -> list[Assignment]:
+    """Each worker's node and GPUs as the admission chose them, in the assignment codec's
+    shape (GPU indexes from the inventory, the GPU container's name), for the extender."""
+    containers = ((obj.get("spec") or {}).get("template") or {}).get("spec", {}).get(
+        "containers") or [{}]
+    container = str(containers[0].get("name") or "")
+    out = []
+    for worker in admission.workers:
+        inventory = state.inventories.get(worker.node)
+        index = {g.uuid: g.index for g in inventory.gpus} if inventory else {}
+        out.append(Assignment(worker.node, tuple(
+            AssignedGpu(g.gpu_uuid, index.get(g.gpu_uuid, 0), g.memory_mib, g.cores_pct,
+                        g.mig_instance, container) for g in worker.grants),
+            job.request.isolation))
+    return out
 
 
 def _pod_name_of(job: Job) -> str:

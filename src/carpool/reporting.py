@@ -23,6 +23,7 @@ from carpool.core.decoding import (
     gpu_request_from_spec,
     job_from_object,
     quota_from_object,
+    worker_requests_from_spec,
 )
 from carpool.core.durations import format_duration_roughly, parse_duration
 from carpool.core.fairshare import nominal_fraction
@@ -168,6 +169,7 @@ class QueuedJob:
     memory: str
     isolation: str
     submitted: str | None
+    workers: int = 1  # pods: a gang's workers (spec.workers), admitted together
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,10 @@ def waiting_jobs(jobs: Iterable[Obj]) -> list[QueuedJob]:
         gpu = spec.get("gpu") if isinstance(spec.get("gpu"), Mapping) else {}
         assert isinstance(gpu, Mapping)
         position = status.get("queuePosition")
+        try:
+            workers = worker_requests_from_spec(spec)
+        except ValueError:
+            workers = ()
         out.append(QueuedJob(
             namespace=str(meta.get("namespace", "")), name=str(meta.get("name", "")),
             project=str(spec.get("project", "")), job_class=str(spec.get("class", "batch")),
@@ -219,9 +225,11 @@ def waiting_jobs(jobs: Iterable[Obj]) -> list[QueuedJob]:
             estimated_range=_range(status),
             reason=str(status.get("reason") or ("Pending" if not phase else "")),
             message=str(status.get("message") or ""),
-            gpus=int(gpu.get("count", 1)), memory=str(gpu.get("memory", "")),
+            gpus=sum(w.count for w in workers) if workers else int(gpu.get("count", 1)),
+            memory=str(gpu.get("memory", "")),
             isolation=str(gpu.get("isolation", "mps")),
             submitted=status.get("submitTime") or meta.get("creationTimestamp"),
+            workers=len(workers) or 1,
         ))
     out.sort(key=lambda j: (j.position is None, j.position or 0, class_rank(j.job_class),
                             j.submitted or "", j.namespace, j.name))
@@ -838,6 +846,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
         # (GpuNodes carry no Node labels: the nodeSelector is the operator's to check, and its
         # NoMatchingNode reason above says when no node has them)
         request = replace(gpu_request_from_spec(spec), node_selector=frozenset())
+        workers = worker_requests_from_spec(spec)
     except ValueError as err:
         findings.append(Finding(Topic.CONSTRAINTS, True, f"the spec cannot be read: {err}"))
         return Explanation(key, phase or "Queued", True, summary, tuple(findings))
@@ -846,6 +855,14 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
     reference = max((g.memory_total_mib for inv in inventories for g in inv.gpus),
                     default=max(GPU_MODEL_MEMORY_MIB.values()))
     fraction = nominal_fraction(request, reference)
+    if workers:  # a gang: each worker must fit a node; the project pays for all of them
+        request = replace(max(workers, key=lambda r: (r.count, r.memory_mib)),
+                          node_selector=frozenset())
+        fraction = sum(nominal_fraction(w, reference) for w in workers)
+        findings.append(Finding(
+            Topic.CONSTRAINTS, False,
+            f"a gang of {len(workers)} workers, {sum(w.count for w in workers)} GPUs in all, "
+            f"started all or nothing; each worker needs its GPUs on one node"))
     findings.extend(_quota_findings(job, quota, fraction, now))
     if pods is None:
         findings.append(Finding(Topic.CAPACITY, False, UNSEEN_NAMESPACES))

@@ -163,7 +163,8 @@ def cmd_queue(reader: ClusterReader, args: argparse.Namespace, now: float) -> An
         headers.append("message")
     rows = []
     for e in entries:
-        row: list[object] = [e.position, f"{e.namespace}/{e.name}", e.project, e.job_class,
+        job = f"{e.namespace}/{e.name}" + (f" (gang of {e.workers})" if e.workers > 1 else "")
+        row: list[object] = [e.position, job, e.project, e.job_class,
                              e.gpus, e.memory,
                              reporting.relative(epoch_of(e.submitted), now)
                              .removesuffix(" ago"),

@@ -37,7 +37,14 @@ def grants_fraction(grants: Iterable[GpuGrant], inventory: NodeInventory,
 
 def held_fraction(job: Job, nodes: Mapping[str, NodeState], fallback: float) -> float:
     """GPU equivalents a GPU-holding job holds: from its grants when its node is known, else
-    from its open run record, else `fallback` (its nominal fraction)."""
+    from its open run record, else `fallback` (its nominal fraction). A gang's is the sum
+    over its workers."""
+    if job.placements:
+        try:
+            return sum(grants_fraction(p.grants, nodes[p.node].inventory, job.request.isolation)
+                       for p in job.placements)
+        except (KeyError, ValueError):
+            pass  # a node gone or changed under a worker; use what was recorded
     node = nodes.get(job.node)
     if job.grants and node is not None:
         try:

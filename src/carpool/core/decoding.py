@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeGuard
 
 from carpool.core.checkpointing import reported_state
 from carpool.core.durations import parse_duration
 from carpool.core.estimate_ranges import recent_misses
 from carpool.core.eta_accuracy import FirstStart, score_first_start
+from carpool.core.gangs import MAX_GANG_GPUS, MAX_WORKERS, WorkerPlacement
 from carpool.core.jobs import (
     BudgetPolicy,
     ClassLimit,
@@ -28,10 +30,11 @@ from carpool.core.jobs import (
     StartMiss,
     job_template,
 )
-from carpool.core.lifecycle import requeue_not_before
+from carpool.core.lifecycle import grants_from_status, requeue_not_before
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Objectives, Phase
 from carpool.core.timestamps import epoch_of, epoch_seconds, format_timestamp
+from carpool.core.topology import TopologyLevel, TopologyMode, TopologyNeed
 
 _MIG_PROFILE = re.compile(r"^([1-7])g\.([0-9]+)gb$")
 
@@ -80,6 +83,68 @@ def objectives_from_spec(spec: Mapping[str, Any]) -> Objectives | None:
                                  or not isinstance(slowdown, int | float)):
         raise ValueError(f"spec.objectives.maxSlowdown must be a number, got {slowdown!r}")
     return Objectives(p99, None if slowdown is None else float(slowdown))
+
+
+def worker_requests_from_spec(spec: Mapping[str, Any]) -> tuple[GpuRequest, ...]:
+    """One GpuRequest per worker of a gang (spec.workers), in rank order: each group's
+    replicas in the order listed, each with spec.gpu's shape but the count, memory and cores
+    its group names. Empty for a one-pod job. ValueError naming the field past the limits
+    (`gangs.MAX_WORKERS`, `gangs.MAX_GANG_GPUS`), which the CRD enforces too."""
+    groups = spec.get("workers") or ()
+    if not groups:
+        return ()
+    base = gpu_request_from_spec(spec)
+    out: list[GpuRequest] = []
+    for n, group in enumerate(groups):
+        where = f"spec.workers[{n}]"
+        gpu = group.get("gpu") or {}
+        try:
+            memory_mib = quantity_mib(gpu["memory"]) if gpu.get("memory") else base.memory_mib
+        except ValueError as err:
+            raise ValueError(f"{where}.gpu.memory: {err}") from None
+        request = replace(base, count=int(gpu.get("count", base.count)), memory_mib=memory_mib,
+                          cores_pct=int(gpu.get("cores", base.cores_pct) or 0))
+        replicas = int(group.get("replicas", 1))
+        if replicas < 1:
+            raise ValueError(f"{where}.replicas must be at least 1, got {replicas}")
+        out.extend([request] * replicas)
+    if len(out) > MAX_WORKERS:
+        raise ValueError(f"spec.workers: a gang has at most {MAX_WORKERS} workers, got {len(out)}")
+    if (gpus := sum(r.count for r in out)) > MAX_GANG_GPUS:
+        raise ValueError(f"spec.workers: a gang asks for at most {MAX_GANG_GPUS} GPUs, "
+                         f"got {gpus}")
+    return tuple(out)
+
+
+def worker_names_from_spec(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """Each worker's group name, in rank order (parallel to `worker_requests_from_spec`)."""
+    return tuple(str(group.get("name", "")) for group in spec.get("workers") or ()
+                 for _ in range(int(group.get("replicas", 1))))
+
+
+def placements_from_status(status: Mapping[str, Any], exclusive: bool = False
+                           ) -> tuple[WorkerPlacement, ...]:
+    """A gang's workers as `status.workers` records them (rank order); empty when it
+    records none."""
+    raw = status.get("workers") or ()
+    out = []
+    for entry in sorted((e for e in raw if isinstance(e, Mapping)),
+                        key=lambda e: int(e.get("rank", 0))):
+        out.append(WorkerPlacement(str(entry.get("node") or ""),
+                                   grants_from_status(entry.get("gpus"), exclusive)))
+    return tuple(out)
+
+
+def topology_from_spec(spec: Mapping[str, Any]) -> TopologyNeed | None:
+    """spec.topology, or None when the job names none."""
+    raw = spec.get("topology")
+    if not raw:
+        return None
+    try:
+        return TopologyNeed(TopologyLevel.parse(str(raw.get("level", ""))),
+                            TopologyMode.parse(str(raw.get("mode", "preferred"))))
+    except ValueError as err:
+        raise ValueError(f"spec.topology: {err}") from None
 
 
 DEFAULT_ESTIMATE_S = {
@@ -154,6 +219,8 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
         first_simulated_start=epoch_of(status.get("firstSimulatedStart")),
         not_before=requeue_not_before(history),
+        workers=worker_requests_from_spec(spec),
+        topology=topology_from_spec(spec),
     )
 
 

@@ -82,6 +82,11 @@ def nominal_fraction(request: GpuRequest, reference_memory_mib: int) -> float:
     return request.count * per_gpu
 
 
+def job_nominal_fraction(job: Job, reference_memory_mib: int) -> float:
+    """`nominal_fraction` of every pod of the job together (a gang counts as one job)."""
+    return sum(nominal_fraction(r, reference_memory_mib) for r in job.requests)
+
+
 def effective_level(job: Job, now: float, aging_step_s: float) -> int:
     """The job's class lowered one level per aging step waited, floored at OVERDUE_LEVEL."""
     if aging_step_s <= 0:

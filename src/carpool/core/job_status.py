@@ -9,7 +9,7 @@ here is tested without an API server, threads or a clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +186,16 @@ def admitted(status: Mapping[str, Any], admission: Admission, gpus: list[Obj], p
             "estimatedStart": None, "estimatedStartEarliest": None,
             "estimatedStartLatest": None, "preemptingAttempt": None,
             "resumedProgress": (resume or ("", 0.0))[1]}
+
+
+def gang_workers(admission: Admission, inventories: Mapping[str, NodeInventory],
+                 groups: Sequence[str], pods: Sequence[str]) -> list[Obj]:
+    """A gang's `status.workers`: each worker's rank, group, pod, node and GPUs, as admitted
+    (`decoding.placements_from_status` reads them back)."""
+    return [{"rank": rank, "group": group, "pod": pod, "node": worker.node,
+             "gpus": grants_to_status(worker.grants, inventories.get(worker.node))}
+            for rank, (worker, group, pod) in enumerate(zip(admission.workers, groups, pods,
+                                                             strict=True))]
 
 
 def pod_rejected(attempt: int, why: str, now: float) -> tuple[Obj, JobEvent]:

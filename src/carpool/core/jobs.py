@@ -13,8 +13,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from carpool.core.gangs import WorkerPlacement
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, GpuRequest, JobClass, Phase
+from carpool.core.topology import TopologyNeed
 
 
 class BudgetPolicy(enum.Enum):
@@ -150,6 +152,13 @@ class Job:
     # requeued after a failure not by its code: not admitted before this (lifecycle.
     # requeue_not_before); 0.0: no wait
     not_before: float = 0.0
+    # a gang (spec.workers): one request per worker, in rank order, admitted all or nothing
+    # (core.gangs); `request` is then rank 0's. Empty: one pod asking for `request`.
+    workers: tuple[GpuRequest, ...] = ()
+    topology: TopologyNeed | None = None  # where a gang's workers must or should go together
+    # what each worker of a gang holds, in rank order (`node` and `grants` are then rank 0's
+    # node and every worker's grants together)
+    placements: tuple[WorkerPlacement, ...] = ()
 
     def __post_init__(self) -> None:
         if self.key.count("/") != 1 or not all(self.key.split("/")):
@@ -165,6 +174,16 @@ class Job:
     @property
     def namespace(self) -> str:
         return self.key.split("/", 1)[0]
+
+    @property
+    def requests(self) -> tuple[GpuRequest, ...]:
+        """One request per pod: a gang's workers, else the job's one request."""
+        return self.workers or (self.request,)
+
+    @property
+    def gpu_count(self) -> int:
+        """GPUs the job holds in all, over every pod."""
+        return sum(r.count for r in self.requests)
 
     @property
     def name(self) -> str:

@@ -241,11 +241,13 @@ NOT_WAITING: dict[str, None] = dict.fromkeys(
 
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             now: float, mig_slices: Mapping[str, int] | None = None,
-            pod_gone_at: float | None = None) -> Observation:
+            pod_gone_at: float | None = None, gang_fraction: float | None = None
+            ) -> Observation:
     """Derive `job`'s phase and status from its pods (see the module docstring).
 
     `pod_gone_at`: when its current attempt's pod was seen deleted, if it is gone (its run
-    ends then, not at `now`, which may be a pass later)."""
+    ends then, not at `now`, which may be a pass later). A gang's attempt is followed by its
+    rank 0 pod and billed for every worker's GPUs (`gang_fraction`)."""
     status: Obj = job.get("status") or {}
     isolation_text = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", ""))
     exclusive = isolation_text == "exclusive"
@@ -278,14 +280,15 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                         outcome=r.get("outcome") or reason) for r in history]
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
-                 "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
+                 "preemptingAttempt": None, "node": None, "gpus": None, "workers": None,
+                 "borrowed": None,
                  "podAssignment": None, "reason": reason, "message": message}
         events.append(("Normal" if reason == "Preempted" else "Warning", "Requeued",
                        f"attempt {attempts} ended ({reason}); back in the queue"))
         return Observation(Phase.QUEUED, attempts, patch, tuple(events))
 
-    fraction = assignment_fraction(current.assignment, memory_totals, exclusive, mig_slices,
-                                   timeslice)
+    fraction = gang_fraction if gang_fraction is not None else assignment_fraction(
+        current.assignment, memory_totals, exclusive, mig_slices, timeslice)
     # the assignment's GPUs as its annotation writes them, less the container
     gpus = [{k: v for k, v in gpu_entry(g).items() if k != "container"}
             for g in (current.assignment.gpus if current.assignment is not None else ())]

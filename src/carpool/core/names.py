@@ -26,6 +26,10 @@ ANN_DATASET: Final = f"{GROUP}/dataset"  # dataset name
 ANN_DATASET_SIZE: Final = f"{GROUP}/dataset-size-gib"
 ANN_POLICY: Final = f"{GROUP}/placement-policy"  # binpack | spread (per job override)
 ANN_SIM_DURATION: Final = f"{GROUP}/simulated-duration"  # seconds; KWOK completes the pod then
+# A gang's worker pod: its rank (0 = the attempt's recorded pod), and the node and GPUs the
+# admission cycle chose for it (the assignment codec's JSON); the extender binds it there
+ANN_WORKER_RANK: Final = f"{GROUP}/worker-rank"
+ANN_PLANNED: Final = f"{GROUP}/planned-assignment"
 
 # Pod annotations written by the extender at bind (the assignment) and the device plugin
 # (the hand-over). See deviceplugin/README.md for the protocol.

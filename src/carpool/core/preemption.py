@@ -156,8 +156,10 @@ def plan_preemption(request: GpuRequest, duration_s: float, candidates: Iterable
     now = timeline.now
     by_node: dict[str, list[Candidate]] = {}
     for cand in candidates:
-        if cand.job.node:
-            by_node.setdefault(cand.job.node, []).append(cand)
+        # a gang is a candidate on every node it holds GPUs on, and leaves from all of them
+        for node in dict.fromkeys(p.node for p in cand.job.placements) or (
+                [cand.job.node] if cand.job.node else []):
+            by_node.setdefault(node, []).append(cand)
     best: PreemptionPlan | None = None
     for node in sorted(by_node):
         if node not in timeline.node_names or timeline.never_fits(node, request):

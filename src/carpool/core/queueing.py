@@ -59,12 +59,14 @@ from carpool.core.fairshare import (
     NOT_DUE,
     due_level,
     effective_level,
+    job_nominal_fraction,
     next_aging,
     nominal_fraction,
     promised_start,
     promised_start_due,
     rank_queue,
 )
+from carpool.core.gangs import GangPlacement, WorkerPlacement, place_gang
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
 from carpool.core.placement import (
@@ -107,6 +109,7 @@ from carpool.core.run_times import (
 )
 from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
 from carpool.core.timeline import NodePlacer, Occupancy, Slot, Timeline, TimelineMemo, fluid_start
+from carpool.core.topology import TopologyMode
 
 
 def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
@@ -189,6 +192,8 @@ class WaitReason(enum.Enum):
     # GPUs have room, but one more job on them would break its objective or one of the jobs
     # there (core.interference)
     SHARING_OBJECTIVE = "SharingWouldBreakObjective"
+    # a gang whose spec.topology is required: no domain of its level holds all its workers
+    TOPOLOGY = "TopologyUnavailable"
 
     @property
     def refused(self) -> bool:
@@ -200,7 +205,7 @@ class WaitReason(enum.Enum):
     def competes_for_capacity(self) -> bool:
         return self in (WaitReason.CAPACITY, WaitReason.BEHIND_HIGHER_RANKED,
                         WaitReason.PREEMPTING, WaitReason.REQUEUE_BACKOFF,
-                        WaitReason.SHARING_OBJECTIVE)
+                        WaitReason.SHARING_OBJECTIVE, WaitReason.TOPOLOGY)
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,9 @@ class Admission:
     attempt: int  # the job's attempts after this admission
     position: int  # its place in the queue when admitted (1 = head)
     message: str
+    # a gang: every worker's node and GPUs, in rank order (`node` and `grants` are then rank
+    # 0's node and all the grants); empty for a one-pod job
+    workers: tuple[WorkerPlacement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,6 +258,8 @@ class Wait:
 
 
 MAX_DURATION_EXCEEDED = "MaxDurationExceeded"
+# the most start times a waiting gang's reservation tries (each is a whole placement)
+MAX_GANG_STARTS = 64
 IDLE_TIMEOUT = "IdleTimeout"
 
 
@@ -332,6 +342,13 @@ def _memory_of(request: GpuRequest, grants: tuple[GpuGrant, ...], reference_mib:
         return sum(g.memory_mib for g in grants)
     per_gpu = reference_mib if request.isolation is Isolation.EXCLUSIVE else request.memory_mib
     return request.count * per_gpu
+
+
+def _job_memory(job: Job, reference_mib: int) -> int:
+    """GPU memory the job holds (its grants) or will hold, over every pod of a gang."""
+    if job.grants:
+        return sum(g.memory_mib for g in job.grants)
+    return sum(_memory_of(r, (), reference_mib) for r in job.requests)
 
 
 @dataclass
@@ -430,9 +447,9 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     spans: dict[str, list[tuple[float, float, int]]] = {}
     spreads: dict[str, _Spread] = {}
     for job in (j for j in jobs if j.holds_gpus):
-        nominal = nominal_fraction(job.request, reference_mib)
+        nominal = job_nominal_fraction(job, reference_mib)
         fraction = held_fraction(job, nodes, nominal)
-        memory = _memory_of(job.request, job.grants, reference_mib)
+        memory = _job_memory(job, reference_mib)
         left = remaining(job, now, run_time(job, learned), config.min_remaining_s)
         remaining_s = left.expected
         if job.terminating:
@@ -443,7 +460,11 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         # remainder added to `now` rounds back to `now`
         end = max(now + remaining_s, math.nextafter(now, math.inf))
         holders.append(_Holder(job, fraction, memory, end))
-        if job.grants and job.node in nodes:
+        if job.placements:  # a gang: each worker's GPUs on its own node
+            for worker in job.placements:
+                if worker.node in nodes:
+                    timeline.add(worker.node, Occupancy(job.key, now, end, worker.grants))
+        elif job.grants and job.node in nodes:
             timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
         ledger = ledgers.get(job.project)
         if ledger is not None:
@@ -582,7 +603,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     waiting = [j for j in snapshot.jobs if j.waiting]
     durations = {j.key: expected_duration(j, cycle.learned) for j in waiting}
     expected_gpu_hours = {
-        j.key: nominal_fraction(j.request, cycle.reference_mib) * durations[j.key] / 3600.0
+        j.key: job_nominal_fraction(j, cycle.reference_mib) * durations[j.key] / 3600.0
         for j in waiting}
     weights = {name: q.weight for name, q in snapshot.quotas.items()}
     decayed = {name: u.decayed_gpu_hours for name, u in cycle.usage.items()}
@@ -646,7 +667,7 @@ def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, 
                                         key=lambda j: (j.submitted_at, j.key)))
     return [*snapshot.recent_arrivals, *(
         (job.submitted_at, int(job.job_class),
-         arrival_work(job, nominal_fraction(job.request, cycle.reference_mib), cycle.learned))
+         arrival_work(job, job_nominal_fraction(job, cycle.reference_mib), cycle.learned))
         for job in latest)]
 
 
@@ -783,6 +804,8 @@ class _QueueDecisions:
         A job still in its requeue backoff is judged as any other, so its estimate follows its
         project's quota and budget and counts on the jobs it may preempt, but it is neither
         admitted nor does it preempt before the backoff is over (`_park` says why it waits)."""
+        if job.workers:
+            return self._decide_gang(job, position, borrowers_allowed)
         if self._never_fits(job, position):
             return True
         cycle = self.cycle
@@ -809,6 +832,172 @@ class _QueueDecisions:
         if parked is not None:
             self._park(job, position, duration, parked)
         return True
+
+    # -- gangs: all or nothing (core.gangs) ----------------------------------------------
+
+    def _decide_gang(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
+        """`decide_job` for a gang: admitted whole, every worker placed by one `place_gang`
+        decision, or not at all; judged by its project's limits as one job (the sum of its
+        workers). A gang does not preempt others (it waits); while it waits it reserves the
+        earliest time the forward simulation holds it whole (`_reserve_gang`), so jobs behind
+        it only backfill around that."""
+        cycle = self.cycle
+        now = cycle.snapshot.now
+        too_large = self._gang_never_fits(job)
+        if too_large is not None:
+            self._wait(job, WaitReason.TOO_LARGE, too_large, position)
+            return True
+        duration = self.durations[job.key]
+        placement = self._place_gang_at(job, now, now + duration)
+        if placement is not None:
+            fraction = self._gang_fraction(job, placement)
+            memory = sum(g.memory_mib for w in placement.workers for g in w.grants)
+        else:
+            fraction = job_nominal_fraction(job, cycle.reference_mib)
+            memory = _job_memory(job, cycle.reference_mib)
+        ledger = cycle.ledgers[job.project]
+        claims = budget_claims(ledger.quota, fraction, now, None, job.limit_s)
+        verdict = judge(job, ledger, fraction, memory, claims)
+        if verdict.borrowed and not borrowers_allowed:
+            return False
+        if job.not_before <= now and verdict.standing.may_start and placement is not None:
+            self._admit_gang(job, position, placement, duration, fraction, memory, verdict,
+                             claims)
+            return True
+        if verdict.standing is Standing.OVER_BUDGET:
+            parked: _Parked | None = self._over_budget(job, verdict, fraction)
+        elif verdict.standing is Standing.OVER_QUOTA:
+            parked = self._over_quota(job, position, verdict, fraction, memory, duration,
+                                      may_preempt=False)
+        else:
+            reason, message = self._gang_capacity_reason(job, duration)
+            if verdict.budget_exhausted:
+                message = f"{verdict.message}; {message}"
+            parked = _Parked(reason, message, now, in_quota=(
+                None if verdict.budget_exhausted else verdict.standing is Standing.IN_QUOTA))
+        if parked is not None:
+            self._park_gang(job, position, duration, parked)
+        return True
+
+    def _gang_never_fits(self, job: Job) -> str | None:
+        """Why no placement could ever hold the gang, even on an empty cluster; None if one
+        could."""
+        cycle = self.cycle
+        for request in dict.fromkeys(job.workers):
+            if not cycle.timeline.fits_anywhere_ever(request):
+                return (f"no node could hold a worker of {request.count} GPU(s) of "
+                        f"{request.memory_mib // 1024} GiB ({request.isolation.value}) even if "
+                        f"it were empty")
+        empty = {name: NodeState(node.inventory) for name, node in cycle.snapshot.nodes.items()}
+        if place_gang(job.workers, empty, cycle.config.node_placer, job.topology) is not None:
+            return None
+        if job.topology is not None and job.topology.mode is TopologyMode.REQUIRED:
+            return (f"no {job.topology.level.label} domain could hold all {len(job.workers)} "
+                    f"workers ({job.gpu_count} GPUs) even if it were empty "
+                    f"(spec.topology.mode is required)")
+        return (f"the cluster could not hold all {len(job.workers)} workers "
+                f"({job.gpu_count} GPUs) at once even if it were empty")
+
+    def _place_gang_at(self, job: Job, start: float, end: float) -> GangPlacement | None:
+        """The gang placed over [start, end) around everything the timeline holds then
+        (running jobs and the reservations of higher-ranked ones)."""
+        timeline = self.cycle.timeline
+        states = {name: timeline.state_during(name, start, end) for name in timeline.node_names}
+        return place_gang(job.workers, states, self.cycle.config.node_placer, job.topology)
+
+    def _gang_fraction(self, job: Job, placement: GangPlacement) -> float:
+        nodes = self.cycle.snapshot.nodes
+        return sum(grants_fraction(w.grants, nodes[w.node].inventory, job.request.isolation)
+                   for w in placement.workers)
+
+    def _admit_gang(self, job: Job, position: int, placement: GangPlacement, duration: float,
+                    fraction: float, memory: int, verdict: Verdict,
+                    claims: Mapping[float, float]) -> None:
+        """Start every worker of the gang: charge its project once, hold each worker's GPUs."""
+        cycle = self.cycle
+        now = cycle.snapshot.now
+        ledger = cycle.ledgers[job.project]
+        reserve = claims.get(ledger.current_period, 0.0)
+        ledger.add(fraction, memory, verdict.borrowed, claims)
+        for worker in placement.workers:
+            cycle.timeline.add(worker.node, Occupancy(job.key, now, now + duration,
+                                                      worker.grants))
+        cycle.running_spans.setdefault(job.project, []).append((now + duration, fraction, memory))
+        self.admitted_by_project.setdefault(job.project, []).append(
+            (fraction, verdict.borrowed, reserve))
+        nodes = placement.nodes
+        shown = ", ".join(nodes[:4]) + (f" and {len(nodes) - 4} more" if len(nodes) > 4 else "")
+        where = ("" if placement.level.name == "CLUSTER"
+                 else f" within {placement.level.label} {placement.domain}")
+        self.admissions.append(Admission(
+            job.key, placement.workers[0].node,
+            tuple(g for w in placement.workers for g in w.grants), verdict.borrowed, fraction,
+            job.attempts + 1, position,
+            f"admitted as a gang of {len(placement.workers)} workers on {shown}{where}: "
+            f"{verdict.message}", workers=placement.workers))
+
+    def _gang_capacity_reason(self, job: Job, duration: float) -> tuple[WaitReason, str]:
+        """Why a gang the project's limits allow finds no placement now."""
+        now = self.cycle.snapshot.now
+        size = f"all {len(job.workers)} workers ({job.gpu_count} GPUs)"
+        need = job.topology
+        if need is not None and need.mode is TopologyMode.REQUIRED:
+            timeline = self.cycle.timeline
+            states = {n: timeline.state_during(n, now, now + duration)
+                      for n in timeline.node_names}
+            if place_gang(job.workers, states, self.cycle.config.node_placer) is not None:
+                return (WaitReason.TOPOLOGY,
+                        f"no {need.level.label} domain has room for {size} now; the cluster "
+                        f"has, spread wider, but spec.topology.mode is required")
+        if self._place_gang_at(job, now, math.nextafter(now, math.inf)) is not None:
+            return (WaitReason.BEHIND_HIGHER_RANKED,
+                    f"GPUs for {size} are free but reserved for {self.ahead} higher-ranked "
+                    f"waiting job(s) this gang would delay")
+        return (WaitReason.CAPACITY,
+                f"no set of nodes has room for {size} now, and a gang starts whole or not at "
+                f"all; {self.ahead} higher-ranked job(s) wait for GPUs")
+
+    def _park_gang(self, job: Job, position: int, duration: float, parked: _Parked) -> None:
+        """`_park` for a gang: its wait, with the start `_reserve_gang` finds."""
+        now = self.cycle.snapshot.now
+        limits = parked.reason in (WaitReason.QUOTA, WaitReason.BUDGET)
+        estimate, coarse = (self._reserve_gang(job, duration,
+                                               max(parked.not_before, job.not_before), limits)
+                            if parked.estimable else (None, False))
+        reason, message = parked.reason, parked.message
+        if job.not_before > now:
+            reason = WaitReason.REQUEUE_BACKOFF
+            message = (f"its last attempt failed through no fault of its own; next attempt in "
+                       f"{format_duration(job.not_before - now)}; {parked.message}")
+        self._wait(job, reason, message, position, estimate, coarse, simulated=True,
+                   held_by=parked.reason)
+
+    def _reserve_gang(self, job: Job, duration: float, not_before: float, limits: bool
+                      ) -> tuple[float | None, bool]:
+        """Reserve the gang's earliest whole placement (within the reservation depth): tried
+        at `not_before` and at each of the next `MAX_GANG_STARTS` times an occupancy ends;
+        a coarse drain-rate estimate beyond the depth or that horizon."""
+        cycle = self.cycle
+        used = self.limit_reservations if limits else self.reservations
+        if used < cycle.config.reservation_depth:
+            times = [not_before, *(t for t in cycle.timeline.end_times() if t > not_before)]
+            for start in times[:MAX_GANG_STARTS]:
+                placement = self._place_gang_at(job, start, start + duration)
+                if placement is None:
+                    continue
+                for worker in placement.workers:
+                    cycle.timeline.add(worker.node, Occupancy(job.key, start, start + duration,
+                                                              worker.grants))
+                if limits:
+                    self.limit_reservations += 1
+                else:
+                    self.reservations += 1
+                    self.latest_reserved = max(self.latest_reserved, start)
+                return start, False
+        estimate = max(not_before, fluid_start(self.latest_reserved, self.work_beyond_depth,
+                                               cycle.capacity_gpus))
+        self.work_beyond_depth += self.expected_gpu_hours[job.key]
+        return estimate, True
 
     def _never_fits(self, job: Job, position: int) -> bool:
         """Park a job no GPU in the cluster could ever hold (model, size); True if it was."""

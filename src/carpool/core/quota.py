@@ -80,9 +80,10 @@ def class_limit_refusal(job: Job, quota: ProjectQuota) -> str | None:
     name = job.job_class.name.lower()
     where = f"ProjectQuota {quota.name} spec.classLimits.{name}"
     request = job.request
-    if limit.max_gpus is not None and request.count > limit.max_gpus:
-        return (f"spec.gpu.count {request.count} is more than {where}.maxGpus "
-                f"{limit.max_gpus}")
+    if limit.max_gpus is not None and job.gpu_count > limit.max_gpus:
+        asked = (f"the gang's {job.gpu_count} GPUs over spec.workers" if job.workers
+                 else f"spec.gpu.count {request.count}")
+        return f"{asked} is more than {where}.maxGpus {limit.max_gpus}"
     if limit.max_duration_s is not None and not job.max_duration_s:
         return (f"spec.maxDuration must be set for class {name}: {where}.maxDuration is "
                 f"{format_duration(limit.max_duration_s)}")

@@ -228,6 +228,17 @@ class Timeline:
                 state = self._states[(node, ids)] = base.with_grants(held) if held else base
         return state
 
+    def state_during(self, node: str, start: float, end: float) -> NodeState:
+        """The node as every occupancy overlapping [start, end) leaves it (a gang's
+        placement, `core.gangs`, adds its own workers' grants to these)."""
+        ids = (self._ids_from_now(node, end) if start == self.now
+               else self._overlapping(node, start, end, frozenset()))
+        return self._state(node, ids)
+
+    def end_times(self) -> list[float]:
+        """Every distinct time an occupancy ends, in order (when a waiting gang might fit)."""
+        return sorted({o.end for occs in self._occupancies.values() for o in occs})
+
     def fit_during(self, node: str, request: GpuRequest, start: float, end: float,
                    without: frozenset[str] = frozenset()
                    ) -> tuple[float, tuple[GpuGrant, ...]] | None:

@@ -35,6 +35,7 @@ class Resource:
 
 PODS = Resource("", "v1", "pods", True)
 PERSISTENTVOLUMECLAIMS = Resource("", "v1", "persistentvolumeclaims", True)
+SERVICES = Resource("", "v1", "services", True)
 NODES = Resource("", "v1", "nodes", False)
 NAMESPACES = Resource("", "v1", "namespaces", False)
 CORE_EVENTS = Resource("", "v1", "events", True)

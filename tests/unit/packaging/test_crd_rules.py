@@ -34,4 +34,4 @@ def test_spec_rules_other_than_immutability_are_create_only() -> None:
                  and not (r.get("optionalOldSelf")
                           and r["rule"].startswith("oldSelf.hasValue() || ("))]
     assert not unguarded
-    assert len(rules) == 23  # 10 of them on what a template may not decide
+    assert len(rules) == 29  # 10 of them on what a template may not decide, 6 on gangs
