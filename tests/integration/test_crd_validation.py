@@ -211,6 +211,30 @@ BAD_JOBS: dict[str, tuple[str, Callable[[Obj], None], str]] = {
                     "should match"),
     "slowdown-below-one": ("spec.objectives.maxSlowdown",
                            setter("spec.objectives.maxSlowdown", 0.5), "greater than or equal"),
+    "gang-over-16-workers": (
+        "spec.workers",
+        setter("spec.workers", [{"name": "a", "replicas": 9}, {"name": "b", "replicas": 8}]),
+        "at most 16 workers",
+    ),
+    "gang-over-128-gpus": (
+        "spec.workers",
+        setter("spec.workers", [{"name": "a", "replicas": 9, "gpu": {"count": 16}}]),
+        "at most 128 GPUs",
+    ),
+    "gang-duplicate-group": (
+        "spec.workers[1]",
+        setter("spec.workers", [{"name": "a", "replicas": 1}, {"name": "a", "replicas": 1}]),
+        "Duplicate value",
+    ),
+    "topology-without-workers": (
+        "spec.topology", setter("spec.topology", {"level": "rack"}), "gangs only"
+    ),
+    "unknown-topology-level": (
+        "spec.topology.level",
+        both(setter("spec.workers", [{"name": "a", "replicas": 2}]),
+             setter("spec.topology", {"level": "pod"})),
+        "nvlink-island",
+    ),
 }
 
 BAD_QUOTAS: dict[str, tuple[str, Callable[[Obj], None], str]] = {
@@ -415,7 +439,7 @@ def test_kubectl_get_gpujobs_wide(
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("file", ["gpujobs.yaml", "projectquotas.yaml"])
+@pytest.mark.parametrize("file", ["gpujobs.yaml", "projectquotas.yaml", "gang.yaml"])
 def test_examples_are_valid(api: client.ApiClient, namespace: str, file: str) -> None:
     documents = [d for d in yaml.safe_load_all((EXAMPLES / file).read_text()) if d]
     assert documents
