@@ -1,0 +1,518 @@
+"""Sharing a GPU by latency objectives: Carpool's choice against fixed degrees 1 to 6.
+
+Inference services (a ResNet-50-shaped conv net and a transformer encoder, each at batch sizes
+1, 8 and 32) arrive one after another, each with a P99 target. Every policy places them online,
+in arrival order, first fit, with the placement core's own sharing rule
+(`placement.gpu_rejection` over logical GPUs): a fixed degree d gives every service a sharing
+limit of d; Carpool gives each service the limit its template's interference profile allows
+for its objective (`core.interference`), the profile learned first from a short profiling run
+(each template alone and 2..P at a time; its time is reported). Then each policy's GPUs are
+measured, one logical GPU after the other on the one physical GPU: its services serve
+requests back to back together for `--seconds`, from a pool of host processes each started
+with the environment the device plugin's Allocate answered (over its real gRPC socket) for an
+MPS pod of 10 GiB. Rounds alternate the policies. Reported per policy: GPUs needed, services
+whose P99 broke their target, throughput (samples/s) in all and per GPU, worst P99 / target.
+
+The targets are set from what the profiling run measured alone (`--targets`: factors of each
+template's P99 alone, cycled over the services), so they mean the same on any GPU.
+
+  python3 bench/latency_sharing.py                       # on the GPU machine (CUDA, MPS)
+  python3 bench/latency_sharing.py --device cpu --small  # the logic, anywhere (no GPU)
+
+`--device cpu` runs tiny models on the CPU (torch if importable, else a pure-Python stand-in,
+said so in the output), with the fake backend's Allocate answers and no MPS: it checks the
+script, its numbers say nothing about GPUs. Needs the `carpool` package importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+WORKER_FLAG = "--worker"
+MODELS = ("resnet", "encoder")
+BATCHES = (1, 8, 32)
+POOL = 6  # worker processes: the largest degree measured
+GRANT_MIB = 10 * 1024  # each service's MPS grant
+
+
+# --- worker side: one serving process, told which template to serve and for how long ----------
+
+
+def _torch_models(device: str, small: bool) -> dict[str, Any]:
+    """The two model shapes, built with torch.nn (no torchvision), in eval mode on `device`."""
+    import torch
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin: int, mid: int, stride: int) -> None:
+            super().__init__()
+            cout = mid * 4
+            self.body = nn.Sequential(
+                nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+                nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid),
+                nn.ReLU(inplace=True), nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Identity() if cin == cout and stride == 1 else nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+        def forward(self, x: Any) -> Any:
+            return torch.relu(self.body(x) + self.skip(x))
+
+    def resnet(width: int, blocks: tuple[int, ...]) -> nn.Module:
+        layers: list[nn.Module] = [nn.Conv2d(3, width, 7, 2, 3, bias=False),
+                                   nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+                                   nn.MaxPool2d(3, 2, 1)]
+        cin = width
+        for stage, count in enumerate(blocks):
+            mid = width * 2 ** stage
+            for n in range(count):
+                layers.append(Bottleneck(cin, mid, 2 if n == 0 and stage > 0 else 1))
+                cin = mid * 4
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 1000)]
+        return nn.Sequential(*layers)
+
+    if small:
+        conv, image = resnet(8, (1, 1, 1, 1)), 32
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            64, 4, 128, batch_first=True), 2, enable_nested_tensor=False)
+        tokens, width = 16, 64
+    else:  # ResNet-50's stages and widths; a BERT-base-sized encoder of 6 layers
+        conv, image = resnet(64, (3, 4, 6, 3)), 224
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            768, 12, 3072, batch_first=True), 6, enable_nested_tensor=False)
+        tokens, width = 128, 768
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    conv = conv.to(device, dtype).eval()
+    encoder = encoder.to(device, dtype).eval()
+    if device == "cuda":
+        conv = conv.to(memory_format=torch.channels_last)
+    inputs: dict[str, Any] = {}
+    for batch in BATCHES:
+        image_in = torch.randn(batch, 3, image, image, device=device, dtype=dtype)
+        if device == "cuda":
+            image_in = image_in.to(memory_format=torch.channels_last)
+        inputs[f"resnet-b{batch}"] = (conv, image_in)
+        inputs[f"encoder-b{batch}"] = (encoder, torch.randn(batch, tokens, width,
+                                                             device=device, dtype=dtype))
+    return inputs
+
+
+def _standin_models() -> dict[str, Any]:
+    """Without torch (`--device cpu` only): pure-Python work in proportion to each template's
+    batch, so that processes contend for the CPU as services contend for a GPU."""
+    def work(turns: int) -> Any:
+        def forward() -> float:
+            total = 0.0
+            for n in range(turns):
+                total += n * 0.5
+            return total
+        return forward
+    return {f"{m}-b{b}": (work((600 if m == "resnet" else 400) * (4 + b)), None)
+            for m in MODELS for b in BATCHES}
+
+
+def worker_main(device: str, small: bool) -> int:
+    """Load every template once, warm it, say ready; then serve what each command says:
+    `{"template", "seconds", "start"}` (epoch seconds to begin, so a group starts together)
+    answers `{"result": {"requests", "seconds", "latencies_ms"}}`."""
+    import gc
+
+    torch: Any = None
+    if device != "cuda":
+        try:
+            import torch
+        except ImportError:
+            torch = None
+    else:
+        import torch
+    if torch is not None:
+        torch.set_num_threads(1)
+        torch.backends.cudnn.benchmark = True
+        models = _torch_models(device, small)
+    else:
+        models = _standin_models()
+
+    def forward_of(template: str) -> Any:
+        model, data = models[template]
+        if data is None:
+            return model
+        return lambda: model(data)
+
+    sync = (torch.cuda.synchronize if torch is not None and device == "cuda"
+            else (lambda: None))
+    context = torch.inference_mode() if torch is not None else _nothing()
+    with context:
+        for template in models:
+            forward = forward_of(template)
+            for _ in range(5 if small else 20):
+                forward()
+        sync()
+        gc.collect()
+        gc.freeze()
+        print(json.dumps({"ready": True, "engine": "torch" if torch is not None else "python"}),
+              flush=True)
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command.get("quit"):
+                break
+            forward = forward_of(command["template"])
+            seconds = float(command["seconds"])
+            time.sleep(max(0.0, float(command["start"]) - time.time()))
+            gc.disable()
+            latencies = []
+            end = time.perf_counter() + seconds
+            while (now := time.perf_counter()) < end:
+                forward()
+                sync()
+                latencies.append(time.perf_counter() - now)
+            gc.enable()
+            print(json.dumps({"result": {"requests": len(latencies), "seconds": seconds,
+                                         "latencies_ms": [round(x * 1000, 4)
+                                                          for x in latencies]}}), flush=True)
+    return 0
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# --- parent side ------------------------------------------------------------------------------
+
+
+def log(text: str) -> None:
+    print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    template: str  # "<model>-b<batch>"
+    p99_target_s: float = 0.0
+
+    @property
+    def batch(self) -> int:
+        return int(self.template.rsplit("-b", 1)[1])
+
+
+@dataclass
+class Measure:
+    """One service's run in one group: what it served."""
+
+    requests: int
+    seconds: float
+    latencies_s: list[float]
+
+    @property
+    def p99_s(self) -> float:
+        from carpool.core.service_levels import Histogram
+
+        p99 = Histogram.of(self.latencies_s).quantile(0.99)
+        return p99 if p99 is not None else 0.0
+
+    @property
+    def req_per_s(self) -> float:
+        return self.requests / self.seconds
+
+
+@dataclass
+class Pool:
+    """The serving processes, each started with one pod's Allocate environment."""
+
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    engine: str = ""
+
+    @classmethod
+    def start(cls, envs: list[dict[str, str]], device: str, small: bool) -> Pool:
+        pool = cls()
+        for env in envs:
+            pool.procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), WORKER_FLAG, device,
+                 "small" if small else "full"],
+                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
+        for proc in pool.procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line.startswith('{"ready"'):
+                pool.stop()
+                raise RuntimeError(f"a worker did not get ready: {line!r}")
+            pool.engine = json.loads(line)["engine"]
+        return pool
+
+    def run(self, templates: list[str], seconds: float) -> list[Measure]:
+        """Serve `templates` together, one per worker, for `seconds`."""
+        start = time.time() + 0.2
+        for proc, template in zip(self.procs, templates, strict=False):
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({"template": template, "seconds": seconds,
+                                         "start": start}) + "\n")
+            proc.stdin.flush()
+        out = []
+        for proc in self.procs[:len(templates)]:
+            assert proc.stdout is not None
+            result = json.loads(proc.stdout.readline())["result"]
+            out.append(Measure(result["requests"], result["seconds"],
+                               [x / 1000 for x in result["latencies_ms"]]))
+        return out
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                proc.stdin.flush()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def arrivals(count: int) -> list[str]:
+    """Templates in arrival order: models and batch sizes interleaved."""
+    order = [f"{m}-b{b}" for b in BATCHES for m in MODELS]
+    return [order[(n * 5) % len(order)] for n in range(count)]
+
+
+def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, model: str
+            ) -> tuple[list[Any], dict[str, float]]:
+    """Each template alone and 2..`degrees` at a time: samples for `core.interference` and
+    each template's P99 alone."""
+    from carpool.core.interference import Sample
+
+    samples, alone = [], {}
+    for template in templates:
+        for degree in range(1, degrees + 1):
+            measures = pool.run([template] * degree, seconds)
+            for m in measures:
+                samples.append(Sample(model, template, degree, m.req_per_s, m.p99_s))
+            if degree == 1:
+                alone[template] = measures[0].p99_s
+            log(f"    {template} x{degree}: "
+                f"{statistics.median(m.req_per_s for m in measures):.1f} req/s each, P99 "
+                f"{statistics.median(m.p99_s for m in measures) * 1000:.2f} ms")
+    return samples, alone
+
+
+def place(services: list[Service], limit_of: Any, model: str) -> list[list[Service]]:
+    """Online first fit in arrival order over logical GPUs of `model`, by the placement core's
+    rule (`gpu_rejection`: each service's sharing limit and those of the services there)."""
+    from carpool.core.placement import NodeState, gpu_rejection, grant_for
+    from carpool.core.resources import Gpu, GpuRequest, NodeInventory
+
+    gpus = tuple(Gpu(i, f"gpu-{i}", model, GRANT_MIB * 64) for i in range(len(services)))
+    state = NodeState(NodeInventory("bench", gpus))
+    groups: list[list[Service]] = []
+    for service in services:
+        request = GpuRequest(1, GRANT_MIB, 0, sharing_limits=limit_of(service))
+        frees = state.free()
+        for index, free in enumerate(frees):
+            if index < len(groups) and gpu_rejection(free, request) is not None:
+                continue
+            if index == len(groups):
+                groups.append([])
+            groups[index].append(service)
+            state = state.with_grants([grant_for(free, request)])
+            break
+    return groups
+
+
+def allocate_envs(device: str, pipe_dir: Path) -> tuple[list[dict[str, str]], str, Any]:
+    """The pool's environments from the device plugin's Allocate answers (pods svc-0..5,
+    MPS, 10 GiB each) through its gRPC socket, and the GPU model; on `cpu`, the fake
+    backend's answers (and no MPS: the variables are dropped)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gpu_sharing
+
+    requests = [(f"svc-{n}", "mps", GRANT_MIB, 100) for n in range(POOL)]
+    if device == "cuda":
+        from carpool.deviceplugin.backends.nvml import NvmlBackend
+
+        backend: Any = NvmlBackend()
+    else:
+        from carpool.deviceplugin.backends.fake import FakeBackend
+
+        backend = FakeBackend.from_spec({"node": "bench-node", "gpus": [{"model": "H200"}]})
+    answers = asyncio.run(gpu_sharing.plugin_allocations(backend, pipe_dir, requests))
+    model = backend.inventory()[0].model
+    envs = []
+    for answer in answers:
+        env = gpu_sharing.host_env(answer)
+        if device != "cuda":
+            env = {k: v for k, v in env.items()
+                   if not k.startswith("CUDA_") and k != "NVIDIA_VISIBLE_DEVICES"}
+        envs.append(gpu_sharing.client_env(env))
+    return envs, model, backend
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        return worker_main(sys.argv[2], sys.argv[3] == "small")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--small", action="store_true", help="tiny models (checks the logic)")
+    parser.add_argument("--services", type=int, default=12)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per measured GPU")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile-seconds", type=float, default=1.5)
+    parser.add_argument("--profile-degrees", type=int, default=4,
+                        help="the profiling run measures each template at 1..this degree")
+    parser.add_argument("--targets", default="1.6,2.5,4",
+                        help="P99 targets as factors of each template's P99 alone, cycled")
+    parser.add_argument("--json", type=Path, help="also write all results here")
+    args = parser.parse_args()
+    began = time.monotonic()
+    from carpool.core.interference import learn
+    from carpool.core.resources import Objectives
+
+    report: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                              "args": {k: str(v) for k, v in vars(args).items()}}
+    mps_root = Path(tempfile.mkdtemp(prefix="carpool-mps-", dir="/tmp"))
+    pipe_dir, log_dir = mps_root / "pipe", mps_root / "log"
+    envs, model, backend = allocate_envs(args.device, pipe_dir)
+    log(f"Allocate answered for {POOL} MPS pods of {GRANT_MIB // 1024} GiB on a {model}: "
+        f"{json.dumps({k: v for k, v in envs[0].items() if k.startswith('CUDA')})}")
+    daemon = None
+    if args.device == "cuda":
+        sys.path.insert(0, str(Path(__file__).parent))
+        import gpu_sharing
+
+        from carpool.deviceplugin.mps import MpsDaemon
+
+        daemon = MpsDaemon(pipe_dir, log_dir, binary=gpu_sharing.find_mps_control())
+        daemon.start()
+    try:
+        pool = Pool.start(envs, args.device, args.small)
+        log(f"{POOL} serving processes ready ({pool.engine}, {args.device}), "
+            f"{time.monotonic() - began:.0f}s in")
+        try:
+            report.update(run(pool, args, model, Objectives, learn))
+        finally:
+            pool.stop()
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    report["seconds_total"] = round(time.monotonic() - began, 1)
+    print_report(report, model, args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, learn: Any
+        ) -> dict[str, Any]:
+    templates = arrivals(args.services)
+    kinds = sorted(set(templates), key=templates.index)
+    log(f"profiling {len(kinds)} templates at 1..{args.profile_degrees} "
+        f"({args.profile_seconds:g}s each)")
+    started = time.monotonic()
+    samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model)
+    profiling_s = time.monotonic() - started
+    profiles = learn(samples)
+    factors = [float(x) for x in args.targets.split(",")]
+    services = [Service(f"{t}#{n}", t, alone[t] * factors[n % len(factors)])
+                for n, t in enumerate(templates)]
+    policies: dict[str, list[list[Service]]] = {}
+    for degree in range(1, POOL + 1):
+        policies[f"fixed {degree}"] = place(services, lambda s, d=degree: ((model, d),), model)
+    limits = {s.name: profiles.limits(s.template, objectives_type(s.p99_target_s))
+              for s in services}
+    policies["carpool"] = place(services, lambda s: limits[s.name], model)
+    for name, groups in policies.items():
+        log(f"  {name}: {len(groups)} GPUs: "
+            + " | ".join(",".join(s.name for s in g) for g in groups))
+    measured: dict[str, list[dict[str, Measure]]] = {name: [] for name in policies}
+    for round_no in range(1, args.rounds + 1):
+        order = list(policies) if round_no % 2 else list(reversed(policies))
+        log(f"round {round_no}/{args.rounds}: {sum(len(policies[p]) for p in order)} GPUs "
+            f"x {args.seconds:g}s")
+        for name in order:
+            one: dict[str, Measure] = {}
+            for group in policies[name]:
+                for service, m in zip(group, pool.run([s.template for s in group],
+                                                      args.seconds), strict=True):
+                    one[service.name] = m
+            measured[name].append(one)
+    rows = {}
+    for name, groups in policies.items():
+        rows[name] = summarize(services, groups, measured[name])
+    return {"model": model, "profiling_s": round(profiling_s, 1),
+            "profile": [{"template": s.template, "degree": s.degree,
+                         "req_per_s": round(s.throughput, 2),
+                         "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3)}
+                        for s in samples],
+            "services": [{"name": s.name, "template": s.template,
+                          "p99_target_ms": round(s.p99_target_s * 1000, 3),
+                          "limit": dict(limits[s.name])} for s in services],
+            "policies": rows}
+
+
+def summarize(services: list[Service], groups: list[list[Service]],
+              rounds: list[dict[str, Measure]]) -> dict[str, Any]:
+    """Per round: violations, samples/s; reported as medians over rounds (and their spread)."""
+    per_round = []
+    for one in rounds:
+        broken = [s.name for s in services if one[s.name].p99_s > s.p99_target_s]
+        samples = sum(one[s.name].req_per_s * s.batch for s in services)
+        worst = max(one[s.name].p99_s / s.p99_target_s for s in services)
+        per_round.append({"violations": len(broken), "broken": broken,
+                          "samples_per_s": samples, "worst_p99_vs_target": worst})
+    return {"gpus": len(groups), "groups": [[s.name for s in g] for g in groups],
+            "rounds": per_round,
+            "violations": statistics.median(r["violations"] for r in per_round),
+            "violations_max": max(r["violations"] for r in per_round),
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in per_round),
+            "samples_per_s_range": [min(r["samples_per_s"] for r in per_round),
+                                    max(r["samples_per_s"] for r in per_round)],
+            "worst_p99_vs_target": statistics.median(r["worst_p99_vs_target"]
+                                                     for r in per_round)}
+
+
+def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -> None:
+    rows = report["policies"]
+    print()
+    mode = args.device + (", small models" if args.small else "")
+    print(f"Latency objectives on one {model} ({mode}), {args.services} services, "
+          f"{args.rounds} rounds x {args.seconds:g}s per GPU; "
+          f"profiling {report['profiling_s']:g}s; {report['seconds_total']:g}s in all")
+    print()
+    print("| policy | GPUs | services over P99 target (max) | samples/s (range) | "
+          "samples/s per GPU | worst P99 / target |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, r in rows.items():
+        low, high = r["samples_per_s_range"]
+        print(f"| {name} | {r['gpus']} | {r['violations']:g} ({r['violations_max']}) | "
+              f"{r['samples_per_s']:.0f} ({low:.0f}-{high:.0f}) | "
+              f"{r['samples_per_s'] / r['gpus']:.0f} | {r['worst_p99_vs_target']:.2f} |")
+    clean = [r for name, r in rows.items() if name != "carpool" and r["violations_max"] == 0]
+    carpool = rows["carpool"]
+    per_gpu = carpool["samples_per_s"] / carpool["gpus"]
+    if clean:
+        best = max(clean, key=lambda r: r["samples_per_s"] / r["gpus"])
+        best_per_gpu = best["samples_per_s"] / best["gpus"]
+        print()
+        beats = all(per_gpu > rows[f"fixed {d}"]["samples_per_s"] / rows[f"fixed {d}"]["gpus"]
+                    for d in (1, 3))
+        print(f"goal: Carpool breaks no objective: {carpool['violations_max'] == 0}; per GPU it "
+              f"delivers {per_gpu / best_per_gpu:.0%} of the best fixed degree that breaks none "
+              f"(>= 90 %: {per_gpu >= 0.9 * best_per_gpu}); more than fixed 1 and 3: {beats}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
