@@ -18,7 +18,8 @@ Printed per sample: A's reported progress and phase, B's estimated start (second
 submission) by the cycle, the 80 % range of A's end (`run_times.remaining`) that B's start
 rests on, and what B would have been told without reports (A's estimated duration, the
 user's guess, `--estimate`); at the end each sample's error against B's actual start.
-Everything measured goes to `--out`/progress-gpu.json.
+Everything measured goes to `--out`/progress-gpu.json, the jobs' output beside it; their
+report files and checkpoints live in a temporary directory, removed at the end.
 
     python3 bench/progress_gpu.py [--device cuda|cpu] [--seconds 90] [--out DIR]
 
@@ -32,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -115,7 +117,7 @@ def train(name: str, device: str, seconds: float, every_s: float, checkpoint_dir
                         model(torch.randn(batch, width, device=device))
                     sync()
                 with progress.pause("checkpoint"):
-                    path = checkpoint_dir / f"step-{i}.pt"
+                    path = checkpoint_dir / "checkpoint.pt"  # the latest only
                     torch.save(model.state_dict(), path)
                     progress.run.report_checkpoint(path, progress=i / total)
     else:
@@ -149,6 +151,7 @@ class Scene:
     memory_mib: int
     estimate_s: float
     out: Path
+    work: Path  # report directories and checkpoints (removed at the end)
     jobs: dict[str, Job] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -162,7 +165,7 @@ class Scene:
                    template=f"train-{name}@bench")
 
     def report_dir(self, name: str) -> Path:
-        return self.out / f"reports-{name}"
+        return self.work / f"reports-{name}"
 
     def cycle(self, now: float, jobs: dict[str, Job]) -> Any:
         snapshot = ClusterSnapshot(now, tuple(jobs.values()),
@@ -181,8 +184,8 @@ class Scene:
         env = {**os.environ, protocol.ENV_JOB: job.key, protocol.ENV_ATTEMPT: "1",
                protocol.ENV_REPORT_DIR: str(reports),
                protocol.ENV_CHECKPOINT_DIR: str(reports),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "src"),
-                                              os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join(
+                   p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)}
         seconds = args.seconds if name == "a" else args.seconds_b
         log = (self.out / f"train-{name}.log").open("wb")
         self.procs[name] = subprocess.Popen(
@@ -228,7 +231,19 @@ def orchestrate(args: argparse.Namespace) -> int:
         model, memory = "cpu", 80 * GIB
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    scene = Scene(device, model, memory, args.estimate, out)
+    with tempfile.TemporaryDirectory(prefix="carpool-progress-") as work:
+        scene = Scene(device, model, memory, args.estimate, out, Path(work))
+        try:
+            return run_scene(scene, args)
+        finally:
+            for proc in scene.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+def run_scene(scene: Scene, args: argparse.Namespace) -> int:
+    out, device, model = scene.out, scene.device, scene.gpu_model
 
     t0 = time.time()
     scene.jobs["a"] = scene.job("a", t0)
