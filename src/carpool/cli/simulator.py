@@ -8,6 +8,7 @@ no cluster.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 from carpool.core.durations import format_duration_roughly
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
-from carpool.replay import job_traces, queue_replay, simulation
+from carpool.replay import job_traces, queue_replay, sharing_replay, simulation
 
 Scores = dict[str, object]
 T = TypeVar("T")
@@ -228,12 +229,67 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
     return queue
 
 
+def add_sharing_parser(kinds: Any) -> argparse.ArgumentParser:
+    """The `sharing` sub-command: latency objectives against fixed sharing degrees."""
+    sharing: argparse.ArgumentParser = kinds.add_parser(
+        "sharing", help="replay latency-sensitive services and batch jobs on shared GPUs: "
+                        "Carpool's sharing limits against fixed degrees 1-6",
+        description=sharing_replay.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sharing.add_argument("--generate", type=positive, default=400, metavar="JOBS",
+                         help="jobs in the generated trace (400)")
+    sharing.add_argument("--gpus", type=positive, default=16, help="GPUs in the cluster (16)")
+    sharing.add_argument("--interarrival", type=_positive_seconds, default=120.0,
+                         help="mean seconds between arrivals (120)")
+    sharing.add_argument("--services", type=share, default=0.5, metavar="SHARE",
+                         help="share of the jobs that are latency-sensitive services (0.5)")
+    sharing.add_argument("--seed", type=int, default=0, help="generator seed (0)")
+    sharing.add_argument("--policy", type=policy_list(sharing_replay.POLICIES),
+                         default=list(sharing_replay.POLICIES),
+                         help=f"comma-separated, from {', '.join(sharing_replay.POLICIES)} (all)")
+    sharing.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    sharing.set_defaults(run=run_sharing, prog=sharing.prog)
+    return sharing
+
+
+def run_sharing(args: argparse.Namespace) -> int:
+    trace = sharing_replay.generate(args.generate, args.seed, args.interarrival, args.services)
+    started = time.perf_counter()
+    scores = [sharing_replay.replay(trace, args.gpus, p, args.seed) for p in args.policy]
+    elapsed = time.perf_counter() - started
+    if args.output == "json":
+        for item in scores:
+            print(json.dumps(dataclasses.asdict(item), sort_keys=True))
+        return 0
+    services = sum(1 for j in trace if j.p99_target_s is not None)
+    print(f"{len(trace)} generated jobs ({services} services with P99 targets, "
+          f"{len(trace) - services} batch), {args.gpus} GPUs, mean interarrival "
+          f"{args.interarrival:g} s, seed {args.seed}, {elapsed:.1f} s")
+    print(format_sharing_table(scores))
+    return 0
+
+
+def format_sharing_table(scores: Sequence[sharing_replay.Scores]) -> str:
+    """One line per policy: objective violations, work per hour, waits, GPUs in use."""
+    header = (f"{'POLICY':<8} {'VIOLATED':>8} {'BEFORE PROFILE':>14} {'WORK/H':>7} "
+              f"{'FINISHED':>8} {'SERVICE WAIT':>12} {'BATCH WAIT':>10} {'PEAK GPUS':>9}")
+    lines = [header]
+    for s in scores:
+        lines.append(
+            f"{s.policy:<8} {100 * s.violation_share:>7.1f}% "
+            f"{s.violation_minutes_unprofiled:>14} {s.work_per_hour:>7.1f} "
+            f"{s.finished:>4}/{s.jobs:<3} {_secs(s.mean_wait_service_s):>12} "
+            f"{_secs(s.mean_wait_batch_s):>10} {s.peak_gpus_busy:>9}")
+    return "\n".join(lines)
+
+
 def register(commands: Any) -> None:
-    """Add `simulate queue` to a command's sub-commands."""
+    """Add `simulate queue` and `simulate sharing` to a command's sub-commands."""
     simulate = commands.add_parser("simulate", help="offline replays of job traces",
                                    description="Offline replays of job traces; no cluster.")
     kinds = simulate.add_subparsers(dest="kind", required=True)
     add_queue_parser(kinds)
+    add_sharing_parser(kinds)
 
 
 def _read(path: Path) -> str:

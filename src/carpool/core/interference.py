@@ -8,9 +8,9 @@ agent records (`core.service_levels`: each carries the GPU model and the degree 
 From a profile it takes each job's sharing limit, the most jobs its GPU may carry:
 
 - a job with objectives (`spec.objectives`): the largest degree at which the profile keeps
-  its P99 under `p99Latency` and its slowdown against running alone under `maxSlowdown`,
-  every smaller degree included (1 when even running alone breaks them: sharing only makes
-  it worse);
+  its P99 under `p99Latency` (with `P99_HEADROOM`) and its slowdown against running alone
+  under `maxSlowdown`, every smaller degree included (1 when even running alone breaks them:
+  sharing only makes it worse);
 - a job without: the knee of the measured throughput curve, the first degree from which one
   more job adds less than `KNEE_GAIN` to the GPU's total throughput (none while the curve
   still climbs at the highest degree measured, so Carpool goes on to measure the next).
@@ -41,6 +41,9 @@ KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total th
 MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
 MIN_DEGREES = 2  # measured degrees before a template has a profile
 EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be judged at
+# A profile's P99 is the median of noisy reports: a degree keeps a P99 objective only with the
+# predicted P99 this far under the target, so the reports around that median rarely cross it.
+P99_HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class Profile:
             p99 = self.p99_at(degree)
             if p99 is None:
                 return None
-            if p99 > objectives.p99_latency_s:
+            if p99 > objectives.p99_latency_s * P99_HEADROOM:
                 return False
         if objectives.max_slowdown is not None:
             shared = self.throughput_at(degree)
