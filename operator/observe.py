@@ -267,7 +267,8 @@ class Observer:
                 state.patches[key] = patch
                 continue
             if job.workers:
-                job = self._observe_gang(state, job, obs.live_pod, workers, placements)
+                job = self._observe_gang(state, job, obs.live_pod, workers, placements,
+                                         {**status, **patch})
             if settled and not meta.get("deletionTimestamp") and not job.workers:
                 decoded[key] = _Decoded(version, None if obs.phase.finished else signature,
                                         job, obs.live_pod)
@@ -308,13 +309,13 @@ class Observer:
         finished = view_pod(last).finished
         return min(at, finished) if finished else at
 
-    @staticmethod
-    def _observe_gang(state: PassState, job: Job, lead: PodView | None,
+    def _observe_gang(self, state: PassState, job: Job, lead: PodView | None,
                       workers: Mapping[int, PodView],
-                      placements: tuple[WorkerPlacement, ...]) -> Job:
+                      placements: tuple[WorkerPlacement, ...], status: Obj) -> Job:
         """A gang as a whole: the job holds every worker's GPUs while it holds any; a worker
         gone, failed or being deleted while rank 0 runs breaks the gang (`broken_gangs`: the
-        whole attempt is stopped and requeued, never left running in part); workers still
+        whole attempt is stopped and requeued, never left running in part), and one no node
+        takes gives the whole gang back as rank 0's would (`unschedulable`); workers still
         alive once rank 0 has ended are stopped (`gang_leftovers`)."""
         state.gang_pods[job.key] = [p for p in workers.values() if not p.terminal]
         alive = lead is not None and not lead.terminal and not lead.deleting
@@ -324,12 +325,19 @@ class Observer:
         elif job.phase in (Phase.ADMITTED, Phase.RUNNING):
             for rank in range(1, len(job.workers)):
                 pod = workers.get(rank)
-                why = ("is gone" if pod is None else "is being deleted" if pod.deleting
-                       else f"failed ({pod.exit_reason or 'Failed'})" if pod.phase == "Failed"
-                       else "")
-                if why:
+                why = "is gone" if pod is None else (
+                    "is being deleted" if pod.deleting
+                    else f"failed ({pod.exit_reason or 'Failed'})" if pod.phase == "Failed"
+                    else "")
+                if why or pod is None:
                     state.broken_gangs.append((job.key, f"worker {rank} of {len(job.workers)} "
                                                f"{why}"))
+                    break
+                given_back = give_back_unschedulable(status, pod, state.now,
+                                                     self.unschedulable_timeout_s)
+                if given_back is not None and all(k != job.key for k, _, _ in
+                                                  state.unschedulable):
+                    state.unschedulable.append((job.key, *given_back))
                     break
         if placements and job.grants:
             job = replace(job, placements=placements, node=placements[0].node,

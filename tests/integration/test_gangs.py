@@ -9,6 +9,7 @@ either none or all of its current attempt's worker pods.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ RACK = TOPOLOGY_LABELS[TopologyLevel.RACK]
 def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
                    ) -> Iterator[None]:
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}):
+    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2",
+                                                "CARPOOL_UNSCHEDULABLE_TIMEOUT_S": "4"}):
         yield
 
 
@@ -77,9 +79,11 @@ class Scene:
 
     def submit(self, name: str, *, workers: int = 0, count: int = 2, cls: str = "batch",
                simulated: str = "20s", preemptible: bool = False,
-               topology: dict[str, str] | None = None, node: str = "") -> None:
+               topology: dict[str, str] | None = None, node: str = "",
+               affinity_node: str = "") -> None:
         """A GpuJob of `count` exclusive GPUs per pod: a gang of `workers` pods, or one pod
-        (on `node` when named)."""
+        (on `node` when named); `affinity_node`: its pods' node affinity names that node
+        alone (the operator places by nodeSelector, not by affinity)."""
         spec: dict[str, Any] = {
             "project": self.project, "class": cls, "preemptible": preemptible,
             "gpu": {"count": count, "memory": "10Gi", "isolation": "exclusive",
@@ -93,6 +97,11 @@ class Scene:
             spec["topology"] = topology
         if node:
             spec["template"]["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+        if affinity_node:
+            spec["template"]["spec"]["affinity"] = {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+                    "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                          "values": [affinity_node]}]}]}}}
         self.alice.kubectl("create", "-n", self.team, "-f", "-", stdin=yaml.safe_dump({
             "apiVersion": names.API_VERSION, "kind": "GpuJob", "metadata": {"name": name},
             "spec": spec}))
@@ -113,9 +122,13 @@ class Scene:
                 and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
 
     def whole_or_none(self, job: str, workers: int) -> int:
-        """The job's live worker pods, asserting there are none or all of them (pods are
-        created together in one pass; a pass is well within one poll)."""
+        """The job's live worker pods, asserting there are none or all of them. The operator
+        creates a gang's pods one after another within one pass, so a reading caught between
+        two creates is read again a second later."""
         live = self.pods(job)
+        if len(live) not in (0, workers):
+            time.sleep(1.0)
+            live = self.pods(job)
         assert len(live) in (0, workers), (job, [p["metadata"]["name"] for p in live])
         return len(live)
 
@@ -206,10 +219,9 @@ def test_a_gang_is_preempted_and_resumed_whole(scene: Scene) -> None:
         scene.whole_or_none("big", 4) == 4
         and scene.status("big").get("phase") == "Running") or None, timeout=60, interval=0.3)
     scene.submit("urgent", cls="short", simulated="10s")
+    # (while the gang stops, its pods are deleted one by one: no invariant to poll then)
     wait_for("the short job running", lambda: (
-        scene.whole_or_none("big", 4) is not None
-        and scene.status("urgent").get("phase") == "Running") or None,
-        timeout=60, interval=0.3)
+        scene.status("urgent").get("phase") == "Running") or None, timeout=60, interval=0.3)
     requeued = scene.status("big")
     assert requeued["phase"] in ("Queued", "Preempted"), requeued
     assert scene.whole_or_none("big", 4) == 0
@@ -220,3 +232,20 @@ def test_a_gang_is_preempted_and_resumed_whole(scene: Scene) -> None:
     history = resumed["history"]
     assert history[0]["outcome"] == "Preempted", history
     assert history[0]["fraction"] == pytest.approx(8.0), history  # billed for all 4 workers
+
+
+def test_a_gang_whose_worker_no_node_takes_is_given_back_whole(scene: Scene) -> None:
+    """The pods' affinity allows node a alone; the gang is placed on a and b (one rack), so
+    rank 0 runs on a and rank 1 finds no node. After the give-back timeout the whole gang is
+    stopped and requeued (reason Unschedulable): rank 0 is not left running alone."""
+    scene.submit("split", workers=2, simulated="300s", affinity_node=scene.nodes["a"])
+    given_back = wait_for("the gang given back", lambda: (
+        s if (s := scene.status("split")).get("reason") == "Unschedulable" else None),
+        timeout=60, interval=0.3)
+    assert "no node took its pod" in given_back["message"], given_back
+    wait_for("no worker of that attempt left", lambda: not [
+        p for p in json.loads(scene.world.admin(
+            "get", "pods", "-n", scene.team, "-l", f"{names.LABEL_JOB}=split",
+            "-o", "json"))["items"]
+        if p["metadata"]["name"].startswith(f"split-{given_back.get('attempts', 1)}")
+        and not p["metadata"].get("deletionTimestamp")] or None, timeout=30, interval=0.3)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, GpuRequest
-from carpool.core.topology import ANYWHERE, TopologyLevel, TopologyNeed, domains
+from carpool.core.topology import ANYWHERE, Domain, TopologyLevel, TopologyNeed, domain_index
 
 # the most workers a gang may have, and GPUs in all (the GpuJob CRD says the same)
 MAX_WORKERS = 16
@@ -62,23 +62,42 @@ class GangPlacement:
         return {node: tuple(grants) for node, grants in out.items()}
 
 
+Fit = Callable[[str, GpuRequest], tuple[float, tuple[GpuGrant, ...]] | None]
+
+
 def place_gang(workers: Sequence[GpuRequest], states: Mapping[str, NodeState],
-               placer: NodePlacer, need: TopologyNeed | None = None) -> GangPlacement | None:
+               placer: NodePlacer, need: TopologyNeed | None = None, fit: Fit | None = None,
+               index: Mapping[TopologyLevel, tuple[Domain, ...]] | None = None
+               ) -> GangPlacement | None:
     """All `workers` placed within the smallest domain `need` allows, or None if no domain
-    of those levels holds them all now (see the module docstring for the order)."""
+    of those levels holds them all now (see the module docstring for the order).
+
+    `fit(node, request)` answers for a node as `states` has it (default: the placer on that
+    state; the admission cycle passes its timeline's memoised fit), `index` the domains
+    (default: from the states' inventories); the placer itself is asked only about nodes
+    that already hold a worker of this gang."""
     if not workers:
         raise ValueError("a gang needs at least one worker")
     wanted = sum(r.count for r in workers)
-    inventories = [s.inventory for s in states.values()]
+    largest = max(workers, key=lambda r: (r.count, r.memory_mib))
+    ask: Fit = fit if fit is not None else (lambda name, r: placer(states[name], r))
+    index = index if index is not None else domain_index(s.inventory for s in states.values())
+    hosts: dict[str, bool] = {}  # node -> the largest worker fits there alone
+
+    def hosts_largest(name: str) -> bool:
+        if name not in hosts:
+            hosts[name] = ask(name, largest) is not None
+        return hosts[name]
+
     for level in (need or ANYWHERE).levels():
-        ranked = sorted(domains(inventories, level).items(),
-                        key=lambda kv: (_idle_gpus(states, kv[1]), kv[0]))
-        for domain, names in ranked:
-            if sum(len(states[n].inventory.gpus) for n in names) < wanted:
-                continue
-            found = _place_in(workers, {n: states[n] for n in names}, placer)
+        candidates = sorted(
+            ((_idle_gpus(states, d.nodes), d.name, d) for d in index.get(level, ())
+             if d.gpus >= wanted and any(hosts_largest(n) for n in d.nodes)),
+            key=lambda c: (c[0], c[1]))
+        for _, _, domain in candidates:
+            found = _place_in(workers, domain.nodes, states, placer, ask)
             if found is not None:
-                return GangPlacement(found, level, domain)
+                return GangPlacement(found, level, domain.name)
     return None
 
 
@@ -86,8 +105,9 @@ def _idle_gpus(states: Mapping[str, NodeState], names: Sequence[str]) -> int:
     return sum(1 for n in names for f in states[n].free() if f.grants == 0 and f.gpu.healthy)
 
 
-def _place_in(workers: Sequence[GpuRequest], states: Mapping[str, NodeState],
-              placer: NodePlacer) -> tuple[WorkerPlacement, ...] | None:
+def _place_in(workers: Sequence[GpuRequest], names: Sequence[str],
+              states: Mapping[str, NodeState], placer: NodePlacer, ask: Fit
+              ) -> tuple[WorkerPlacement, ...] | None:
     """Every worker on these nodes, largest first, or None."""
     order = sorted(range(len(workers)),
                    key=lambda i: (-workers[i].count, -workers[i].memory_mib, i))
@@ -95,11 +115,9 @@ def _place_in(workers: Sequence[GpuRequest], states: Mapping[str, NodeState],
     placed: dict[int, WorkerPlacement] = {}
     for i in order:
         best: tuple[tuple[bool, float], str, tuple[GpuGrant, ...]] | None = None
-        for name in sorted(states):
-            state = states[name]
-            if held.get(name):
-                state = state.with_grants(held[name])
-            fit = placer(state, workers[i])
+        for name in names:
+            fit = (placer(states[name].with_grants(held[name]), workers[i]) if name in held
+                   else ask(name, workers[i]))
             if fit is None:
                 continue
             # a node already used by the gang first, then the placer's score; ties: the
@@ -112,4 +130,3 @@ def _place_in(workers: Sequence[GpuRequest], states: Mapping[str, NodeState],
         held.setdefault(best[1], []).extend(best[2])
         placed[i] = WorkerPlacement(best[1], best[2])
     return tuple(placed[i] for i in range(len(workers)))
-

@@ -109,7 +109,13 @@ from carpool.core.run_times import (
 )
 from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
 from carpool.core.timeline import NodePlacer, Occupancy, Slot, Timeline, TimelineMemo, fluid_start
-from carpool.core.topology import TopologyMode
+from carpool.core.topology import (
+    Domain,
+    TopologyLevel,
+    TopologyMode,
+    TopologyNeed,
+    domain_index,
+)
 
 
 def extender_placer(scorer: Scorer | None = None) -> NodePlacer:
@@ -259,7 +265,7 @@ class Wait:
 
 MAX_DURATION_EXCEEDED = "MaxDurationExceeded"
 # the most start times a waiting gang's reservation tries (each is a whole placement)
-MAX_GANG_STARTS = 64
+MAX_GANG_STARTS = 16
 IDLE_TIMEOUT = "IdleTimeout"
 
 
@@ -781,6 +787,9 @@ class _QueueDecisions:
         # the estimated start, which is added once final (`_told`)
         self.told_after: dict[str, str] = {}
         self._victims: list[_Holder] | None = None  # `_yielding`'s candidates, in order
+        self._domains: dict[TopologyLevel, tuple[Domain, ...]] | None = None  # (gangs)
+        self._gang_never: dict[tuple[tuple[GpuRequest, ...], TopologyNeed | None],
+                               str | None] = {}
 
     def _wait(self, job: Job, reason: WaitReason, message: str, position: int,
               estimate: float | None = None, coarse: bool = False,
@@ -881,7 +890,13 @@ class _QueueDecisions:
 
     def _gang_never_fits(self, job: Job) -> str | None:
         """Why no placement could ever hold the gang, even on an empty cluster; None if one
-        could."""
+        could (asked once per cycle for each gang shape and topology)."""
+        key = (job.workers, job.topology)
+        if key not in self._gang_never:
+            self._gang_never[key] = self._gang_never_fits_now(job)
+        return self._gang_never[key]
+
+    def _gang_never_fits_now(self, job: Job) -> str | None:
         cycle = self.cycle
         for request in dict.fromkeys(job.workers):
             if not cycle.timeline.fits_anywhere_ever(request):
@@ -889,7 +904,8 @@ class _QueueDecisions:
                         f"{request.memory_mib // 1024} GiB ({request.isolation.value}) even if "
                         f"it were empty")
         empty = {name: NodeState(node.inventory) for name, node in cycle.snapshot.nodes.items()}
-        if place_gang(job.workers, empty, cycle.config.node_placer, job.topology) is not None:
+        if place_gang(job.workers, empty, cycle.config.node_placer, job.topology,
+                      index=self._domain_index()) is not None:
             return None
         if job.topology is not None and job.topology.mode is TopologyMode.REQUIRED:
             return (f"no {job.topology.level.label} domain could hold all {len(job.workers)} "
@@ -898,12 +914,24 @@ class _QueueDecisions:
         return (f"the cluster could not hold all {len(job.workers)} workers "
                 f"({job.gpu_count} GPUs) at once even if it were empty")
 
-    def _place_gang_at(self, job: Job, start: float, end: float) -> GangPlacement | None:
+    def _place_gang_at(self, job: Job, start: float, end: float, topology: bool = True
+                       ) -> GangPlacement | None:
         """The gang placed over [start, end) around everything the timeline holds then
-        (running jobs and the reservations of higher-ranked ones)."""
+        (running jobs and the reservations of higher-ranked ones), within its topology (or,
+        without `topology`, anywhere). Fits come from the timeline's memo, shared with every
+        other question of the cycle."""
         timeline = self.cycle.timeline
         states = {name: timeline.state_during(name, start, end) for name in timeline.node_names}
-        return place_gang(job.workers, states, self.cycle.config.node_placer, job.topology)
+        return place_gang(job.workers, states, self.cycle.config.node_placer,
+                          job.topology if topology else None,
+                          lambda name, request: timeline.fit_during(name, request, start, end),
+                          self._domain_index())
+
+    def _domain_index(self) -> dict[TopologyLevel, tuple[Domain, ...]]:
+        if self._domains is None:
+            self._domains = domain_index(n.inventory
+                                         for n in self.cycle.snapshot.nodes.values())
+        return self._domains
 
     def _gang_fraction(self, job: Job, placement: GangPlacement) -> float:
         nodes = self.cycle.snapshot.nodes
@@ -941,14 +969,11 @@ class _QueueDecisions:
         now = self.cycle.snapshot.now
         size = f"all {len(job.workers)} workers ({job.gpu_count} GPUs)"
         need = job.topology
-        if need is not None and need.mode is TopologyMode.REQUIRED:
-            timeline = self.cycle.timeline
-            states = {n: timeline.state_during(n, now, now + duration)
-                      for n in timeline.node_names}
-            if place_gang(job.workers, states, self.cycle.config.node_placer) is not None:
-                return (WaitReason.TOPOLOGY,
-                        f"no {need.level.label} domain has room for {size} now; the cluster "
-                        f"has, spread wider, but spec.topology.mode is required")
+        if (need is not None and need.mode is TopologyMode.REQUIRED
+                and self._place_gang_at(job, now, now + duration, topology=False) is not None):
+            return (WaitReason.TOPOLOGY,
+                    f"no {need.level.label} domain has room for {size} now; the cluster has, "
+                    f"spread wider, but spec.topology.mode is required")
         if self._place_gang_at(job, now, math.nextafter(now, math.inf)) is not None:
             return (WaitReason.BEHIND_HIGHER_RANKED,
                     f"GPUs for {size} are free but reserved for {self.ahead} higher-ranked "

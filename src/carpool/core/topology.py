@@ -102,3 +102,24 @@ def domains(inventories: Iterable[NodeInventory], level: TopologyLevel
         if domain is not None:
             out.setdefault(domain, []).append(inventory.name)
     return {domain: tuple(sorted(names)) for domain, names in out.items()}
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One domain: its level, its name (see `domain_of`), its nodes and their GPUs in all."""
+
+    level: TopologyLevel
+    name: str
+    nodes: tuple[str, ...]
+    gpus: int
+
+
+def domain_index(inventories: Iterable[NodeInventory]) -> dict[TopologyLevel,
+                                                                tuple[Domain, ...]]:
+    """Every domain of every level (the nodes never change within one admission cycle, so a
+    cycle builds this once)."""
+    inventories = list(inventories)
+    gpus = {inv.name: len(inv.gpus) for inv in inventories}
+    return {level: tuple(Domain(level, name, nodes, sum(gpus[n] for n in nodes))
+                         for name, nodes in sorted(domains(inventories, level).items()))
+            for level in TopologyLevel}
