@@ -5,8 +5,9 @@ Inference services (a ResNet-50-shaped conv net and a transformer encoder, each 
 in arrival order, first fit, with the placement core's own sharing rule
 (`placement.gpu_rejection` over logical GPUs): a fixed degree d gives every service a sharing
 limit of d; Carpool gives each service the limit its template's interference profile allows
-for its objective (`core.interference`), the profile learned first from a short profiling run
-(each template alone and 2..P at a time; its time is reported). Then each policy's GPUs are
+for its objective (`core.interference`), the profile learned from a short profiling run (each
+template alone and 2..P at a time) and then from what its own services report where it placed
+them, a few times over (`--learn-rounds`; both times are reported). Then each policy's GPUs are
 measured, one logical GPU after the other on the one physical GPU: its services serve
 requests back to back together for `--seconds`, from a pool of host processes each started
 with the environment the device plugin's Allocate answered (over its real gRPC socket) for an
@@ -370,7 +371,10 @@ def main() -> int:
     parser.add_argument("--profile-seconds", type=float, default=1.5)
     parser.add_argument("--profile-degrees", type=int, default=4,
                         help="the profiling run measures each template at 1..this degree")
-    parser.add_argument("--targets", default="1.6,2.5,4",
+    parser.add_argument("--learn-rounds", type=int, default=3,
+                        help="Carpool places, its services report, it learns: this often "
+                             "before the measured rounds")
+    parser.add_argument("--targets", default="2,3,5",
                         help="P99 targets as factors of each template's P99 alone, cycled")
     parser.add_argument("--json", type=Path, help="also write all results here")
     args = parser.parse_args()
@@ -417,6 +421,8 @@ def main() -> int:
 
 def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, learn: Any
         ) -> dict[str, Any]:
+    from carpool.core.interference import Sample
+
     templates = arrivals(args.services)
     kinds = sorted(set(templates), key=templates.index)
     log(f"profiling {len(kinds)} templates at 1..{args.profile_degrees} "
@@ -424,15 +430,32 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
     started = time.monotonic()
     samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model)
     profiling_s = time.monotonic() - started
-    profiles = learn(samples)
     factors = [float(x) for x in args.targets.split(",")]
     services = [Service(f"{t}#{n}", t, alone[t] * factors[n % len(factors)])
                 for n, t in enumerate(templates)]
+
+    def carpool_limits() -> dict[str, tuple[tuple[str, int], ...]]:
+        profiles = learn(samples)
+        return {s.name: profiles.limits(s.template, objectives_type(s.p99_target_s))
+                for s in services}
+
+    # Carpool learns on: its services run where it put them and report, in the company they
+    # found there (what the node agent records in a cluster), and it places again
+    started = time.monotonic()
+    for n in range(args.learn_rounds):
+        limits = carpool_limits()
+        groups = place(services, lambda s, known=limits: known[s.name], model)
+        for group in groups:
+            for service, m in zip(group, pool.run([s.template for s in group],
+                                                  args.seconds), strict=True):
+                samples.append(Sample(model, service.template, len(group), m.req_per_s,
+                                      m.p99_s))
+        log(f"  learning {n + 1}/{args.learn_rounds}: {len(groups)} GPUs")
+    learning_s = time.monotonic() - started
+    limits = carpool_limits()
     policies: dict[str, list[list[Service]]] = {}
     for degree in range(1, POOL + 1):
         policies[f"fixed {degree}"] = place(services, lambda s, d=degree: ((model, d),), model)
-    limits = {s.name: profiles.limits(s.template, objectives_type(s.p99_target_s))
-              for s in services}
     policies["carpool"] = place(services, lambda s: limits[s.name], model)
     for name, groups in policies.items():
         log(f"  {name}: {len(groups)} GPUs: "
@@ -453,6 +476,7 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
     for name, groups in policies.items():
         rows[name] = summarize(services, groups, measured[name])
     return {"model": model, "profiling_s": round(profiling_s, 1),
+            "learning_s": round(learning_s, 1),
             "profile": [{"template": s.template, "degree": s.degree,
                          "req_per_s": round(s.throughput, 2),
                          "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3)}
@@ -490,7 +514,8 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
     mode = args.device + (", small models" if args.small else "")
     print(f"Latency objectives on one {model} ({mode}), {args.services} services, "
           f"{args.rounds} rounds x {args.seconds:g}s per GPU; "
-          f"profiling {report['profiling_s']:g}s; {report['seconds_total']:g}s in all")
+          f"profiling {report['profiling_s']:g}s and learning {report['learning_s']:g}s; "
+          f"{report['seconds_total']:g}s in all")
     print()
     print("| policy | GPUs | services over P99 target (max) | samples/s (range) | "
           "samples/s per GPU | worst P99 / target |")

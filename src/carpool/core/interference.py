@@ -41,8 +41,10 @@ KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total th
 MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
 MIN_DEGREES = 2  # measured degrees before a template has a profile
 EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be judged at
-# A profile's P99 is the median of noisy reports: a degree keeps a P99 objective only with the
-# predicted P99 this far under the target, so the reports around that median rarely cross it.
+# A degree's P99 is a high quantile of the reports there: the jobs reported it in whatever
+# company shared their GPUs, and an objective must hold in the worse company, not the typical.
+TAIL_QUANTILE = 0.9
+# Reports are noisy: a degree keeps a P99 objective only with its P99 this far under the target.
 P99_HEADROOM = 0.9
 
 
@@ -59,7 +61,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class Point:
-    """A profile at one degree: the median of the jobs' measures there."""
+    """A profile at one degree: the median throughput of the jobs' measures there and the
+    TAIL_QUANTILE of their P99s."""
 
     degree: int
     throughput: float  # per job
@@ -186,10 +189,19 @@ class Profiles:
 NO_PROFILES = Profiles({})
 
 
+def _high(values: list[float]) -> float | None:
+    """The TAIL_QUANTILE of `values` (nearest rank); None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(TAIL_QUANTILE * len(ordered)) - 1)]
+
+
 def learn(samples: Iterable[Sample]) -> Profiles:
     """Profiles from job measures: per (model, template, degree) the median throughput and
-    P99 of its samples; a (model, template) measured at fewer than MIN_DEGREES degrees has
-    none. Samples without a model or template, or with no throughput, say nothing."""
+    the TAIL_QUANTILE P99 (nearest rank) of its samples; a (model, template) measured at fewer
+    than MIN_DEGREES degrees has none. Samples without a model or template, or with no
+    throughput, say nothing."""
     groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
     for s in samples:
         if not s.model or not s.template or s.degree < 1 or not math.isfinite(s.throughput) \
@@ -205,7 +217,7 @@ def learn(samples: Iterable[Sample]) -> Profiles:
             group = by_degree[degree]
             tails = [s.p99_s for s in group if s.p99_s is not None]
             points.append(Point(degree, statistics.median(s.throughput for s in group),
-                                statistics.median(tails) if tails else None, len(group)))
+                                _high(tails), len(group)))
         profiles[key] = Profile(key[0], key[1], tuple(points))
     return Profiles(profiles)
 
