@@ -171,8 +171,18 @@ class PluginState:
             self.health.unhealthy)]
 
     def device_list(self) -> api_pb2.ListAndWatchResponse:
+        """Every share, with its GPU's NUMA node where the backend knows it (TopologyInfo:
+        the kubelet's topology manager aligns CPUs and memory with it)."""
+        numa = {g.uuid: g.numa_node for g in self.gpus if g.numa_node is not None}
+
+        def topology(share: ShareId) -> api_pb2.TopologyInfo | None:
+            node = numa.get(share.gpu_uuid)
+            return None if node is None else api_pb2.TopologyInfo(
+                nodes=[api_pb2.NUMANode(ID=node)])
+
         return api_pb2.ListAndWatchResponse(devices=[
-            api_pb2.Device(ID=str(share), health="Healthy" if ok else "Unhealthy")
+            api_pb2.Device(ID=str(share), health="Healthy" if ok else "Unhealthy",
+                           topology=topology(share))
             for share, ok in self.shares()
         ])
 

@@ -57,6 +57,10 @@ def gpu_status(gpu: GpuFacts, healthy: bool, reason: str = "") -> dict[str, Any]
         out["healthReason"] = reason or "the driver does not answer for this GPU"
     if gpu.exclusive_process:
         out["exclusiveProcess"] = True
+    if gpu.numa_node is not None:
+        out["numaNode"] = gpu.numa_node
+    if gpu.nvlink_peers:
+        out["nvlinkPeers"] = list(gpu.nvlink_peers)
     return out
 
 

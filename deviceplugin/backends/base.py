@@ -44,6 +44,8 @@ class GpuFacts:
     # Compute mode EXCLUSIVE_PROCESS (the chart's MPS daemon sets it): only the MPS server may
     # hold a context, so no process outside MPS can run here.
     exclusive_process: bool = False
+    numa_node: int | None = None  # the NUMA node it is attached to; None: unknown
+    nvlink_peers: tuple[int, ...] = ()  # indices of the GPUs it reaches over NVLink
 
     @property
     def minor(self) -> int:

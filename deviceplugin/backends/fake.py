@@ -54,6 +54,25 @@ def _model_memory(model: str, override: object) -> int:
     return GPU_MODEL_MEMORY_MIB[model]
 
 
+def _with_topology(gpus: list[GpuFacts], islands: object, numa: object) -> list[GpuFacts]:
+    """The GPUs with NVLink peers from `islands` (lists of GPU indices) and NUMA nodes from
+    `numa` (one per GPU, in index order); ValueError naming the key when malformed."""
+    count = len(gpus)
+    if not isinstance(islands, list) or not all(
+            isinstance(i, list) and all(isinstance(g, int) and 0 <= g < count for g in i)
+            for i in islands):
+        raise ValueError(f"fake backend spec: nvlinkIslands must be lists of GPU indices "
+                         f"below {count}: {islands!r}")
+    if not isinstance(numa, list) or (numa and len(numa) != count) or not all(
+            isinstance(n, int) and n >= 0 for n in numa):
+        raise ValueError(f"fake backend spec: numaNodes must give each of the {count} GPUs a "
+                         f"NUMA node: {numa!r}")
+    peers = {g.index: sorted({p for i in islands if g.index in i for p in i} - {g.index})
+             for g in gpus}
+    return [replace(g, nvlink_peers=tuple(peers[g.index]),
+                    numa_node=numa[g.index] if numa else None) for g in gpus]
+
+
 class FakeBackend:
     """An in-memory `GpuBackend` whose readings tests can set."""
 
@@ -81,9 +100,11 @@ class FakeBackend:
         """From {"node", "driverVersion"?, "cudaVersion"?, "gpus": [{"model", "count"?,
         "memoryTotalMiB"?, "temperatureC"?, "slowdownTemperatureC"?, "powerW"?,
         "exclusiveProcess"?,
-        "migInstances"?: [{"profile", "slices", "memoryMiB"}]}]}.
+        "migInstances"?: [{"profile", "slices", "memoryMiB"}]}],
+        "nvlinkIslands"?: [[GPU index, ...], ...], "numaNodes"?: [NUMA node per GPU]}.
 
-        Each `gpus` entry describes `count` identical GPUs, indexed in order.
+        Each `gpus` entry describes `count` identical GPUs, indexed in order. GPUs of one
+        NVLink island reach each other over NVLink.
         """
         node = spec.get("node")
         if not isinstance(node, str) or not node:
@@ -129,6 +150,7 @@ class FakeBackend:
                         exclusive_process=bool(entry.get("exclusiveProcess", False)),
                     )
                 )
+        gpus = _with_topology(gpus, spec.get("nvlinkIslands", []), spec.get("numaNodes", []))
         return cls(
             node,
             gpus,

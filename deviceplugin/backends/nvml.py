@@ -51,6 +51,31 @@ def _or(default: T, read: Callable[[], T]) -> T:
         return default
 
 
+def _or_call(default: T, read: Callable[..., T], *args: Any) -> T:
+    """`read(*args)`, or `default` where NVML cannot answer."""
+    try:
+        return read(*args)
+    except pynvml.NVMLError:
+        return default
+
+
+def _bus_id(read: Callable[..., Any], *args: Any) -> str:
+    """The PCI bus id of what `read(*args)` (an NVML PCI-info call) describes."""
+    return _text(read(*args).busId)
+
+
+def _numa_node(bus_id: str) -> int | None:
+    """The NUMA node of the PCI device `bus_id` (NVML's form, e.g. 00000000:3b:00.0) as
+    sysfs tells it; None when it does not (-1 there, or no such file)."""
+    if not bus_id:
+        return None
+    try:
+        node = int(Path(f"/sys/bus/pci/devices/{bus_id[-12:]}/numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
 class NvmlBackend:
     """`GpuBackend` over NVML. Thread-safe: NVML calls are serialised behind one lock."""
 
@@ -62,6 +87,7 @@ class NvmlBackend:
         self._uuids = [_text(pynvml.nvmlDeviceGetUUID(h)) for h in self._handles]
         self._by_uuid = dict(zip(self._uuids, self._handles, strict=True))
         self._activity_seen: dict[str, int] = {}  # GPU uuid -> newest sample time read (us)
+        self._topology = self._read_topology()  # fixed while the node runs
         self._ecc_baseline = {u: self._uncorrected_ecc(h) for u, h in self._by_uuid.items()}
         self._events: Any = None
         self._event_gpus: list[str] = []
@@ -122,6 +148,34 @@ class NvmlBackend:
                                 slices or (int(found.group(1)) if found else 0), memory, caps))
         return True, tuple(out)
 
+    def _read_topology(self) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+        """Each GPU's NUMA node (from its PCI device in sysfs) and NVLink peers: the GPUs at
+        the far end of its active links, or, behind an NVSwitch (a far end that is no GPU
+        here), every other GPU behind one. Whatever NVML or sysfs cannot tell is left out."""
+        bus = {i: _or_call("", _bus_id, pynvml.nvmlDeviceGetPciInfo, h).lower()
+               for i, h in enumerate(self._handles)}
+        by_bus = {b[-12:]: i for i, b in bus.items() if b}
+        direct: dict[int, set[int]] = {}
+        switched: set[int] = set()
+        for i, handle in enumerate(self._handles):
+            direct[i] = set()
+            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+                active = _or_call(0, pynvml.nvmlDeviceGetNvLinkState, handle, link)
+                if active != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = _or_call("", _bus_id, pynvml.nvmlDeviceGetNvLinkRemotePciInfo,
+                                  handle, link).lower()
+                peer = by_bus.get(remote[-12:]) if remote else None
+                if peer is None:
+                    switched.add(i)
+                elif peer != i:
+                    direct[i].add(peer)
+        out: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        for i in direct:
+            peers = direct[i] | (switched - {i} if i in switched else set())
+            out[i] = (_numa_node(bus[i]), tuple(sorted(peers)))
+        return out
+
     def _facts(self, index: int, handle: Any) -> GpuFacts:
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
         total = int(memory.total) // MIB
@@ -145,6 +199,8 @@ class NvmlBackend:
             minor_number=minor,
             exclusive_process=_or(0, lambda: pynvml.nvmlDeviceGetComputeMode(handle))
             == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+            numa_node=self._topology.get(index, (None, ()))[0],
+            nvlink_peers=self._topology.get(index, (None, ()))[1],
         )
 
     def inventory(self) -> list[GpuFacts]:

@@ -139,10 +139,21 @@ def _gpu(node: str, position: int, raw: object) -> Gpu:
                                GPU_MODEL_SLOWDOWN_C.get(model, 90.0)),
         healthy=health == HEALTHY,
         exclusive_process=_bool(node, where, obj, "exclusiveProcess"),
+        numa_node=_int(node, where, obj, "numaNode") if obj.get("numaNode") is not None else -1,
+        nvlink_peers=_peers(node, where, obj.get("nvlinkPeers", [])),
         mig_instances=tuple(
             _mig_instance(node, f"{where}migInstances[{i}].", m) for i, m in enumerate(migs)
         ),
     )
+
+
+def _peers(node: str, where: str, raw: object) -> frozenset[int]:
+    """`nvlinkPeers`: the indices of the GPUs this one reaches over NVLink."""
+    if not isinstance(raw, list) or any(isinstance(p, bool) or not isinstance(p, int) or p < 0
+                                        for p in raw):
+        raise ValueError(f"GpuNode {node}: {where}nvlinkPeers must be a list of GPU indices, "
+                         f"got {raw!r}")
+    return frozenset(raw)
 
 
 def _dataset_name(node: str, position: int, raw: object) -> str:

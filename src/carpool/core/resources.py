@@ -159,6 +159,11 @@ class Gpu:
     # The GPU's compute mode is EXCLUSIVE_PROCESS (set for MPS: only the MPS server may hold a
     # context), so a process outside MPS, a time-sliced or exclusive job's, cannot run on it.
     exclusive_process: bool = False
+    # Where it sits on its node, as the device plugin reads it from NVML: its NUMA node (-1:
+    # unknown) and the indices of the GPUs it reaches over NVLink (empty: none, or unknown).
+    # A multi-GPU request gets GPUs close to each other (`scoring.gpus_for`).
+    numa_node: int = -1
+    nvlink_peers: frozenset[int] = frozenset()
 
     @property
     def mps_ceiling_mib(self) -> int:

@@ -725,7 +725,10 @@ class RequestScorer:
 def gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
               slots: Sequence[GpuSlot]) -> tuple[tuple[int, ...], float]:
     """Concrete GPU indices for the plan's slots (among equal slots the coolest, then the
-    lowest index) and their mean temperature term (1 without GPUs)."""
+    lowest index) and their mean temperature term (1 without GPUs). Where the node knows its
+    GPUs' NVLink peers or NUMA nodes, several GPUs are the closest set (`closest_gpus`)."""
+    if len(slots) > 1 and any(g.nvlink_peers or g.numa_node >= 0 for g in node.inventory.gpus):
+        return closest_gpus(node, by_slot, slots)
     chosen: list[int] = []
     terms: list[float] = []
     taken: dict[GpuSlot, int] = {}
@@ -739,3 +742,51 @@ def gpus_for(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
         terms.append(gpu.temperature)
         taken[slot] = k + 1
     return tuple(chosen), (sum(terms) / len(terms) if terms else 1.0)
+
+
+def closeness(gpus: Sequence[Gpu]) -> tuple[int, int]:
+    """How close a set of GPUs sits: (pairs joined by NVLink, pairs on one NUMA node); more is
+    closer (collectives between them cross fewer hops)."""
+    nvlink = sum(1 for i, a in enumerate(gpus) for b in gpus[i + 1:]
+                 if b.index in a.nvlink_peers or a.index in b.nvlink_peers)
+    numa = sum(1 for i, a in enumerate(gpus) for b in gpus[i + 1:]
+               if a.numa_node >= 0 and a.numa_node == b.numa_node)
+    return nvlink, numa
+
+
+def closest_gpus(node: NodeState, by_slot: Mapping[GpuSlot, tuple[SlotGpu, ...]],
+                 slots: Sequence[GpuSlot]) -> tuple[tuple[int, ...], float]:
+    """`gpus_for` on a node that knows its topology: the plan's slots filled from each GPU
+    the plan could start with, each next GPU the one of its slot closest to those chosen so
+    far (NVLink peers first, then the same NUMA node, then the coolest); of these sets the
+    closest (`closeness`), ties to the one `gpus_for`'s plain order starts with."""
+    by_index = {g.index: g for g in node.inventory.gpus}
+    starts = list(dict.fromkeys(g.gpu_index for slot in dict.fromkeys(slots)
+                                for g in by_slot.get(slot, ())))
+    best: tuple[tuple[int, int], tuple[int, ...], float] | None = None
+    for start in starts:
+        chosen: list[SlotGpu] = []
+        for n, slot in enumerate(slots):
+            left = [g for g in by_slot.get(slot, ()) if g not in chosen]
+            if not left:
+                raise PlanNotOnNode(f"plan slot {slot} has no GPU on node {node.name}")
+            if n == 0:
+                first = next((g for g in left if g.gpu_index == start), None)
+                if first is None:
+                    break  # the plan's first slot cannot start from this GPU
+                chosen.append(first)
+                continue
+            near = [by_index[c.gpu_index] for c in chosen]
+            chosen.append(max(left, key=lambda g, near=near: (  # type: ignore[misc]
+                sum(1 for c in near if g.gpu_index in c.nvlink_peers),
+                sum(1 for c in near if c.numa_node >= 0
+                    and c.numa_node == by_index[g.gpu_index].numa_node),
+                -left.index(g))))
+        else:
+            found = closeness([by_index[c.gpu_index] for c in chosen])
+            if best is None or found > best[0]:
+                best = (found, tuple(c.gpu_index for c in chosen),
+                        sum(c.temperature for c in chosen) / len(chosen))
+    if best is None:
+        raise PlanNotOnNode(f"no GPUs for the plan on node {node.name}")
+    return best[1], best[2]

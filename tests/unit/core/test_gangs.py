@@ -15,7 +15,13 @@ from carpool.core.decoding import (
 from carpool.core.gangs import WorkerPlacement, place_gang
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RunRecord
 from carpool.core.placement import NodeState
-from carpool.core.queueing import AdmissionConfig, CycleResult, WaitReason, admission_cycle
+from carpool.core.queueing import (
+    AdmissionConfig,
+    CycleResult,
+    WaitReason,
+    admission_cycle,
+    extender_placer,
+)
 from carpool.core.resources import GpuGrant, JobClass, Phase
 from carpool.core.topology import (
     TOPOLOGY_LABELS,
@@ -203,3 +209,26 @@ def test_bad_gang_specs_are_refused_naming_the_field(fields: dict[str, object],
     with pytest.raises(ValueError, match=re.escape(message)):
         worker_requests_from_spec(_spec(**fields))
         topology_from_spec(_spec(**fields))
+
+
+def _nvlink_node() -> NodeState:
+    """8 GPUs in two NVLink islands (0-3 and 4-7, NUMA nodes 0 and 1); GPUs 0-2 taken."""
+    islands = (frozenset(range(4)), frozenset(range(4, 8)))
+    gpus = tuple(replace(g, nvlink_peers=islands[g.index // 4] - {g.index},
+                         numa_node=g.index // 4)
+                 for g in gpu_node("n1", 8).inventory.gpus)
+    held = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, True) for i in range(3))
+    return NodeState(replace(gpu_node("n1", 8).inventory, gpus=gpus), held)
+
+
+@pytest.mark.parametrize(("count", "expected"), [(2, {4, 5}), (4, {4, 5, 6, 7})])
+def test_several_gpus_of_a_node_are_chosen_within_one_nvlink_island(
+        count: int, expected: set[int]) -> None:
+    """Without topology the lowest free GPUs would be taken (3 and up, across islands)."""
+    request = gpu_job("a/j", count=count).request
+    fit = extender_placer()(_nvlink_node(), request)
+    assert fit is not None
+    assert {int(g.gpu_uuid.rsplit("g", 1)[1]) for g in fit[1]} == expected
+    plain = NodeState(gpu_node("n1", 8).inventory, _nvlink_node().grants)
+    fit = extender_placer()(plain, request)
+    assert fit is not None and min(int(g.gpu_uuid.rsplit("g", 1)[1]) for g in fit[1]) == 3
