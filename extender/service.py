@@ -135,8 +135,10 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
 def planned_assignment(pod: Mapping[str, Any]) -> Assignment | None:
     """The node and GPUs the operator's admission chose for a gang worker (None: not a gang
     worker, or not readable: placed as any pod)."""
-    text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANN_PLANNED)
-    if not text:
+    meta = pod.get("metadata") if isinstance(pod, Mapping) else None
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    text = annotations.get(names.ANN_PLANNED) if isinstance(annotations, Mapping) else None
+    if not text:  # (a pod that is not one at all is refused by the usual decoding)
         return None
     try:
         return parse_assignment(str(text))

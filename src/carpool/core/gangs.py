@@ -14,7 +14,9 @@ Everything here is pure. Where each worker goes:
    whole for large gangs); ties by name.
 3. Within a domain, the largest workers are placed first, each on the node the node placer
    (the extender's own GPU choice and score, `queueing.extender_placer`) scores best, nodes
-   already holding a worker of the gang ahead of the rest (fewer hops between ranks).
+   already holding a worker of the gang ahead of the rest (fewer hops between ranks). Where
+   that leaves a worker without a node, the domain is tried once more best-fit: each worker
+   on the node it leaves with the fewest idle GPUs (a packing the score's order can miss).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def place_gang(workers: Sequence[GpuRequest], states: Mapping[str, NodeState],
              if d.gpus >= wanted and any(hosts_largest(n) for n in d.nodes)),
             key=lambda c: (c[0], c[1]))
         for _, _, domain in candidates:
-            found = _place_in(workers, domain.nodes, states, placer, ask)
-            if found is not None:
+            found = _place_in(workers, domain.nodes, states, placer, ask, tight=False)
+            if isinstance(found, int) and found > 0:  # (none placed: no order helps)
+                found = _place_in(workers, domain.nodes, states, placer, ask, tight=True)
+            if not isinstance(found, int):
                 return GangPlacement(found, level, domain.name)
     return None
 
@@ -106,27 +110,37 @@ def _idle_gpus(states: Mapping[str, NodeState], names: Sequence[str]) -> int:
 
 
 def _place_in(workers: Sequence[GpuRequest], names: Sequence[str],
-              states: Mapping[str, NodeState], placer: NodePlacer, ask: Fit
-              ) -> tuple[WorkerPlacement, ...] | None:
-    """Every worker on these nodes, largest first, or None."""
+              states: Mapping[str, NodeState], placer: NodePlacer, ask: Fit, tight: bool
+              ) -> tuple[WorkerPlacement, ...] | int:
+    """Every worker on these nodes, largest first, or how many were placed before one found
+    no node; `tight`: best-fit (the node left with the fewest idle GPUs) before the placer's
+    score."""
     order = sorted(range(len(workers)),
                    key=lambda i: (-workers[i].count, -workers[i].memory_mib, i))
     held: dict[str, list[GpuGrant]] = {}
     placed: dict[int, WorkerPlacement] = {}
     for i in order:
-        best: tuple[tuple[bool, float], str, tuple[GpuGrant, ...]] | None = None
+        best: tuple[tuple[bool, int, float], str, tuple[GpuGrant, ...]] | None = None
         for name in names:
             fit = (placer(states[name].with_grants(held[name]), workers[i]) if name in held
                    else ask(name, workers[i]))
             if fit is None:
                 continue
-            # a node already used by the gang first, then the placer's score; ties: the
-            # first by name (names come in order, and only a better key replaces it)
-            key = (name in held, fit[0])
+            # a node already used by the gang first, then the placer's score (or, `tight`,
+            # the fewest idle GPUs left); ties: the first by name (names come in order, and
+            # only a better key replaces it)
+            key = ((name in held, -_idle_left(states[name], held.get(name, []), fit[1]),
+                    fit[0]) if tight else (name in held, 0, fit[0]))
             if best is None or key > best[0]:
                 best = (key, name, fit[1])
         if best is None:
-            return None
+            return len(placed)
         held.setdefault(best[1], []).extend(best[2])
         placed[i] = WorkerPlacement(best[1], best[2])
     return tuple(placed[i] for i in range(len(workers)))
+
+
+def _idle_left(state: NodeState, held: Sequence[GpuGrant], grants: Sequence[GpuGrant]) -> int:
+    """GPUs of the node with no grant once `held` and `grants` are added."""
+    taken = {g.gpu_uuid for g in (*held, *grants)}
+    return sum(1 for f in state.free() if f.grants == 0 and f.gpu.uuid not in taken)
