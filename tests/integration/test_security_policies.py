@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from carpool.core import checkpointing, names
+from carpool.core import checkpointing, names, service_levels
 from carpool_testbed import crds, devcluster, simnodes, stack
 from carpool_testbed.waiting import wait_for
 
@@ -443,6 +443,10 @@ def test_device_plugin_records_reports_only_of_its_nodes_jobs(
     namespace, on_a, on_b = jobs_on_two_nodes
     report = checkpointing.checkpoint_status(
         checkpointing.CheckpointReport(time.time(), "/checkpoint/step-9", 0.3), attempt=1)
+    served = service_levels.ServiceReport(time.time(), 10.0, 120, 1,
+                                          service_levels.Histogram.of([0.01] * 120))
+    report.update(service_levels.service_status(
+        service_levels.ServiceMeasure(served, 1, "H200", 2)))
     body = json.dumps({"status": report})
 
     def patch(job: str, text: str) -> subprocess.CompletedProcess[str]:
@@ -455,6 +459,7 @@ def test_device_plugin_records_reports_only_of_its_nodes_jobs(
                                           "-o", "json").stdout)["status"]
     assert recorded["lastCheckpoint"]["path"] == "/checkpoint/step-9"
     assert recorded["progress"]["value"] == 0.3
+    assert (recorded["service"]["requests"], recorded["service"]["sharing"]) == (120, 2)
 
     theirs = patch(on_b, body)
     assert theirs.returncode != 0
