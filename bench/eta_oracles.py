@@ -28,6 +28,7 @@ wait, with the share of jobs each gets within 20 % (a median error <= 20 % needs
 
     .venv/bin/python bench/eta_oracles.py [--generate 5000 --interarrival 80 --seed 0
         --scale 0.006 | --generate 0 --scale 0.004 (openb itself)] [--fork-every 1]
+        [--progress-share 0.5]
         [--variants as-is,exact,no-preemption,exact+no-preemption]
         [--futures 8 --runtimes distribution|learned|trace --futures-from trace|last-day
         --dump forks.jsonl]
@@ -68,14 +69,16 @@ class Row:
 
 
 def run_variant(jobs: list[job_traces.TraceJob], nodes: Mapping[str, NodeState], variant: str,
-                fork_every: int) -> tuple[list[Row], int, float]:
+                fork_every: int, progress_share: float = 0.0, progress_seed: int = 0
+                ) -> tuple[list[Row], int, float]:
     if "exact" in variant:
         jobs = [replace(j, user_estimate_s=j.runtime_s) for j in jobs]
     config = AdmissionConfig(node_placer=extender_placer(),
                              max_preemptions_per_cycle=0 if "no-preemption" in variant else 16)
     quotas = queue_replay.open_quotas(jobs)
     run = queue_replay.Replay(jobs, nodes, quotas,
-                              queue_replay.carpool_policy(config), variant)
+                              queue_replay.carpool_policy(config), variant,
+                              progress_share=progress_share, progress_seed=progress_seed)
     alone: dict[str, float] = {}
     seen = 0
     started = time.process_time()
@@ -383,6 +386,9 @@ def main() -> int:
     parser.add_argument("--fork-every", type=int, default=1,
                         help="follow every Nth job given an estimate in a fork (1: all)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--progress-share", type=float, default=0.0,
+                        help="this share of the jobs report progress as they run (drawn "
+                             "from --seed, as `carpool simulate queue --progress-share`)")
     parser.add_argument("--futures", type=int, default=0,
                         help="also: the median start over this many resampled futures per "
                              "job (with --fork-every, e.g. 4)")
@@ -416,9 +422,11 @@ def main() -> int:
     print(json.dumps({"run-time prediction": runtime_prediction(
         jobs, AdmissionConfig().duration_learning_rate)}), flush=True)
     for variant in [v for v in args.variants.split(",") if v]:
-        rows, preemptions, cpu = run_variant(jobs, nodes, variant, args.fork_every)
+        rows, preemptions, cpu = run_variant(jobs, nodes, variant, args.fork_every,
+                                             args.progress_share, args.seed)
         classes = sorted({r.job_class for r in rows})
-        out = {"variant": variant, "seed": args.seed, "preemptions": preemptions,
+        out = {"variant": variant, "seed": args.seed,
+               "progress_share": args.progress_share, "preemptions": preemptions,
                "cpu_s": round(cpu, 1), "all": summary(rows),
                **{c: summary([r for r in rows if r.job_class == c]) for c in classes}}
         print(json.dumps(out), flush=True)

@@ -11,6 +11,17 @@ without any report.
 
     .venv/bin/python bench/progress_waits.py [--shares 0,0.25,0.5,1]
         [--traces load:0:0.85,load:4:0.85,openb:0.004] [--against ../main]
+    .venv/bin/python bench/progress_waits.py --diagnose --shares 0.5 --traces load:5:0.85
+
+`--diagnose`: where the error at arrival comes from, per replay. At every cycle in which a
+job arrives, each running job's remaining time as the admission cycle takes it
+(`run_times.remaining`) against what it really had left (its trace run time less the work
+done), for jobs whose remaining time came from their progress reports and for the others
+(median |ln(predicted / actual)|, its signed median, the share inside the P10-P90); and each
+arriving job's estimate by what its forward-simulated start rests on: the expected end of a
+running job that reports, of one that does not, or neither (a reservation ahead of it, a
+calibrated or aged start). Also the lowest median error any one factor applied to every
+estimate would reach (the spread of the misses, not their bias).
 
 Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
 generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
@@ -22,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eta_calibration import load
 
 from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.core.run_times import learn_durations, remaining, run_time
 from carpool.replay import queue_replay
 
 DEFAULT_TRACES = ("gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85,load:4:0.85,load:5:0.85,"
@@ -55,6 +69,85 @@ def replay(spec: str, share: float) -> dict[str, object]:
                 "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
                 "eta_range_median_rel_width", "eta_median_signed_rel_error",
                 "jobs_waited_60s_with_estimate")}}
+
+
+def diagnose(spec: str, share: float) -> dict[str, object]:
+    """One replay observed cycle by cycle (see the module docstring, `--diagnose`)."""
+    trace = load(spec)
+    seed = int(spec.split(":")[1]) if not spec.startswith("openb") else 0
+    config = AdmissionConfig(node_placer=extender_placer())
+    holders: dict[str, list[tuple[float, float, bool]]] = {"reported": [], "learned": []}
+    rests_on: dict[str, str] = {}
+
+    def observe(state: queue_replay.State, decisions: queue_replay.Decisions) -> None:
+        now = state.now
+        arriving = [k for k in decisions.estimates
+                    if state.jobs[k].submitted_at == now and not state.jobs[k].runs]
+        if not arriving:
+            return
+        learned = learn_durations(state.jobs.values(), base=state.learned)
+        ends: dict[float, bool] = {}
+        for job in state.jobs.values():
+            run = job.current_run
+            if not job.holds_gpus or job.terminating or run is None:
+                continue
+            left = remaining(job, now, run_time(job, learned), config.min_remaining_s)
+            actual = (trace_by_key[job.key].runtime_s - replayed.done_s.get(job.key, 0.0)
+                      - (now - run.start))
+            if actual >= queue_replay.MIN_WAIT_S:
+                holders["reported" if left.reported else "learned"].append(
+                    (math.log(max(left.expected, 1.0) / actual),
+                     math.log(max(left.low, 1.0) / actual),
+                     left.high >= actual))
+            end = now + left.expected
+            ends[end] = ends.get(end, False) or left.reported
+        for key in arriving:
+            estimate = decisions.estimates[key]
+            simulated = estimate.simulated if estimate.simulated is not None else estimate.start
+            near = [reported for end, reported in ends.items() if abs(end - simulated) < 1e-3]
+            rests_on[key] = ("a reporting job's end" if any(near)
+                             else "a silent job's end" if near else "neither")
+
+    trace_by_key = {j.key: j for j in trace.jobs}
+    replayed = queue_replay.Replay(
+        trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
+        queue_replay.carpool_policy(config), "carpool", observe=observe,
+        progress_share=share, progress_seed=seed)
+    while replayed.step():
+        pass
+    outcome = replayed.outcome()
+    misses: dict[str, list[float]] = {}
+    waits: list[tuple[float, float]] = []
+    for key, record in outcome.records.items():
+        estimate, start = record.arrival_estimate, record.first_start
+        assert start is not None
+        wait = start - record.arrival
+        if estimate is None or wait < queue_replay.MIN_WAIT_S or key not in rests_on:
+            continue
+        misses.setdefault(rests_on[key], []).append((start - estimate.start) / wait)
+        waits.append((wait, estimate.start - record.arrival))
+    best = min((statistics.median(abs(w - c * e) / w for w, e in waits), c)
+               for c in (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2)) \
+        if waits else None
+    return {
+        "trace": spec, "share": share,
+        "remaining": {source: {
+            "samples": len(found),
+            "median_abs_log_error": _median([abs(m) for m, _, _ in found]),
+            "median_log_error": _median([m for m, _, _ in found]),
+            "in_p10_p90": (sum(low <= 0 and inside for _, low, inside in found) / len(found)
+                           if found else None)}
+            for source, found in holders.items()},
+        "arrival_error_by_what_it_rests_on": {
+            source: {"jobs": len(found), "median_abs_error": _median([abs(m) for m in found]),
+                     "median_signed_error": _median(found)}
+            for source, found in sorted(misses.items())},
+        "best_single_factor": None if best is None else {"factor": best[1],
+                                                         "median_abs_error": best[0]}}
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def replay_in(checkout: Path, spec: str) -> dict[str, object]:
@@ -97,8 +190,15 @@ def main() -> int:
     parser.add_argument("--shares", default="0,0.25,0.5,1")
     parser.add_argument("--against", type=Path, metavar="DIR",
                         help="another checkout (with its .venv): its replay without reports")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="where the error at arrival comes from (see above)")
     args = parser.parse_args()
     shares = [float(s) for s in args.shares.split(",")]
+    if args.diagnose:
+        for spec in args.traces.split(","):
+            for share in shares:
+                print(json.dumps(diagnose(spec, share)), flush=True)
+        return 0
     results = []
     for spec in args.traces.split(","):
         runs = [*([None] if args.against else []), *shares]
