@@ -502,7 +502,7 @@ def test_dashboard_queries_only_metrics_that_exist(default: list[Obj]) -> None:
     assert data["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(data["data"]["carpool.json"])
     exprs = list(dashboard_exprs(dashboard))
-    used = {m for e in exprs for m in re.findall(r"\bcarpool_[a-z_]+", e)}
+    used = {m for e in exprs for m in re.findall(r"\bcarpool_[a-z0-9_]+", e)}
     assert used <= metric_names(), used - metric_names()
     for wanted in ("carpool_queue_length", "carpool_wait_seconds_bucket",
                    "carpool_project_gpu_hours", "carpool_project_budget_remaining_gpu_hours",
