@@ -95,6 +95,9 @@ class PluginState:
         self.pods = pods
         self.health = health or HealthTracker()
         self.metrics = metrics or GpuMetrics(config.node)
+        # at 0 from the start, so rate() and increase() read 0 until the first event
+        self.metrics.allocations.labels(config.node, config.sharing_mode, "OK")
+        self.metrics.watchdog_kills.labels(config.node)
         self.clock = clock
         self.gpus: list[GpuFacts] = backend.inventory()
         self.handed_over: set[tuple[str, str]] = set()  # (pod uid, container)

@@ -7,8 +7,10 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from carpool.core import service_levels
+from carpool.core import eta_accuracy, service_levels
 from carpool.core.eta_accuracy import FirstStart
+from carpool.core.preemption import PreemptionCause
+from carpool.core.resources import JobClass
 
 QUEUE_LENGTH = Gauge("carpool_queue_length", "Waiting GpuJobs", ["project", "job_class"])
 WAIT_SECONDS = Histogram(
@@ -93,3 +95,26 @@ def observe_services(gpujobs: Iterable[Mapping[str, Any]]) -> None:
             if summary.p99_s is not None:
                 SERVICE_P99.labels(scope, summary.key).set(summary.p99_s)
             SERVICE_FAILURE_RATIO.labels(scope, summary.key).set(summary.failure_rate)
+
+
+def known_label_values(projects: Iterable[str]) -> None:
+    """Every series of the counters and histograms for the label values known up front, at
+    0, so `rate` and `increase` read 0 until the first event rather than nothing (a series
+    is otherwise born only with its first event)."""
+    classes = [c.label for c in JobClass]
+    for project in projects:
+        for cause in PreemptionCause:
+            PREEMPTIONS.labels(project, cause.value)
+        for cls in classes:
+            ADMISSIONS.labels(project, cls)
+            WAIT_SECONDS.labels(project, cls)
+    for cls in classes:
+        for scored in ("true", "false"):
+            for wait in (eta_accuracy.SHORT_WAIT, eta_accuracy.LONG_WAIT):
+                ETA_FIRST_STARTS.labels(cls, scored, wait)
+        ETA_RELATIVE_ERROR.labels(cls)
+        ETA_SHORT_WAIT_ERROR.labels(cls)
+        for direction in (eta_accuracy.LATE, eta_accuracy.EARLY, eta_accuracy.ON_TIME):
+            ETA_MISSES.labels(cls, direction)
+        for result in (eta_accuracy.INSIDE, eta_accuracy.BEFORE, eta_accuracy.AFTER):
+            ETA_RANGE.labels(cls, result)

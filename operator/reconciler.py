@@ -677,6 +677,7 @@ class Reconciler:
             key = (job.project, job.job_class.label)
             lengths[key] = lengths.get(key, 0) + 1
         metrics.observe_services(state.objects.values())
+        metrics.known_label_values(p.project for p in result.projects)
         metrics.QUEUE_LENGTH.clear()
         for (project_name, cls), count in lengths.items():
             metrics.QUEUE_LENGTH.labels(project_name, cls).set(count)
