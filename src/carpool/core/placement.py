@@ -62,8 +62,7 @@ class NodeState:
                     exclusive_taken=any(g.exclusive for g in held),
                     grants=len(held),
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
-                    sharing_limit=min((g.sharing_limit for g in held if g.sharing_limit),
-                                      default=0),
+                    sharing_limit=_sharing_limit(held) if held else 0,
                 )
             )
         return out
@@ -72,6 +71,12 @@ class NodeState:
         """This state with `grants` added (a state of the same kind)."""
         return type(self)(self.inventory, self.grants + tuple(grants), self.cpu_used_milli,
                           self.memory_used_mib)
+
+
+def _sharing_limit(held: list[GpuGrant]) -> int:
+    """The smallest sharing limit of the grants on a GPU (0: none has one)."""
+    limits = [g.sharing_limit for g in held if g.sharing_limit]
+    return min(limits) if limits else 0
 
 
 def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:
