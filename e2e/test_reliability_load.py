@@ -71,6 +71,10 @@ TIGHT_GPUS = float(os.environ.get("CARPOOL_LOAD_TIGHT_GPUS", "2"))
 PROJECTS = {TIGHT: TIGHT_GPUS, BUDGETED: 400.0, **{p: 400.0 for p in OTHERS}}
 POLL_S = max(5.0, JOBS / 500)  # how often the run lists every GpuJob for its progress
 PLUGIN_LABEL = ("carpool.dev/load-kubelet", "stand-in")
+# Share of jobs that are gangs of 2-16 workers (spec.workers), in the projects without a tight
+# quota or a budget, never pinned to the device-plugin nodes; checked: no attempt of a gang
+# ever had some but not all of its worker pods.
+GANG_SHARE = float(os.environ.get("CARPOOL_LOAD_GANG_SHARE", "0"))
 # The budgeted project: one job in ten, each with maxDuration 90 s (admission claims fraction x
 # 90 s until the job ends). Its budget per 5-minute period is FACTOR x its mean demand per
 # period while jobs arrive, so busier periods meet the budget and its jobs wait for the refill;
@@ -153,8 +157,8 @@ class Carpool:
             devcluster.stop_process(process)
 
 
-def job_manifest(rng: random.Random, index: int, project: str, on_plugin_nodes: bool = False
-                 ) -> dict[str, Any]:
+def job_manifest(rng: random.Random, index: int, project: str, on_plugin_nodes: bool = False,
+                 gang: bool = False) -> dict[str, Any]:
     shape = rng.random()
     if shape < 0.1:
         gpu: dict[str, Any] = {"count": 1, "memory": "100Gi", "isolation": "exclusive"}
@@ -173,6 +177,8 @@ def job_manifest(rng: random.Random, index: int, project: str, on_plugin_nodes: 
                             "template": {"spec": pod_spec}}
     if project == BUDGETED:  # claims fraction x 90 s of the budget, released at the end
         spec.update(estimatedDuration="20s", maxDuration="90s")
+    if gang:
+        spec["workers"] = [{"name": "worker", "replicas": rng.randint(2, 16)}]
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
             "metadata": {"name": f"j{index:05d}", "namespace": project}, "spec": spec}
 
@@ -370,10 +376,16 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     rng = random.Random(20261129)
     # 3 jobs in 10 bill the tight project: more than its 2 GPUs can run, so it queues there;
     # 1 in 10 the budgeted one; 1 in 10 runs on the device plugin's nodes.
+    # gangs among 4 in 10 of all jobs (the other projects', not pinned), GANG_SHARE of all
+    gang_rng = random.Random(20261206)
     manifests = [job_manifest(rng, i, TIGHT if i % 10 < 3 else BUDGETED if i % 10 == 3
                               else OTHERS[i % 3], on_plugin_nodes=bool(plugin_nodes)
-                              and i % 10 == 5)
+                              and i % 10 == 5,
+                              gang=i % 10 > 5 and gang_rng.random() < GANG_SHARE / 0.4)
                  for i in range(JOBS)]
+    gang_workers = {f"{m['metadata']['namespace']}/{m['metadata']['name']}":
+                    sum(w["replicas"] for w in m["spec"]["workers"])
+                    for m in manifests if m["spec"].get("workers")}
     submitted = 0
     t0 = time.monotonic()
 
@@ -557,6 +569,9 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                                     "max": max(loads, default=0.0),
                                     "mean": round(sum(loads) / max(1, len(loads)), 1)},
         "started_utc": started_utc, "tight_quota_gpus": TIGHT_GPUS,
+        "gangs": {"jobs": len(gang_workers), "share": round(len(gang_workers) / JOBS, 3),
+                  "workers": sum(gang_workers.values()),
+                  "partial_starts": (partial := sampler.partial_gangs(gang_workers))},
     }
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(json.dumps(report, indent=2))
@@ -565,6 +580,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     assert done_at is not None, f"not all jobs finished within {TIMEOUT_S:.0f}s: {phases}"
     assert phases == {"Succeeded": JOBS}
     assert not twice, f"jobs that succeeded with two pods: {list(twice.items())[:5]}"
+    assert not partial, f"gangs started in part: {partial[:10]}"
     assert not sampler.violations, sampler.violations[:20]
     assert all(alive.values()), f"a component died on its own: {alive}\n" + "\n".join(
         stack.log_tail(log_dir / f"{c}.log") for c, ok in alive.items() if not ok)

@@ -519,7 +519,10 @@ class Sampler:
     peak_budget_share: dict[str, float] = field(default_factory=dict)  # used / budget
     stale_since: float | None = None  # the watch is down since then: open runs end there
     view_time: float = 0.0  # the view is current at least up to here (see `latest_time`)
-    succeeded_pods: dict[str, set[str]] = field(default_factory=dict)  # job key -> pod names
+    # job key (a gang worker's: `<job key>#w<rank>`) -> its pods that succeeded
+    succeeded_pods: dict[str, set[str]] = field(default_factory=dict)
+    # a gang's attempts: job key -> attempt -> the worker ranks whose pods were ever seen
+    gang_ranks: dict[str, dict[str, set[int]]] = field(default_factory=dict)
     unhealthy_since: dict[str, datetime] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     samples: int = 0
@@ -553,9 +556,24 @@ class Sampler:
         self.view_time = max(self.view_time, latest_time(pod))
         if run := pod_run(pod, self.capacity):
             self.runs[key] = run
+        job = f"{meta['namespace']}/{(meta.get('labels') or {}).get(names.LABEL_JOB)}"
+        rank = (meta.get("annotations") or {}).get(names.ANN_WORKER_RANK)
+        if rank is not None and str(rank).isdigit():
+            # `<job>-<attempt>` for rank 0, `<job>-<attempt>-w<rank>` for the others
+            attempt = meta["name"].removeprefix(job.split("/", 1)[1] + "-").split("-w")[0]
+            self.gang_ranks.setdefault(job, {}).setdefault(attempt, set()).add(int(rank))
         if (pod.get("status") or {}).get("phase") == "Succeeded":
-            job = f"{meta['namespace']}/{(meta.get('labels') or {}).get(names.LABEL_JOB)}"
-            self.succeeded_pods.setdefault(job, set()).add(meta["name"])
+            worker = f"{job}#w{rank}" if rank not in (None, "0") else job
+            self.succeeded_pods.setdefault(worker, set()).add(meta["name"])
+
+    def partial_gangs(self, workers: dict[str, int]) -> list[str]:
+        """Gang attempts (job key -> its workers) of which some but not all worker pods were
+        ever seen: a gang started in part."""
+        with self._lock:
+            return [f"{job} attempt {attempt}: ranks {sorted(ranks)} of {workers[job]}"
+                    for job, attempts in sorted(self.gang_ranks.items()) if job in workers
+                    for attempt, ranks in sorted(attempts.items())
+                    if len(ranks) != workers[job]]
 
     def _watch_loop(self) -> None:
         watch_pods(self.api, self._stop, self._listed, self._event, self._watch_failed,
