@@ -72,8 +72,8 @@ PROJECTS = {TIGHT: TIGHT_GPUS, BUDGETED: 400.0, **{p: 400.0 for p in OTHERS}}
 POLL_S = max(5.0, JOBS / 500)  # how often the run lists every GpuJob for its progress
 PLUGIN_LABEL = ("carpool.dev/load-kubelet", "stand-in")
 # Share of jobs that are gangs of 2-16 workers (spec.workers), in the projects without a tight
-# quota or a budget, never pinned to the device-plugin nodes; checked: no attempt of a gang
-# ever had some but not all of its worker pods.
+# quota or a budget, never pinned to the device-plugin nodes; checked: no worker of a gang
+# attempt is ever bound to a node while another worker of that attempt was never created.
 GANG_SHARE = float(os.environ.get("CARPOOL_LOAD_GANG_SHARE", "0"))
 # The budgeted project: one job in ten, each with maxDuration 90 s (admission claims fraction x
 # 90 s until the job ends). Its budget per 5-minute period is FACTOR x its mean demand per
@@ -568,10 +568,11 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         "load_average_during_run": {"min": min(loads, default=0.0),
                                     "max": max(loads, default=0.0),
                                     "mean": round(sum(loads) / max(1, len(loads)), 1)},
-        "started_utc": started_utc, "tight_quota_gpus": TIGHT_GPUS,
+        "started_utc": started_utc, "tight_quota_gpus": TIGHT_GPUS, "gang_share": GANG_SHARE,
         "gangs": {"jobs": len(gang_workers), "share": round(len(gang_workers) / JOBS, 3),
                   "workers": sum(gang_workers.values()),
-                  "partial_starts": (partial := sampler.partial_gangs(gang_workers))},
+                  "partial_starts": (partial := sampler.partial_gangs(gang_workers)),
+                  "attempts_created_in_part": sampler.incomplete_gangs(gang_workers)},
     }
     REPORT.parent.mkdir(parents=True, exist_ok=True)
     REPORT.write_text(json.dumps(report, indent=2))

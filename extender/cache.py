@@ -123,6 +123,10 @@ class ClusterCache:
         self._templates: dict[str, str] = {}
         self._profiles: interference.Profiles | None = interference.NO_PROFILES
         self._shapes: dict[str, tuple[GpuRequest, ...]] = {}  # a gang's worker requests
+        # a gang attempt ("<namespace>/<job>#<attempt>") -> its worker pods seen: key -> rank;
+        # from the scheduler's filter calls (the pod watch shows bound pods only) and the watch
+        self._gangs: dict[str, dict[str, int]] = {}
+        self._gang_of: dict[str, str] = {}  # pod key -> its gang attempt
         self.pods_watch_healthy = False
         self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
         self._expiry_checked = float("-inf")
@@ -365,6 +369,8 @@ class ClusterCache:
 
     def _observe(self, pod: Mapping[str, Any], deleted: bool, now: float) -> str:
         key = _pod_key(pod)
+        if deleted or (member := gang_member(pod)) is not None:
+            self._observe_gang(key, None if deleted else member)
         usage = None if deleted else _usage_of(pod)
         if usage is None:
             self._observed_usage.pop(key, None)
@@ -382,6 +388,29 @@ class ClusterCache:
                     hold is not None and hold.node == assumed.node):
                 del self._assumed[key]  # gone, replaced, or confirmed by the watch
         return key
+
+    def _observe_gang(self, key: str, member: tuple[str, int, int] | None) -> None:
+        old = self._gang_of.pop(key, None)
+        if old is not None:
+            members = self._gangs.get(old, {})
+            members.pop(key, None)
+            if not members:
+                self._gangs.pop(old, None)
+        if member is not None:
+            self._gang_of[key] = member[0]
+            self._gangs.setdefault(member[0], {})[key] = member[1]
+
+    def note_gang_pod(self, pod: Mapping[str, Any]) -> None:
+        """A pod the scheduler asked about: if a gang's worker, it exists."""
+        member = gang_member(pod)
+        if member is not None:
+            with self._lock:
+                self._observe_gang(_pod_key(pod), member)
+
+    def gang_missing(self, gang: str, workers: int) -> int:
+        """How many workers of a gang attempt the watch has not shown yet."""
+        with self._lock:
+            return max(0, workers - len(set(self._gangs.get(gang, {}).values())))
 
     def apply_pod(self, event: str, pod: Mapping[str, Any], now: float) -> None:
         with self._lock:
@@ -573,3 +602,20 @@ def in_flight_clash(in_flight: Iterable[Hold], gpu_counts: frozenset[int]) -> st
             return (f"allocation in flight on this node ({hold.pod_key}, {state}); "
                     "retry shortly")
     return None
+
+
+def gang_member(pod: Mapping[str, Any]) -> tuple[str, int, int] | None:
+    """(gang attempt, rank, workers) of a gang's worker pod (the operator's `carpool.dev/gang`
+    and `carpool.dev/worker-rank`); None for any other pod or unreadable values."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if not isinstance(annotations, Mapping):
+        return None
+    gang, rank = annotations.get(names.ANN_GANG), annotations.get(names.ANN_WORKER_RANK)
+    job = annotations.get(names.ANN_JOB)
+    if not (isinstance(gang, str) and isinstance(rank, str) and isinstance(job, str)):
+        return None
+    attempt, _, workers = gang.partition("/")
+    if not (attempt.isdigit() and workers.isdigit() and rank.isdigit()):
+        return None
+    return f"{job}#{attempt}", int(rank), int(workers)

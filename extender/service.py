@@ -32,7 +32,13 @@ from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.core.timestamps import format_timestamp_micro
-from carpool.extender.cache import ClusterCache, InFlightClash, Refused, in_flight_clash
+from carpool.extender.cache import (
+    ClusterCache,
+    InFlightClash,
+    Refused,
+    gang_member,
+    in_flight_clash,
+)
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
 from carpool.extender.wire import (
     BindingArgs,
@@ -330,6 +336,7 @@ class Extender:
         planned = planned_assignment(args.pod)
         if planned is None:
             return self._filter(args)
+        self.cache.note_gang_pod(args.pod)
         elsewhere = {n: f"carpool: a gang worker; its gang was placed with it on {planned.node}"
                      for n in args.node_names if n != planned.node}
         if planned.node not in args.node_names:
@@ -637,6 +644,9 @@ class Extender:
                 return {"Error": ""}
             if isinstance(plan, Refused):
                 return {"Error": plan.reason}
+            waiting = await self._gang_complete(pod)
+            if waiting:
+                return {"Error": waiting}
             reserved = self.reserve(plan)
             if isinstance(reserved, InFlightClash):
                 log.info("bind of %s to %s waits (nominated %s): %s", args.key, args.node,
@@ -664,6 +674,23 @@ class Extender:
                 self._followers.add(task)
                 task.add_done_callback(self._followers.discard)
             return {"Error": result.reason}
+
+    async def _gang_complete(self, pod: Mapping[str, Any]) -> str:
+        """For a gang's worker: wait (up to the bind wait) until the watch shows every worker
+        of its attempt, so that no worker starts while another was never created (the
+        operator creates them one after another; an API error can leave one out, and the
+        operator then stops the gang whole). Why it is not bound yet, or "" to go on."""
+        member = gang_member(pod)
+        if member is None:
+            return ""
+        self.cache.note_gang_pod(pod)
+        gang, _, workers = member
+        deadline = time.monotonic() + self.settings.bind_wait_s
+        while (missing := self.cache.gang_missing(gang, workers)) and \
+                time.monotonic() < deadline:
+            await asyncio.sleep(BIND_POLL_S)
+        return (f"gang {gang}: {missing} of its {workers} workers do not exist yet; no worker "
+                f"is bound before all are") if missing else ""
 
     def _still_assumed(self, plan: BindPlan) -> bool:
         hold = self.cache.hold_of(plan.demand.key)

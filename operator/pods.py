@@ -300,6 +300,7 @@ def build_worker_pods(job: dict[str, Any], requests: Sequence[GpuRequest], attem
         pod["metadata"]["name"] = worker_pod_name(name, attempt, rank)
         pod["metadata"]["annotations"][names.ANN_WORKER_RANK] = str(rank)
         pod["metadata"]["annotations"][names.ANN_PLANNED] = encode_assignment(assignment)
+        pod["metadata"]["annotations"][names.ANN_GANG] = f"{attempt}/{len(requests)}"
         spec = pod["spec"]
         spec["hostname"] = f"w{rank}"
         spec["subdomain"] = service

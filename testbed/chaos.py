@@ -521,8 +521,10 @@ class Sampler:
     view_time: float = 0.0  # the view is current at least up to here (see `latest_time`)
     # job key (a gang worker's: `<job key>#w<rank>`) -> its pods that succeeded
     succeeded_pods: dict[str, set[str]] = field(default_factory=dict)
-    # a gang's attempts: job key -> attempt -> the worker ranks whose pods were ever seen
+    # a gang's attempts: job key -> attempt -> the worker ranks whose pods were ever seen,
+    # and the attempts of which some pod was seen bound to a node
     gang_ranks: dict[str, dict[str, set[int]]] = field(default_factory=dict)
+    gang_bound: set[tuple[str, str]] = field(default_factory=set)
     unhealthy_since: dict[str, datetime] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     samples: int = 0
@@ -557,23 +559,32 @@ class Sampler:
         if run := pod_run(pod, self.capacity):
             self.runs[key] = run
         job = f"{meta['namespace']}/{(meta.get('labels') or {}).get(names.LABEL_JOB)}"
-        rank = (meta.get("annotations") or {}).get(names.ANN_WORKER_RANK)
+        annotations = meta.get("annotations") or {}
+        rank = annotations.get(names.ANN_WORKER_RANK)
         if rank is not None and str(rank).isdigit():
-            # `<job>-<attempt>` for rank 0, `<job>-<attempt>-w<rank>` for the others
-            attempt = meta["name"].removeprefix(job.split("/", 1)[1] + "-").split("-w")[0]
+            attempt = str(annotations.get(names.ANN_GANG, "")).partition("/")[0]
             self.gang_ranks.setdefault(job, {}).setdefault(attempt, set()).add(int(rank))
+            if (pod.get("spec") or {}).get("nodeName"):
+                self.gang_bound.add((job, attempt))
         if (pod.get("status") or {}).get("phase") == "Succeeded":
             worker = f"{job}#w{rank}" if rank not in (None, "0") else job
             self.succeeded_pods.setdefault(worker, set()).add(meta["name"])
 
     def partial_gangs(self, workers: dict[str, int]) -> list[str]:
-        """Gang attempts (job key -> its workers) of which some but not all worker pods were
-        ever seen: a gang started in part."""
+        """Gang attempts (job key -> its workers) with a worker bound to a node although
+        some worker of the attempt was never seen: a gang started in part."""
         with self._lock:
             return [f"{job} attempt {attempt}: ranks {sorted(ranks)} of {workers[job]}"
                     for job, attempts in sorted(self.gang_ranks.items()) if job in workers
                     for attempt, ranks in sorted(attempts.items())
-                    if len(ranks) != workers[job]]
+                    if len(ranks) != workers[job] and (job, attempt) in self.gang_bound]
+
+    def incomplete_gangs(self, workers: dict[str, int]) -> int:
+        """Gang attempts of which some worker pod was never seen (the operator stops such a
+        gang whole; none of its workers may have been bound: `partial_gangs`)."""
+        with self._lock:
+            return sum(1 for job, attempts in self.gang_ranks.items() if job in workers
+                       for ranks in attempts.values() if len(ranks) != workers[job])
 
     def _watch_loop(self) -> None:
         watch_pods(self.api, self._stop, self._listed, self._event, self._watch_failed,

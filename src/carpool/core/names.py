@@ -30,6 +30,8 @@ ANN_SIM_DURATION: Final = f"{GROUP}/simulated-duration"  # seconds; KWOK complet
 # admission cycle chose for it (the assignment codec's JSON); the extender binds it there
 ANN_WORKER_RANK: Final = f"{GROUP}/worker-rank"
 ANN_PLANNED: Final = f"{GROUP}/planned-assignment"
+# "<attempt>/<workers>": the extender binds no worker of that attempt before all exist
+ANN_GANG: Final = f"{GROUP}/gang"
 
 # Pod annotations written by the extender at bind (the assignment) and the device plugin
 # (the hand-over). See deviceplugin/README.md for the protocol.
