@@ -123,10 +123,8 @@ class ClusterCache:
         self._templates: dict[str, str] = {}
         self._profiles: interference.Profiles | None = interference.NO_PROFILES
         self._shapes: dict[str, tuple[GpuRequest, ...]] = {}  # a gang's worker requests
-        # a gang attempt ("<namespace>/<job>#<attempt>") -> its worker pods seen: key -> rank;
-        # from the scheduler's filter calls (the pod watch shows bound pods only) and the watch
-        self._gangs: dict[str, dict[str, int]] = {}
-        self._gang_of: dict[str, str] = {}  # pod key -> its gang attempt
+        # a gang's newest attempt whose workers all exist (GpuJob status.gangCreated)
+        self._gang_created: dict[str, int] = {}
         self.pods_watch_healthy = False
         self.events: Counter[str] = Counter()  # watch events applied, per kind (metrics)
         self._expiry_checked = float("-inf")
@@ -228,6 +226,11 @@ class ClusterCache:
             request = f"its GpuJob's spec.gpu cannot be read: {exc}"
             shapes = ()
         self._jobs[key] = (str(meta.get("uid") or ""), request)
+        created = (job.get("status") or {}).get("gangCreated")
+        if isinstance(created, int) and not isinstance(created, bool):
+            self._gang_created[key] = created
+        else:
+            self._gang_created.pop(key, None)
         self._templates[key] = job_template(str(meta.get("name", "")),
                                             first_image(job.get("spec") or {}))
         sample = interference.sample_of(job)
@@ -247,6 +250,7 @@ class ClusterCache:
                 key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
                 self._jobs.pop(key, None)
                 self._shapes.pop(key, None)
+                self._gang_created.pop(key, None)
                 self._templates.pop(key, None)
                 if self._samples.pop(key, None) is not None:
                     self._profiles = None
@@ -258,6 +262,7 @@ class ClusterCache:
             self._jobs, self._templates, self._samples = {}, {}, {}
             self._profiles = None
             self._shapes = {}
+            self._gang_created = {}
             for job in jobs:
                 self._set_job(job)
 
@@ -369,8 +374,6 @@ class ClusterCache:
 
     def _observe(self, pod: Mapping[str, Any], deleted: bool, now: float) -> str:
         key = _pod_key(pod)
-        if deleted or (member := gang_member(pod)) is not None:
-            self._observe_gang(key, None if deleted else member)
         usage = None if deleted else _usage_of(pod)
         if usage is None:
             self._observed_usage.pop(key, None)
@@ -389,28 +392,13 @@ class ClusterCache:
                 del self._assumed[key]  # gone, replaced, or confirmed by the watch
         return key
 
-    def _observe_gang(self, key: str, member: tuple[str, int, int] | None) -> None:
-        old = self._gang_of.pop(key, None)
-        if old is not None:
-            members = self._gangs.get(old, {})
-            members.pop(key, None)
-            if not members:
-                self._gangs.pop(old, None)
-        if member is not None:
-            self._gang_of[key] = member[0]
-            self._gangs.setdefault(member[0], {})[key] = member[1]
-
-    def note_gang_pod(self, pod: Mapping[str, Any]) -> None:
-        """A pod the scheduler asked about: if a gang's worker, it exists."""
-        member = gang_member(pod)
-        if member is not None:
-            with self._lock:
-                self._observe_gang(_pod_key(pod), member)
-
-    def gang_missing(self, gang: str, workers: int) -> int:
-        """How many workers of a gang attempt the watch has not shown yet."""
+    def gang_created(self, namespace: str, owner: Owner) -> int:
+        """The newest attempt of the gang `owner` names whose worker pods all exist, as the
+        operator records it (status.gangCreated); 0: none, or not this job."""
         with self._lock:
-            return max(0, workers - len(set(self._gangs.get(gang, {}).values())))
+            known = self._jobs.get(f"{namespace}/{owner.name}")
+            created = self._gang_created.get(f"{namespace}/{owner.name}", 0)
+        return created if known is not None and known[0] == owner.uid else 0
 
     def apply_pod(self, event: str, pod: Mapping[str, Any], now: float) -> None:
         with self._lock:
@@ -604,18 +592,11 @@ def in_flight_clash(in_flight: Iterable[Hold], gpu_counts: frozenset[int]) -> st
     return None
 
 
-def gang_member(pod: Mapping[str, Any]) -> tuple[str, int, int] | None:
-    """(gang attempt, rank, workers) of a gang's worker pod (the operator's `carpool.dev/gang`
-    and `carpool.dev/worker-rank`); None for any other pod or unreadable values."""
+def gang_attempt(pod: Mapping[str, Any]) -> int | None:
+    """The attempt a gang's worker pod belongs to (the operator's `carpool.dev/gang`,
+    "<attempt>/<workers>"); None for any other pod or an unreadable value."""
     meta = pod.get("metadata")
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
-    if not isinstance(annotations, Mapping):
-        return None
-    gang, rank = annotations.get(names.ANN_GANG), annotations.get(names.ANN_WORKER_RANK)
-    job = annotations.get(names.ANN_JOB)
-    if not (isinstance(gang, str) and isinstance(rank, str) and isinstance(job, str)):
-        return None
-    attempt, _, workers = gang.partition("/")
-    if not (attempt.isdigit() and workers.isdigit() and rank.isdigit()):
-        return None
-    return f"{job}#{attempt}", int(rank), int(workers)
+    gang = annotations.get(names.ANN_GANG) if isinstance(annotations, Mapping) else None
+    attempt = gang.partition("/")[0] if isinstance(gang, str) else ""
+    return int(attempt) if attempt.isdigit() else None

@@ -36,7 +36,7 @@ from carpool.extender.cache import (
     ClusterCache,
     InFlightClash,
     Refused,
-    gang_member,
+    gang_attempt,
     in_flight_clash,
 )
 from carpool.extender.ranking import MAX_SCORE, Placement, Ranker, scale_scores
@@ -336,7 +336,6 @@ class Extender:
         planned = planned_assignment(args.pod)
         if planned is None:
             return self._filter(args)
-        self.cache.note_gang_pod(args.pod)
         elsewhere = {n: f"carpool: a gang worker; its gang was placed with it on {planned.node}"
                      for n in args.node_names if n != planned.node}
         if planned.node not in args.node_names:
@@ -644,7 +643,7 @@ class Extender:
                 return {"Error": ""}
             if isinstance(plan, Refused):
                 return {"Error": plan.reason}
-            waiting = await self._gang_complete(pod)
+            waiting = await self._gang_complete(pod, plan.demand)
             if waiting:
                 return {"Error": waiting}
             reserved = self.reserve(plan)
@@ -675,22 +674,24 @@ class Extender:
                 task.add_done_callback(self._followers.discard)
             return {"Error": result.reason}
 
-    async def _gang_complete(self, pod: Mapping[str, Any]) -> str:
-        """For a gang's worker: wait (up to the bind wait) until the watch shows every worker
-        of its attempt, so that no worker starts while another was never created (the
-        operator creates them one after another; an API error can leave one out, and the
-        operator then stops the gang whole). Why it is not bound yet, or "" to go on."""
-        member = gang_member(pod)
-        if member is None:
+    async def _gang_complete(self, pod: Mapping[str, Any], demand: PodDemand) -> str:
+        """For a gang's worker: wait (up to the bind wait) until its GpuJob records that
+        every worker of its attempt exists (status.gangCreated, written by the operator), so
+        that no worker starts while another was never created (the operator creates them one
+        after another; an API error can leave one out, and it then stops the gang whole).
+        Why it is not bound yet, or "" to go on."""
+        attempt = gang_attempt(pod)
+        if attempt is None or demand.owner is None:
             return ""
-        self.cache.note_gang_pod(pod)
-        gang, _, workers = member
+        owner = demand.owner
         deadline = time.monotonic() + self.settings.bind_wait_s
-        while (missing := self.cache.gang_missing(gang, workers)) and \
-                time.monotonic() < deadline:
+        while (self.cache.gang_created(demand.namespace, owner) < attempt
+               and time.monotonic() < deadline):
             await asyncio.sleep(BIND_POLL_S)
-        return (f"gang {gang}: {missing} of its {workers} workers do not exist yet; no worker "
-                f"is bound before all are") if missing else ""
+        if self.cache.gang_created(demand.namespace, owner) >= attempt:
+            return ""
+        return (f"gang {demand.namespace}/{owner.name} attempt {attempt}: not every worker "
+                f"exists yet (its status.gangCreated); no worker is bound before all do")
 
     def _still_assumed(self, plan: BindPlan) -> bool:
         hold = self.cache.hold_of(plan.demand.key)

@@ -268,7 +268,7 @@ class Observer:
                 continue
             if job.workers:
                 job = self._observe_gang(state, job, obs.live_pod, workers, placements,
-                                         {**status, **patch})
+                                         {**status, **patch}, patch)
             if settled and not meta.get("deletionTimestamp") and not job.workers:
                 decoded[key] = _Decoded(version, None if obs.phase.finished else signature,
                                         job, obs.live_pod)
@@ -311,13 +311,18 @@ class Observer:
 
     def _observe_gang(self, state: PassState, job: Job, lead: PodView | None,
                       workers: Mapping[int, PodView],
-                      placements: tuple[WorkerPlacement, ...], status: Obj) -> Job:
+                      placements: tuple[WorkerPlacement, ...], status: Obj, patch: Obj
+                      ) -> Job:
         """A gang as a whole: the job holds every worker's GPUs while it holds any; a worker
         gone, failed or being deleted while rank 0 runs breaks the gang (`broken_gangs`: the
         whole attempt is stopped and requeued, never left running in part), and one no node
         takes gives the whole gang back as rank 0's would (`unschedulable`); workers still
-        alive once rank 0 has ended are stopped (`gang_leftovers`)."""
+        alive once rank 0 has ended are stopped (`gang_leftovers`). Once every worker's pod
+        exists, `status.gangCreated` says so (the extender binds no worker before)."""
         state.gang_pods[job.key] = [p for p in workers.values() if not p.terminal]
+        if (lead is not None and len(workers) == len(job.workers) - 1
+                and int(status.get("gangCreated") or 0) < job.attempts):
+            patch["gangCreated"] = job.attempts
         alive = lead is not None and not lead.terminal and not lead.deleting
         if not alive:
             state.gang_leftovers.extend(p for p in workers.values()

@@ -622,12 +622,15 @@ class Reconciler:
             self._record_event(obj, job_status.pod_name_taken(pod["metadata"]["name"],
                                                           admission.attempt))
             return
-        # rank 0 is the attempt's pod; a gang's other workers start with it (a worker that
-        # cannot be created stops the whole gang next pass: `Observer`, broken gangs)
+        # rank 0 is the attempt's pod; a gang's other workers start with it. The extender
+        # binds none of them before status.gangCreated says all exist (a worker that cannot
+        # be created stops the whole gang next pass: `Observer`, broken gangs).
+        missing = 0
         for worker in pods[1:]:
             try:
                 self.kube.create_pod(worker)
             except ApiError as err:
+                missing += 1
                 log.warning("%s: creating worker pod %s failed: %s", job.key,
                             worker["metadata"]["name"], err)
         gpus = job_status.grants_to_status(
@@ -641,6 +644,8 @@ class Reconciler:
             patch["workers"] = job_status.gang_workers(
                 admission, state.inventories, worker_names_from_spec(obj.get("spec") or {}),
                 [p["metadata"]["name"] for p in pods])
+            if not missing:
+                patch["gangCreated"] = admission.attempt
         if created:
             self._record_event(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
                                                     "Admit"))

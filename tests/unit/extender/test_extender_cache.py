@@ -263,24 +263,20 @@ def test_the_pod_informer_lists_and_watches_only_pods_that_can_hold_resources() 
     assert used_mib(cache) == 0 and cache.hold_of("default/a") is None
 
 
-def _worker(name: str, rank: int, attempt: int = 1, workers: int = 3) -> dict[str, Any]:
-    return {"metadata": {"name": name, "namespace": "lab", "uid": f"u-{name}", "annotations": {
-        names.ANN_JOB: "lab/train", names.ANN_WORKER_RANK: str(rank),
-        names.ANN_GANG: f"{attempt}/{workers}"}}, "spec": {}, "status": {"phase": "Pending"}}
 
-
-def test_a_gang_attempt_counts_as_complete_once_every_worker_is_seen() -> None:
-    """The extender binds no worker of a gang before all its workers exist: seen by the
-    scheduler's filter calls (unbound) or the watch (bound)."""
+def test_a_gang_attempt_counts_as_created_once_its_job_says_so() -> None:
+    """The extender binds no worker of a gang before its GpuJob's status.gangCreated reaches
+    the worker's attempt (the operator writes it once every worker's pod exists)."""
+    from carpool.core.ownership import Owner
     cache = ClusterCache()
-    cache.note_gang_pod(_worker("train-1", 0))
-    cache.apply_pod("ADDED", _worker("train-1-w1", 1), 0.0)
-    assert cache.gang_missing("lab/train#1", 3) == 1
-    cache.apply_pod("ADDED", _worker("train-1-w2", 2), 0.0)
-    assert cache.gang_missing("lab/train#1", 3) == 0
-    cache.apply_pod("DELETED", _worker("train-1-w2", 2), 0.0)
-    assert cache.gang_missing("lab/train#1", 3) == 1
-    cache.apply_pod("ADDED", _worker("train-2", 0, attempt=2), 0.0)  # another attempt
-    assert cache.gang_missing("lab/train#2", 3) == 2
-    cache.note_gang_pod({"metadata": {"name": "x", "annotations": {names.ANN_GANG: "1/3"}}})
-    assert cache.gang_missing("lab/train#1", 3) == 1  # (not a worker: no rank, no job)
+    job: dict[str, Any] = {"metadata": {"name": "train", "namespace": "lab", "uid": "u1"},
+                           "spec": {"project": "lab", "gpu": {"count": 1, "memory": "8Gi"},
+                                    "workers": [{"name": "w", "replicas": 3}]},
+                           "status": {}}
+    cache.apply_gpujob("ADDED", job)
+    assert cache.gang_created("lab", Owner("train", "u1")) == 0
+    cache.apply_gpujob("MODIFIED", {**job, "status": {"gangCreated": 2}})
+    assert cache.gang_created("lab", Owner("train", "u1")) == 2
+    assert cache.gang_created("lab", Owner("train", "other-uid")) == 0
+    cache.apply_gpujob("DELETED", job)
+    assert cache.gang_created("lab", Owner("train", "u1")) == 0
