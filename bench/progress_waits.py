@@ -20,8 +20,9 @@ done), for jobs whose remaining time came from their progress reports and for th
 (median |ln(predicted / actual)|, its signed median, the share inside the P10-P90); and each
 arriving job's estimate by what its forward-simulated start rests on: the expected end of a
 running job that reports, of one that does not, or neither (a reservation ahead of it, a
-calibrated or aged start). Also the lowest median error any one factor applied to every
-estimate would reach (the spread of the misses, not their bias).
+calibrated or aged start), and where its first start fell against its 80 % range, by the
+same and by whether it waited over a day. Also the lowest median error any one factor applied
+to every estimate would reach (the spread of the misses, not their bias).
 
 Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
 generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
@@ -118,6 +119,7 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
     outcome = replayed.outcome()
     misses: dict[str, list[float]] = {}
     waits: list[tuple[float, float]] = []
+    ranges: dict[str, dict[str, int]] = {}
     for key, record in outcome.records.items():
         estimate, start = record.arrival_estimate, record.first_start
         assert start is not None
@@ -126,6 +128,13 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
             continue
         misses.setdefault(rests_on[key], []).append((start - estimate.start) / wait)
         waits.append((wait, estimate.start - record.arrival))
+        if estimate.low is not None and estimate.high is not None:
+            where = ("before" if start < estimate.low else "after" if start > estimate.high
+                     else "inside")
+            span = "waited over a day" if wait > 86400 else "waited under a day"
+            for group in (rests_on[key], span):
+                counts = ranges.setdefault(group, {"before": 0, "inside": 0, "after": 0})
+                counts[where] += 1
     best = min((statistics.median(abs(w - c * e) / w for w, e in waits), c)
                for c in (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2)) \
         if waits else None
@@ -142,6 +151,7 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
             source: {"jobs": len(found), "median_abs_error": _median([abs(m) for m in found]),
                      "median_signed_error": _median(found)}
             for source, found in sorted(misses.items())},
+        "first_start_against_the_range": ranges,
         "best_single_factor": None if best is None else {"factor": best[1],
                                                          "median_abs_error": best[0]}}
 
