@@ -46,6 +46,9 @@ from carpool.operator.pod_view import PodView, view_pod
 from carpool.operator.pods import pod_name, worker_pod_name
 
 log = logging.getLogger(__name__)
+# seconds after a gang's admission within which a worker pod not seen yet is still taken to
+# be on its way rather than missing
+GANG_CREATE_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -328,8 +331,15 @@ class Observer:
             state.gang_leftovers.extend(p for p in workers.values()
                                         if not p.terminal and not p.deleting)
         elif job.phase in (Phase.ADMITTED, Phase.RUNNING):
+            # a worker not seen yet is missing once all were seen, or once the admission is
+            # old enough that it is not on its way (the writes of one pass run in parallel)
+            admitted = epoch_of(status.get("admitTime"))
+            settled = (int(status.get("gangCreated") or 0) >= job.attempts
+                       or (admitted is not None and state.now - admitted > GANG_CREATE_GRACE_S))
             for rank in range(1, len(job.workers)):
                 pod = workers.get(rank)
+                if pod is None and not settled:
+                    continue
                 why = "is gone" if pod is None else (
                     "is being deleted" if pod.deleting
                     else f"failed ({pod.exit_reason or 'Failed'})" if pod.phase == "Failed"
