@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from carpool.core.durations import format_duration_roughly
+from carpool.core.lending import LendingPolicy
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
 from carpool.replay import job_traces, queue_replay, sharing_replay, simulation
@@ -58,13 +59,26 @@ class QueueRun:
     quotas: str = "open"
     arrival_window_s: float = 3600.0
     progress_share: float = 0.0
+    over_requests: bool = False  # jobs use less than they ask (replay.usage_traces)
+    lending: bool = False  # Carpool lends unused grants (core.lending)
+    right_sizing: bool = False  # Carpool places preemptible jobs by calibrated size
+
+    @property
+    def idle(self) -> queue_replay.IdleCapacity | None:
+        if not (self.over_requests or self.lending or self.right_sizing):
+            return None
+        carpool = self.policy == "carpool"
+        return queue_replay.IdleCapacity(
+            self.seed, LendingPolicy() if self.lending and carpool else None,
+            self.right_sizing and carpool)
 
 
-def queue_policy(name: str, arrival_window_s: float = 3600.0) -> queue_replay.Policy:
+def queue_policy(name: str, arrival_window_s: float = 3600.0,
+                 lending: LendingPolicy | None = None) -> queue_replay.Policy:
     placer = extender_placer()
     if name == "carpool":
         return queue_replay.carpool_policy(AdmissionConfig(
-            node_placer=placer, arrival_window_s=arrival_window_s))
+            node_placer=placer, arrival_window_s=arrival_window_s, lending=lending))
     if name == "fifo":
         return queue_replay.fifo_policy(placer)
     if name == "slurm":
@@ -82,9 +96,12 @@ def replay_queue(run: QueueRun) -> tuple[Scores, float]:
     quotas = (queue_replay.share_quotas(jobs, nodes) if run.quotas == "shares"
               else queue_replay.open_quotas(jobs))
     started = time.process_time()
-    policy = queue_policy(run.policy, run.arrival_window_s)
+    idle = run.idle
+    policy = queue_policy(run.policy, run.arrival_window_s,
+                          idle.lending if idle is not None else None)
     outcome = queue_replay.replay(jobs, nodes, quotas, policy, run.policy,
-                                  progress_share=run.progress_share, progress_seed=run.seed)
+                                  progress_share=run.progress_share, progress_seed=run.seed,
+                                  idle=idle)
     return queue_replay.score(outcome), time.process_time() - started
 
 
@@ -159,6 +176,7 @@ def _number_where(holds: Callable[[float], bool], requirement: str
 
 fraction = _number_where(lambda v: 0 < v <= 1, "must be in (0, 1]")
 share = _number_where(lambda v: 0 <= v <= 1, "must be in [0, 1]")
+load = _number_where(lambda v: 0 < v <= 4, "must be in (0, 4]")
 _positive_seconds = _number_where(lambda v: v > 0, "must be more than 0")
 _seconds = _number_where(lambda v: v >= 0, "must be at least 0")
 
@@ -198,9 +216,10 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                             "instead of --trace itself")
     queue.add_argument("--interarrival", type=_positive_seconds, default=300.0,
                        help="mean seconds between generated arrivals (300)")
-    queue.add_argument("--load", type=fraction, metavar="SHARE",
+    queue.add_argument("--load", type=load, metavar="SHARE",
                        help="space generated arrivals so their work keeps this share of the "
-                            "(scaled) cluster's GPUs busy on average; overrides --interarrival")
+                            "(scaled) cluster's GPUs busy on average, as asked (above 1: more "
+                            "than the cluster holds); overrides --interarrival")
     queue.add_argument("--write-trace", type=Path,
                        help="also write the replayed trace (openb columns) here")
     queue.add_argument("--limit", type=positive, help="replay only the first N jobs")
@@ -223,6 +242,17 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help="this share of the jobs (drawn from --seed) report their progress "
                             "as they run, with rate changes, evaluation pauses, checkpoint "
                             "saves and restarts (0: none, the default; 0.5: half)")
+    queue.add_argument("--over-requests", action="store_true",
+                       help="jobs use less of their GPU share than they ask, some rising late "
+                            "(drawn from --seed; see docs/benchmarks.md); adds work done, owner "
+                            "waits and lending columns")
+    queue.add_argument("--lending", action="store_true",
+                       help="Carpool lends running jobs' unused shares to preemptible MPS "
+                            "jobs, reclaiming them when the owner's use rises "
+                            "(implies --over-requests)")
+    queue.add_argument("--right-sizing", action="store_true",
+                       help="Carpool places preemptible jobs by the peaks their template's "
+                            "finished runs reached (implies --over-requests)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
                        help="table (default) or one JSON object per policy, one a line")
     queue.set_defaults(run=run_queue, prog=queue.prog)
@@ -326,7 +356,8 @@ def run_queue(args: argparse.Namespace) -> int:
             except OSError as error:
                 raise InputError(f"cannot write {args.write_trace}: {error}") from None
         runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
-                         args.limit, args.quotas, args.arrival_window, args.progress_share)
+                         args.limit, args.quotas, args.arrival_window, args.progress_share,
+                         args.over_requests, args.lending, args.right_sizing)
                 for policy in args.policy]
         started = time.perf_counter()
         done = 0
@@ -354,6 +385,8 @@ def run_queue(args: argparse.Namespace) -> int:
           f"{parsed.cpu_only} CPU-only skipped), scale {args.scale}, seed {args.seed}"
           f"{reporting}, {elapsed:.1f} s")
     print(format_queue_table(scores))
+    if any("work_gpu_hours_by_last_arrival" in s for s in scores):
+        print(format_idle_table(scores))
     return 0
 
 
@@ -381,4 +414,18 @@ def format_queue_table(scores: Sequence[dict[str, Any]]) -> str:
             f"{_secs(p99.get('interactive')):>9} {_secs(p99.get('short')):>9} "
             f"{_secs(p50.get('batch')):>9} {_pct(s['gpu_utilization']):>5} "
             f"{s['preemptions']:>7} {s['cpu_seconds']:>6.1f}")
+    return "\n".join(lines)
+
+
+def format_idle_table(scores: Sequence[dict[str, Any]]) -> str:
+    """One line per policy: work done while the trace arrives, owners' waits, lending."""
+    header = (f"{'POLICY':<8} {'WORK GPU-H':>10} {'OWNER P50':>9} {'OWNER P99':>9} "
+              f"{'LENT GPU-H':>10} {'RECLAIMS':>8} {'RECLAIM P99':>11} {'OUTGROWN':>8}")
+    lines = [header]
+    for s in scores:
+        lines.append(
+            f"{s['policy']:<8} {s['work_gpu_hours_by_last_arrival']:>10.1f} "
+            f"{_secs(s['owner_wait_p50_s']):>9} {_secs(s['owner_wait_p99_s']):>9} "
+            f"{s['lent_gpu_hours']:>10.1f} {s['owner_reclaims']:>8} "
+            f"{_secs(s['owner_reclaim_p99_s']):>11} {s['right_sized_runs_outgrown']:>8}")
     return "\n".join(lines)

@@ -145,6 +145,9 @@ class Job:
     # None where its node's plugin does not measure that (core.queueing.idle_expiry)
     last_gpu_activity: float | None = None
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
+    # per GPU, the part of its grant it may lend (core.lending.lendable, from what was measured)
+    lendable_mib: int = 0
+    lendable_cores_pct: int = 0
     first_estimated_start: float | None = None  # the first estimate it was shown
     # that estimate as the forward simulation made it, before calibration
     # (estimate_ranges.calibrated_start)

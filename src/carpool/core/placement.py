@@ -54,11 +54,12 @@ class NodeState:
         for gpu in self.inventory.gpus:
             held = by_gpu.get(gpu.uuid, [])
             used_mig = {g.mig_instance for g in held if g.mig_instance}
+            memory, cores = _held(held)
             out.append(
                 GpuFree(
                     gpu=gpu,
-                    memory_mib=gpu.memory_total_mib - sum(g.memory_mib for g in held),
-                    cores_pct=100 - sum(g.cores_pct for g in held),
+                    memory_mib=gpu.memory_total_mib - memory,
+                    cores_pct=100 - cores,
                     exclusive_taken=any(g.exclusive for g in held),
                     grants=len(held),
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
@@ -77,6 +78,25 @@ def _sharing_limit(held: list[GpuGrant]) -> int:
     """The smallest sharing limit of the grants on a GPU (0: none has one)."""
     limits = [g.sharing_limit for g in held if g.sharing_limit]
     return min(limits) if limits else 0
+
+
+def _held(grants: list[GpuGrant]) -> tuple[int, int]:
+    """Memory and cores the grants on one GPU keep from new owners: every owner's grant in
+    full (the parts it lent included: an owner may grow into its grant at any time), plus
+    whatever borrowers hold beyond the lent parts (left over when an owner ended)."""
+    memory = cores = lent_memory = lent_cores = borrowed_memory = borrowed_cores = 0
+    for g in grants:
+        if g.borrowed:
+            borrowed_memory += g.memory_mib
+            borrowed_cores += g.cores_pct
+            continue
+        memory += g.memory_mib
+        cores += g.cores_pct
+        if g.lent:
+            lent_memory += g.memory_mib
+            lent_cores += g.cores_pct
+    return (memory + max(0, borrowed_memory - lent_memory),
+            cores + max(0, borrowed_cores - lent_cores))
 
 
 def gpu_rejection(free: GpuFree, request: GpuRequest) -> str | None:

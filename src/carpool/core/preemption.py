@@ -74,6 +74,7 @@ def leaving_s(victim: Job) -> float:
 class PreemptionCause(enum.Enum):
     RECLAIM = "ReclaimBorrowed"  # the victim borrowed capacity an in-quota job needs
     HIGHER_CLASS = "HigherClass"  # the preemptor's class outranks the victim's
+    OWNER_RECLAIM = "OwnerReclaim"  # the victim ran in lent capacity its owner needs back
 
 
 def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: float,

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from carpool.core import lending
 from carpool.core.accounting import grants_fraction, held_fraction, memory_efficiency, project_usage
 from carpool.core.derived import DerivedState
 from carpool.core.durations import format_duration
@@ -69,6 +70,7 @@ from carpool.core.fairshare import (
 from carpool.core.gangs import GangPlacement, WorkerPlacement, place_gang
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuota, ProjectUsage
+from carpool.core.lending import LendingPolicy
 from carpool.core.placement import (
     SHARING_WOULD_BREAK,
     NodeState,
@@ -170,6 +172,8 @@ class AdmissionConfig:
     node_placer: NodePlacer = field(default_factory=extender_placer)
     # node states and fits kept across cycles (a replay); None: each cycle starts afresh
     timeline_memo: TimelineMemo | None = field(default=None, compare=False)
+    # lend running jobs' unused grants to preemptible MPS jobs (core.lending); None: off
+    lending: LendingPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.fair_share_half_life_s <= 0:
@@ -395,6 +399,7 @@ class _Cycle:
     # how much earlier and later than planned an occupancy may end (its P10, P90), for the
     # occupancies whose end depends on a job's own progress reports (`_Spread`)
     spreads: dict[str, _Spread] = field(default_factory=dict)
+    borrow_fail: set[GpuRequest] = field(default_factory=set)  # found no lent room this cycle
 
 
 class _Spread(NamedTuple):
@@ -471,7 +476,9 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
                 if worker.node in nodes:
                     timeline.add(worker.node, Occupancy(job.key, now, end, worker.grants))
         elif job.grants and job.node in nodes:
-            timeline.add(job.node, Occupancy(job.key, now, end, job.grants))
+            grants = (lending.split(job.grants, job.lendable_mib, job.lendable_cores_pct)
+                      if config.lending is not None else job.grants)
+            timeline.add(job.node, Occupancy(job.key, now, end, grants))
         ledger = ledgers.get(job.project)
         if ledger is not None:
             claims = budget_claims(ledger.quota, fraction, now, job.started_at, job.limit_s)
@@ -537,6 +544,28 @@ def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemp
         f"checkpoint")
 
 
+def _reclaim_lent(cycle: _Cycle) -> None:
+    """Stop the borrowers of GPUs whose owners need their lent parts back (`lending`)."""
+    by_node: dict[str, dict[str, tuple[float, tuple[GpuGrant, ...]]]] = {}
+    for holder in cycle.holders:
+        job = holder.job
+        if any(g.borrowed for g in job.grants) and job.node in cycle.snapshot.nodes:
+            by_node.setdefault(job.node, {})[job.key] = (job.started_at or 0.0, job.grants)
+    now = cycle.snapshot.now
+    holders = {h.job.key: h for h in cycle.holders}
+    for node in sorted(by_node):
+        state = cycle.timeline.state_during(node, now, math.nextafter(now, math.inf))
+        for key in lending.reclaims(state, by_node[node], cycle.leaving):
+            victim = holders[key].job
+            lost = lost_gpu_hours(victim, holders[key].fraction, now)
+            cycle.leaving.add(key)
+            cycle.timeline.end_at(key, now + leaving_s(victim))
+            cycle.preemptions.append(Preemption(
+                key, "", node, PreemptionCause.OWNER_RECLAIM, victim.checkpoint_grace_s, lost,
+                f"{key} ran in GPU capacity lent by another job on {node}, which now needs it "
+                f"back; {lost:.2f} GPU-hours since its last checkpoint"))
+
+
 def _own_leaving(cycle: _Cycle, project: str) -> list[_Holder]:
     """The project's in-quota jobs that were told to stop and still hold their GPUs."""
     return [h for h in cycle.holders_by_project.get(project, ())
@@ -595,6 +624,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     config = config if config is not None else AdmissionConfig()
     cycle = _build_cycle(snapshot, config)
     now = snapshot.now
+    _reclaim_lent(cycle)
 
     expiries = tuple(
         Expiry(h.job.key, now - started, h.job.max_duration_s, h.job.checkpoint_grace_s)
@@ -1071,12 +1101,36 @@ class _QueueDecisions:
             slot = cycle.timeline.best_now(request, duration)
             if slot is None:
                 cycle.now_fail[request] = duration
+        if slot is None and job.not_before <= cycle.snapshot.now:
+            slot = self._lent_slot(job)
         if slot is not None:
             fraction = grants_fraction(slot.grants, cycle.snapshot.nodes[slot.node].inventory,
                                        request.isolation)
             return slot, fraction, _memory_of(request, slot.grants, cycle.reference_mib)
         return (None, nominal_fraction(request, cycle.reference_mib),
                 _memory_of(request, (), cycle.reference_mib))
+
+    def _lent_slot(self, job: Job) -> Slot | None:
+        """The best node whose lent capacity holds the job, if it may borrow (`lending`)."""
+        cycle = self.cycle
+        policy = cycle.config.lending
+        request = job.request
+        if policy is None or request in cycle.borrow_fail or not lending.may_borrow(
+                request, job.preemptible, job.checkpoint_grace_s, policy):
+            return None
+        now = cycle.snapshot.now
+        best: tuple[float, str, tuple[GpuGrant, ...]] | None = None
+        for node in sorted(cycle.snapshot.nodes):
+            state = cycle.timeline.state_during(node, now, math.nextafter(now, math.inf))
+            if not lending.lends_anything(state):
+                continue
+            fit = cycle.config.node_placer(lending.borrower_view(state), request)
+            if fit is not None and (best is None or fit[0] > best[0]):
+                best = (fit[0], node, fit[1])
+        if best is None:
+            cycle.borrow_fail.add(request)
+            return None
+        return Slot(cycle.snapshot.now, best[1], lending.as_borrowed(best[2]))
 
     def _admit(self, job: Job, position: int, slot: Slot, duration: float, fraction: float,
                memory: int, verdict: Verdict, claims: Mapping[float, float]) -> None:

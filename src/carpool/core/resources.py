@@ -180,6 +180,10 @@ class GpuGrant:
     exclusive: bool = False
     mig_instance: str = ""  # MIG instance UUID when isolation is MIG
     sharing_limit: int = 0  # the most jobs the holder lets its GPU carry (0: no limit)
+    # lending (core.lending): `lent` marks the part of an owner's grant it has left unused,
+    # which borrowers may use; `borrowed` marks a borrower's grant sitting in such a part
+    lent: bool = False
+    borrowed: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from carpool.core.resources import GpuRequest, Isolation
 
 MIN_SAMPLES = 3  # finished runs of a template before its peaks say anything
 PEAK_QUANTILE = 0.9
@@ -46,10 +48,30 @@ def high_peak(peaks: Iterable[int]) -> int | None:
     return ordered[min(len(ordered) - 1, math.ceil(PEAK_QUANTILE * len(ordered)) - 1)]
 
 
-def recommended_mib(peaks: Iterable[int]) -> int | None:
-    """The request the peaks call for, in whole GiB (None: fewer than MIN_SAMPLES)."""
+def recommended(peaks: Iterable[int], step: int) -> int | None:
+    """The request the peaks call for, in whole `step`s (None: fewer than MIN_SAMPLES)."""
     peak = high_peak(peaks)
-    return None if peak is None else max(1, math.ceil(peak * HEADROOM / MIB_PER_GIB)) * MIB_PER_GIB
+    return None if peak is None else max(1, math.ceil(peak * HEADROOM / step)) * step
+
+
+def recommended_mib(peaks: Iterable[int]) -> int | None:
+    """The memory request the peaks (MiB) call for, in whole GiB."""
+    return recommended(peaks, MIB_PER_GIB)
+
+
+def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | None
+               ) -> GpuRequest:
+    """`request` placed by its calibrated size: memory and cores lowered to the
+    recommendations where they are below what it asks (never raised). The watchdog fences a
+    job that then outgrows it; it runs again as asked."""
+    if request.isolation is not Isolation.MPS:
+        return request  # whole GPUs and MIG instances come in fixed sizes
+    memory = request.memory_mib if memory_mib is None else min(request.memory_mib, memory_mib)
+    cores = request.cores_pct if cores_pct is None or request.cores_pct == 0 else min(
+        request.cores_pct, cores_pct)
+    if (memory, cores) == (request.memory_mib, request.cores_pct):
+        return request
+    return replace(request, memory_mib=memory, cores_pct=cores)
 
 
 def size_advice(runs: Iterable[tuple[str, str, int, int]]) -> list[SizeAdvice]:

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from carpool.core import lending, right_sizing
 from carpool.core.accounting import grants_fraction, project_usage, retire_job
 from carpool.core.estimate_ranges import arrival_work, recent_misses, start_miss
 from carpool.core.eta_accuracy import INSIDE, score_first_estimate
@@ -50,6 +51,7 @@ from carpool.core.jobs import (
     StartMiss,
 )
 from carpool.core.placement import NodeState
+from carpool.core.preemption import PreemptionCause
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
 from carpool.core.run_times import DURATION_LEARNING_RATE, LearnKey, fold_finished
@@ -57,6 +59,7 @@ from carpool.core.timeline import NodePlacer, Occupancy, Timeline, TimelineMemo
 from carpool.core.timestamps import as_written
 from carpool.replay.job_traces import TraceJob
 from carpool.replay.progress_traces import Curve, curve
+from carpool.replay.usage_traces import Usage, peak_of, usage
 
 POLICIES = ("fifo", "slurm", "kueue", "carpool")
 REFRESH_SAMPLE_S = 600.0  # a waiting job's refreshed estimate is sampled at most this often
@@ -159,6 +162,7 @@ class Start:
 class Stop:
     job_key: str
     grace_s: float
+    owner_reclaim: bool = False  # it ran in lent capacity its owner needs back
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,8 @@ def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
         result = admission_cycle(state.snapshot(), config)
         return Decisions(
             tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
-            tuple(Stop(p.victim_key, p.grace_s) for p in result.preemptions),
+            tuple(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM)
+                  for p in result.preemptions),
             {w.job_key: Estimate(w.estimated_start, w.estimated_start_low,
                                  w.estimated_start_high, w.simulated_start)
              for w in result.waits if w.estimated_start is not None})
@@ -375,9 +380,40 @@ class Outcome:
     preemptions: int
     gpu_hours_by_project: Mapping[str, float]
     cycles: int
+    idle: IdleStats | None = None
+    horizon: float = 0.0  # the last arrival
 
 
 ARRIVE, LEAVE, END = 0, 1, 2  # at one instant: leaving GPUs before ends, then arrivals
+# a job's use rises (usage_traces); the watchdog ends an outgrown job; a job has run long
+# enough for its peak to be trusted (lending)
+RISE, KILL, OBSERVED = 3, 4, 5
+OUTGROW_S = 60.0  # a job placed below its peak reaches it this long after it starts
+
+
+@dataclass(frozen=True)
+class IdleCapacity:
+    """What the replay does about capacity jobs hold and do not use: each job's use drawn
+    from `seed` (`usage_traces`); `lending` lends it within GPUs (`core.lending`, the
+    carpool policy's `AdmissionConfig.lending` must match); `right_sizing` places
+    preemptible jobs by the peaks their template's finished runs reached
+    (`core.right_sizing`), running them as asked once they outgrow that."""
+
+    seed: int = 0
+    lending: lending.LendingPolicy | None = None
+    right_sizing: bool = False
+
+
+@dataclass
+class IdleStats:
+    """What was measured about unused capacity (see `score`)."""
+
+    work_runs: list[tuple[float, float, float]] = field(default_factory=list)  # start, end, GPUs
+    lent_gpu_seconds: float = 0.0  # held by borrowers in lent capacity
+    reclaims: int = 0
+    reclaim_latencies: list[float] = field(default_factory=list)  # rise to borrower gone
+    borrower_stops: dict[str, int] = field(default_factory=dict)  # preemptions per borrower
+    outgrown: int = 0  # right-sized runs the watchdog ended
 
 
 class Replay:
@@ -389,7 +425,8 @@ class Replay:
                  quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
                  learning_rate: float = DURATION_LEARNING_RATE,
                  observe: Callable[[State, Decisions], None] | None = None,
-                 progress_share: float = 0.0, progress_seed: int = 0) -> None:
+                 progress_share: float = 0.0, progress_seed: int = 0,
+                 idle: IdleCapacity | None = None) -> None:
         if not 0 <= progress_share <= 1:
             raise ValueError(f"the share of jobs reporting progress must be in [0, 1], got "
                              f"{progress_share}")
@@ -423,6 +460,15 @@ class Replay:
             and random.Random(f"{progress_seed}:{j.key}:reports").random() < progress_share}
         self.reporting: set[str] = set()  # running jobs with a curve
         self.ticks: dict[str, tuple[int, int]] = {}  # (attempt, report) each last reported
+        self.idle = idle
+        self.usage: dict[str, Usage] = (
+            {j.key: usage(f"{idle.seed}:{j.project}:{j.template}", f"{idle.seed}:{j.key}")
+             for j in jobs} if idle is not None else {})
+        self.idle_stats = IdleStats() if idle is not None else None
+        self.peaks: dict[tuple[str, str], list[int]] = {}  # finished runs' peak cores
+        self.as_asked: set[str] = set()  # outgrew a right-sized run: placed as asked now
+        self.calibrations: dict[tuple[str, str], int | None] = {}  # recommended cores
+        self.rose_at: dict[str, float] = {}  # node -> when an owner's use there last rose
 
     def fork(self, arrivals: bool = True) -> Replay:
         """A copy that runs on independently; without `arrivals`, no job arrives any more."""
@@ -439,16 +485,29 @@ class Replay:
         other.hours = dict(self.hours)
         other.reporting = set(self.reporting)
         other.ticks = dict(self.ticks)
+        other.peaks = {k: list(v) for k, v in self.peaks.items()}
+        other.as_asked = set(self.as_asked)
+        other.calibrations = dict(self.calibrations)
+        if self.idle_stats is not None:
+            other.idle_stats = copy.deepcopy(self.idle_stats)
         return other
 
-    def _close_run(self, job: Job, now: float) -> Job:
+    def _close_run(self, job: Job, now: float, lost: bool = False) -> Job:
         run = job.current_run
         if run is None:
             return job
         held = run.fraction * (now - run.start)
         self.gpu_seconds += held
         self.hours[job.project] = self.hours.get(job.project, 0.0) + held / 3600
-        self.done_s[job.key] = self.done_s.get(job.key, 0.0) + (now - run.start)
+        stats = self.idle_stats
+        if stats is not None:
+            if any(g.borrowed for g in job.grants):
+                stats.lent_gpu_seconds += held
+            if not lost:
+                stats.work_runs.append((run.start, now, nominal_fraction(
+                    self.trace[job.key].request, self.reference)))
+        if not lost:
+            self.done_s[job.key] = self.done_s.get(job.key, 0.0) + (now - run.start)
         runs = tuple(replace(r, end=now) if r.attempt == run.attempt else r for r in job.runs)
         return replace(job, runs=runs)
 
@@ -472,6 +531,10 @@ class Replay:
                 state.retired[job.project] = retire_job(
                     state.retired.get(job.project), job, quota, now, HALF_LIFE_S)
             fold_finished(state.learned, job, trace[key].runtime_s, self.learning_rate)
+            if key in self.usage:
+                self.peaks.setdefault((job.project, job.template), []).append(
+                    peak_of(trace[key].request.cores_pct, self.usage[key].peak))
+                self.calibrations.pop((job.project, job.template), None)
             record = start_miss(job)
             if record is not None:
                 state.start_misses = recent_misses((*state.start_misses, record))
@@ -479,11 +542,28 @@ class Replay:
                 job, nominal_fraction(job.request, self.reference), state.learned)))
             while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
                 state.arrivals.popleft()
+        elif kind == RISE:
+            job = state.jobs.get(key)
+            if job is not None and job.attempts == attempt and job.phase is Phase.RUNNING:
+                self.rose_at[job.node] = now  # the cycle's measurement sees the new peak
+        elif kind == OBSERVED:
+            pass  # the cycle's measurement lends what the job's peak leaves
+        elif kind == KILL:  # the watchdog ends a right-sized run that outgrew its grant
+            job = state.jobs.get(key)
+            if job is None or job.attempts != attempt or job.phase is not Phase.RUNNING:
+                return
+            assert self.idle_stats is not None
+            self.idle_stats.outgrown += 1
+            self.as_asked.add(key)
+            state.jobs[key] = replace(self._close_run(job, now, lost=True), grants=(), node="",
+                                      phase=Phase.QUEUED, request=trace[key].request,
+                                      lendable_mib=0, lendable_cores_pct=0)
         else:  # LEAVE: a preempted job is off its GPUs and queued again
             job = state.jobs.get(key)
             if job is None or job.attempts != attempt or not job.terminating:
                 return
-            state.jobs[key] = replace(self._close_run(job, now), grants=(), node="")
+            state.jobs[key] = replace(self._close_run(job, now), grants=(), node="",
+                                      lendable_mib=0, lendable_cores_pct=0)
 
     def step(self) -> bool:
         """Run the next instant with an event (one cycle); False when none is left."""
@@ -496,6 +576,8 @@ class Replay:
             _, kind, key, attempt = heapq.heappop(events)
             self._event(now, kind, key, attempt)
         self._report_progress()
+        if self.idle is not None:
+            self._measure_use()
         decisions = self.policy(state)
         if self.observe is not None:
             self.observe(state, decisions)
@@ -503,6 +585,13 @@ class Replay:
         for stop in decisions.stops:
             job = state.jobs[stop.job_key]
             self.preemptions += 1
+            stats = self.idle_stats
+            if stats is not None and any(g.borrowed for g in job.grants):
+                stats.borrower_stops[job.key] = stats.borrower_stops.get(job.key, 0) + 1
+                if stop.owner_reclaim:
+                    stats.reclaims += 1
+                    stats.reclaim_latencies.append(
+                        now + max(stop.grace_s, 1.0) - self.rose_at.get(job.node, now))
             state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
             heapq.heappush(events, (now + max(stop.grace_s, 1.0), LEAVE, job.key, job.attempts))
         for start in decisions.starts:
@@ -526,6 +615,8 @@ class Replay:
                 record.first_start = now
             remaining = max(1.0, self.trace[job.key].runtime_s - self.done_s.get(job.key, 0.0))
             heapq.heappush(events, (now + remaining, END, job.key, attempt))
+            if job.key in self.usage:
+                self._watch_use(state.jobs[job.key], done, remaining)
         for key, estimate in decisions.estimates.items():
             record = self.records[key]
             if record.first_start is not None:
@@ -541,6 +632,62 @@ class Replay:
                 record.refreshed.append((now, estimate.start))
                 record.last_sample = now
         return True
+
+    def _watch_use(self, job: Job, done: float, remaining: float) -> None:
+        """Events of a started run's use: its rise, and the watchdog's end of a run placed
+        below the peak it will reach."""
+        now, run_s = self.state.now, self.trace[job.key].runtime_s
+        use = self.usage[job.key]
+        policy = self.idle.lending if self.idle is not None else None
+        if policy is not None and policy.observed_s < remaining:
+            heapq.heappush(self.events, (now + policy.observed_s, OBSERVED, job.key,
+                                         job.attempts))
+        rise = use.rise_after(done, run_s)
+        if rise is not None and rise < remaining:
+            heapq.heappush(self.events, (now + rise, RISE, job.key, job.attempts))
+        asked = self.trace[job.key].request.cores_pct
+        if job.request.cores_pct < asked:  # placed by its calibrated size
+            if peak_of(asked, use.used(done, run_s)) > job.request.cores_pct:
+                at = min(OUTGROW_S, remaining)
+            elif rise is not None and peak_of(asked, use.peak) > job.request.cores_pct:
+                at = rise
+            else:
+                return
+            if at < remaining:
+                heapq.heappush(self.events, (now + at, KILL, job.key, job.attempts))
+
+    def _measure_use(self) -> None:
+        """What the device plugin would have measured by now, as the operator passes it on:
+        each running owner's lendable part (`lending.lendable`, from its peak so far), and
+        waiting preemptible jobs' calibrated sizes (`right_sizing.calibrated`)."""
+        idle, state = self.idle, self.state
+        assert idle is not None
+        for key, job in list(state.jobs.items()):
+            trace = self.trace[key]
+            if idle.lending is not None and job.phase is Phase.RUNNING and job.grants:
+                run = job.current_run
+                assert run is not None
+                done = self.done_s.get(key, 0.0)
+                share = self.usage[key].used(done + state.now - run.start, trace.runtime_s)
+                memory_peak = (peak_of(trace.request.memory_mib, share)
+                               if trace.request.memory_mib else None)
+                cores_peak = peak_of(trace.request.cores_pct, share)
+                lent = [lending.lendable(g, memory_peak, cores_peak, state.now - run.start,
+                                         idle.lending) for g in job.grants]
+                memory = min(m for m, _ in lent)
+                cores = min(c for _, c in lent)
+                if (memory, cores) != (job.lendable_mib, job.lendable_cores_pct):
+                    state.jobs[key] = replace(job, lendable_mib=memory, lendable_cores_pct=cores)
+            elif (idle.right_sizing and job.waiting and job.preemptible
+                  and key not in self.as_asked):
+                learn = (job.project, job.template)
+                if learn not in self.calibrations:
+                    self.calibrations[learn] = right_sizing.recommended(
+                        self.peaks.get(learn, ()), 1)
+                calibrated_cores = self.calibrations[learn]
+                request = right_sizing.calibrated(trace.request, None, calibrated_cores)
+                if request != job.request:
+                    state.jobs[key] = replace(job, request=request)
 
     def _report_progress(self) -> None:
         """The latest progress report of every running job that reports, as the node agent
@@ -573,19 +720,21 @@ class Replay:
         span = max(0.0, self.last_end - first)
         return Outcome(self.name, self.records, self.trace, self.gpu_seconds,
                        capacity_gpus(self.nodes), span, self.preemptions, self.hours,
-                       self.cycles)
+                       self.cycles, self.idle_stats,
+                       max((j.arrival for j in self.jobs), default=first))
 
 
 def replay(jobs: Sequence[TraceJob], nodes: Mapping[str, NodeState],
            quotas: Mapping[str, ProjectQuota], policy: Policy, name: str,
            learning_rate: float = DURATION_LEARNING_RATE,
            observe: Callable[[State, Decisions], None] | None = None,
-           progress_share: float = 0.0, progress_seed: int = 0) -> Outcome:
+           progress_share: float = 0.0, progress_seed: int = 0,
+           idle: IdleCapacity | None = None) -> Outcome:
     """Run the trace through `policy`; every instant with an event is one cycle. `observe`
     sees each cycle's state and decisions before they are carried out. `progress_share` of
     the jobs, drawn from `progress_seed`, report progress as they run (`progress_traces`)."""
     run = Replay(jobs, nodes, quotas, policy, name, learning_rate, observe, progress_share,
-                 progress_seed)
+                 progress_seed, idle)
     while run.step():
         pass
     return run.outcome()
@@ -698,6 +847,31 @@ def score(outcome: Outcome, min_wait_s: float = MIN_WAIT_S) -> dict[str, object]
                                  for p, h in sorted(outcome.gpu_hours_by_project.items())},
         "makespan_s": outcome.span_s,
         "cycles": outcome.cycles,
+        **(idle_scores(outcome) if outcome.idle is not None else {}),
+    }
+
+
+def idle_scores(outcome: Outcome) -> dict[str, object]:
+    """Work done while the trace arrives (GPU-hours of progress, by the requests' shares, in
+    runs the watchdog did not end, up to the last arrival); the waits of jobs that cannot
+    borrow (the owners); lent capacity's use and its reclaims."""
+    stats = outcome.idle
+    assert stats is not None
+    first = min((r.arrival for r in outcome.records.values()), default=0.0)
+    work = sum(gpus * max(0.0, min(end, outcome.horizon) - max(start, first))
+               for start, end, gpus in stats.work_runs)
+    owners = [r.first_start - r.arrival for k, r in outcome.records.items()
+              if r.first_start is not None and not outcome.trace[k].preemptible]
+    stops = list(stats.borrower_stops.values())
+    return {
+        "work_gpu_hours_by_last_arrival": work / 3600,
+        "owner_wait_p50_s": _quantile(owners, 0.5),
+        "owner_wait_p99_s": _quantile(owners, 0.99),
+        "lent_gpu_hours": stats.lent_gpu_seconds / 3600,
+        "owner_reclaims": stats.reclaims,
+        "owner_reclaim_p99_s": _quantile(stats.reclaim_latencies, 0.99),
+        "borrower_stops_max_per_job": max(stops, default=0),
+        "right_sized_runs_outgrown": stats.outgrown,
     }
 
 

@@ -1,0 +1,146 @@
+"""Lending within a GPU: the part of a running job's grant it has not used goes to
+preemptible jobs until the owner needs it back.
+
+Users ask for more GPU memory (and SMs) than their jobs use, and what they asked for is held
+back from everyone else. Once an owner has run for `LendingPolicy.observed_s`, the part of
+its grant above its measured peak plus headroom is *lent*: a preemptible MPS job with a
+short checkpoint grace may be placed there as a *borrower*, with a grant of its own (MPS
+limits are fixed when a client starts, so a borrower is sized and fenced like any client:
+its own pinned-memory and thread limits, the watchdog behind them).
+
+The owner keeps its whole grant: new owners never see lent capacity as free, and when an
+owner's measured peak grows past what its lent part leaves it, the GPU is over-committed
+and its newest borrowers are stopped (checkpoint, requeue) until it is not. The headroom
+above the peak is the owner's room to grow while a borrower leaves, and a borrower's
+checkpoint grace is at most `reclaim_within_s`, the bound on how long the owner waits.
+When an owner ends, its borrowers stay: their grants then count as ordinary use of the
+GPU (`placement._held`).
+
+Billing: a borrower is billed by its own grant like any job; the owner by its grant, which
+it keeps. Pure: grants and measurements in, grants and stop lists out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from carpool.core.placement import NodeState
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+
+MIB_PER_GIB = 1024
+
+
+@dataclass(frozen=True)
+class LendingPolicy:
+    """How idle grants are lent (ProjectQuota-independent: a cluster setting)."""
+
+    observed_s: float = 600.0  # an owner's peak is trusted after it ran this long
+    headroom: float = 1.2  # the owner keeps its peak times this (memory in whole GiB)
+    reclaim_within_s: float = 30.0  # borrowers must stop within this (their checkpoint grace)
+
+    def __post_init__(self) -> None:
+        if self.observed_s < 0:
+            raise ValueError("lending: observed time must not be negative")
+        if self.headroom < 1:
+            raise ValueError("lending: headroom must be at least 1 (the owner keeps its peak)")
+        if self.reclaim_within_s <= 0:
+            raise ValueError("lending: reclaim bound must be positive")
+
+
+def may_borrow(request: GpuRequest, preemptible: bool, checkpoint_grace_s: float,
+               policy: LendingPolicy) -> bool:
+    """Whether a job may run in lent capacity: preemptible, an MPS client (fenced by its own
+    limits) and able to leave within the reclaim bound."""
+    return (preemptible and request.isolation is Isolation.MPS
+            and checkpoint_grace_s <= policy.reclaim_within_s)
+
+
+def lendable(grant: GpuGrant, peak_memory_mib: int | None, peak_cores_pct: int | None,
+             running_s: float, policy: LendingPolicy) -> tuple[int, int]:
+    """(memory MiB, cores %) of an owner's grant on one GPU it may lend: what lies above its
+    measured peak times the headroom, once it ran `observed_s`; nothing for exclusive and
+    MIG grants, or where that was not measured (None)."""
+    if (running_s < policy.observed_s or grant.exclusive or grant.mig_instance
+            or grant.lent or grant.borrowed):
+        return 0, 0
+    memory = cores = 0
+    if peak_memory_mib is not None and grant.memory_mib > 0:
+        keep = math.ceil(peak_memory_mib * policy.headroom / MIB_PER_GIB) * MIB_PER_GIB
+        memory = max(0, grant.memory_mib - max(keep, MIB_PER_GIB))
+    if peak_cores_pct is not None and grant.cores_pct > 0:
+        cores = max(0, grant.cores_pct - max(1, math.ceil(peak_cores_pct * policy.headroom)))
+    return memory, cores
+
+
+def split(grants: Sequence[GpuGrant], lent_memory_mib: int, lent_cores_pct: int
+          ) -> tuple[GpuGrant, ...]:
+    """An owner's grants with the lent part of each split off as a `lent` grant (the same
+    amounts per GPU); the grants themselves when nothing is lent."""
+    if lent_memory_mib <= 0 and lent_cores_pct <= 0:
+        return tuple(grants)
+    out: list[GpuGrant] = []
+    for g in grants:
+        memory = min(lent_memory_mib, g.memory_mib)
+        cores = min(lent_cores_pct, g.cores_pct)
+        if g.exclusive or g.mig_instance or g.borrowed or (memory <= 0 and cores <= 0):
+            out.append(g)
+            continue
+        out.append(replace(g, memory_mib=g.memory_mib - memory, cores_pct=g.cores_pct - cores))
+        out.append(GpuGrant(g.gpu_uuid, memory, cores, lent=True))
+    return tuple(out)
+
+
+def borrower_view(state: NodeState) -> NodeState:
+    """The node as a borrower sees it: lent parts free, other borrowers' grants held. The
+    placement rules then fit a borrower exactly as they fit anyone (`as_borrowed` marks what
+    they grant)."""
+    grants = tuple(replace(g, borrowed=False) if g.borrowed else g
+                   for g in state.grants if not g.lent)
+    return NodeState(state.inventory, grants, state.cpu_used_milli, state.memory_used_mib)
+
+
+def as_borrowed(grants: Iterable[GpuGrant]) -> tuple[GpuGrant, ...]:
+    return tuple(replace(g, borrowed=True) for g in grants)
+
+
+def lends_anything(state: NodeState) -> bool:
+    return any(g.lent for g in state.grants)
+
+
+def reclaims(state: NodeState, borrowers: Mapping[str, tuple[float, tuple[GpuGrant, ...]]],
+             leaving: Iterable[str] = ()) -> list[str]:
+    """Borrowers to stop so that no GPU of `state` holds more than it has for its owners:
+    newest first (least work lost), on the GPUs over-committed. `borrowers` maps each
+    borrower on the node to (its start, its grants); `leaving` ones already go."""
+    gone = set(leaving)
+    over = _over_committed(state, gone, borrowers)
+    if not over:
+        return []
+    stop: list[str] = []
+    for key, (_, grants) in sorted(borrowers.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        if key in gone or not any(g.gpu_uuid in over for g in grants):
+            continue
+        stop.append(key)
+        gone.add(key)
+        over = _over_committed(state, gone, borrowers)
+        if not over:
+            break
+    return stop
+
+
+def _over_committed(state: NodeState, gone: set[str],
+                    borrowers: Mapping[str, tuple[float, tuple[GpuGrant, ...]]]) -> set[str]:
+    """GPUs (UUIDs) whose owners' grants and borrowers' beyond the lent parts exceed them,
+    leaving out the grants of `gone` borrowers."""
+    dropped = [g for key in gone if (entry := borrowers.get(key)) is not None
+               for g in entry[1]]
+    grants = list(state.grants)
+    for g in dropped:
+        for i, held in enumerate(grants):
+            if held is g or (held == g and held.borrowed):
+                del grants[i]
+                break
+    left = NodeState(state.inventory, tuple(grants), state.cpu_used_milli, state.memory_used_mib)
+    return {f.gpu.uuid for f in left.free() if f.memory_mib < 0 or f.cores_pct < 0}

@@ -1,0 +1,76 @@
+"""The replay's unused capacity (`queue_replay.IdleCapacity`): an owner's unused share lent to
+a preemptible job and reclaimed when the owner's use rises; right-sized runs that outgrow
+their size ended by the watchdog and run again as asked."""
+
+from __future__ import annotations
+
+from carpool.core.lending import LendingPolicy
+from carpool.core.queueing import AdmissionConfig
+from carpool.core.resources import GpuRequest, Isolation, JobClass
+from carpool.replay import job_traces as traces
+from carpool.replay import queue_replay as qr
+from carpool.replay.usage_traces import RISE_FROM, Usage, usage
+from carpool_testbed.builders import packing_placer
+
+LENDING = LendingPolicy(observed_s=600)
+NODES = qr.trace_nodes([("n1", 1, "T4")], 1.0)
+
+
+def mps(name: str, arrival: float, run_s: float, cores: int, cls: JobClass,
+        preemptible: bool, template: str = "") -> traces.TraceJob:
+    request = GpuRequest(1, 0, cores, Isolation.MPS)
+    return traces.TraceJob(f"p/{name}", "p", cls, request, arrival, run_s, run_s,
+                           template or name, preemptible)
+
+
+def run(jobs: list[traces.TraceJob], uses: dict[str, Usage], idle: qr.IdleCapacity
+        ) -> qr.Outcome:
+    policy = qr.carpool_policy(AdmissionConfig(node_placer=packing_placer,
+                                               lending=idle.lending))
+    replay = qr.Replay(jobs, NODES, qr.open_quotas(jobs), policy, "carpool", idle=idle)
+    replay.usage = {f"p/{k}": u for k, u in uses.items()}
+    while replay.step():
+        pass
+    return replay.outcome()
+
+
+OWNER = mps("owner", 0, 7200, 80, JobClass.LONG, False)
+SWEEP = mps("sweep", 100, 3000, 40, JobClass.BATCH, True)
+
+
+def test_a_preemptible_job_runs_in_an_owners_unused_share_once_its_peak_is_known() -> None:
+    uses = {"owner": Usage(0.4), "sweep": Usage(1.0)}
+    off = run([OWNER, SWEEP], uses, qr.IdleCapacity())
+    on = run([OWNER, SWEEP], uses, qr.IdleCapacity(lending=LENDING))
+    assert off.records["p/sweep"].first_start == 7200  # 20 % left free: it waits
+    assert on.records["p/sweep"].first_start == 600  # 80 - ceil(32 x 1.2) = 41 % lent
+    scores = qr.score(on)
+    assert scores["lent_gpu_hours"] > 0 and scores["owner_reclaims"] == 0
+    assert scores["owner_wait_p99_s"] == 0
+
+
+def test_an_owner_whose_use_rises_gets_its_share_back_within_the_grace() -> None:
+    uses = {"owner": Usage(0.9, rise_at=0.25), "sweep": Usage(1.0)}  # rises at 1800 s
+    outcome = run([OWNER, SWEEP], uses, qr.IdleCapacity(lending=LENDING))
+    assert outcome.records["p/sweep"].first_start == 600  # lent 80 - ceil(0.9 x 0.6 x 96)
+    scores = qr.score(outcome)
+    assert scores["owner_reclaims"] == 1
+    assert scores["owner_reclaim_p99_s"] == 30.0  # its checkpoint grace
+    assert RISE_FROM < 1
+
+
+def test_a_right_sized_run_that_outgrows_its_size_runs_again_as_asked() -> None:
+    history = [mps(f"t{i}", i * 10, 300, 50, JobClass.BATCH, True, "t") for i in range(3)]
+    late = mps("t9", 5000, 600, 50, JobClass.BATCH, True, "t")
+    jobs = [*history, late]
+    uses = {f"t{i}": Usage(0.2) for i in range(3)} | {"t9": Usage(0.9)}
+    outcome = run(jobs, uses, qr.IdleCapacity(right_sizing=True))
+    assert qr.score(outcome)["right_sized_runs_outgrown"] == 1  # placed at 12 %, peaked at 45
+    assert outcome.records["p/t9"].first_start == 5000
+    assert outcome.gpu_hours_by_project["p"] > 0
+
+
+def test_usage_is_drawn_per_template_and_run() -> None:
+    a, b = usage("s:p:train", "s:p/train-1"), usage("s:p:train", "s:p/train-2")
+    assert 0.05 <= a.peak <= 1 and abs(a.peak / b.peak - 1) < 0.6
+    assert usage("s:p:train", "s:p/train-1") == a
