@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from carpool.core.jobs import ClusterSnapshot, JobClass, Phase, RunRecord
+from carpool.core.jobs import ClusterSnapshot, Job, RunRecord
 from carpool.core.lending import (
     LendingPolicy,
     as_borrowed,
@@ -18,7 +18,15 @@ from carpool.core.lending import (
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.preemption import PreemptionCause
 from carpool.core.queueing import AdmissionConfig, admission_cycle
-from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    JobClass,
+    NodeInventory,
+    Phase,
+)
 from carpool_testbed.builders import gpu_job, project_quota
 
 GIB = 1024
@@ -81,7 +89,7 @@ def test_a_rising_owner_gets_its_lent_part_back_newest_borrower_first() -> None:
     assert reclaims(lent_now, borrowers, leaving=["b/new"]) == []  # already going
 
 
-def _owner_and_borrower_jobs(lent_gib: int):
+def _owner_and_borrower_jobs(lent_gib: int) -> tuple[Job, Job]:
     owner = gpu_job("a/train", "a", JobClass.LONG, memory_gib=60, exclusive=False,
                     phase=Phase.RUNNING, attempts=1, node="n1",
                     grants=(owner_grant(),), runs=(RunRecord(1, NOW - 3600, None, 0.75, "n1"),),
