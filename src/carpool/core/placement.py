@@ -61,7 +61,7 @@ class NodeState:
                     memory_mib=gpu.memory_total_mib - memory,
                     cores_pct=100 - cores,
                     exclusive_taken=any(g.exclusive for g in held),
-                    grants=len(held),
+                    grants=sum(1 for g in held if not g.lent),  # jobs on it (core.lending)
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
                     sharing_limit=_sharing_limit(held) if held else 0,
                 )
