@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from carpool.core.lending import LendingPolicy
 from carpool.core.scoring import CARPOOL
 from carpool.extender.cache import ClusterCache
 from carpool.extender.kube import KubeCluster, api_client, start_informers
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allow-unowned-pods", action="store_true",
                         help="also place pods that no GpuJob owns (test beds and benchmarks; "
                              "without it such pods are filtered out with the reason)")
+    parser.add_argument("--lending", action="store_true",
+                        help="count owners' unused GPU memory as lent and bind the pods the "
+                             "operator places there (the operator's CARPOOL_LENDING)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
         return 2
     tune_interpreter()
-    cache = ClusterCache()
+    cache = ClusterCache(LendingPolicy() if args.lending else None)
     start_informers(api, cache)
     extender = Extender(cache, KubeCluster(api), settings)
     ssl_context = None

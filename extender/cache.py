@@ -10,6 +10,7 @@ HTTP or API call — so two concurrent binds can never both take the same free c
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +26,7 @@ from carpool.core.assignment import (
 )
 from carpool.core.decoding import first_image, gpu_request_from_spec, worker_requests_from_spec
 from carpool.core.jobs import job_template
+from carpool.core.lending import LendingPolicy, lendable, split
 from carpool.core.ownership import Owner
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
@@ -87,6 +89,18 @@ class InFlightClash:
 Chooser = Callable[[NodeState], tuple[Assignment, tuple[GpuGrant, ...]] | Refused]
 
 
+def _pod_peaks(gpunode: Mapping[str, Any] | None) -> dict[tuple[str, str], int]:
+    """(namespace/name, GPU UUID) -> peak GPU memory (MiB) the node's device plugin saw."""
+    out: dict[tuple[str, str], int] = {}
+    for entry in ((gpunode or {}).get("status") or {}).get("pods") or ():
+        try:
+            key = (f"{entry['namespace']}/{entry['name']}", str(entry["gpuUuid"]))
+            out[key] = int(entry.get("peakMemoryMiB") or 0)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def _pod_key(pod: Mapping[str, Any]) -> str:
     meta = pod.get("metadata") or {}
     return f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"
@@ -95,7 +109,11 @@ def _pod_key(pod: Mapping[str, Any]) -> str:
 class ClusterCache:
     """Thread-safe; watches call `apply_*`/`replace_*`, handlers call `views`/`reserve`."""
 
-    def __init__(self) -> None:
+    def __init__(self, lending: LendingPolicy | None = None) -> None:
+        # lend owners' unused memory (core.lending): their grants are split by the peaks the
+        # node's GpuNode reports, so borrowers' grants sit in the lent parts
+        self.lending = lending
+        self._peaks: dict[str, dict[tuple[str, str], int]] = {}  # node -> (pod, GPU) -> MiB
         self._lock = threading.Lock()
         self._nodes: dict[str, Mapping[str, Any]] = {}
         self._gpunodes: dict[str, Mapping[str, Any]] = {}
@@ -177,6 +195,11 @@ class ClusterCache:
             # Heartbeats and unchanged readings leave it equal: keeping the old object keeps
             # the node's memoised state and every evaluation made on it.
             self._set_inventory(name, inventory)
+        if self.lending is not None:
+            peaks = _pod_peaks(self._gpunodes.get(name))
+            if peaks != self._peaks.get(name):
+                self._peaks[name] = peaks
+                self._drop_state(name)
 
     def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
         name = str((node.get("metadata") or {}).get("name", ""))
@@ -448,8 +471,7 @@ class ClusterCache:
             inventory = self._inventories.get(node)
             if inventory is None:
                 return None
-            keys = sorted(self._keys_on_node.get(node, ()))
-            grants = tuple(g for k in keys for g in self._effective[k].grants)
+            grants = self._grants_on(node, sorted(self._keys_on_node.get(node, ())))
             cpu, memory = self._node_usage.get(node, (0, 0))
             state = self._states[node] = CachedState(inventory, grants, cpu, memory)
         return state
@@ -460,8 +482,22 @@ class ClusterCache:
         own = self._usage.get(exclude_key)
         if own is not None and own[0] == node:
             cpu, memory = cpu - own[1], memory - own[2]
-        return CachedState(state.inventory,
-                           tuple(g for k in rest for g in self._effective[k].grants), cpu, memory)
+        return CachedState(state.inventory, self._grants_on(node, rest), cpu, memory)
+
+    def _grants_on(self, node: str, keys: Iterable[str]) -> tuple[GpuGrant, ...]:
+        """The grants of these pods' holds; with lending, each owner's split by its peak
+        (its lent part marked `lent`). The operator waits `observed_s` before it lends; the
+        extender trusts a peak at once, so its lent parts hold at least the operator's."""
+        if self.lending is None:
+            return tuple(g for k in keys for g in self._effective[k].grants)
+        peaks = self._peaks.get(node, {})
+        out: list[GpuGrant] = []
+        for key in keys:
+            for grant in self._effective[key].grants:
+                peak = peaks.get((key, grant.gpu_uuid))
+                memory, _ = lendable(grant, peak, None, math.inf, self.lending)
+                out.extend(split((grant,), memory, 0))
+        return tuple(out)
 
     def _in_flight(self, node: str, exclude_key: str, now: float) -> tuple[Hold, ...]:
         return tuple(h for k in sorted(self._keys_on_node.get(node, ()))

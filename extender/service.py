@@ -336,13 +336,39 @@ class Extender:
         planned = planned_assignment(args.pod)
         if planned is None:
             return self._filter(args)
-        elsewhere = {n: f"carpool: a gang worker; its gang was placed with it on {planned.node}"
+        borrowing = any(g.borrowed for g in planned.gpus)
+        what = ("it runs in capacity lent there" if borrowing
+                else "a gang worker; its gang was placed with it")
+        elsewhere = {n: f"carpool: {what} on {planned.node}"
                      for n in args.node_names if n != planned.node}
         if planned.node not in args.node_names:
             return encode_filter_result(args, [], elsewhere, {})
+        if borrowing:
+            return self._filter_borrower(args, planned, elsewhere)
         result = self._filter(replace(args, node_names=(planned.node,)))
         result["FailedNodes"] = {**elsewhere, **(result.get("FailedNodes") or {})}
         return result
+
+    def _filter_borrower(self, args: ExtenderArgs, planned: Assignment,
+                         elsewhere: dict[str, str]) -> dict[str, Any]:
+        """A pod the operator placed in lent capacity (`core.lending`) passes its planned node
+        only while those GPUs still hold it there (its grants within what is lent)."""
+        if not self.cache.synced(CACHE_KINDS):
+            return encode_filter_result(args, [], {}, {}, NOT_SYNCED)
+        try:
+            demand = decode_pod(args.pod)
+        except WireError as exc:
+            return encode_filter_result(args, [], {}, {}, f"pod not understood: {exc}")
+        if isinstance(checked := self.checked(demand), Mismatch):
+            reasons = {planned.node: f"carpool: {checked.reason}"}
+            return encode_filter_result(args, [], elsewhere, reasons)
+        snapshot = self.cache.snapshot((planned.node,), demand.key, self.clock())
+        state = snapshot.states.get(planned.node)
+        if state is not None and fits_exactly(state, planned.grants()):
+            return encode_filter_result(args, [planned.node], elsewhere, {})
+        why = snapshot.missing.get(planned.node, "the capacity lent there is no longer free")
+        return encode_filter_result(args, [], {**elsewhere, planned.node: f"carpool: {why}"},
+                                    {})
 
     def _filter(self, args: ExtenderArgs) -> dict[str, Any]:
         if not self.cache.synced(CACHE_KINDS):

@@ -17,14 +17,15 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from carpool.core import interference, job_status, names
+from carpool.core import interference, job_status, lending, names
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
-from carpool.core.assignment import AssignedGpu, Assignment
+from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
 from carpool.core.decoding import (
     retired_to_status,
     worker_names_from_spec,
 )
 from carpool.core.estimate_ranges import kept_history
+from carpool.core.gangs import WorkerPlacement
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.lifecycle import (
     UNSCHEDULABLE,
@@ -121,6 +122,9 @@ class ReconcilerConfig:
             aging_step_s=settings.aging_step_s,
             arrival_window_s=settings.arrival_window_s,
             keep_promises=settings.keep_promises,
+            lending=(lending.LendingPolicy(settings.lending_observed_s,
+                                           reclaim_within_s=settings.lending_reclaim_within_s)
+                     if settings.lending else None),
         ), write_workers=settings.write_workers,
             wait_refresh_s=settings.wait_refresh_s,
             max_admissions_per_pass=settings.max_admissions_per_pass,
@@ -245,6 +249,9 @@ class Reconciler:
         # each job's sharing limits from what the jobs' service measures teach
         profiles = interference.learn_from_gpujobs(state.objects.values())
         jobs = interference.with_limits(state.jobs, profiles)
+        policy = self.config.admission.lending
+        if policy is not None:  # what each running job may lend, from its measured peak
+            jobs = lending.with_lendable(jobs, policy, state.now)
         snapshot = ClusterSnapshot(now=state.now, jobs=tuple(jobs), quotas=state.quotas,
                                    nodes=nodes, retired=state.retired, learned=learned,
                                    start_misses=misses)
@@ -533,7 +540,9 @@ class Reconciler:
         patch, on_victim, on_preemptor = job_status.preempted(victim.attempts, preemption)
         state.patches.setdefault(victim.key, {}).update(patch)
         self._record_event(obj, on_victim)
-        self._record_event(state.objects[preemption.preemptor_key], on_preemptor)
+        preemptor = state.objects.get(preemption.preemptor_key)
+        if preemptor is not None:
+            self._record_event(preemptor, on_preemptor)
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
         self._write_status_now(state, victim.key)  # record intent before the pod goes
         self._stop_attempt(state, victim, preemption.grace_s)
@@ -598,8 +607,12 @@ class Reconciler:
                                                    _planned(admission, obj, job, state))]
                 self.kube.ensure_service(build_gang_service(obj))
             else:
-                pods = [apply_platform_settings(build_pod(obj, job.request, admission.attempt),
-                                                job.request.isolation, self.config.platform)]
+                pod = build_pod(obj, job.request, admission.attempt)
+                if any(g.borrowed for g in admission.grants):  # lent capacity: these GPUs
+                    pod["metadata"]["annotations"][names.ANN_PLANNED] = encode_assignment(
+                        _planned(admission, obj, job, state)[0])
+                pods = [apply_platform_settings(pod, job.request.isolation,
+                                                self.config.platform)]
             pod = pods[0]
             claim = build_checkpoint_claim(obj)
             if claim is not None:
@@ -721,18 +734,20 @@ def _present(state: PassState) -> set[str]:
 
 def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
              ) -> list[Assignment]:
-    """Each worker's node and GPUs as the admission chose them, in the assignment codec's
-    shape (GPU indexes from the inventory, the GPU container's name), for the extender."""
+    """Each worker's node and GPUs as the admission chose them (a one-pod job's: its own),
+    in the assignment codec's shape (GPU indexes from the inventory, the GPU container's
+    name), for the extender."""
     containers = ((obj.get("spec") or {}).get("template") or {}).get("spec", {}).get(
         "containers") or [{}]
     container = str(containers[0].get("name") or "")
     out = []
-    for worker in admission.workers:
+    for worker in admission.workers or (WorkerPlacement(admission.node, admission.grants),):
         inventory = state.inventories.get(worker.node)
         index = {g.uuid: g.index for g in inventory.gpus} if inventory else {}
         out.append(Assignment(worker.node, tuple(
             AssignedGpu(g.gpu_uuid, index.get(g.gpu_uuid, 0), g.memory_mib, g.cores_pct,
-                        g.mig_instance, container) for g in worker.grants),
+                        g.mig_instance, container, borrowed=g.borrowed)
+            for g in worker.grants),
             job.request.isolation))
     return out
 

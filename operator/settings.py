@@ -75,6 +75,17 @@ class OperatorSettings:
     job_runtime_class: str = setting(
         "CARPOOL_JOB_RUNTIME_CLASS", "",
         "RuntimeClass given to every job pod (devicePlugin.runtimeClassName; empty: none)")
+    lending: bool = setting(
+        "CARPOOL_LENDING", False,
+        "lend running jobs' unused GPU memory to preemptible MPS jobs (lending.enabled; true "
+        "or false); the extender must be told the same")
+    lending_observed_s: float = setting(
+        "CARPOOL_LENDING_OBSERVED_S", 600.0,
+        "seconds a job runs before the part of its grant above its peak is lent")
+    lending_reclaim_within_s: float = setting(
+        "CARPOOL_LENDING_RECLAIM_WITHIN_S", 30.0,
+        "longest checkpoint grace of a job that may borrow: how long an owner waits for its "
+        "lent memory")
     mps_client_uid: int | None = setting(
         "CARPOOL_MPS_CLIENT_UID", None,
         "user every MPS job's containers run as (mpsDaemon.clientUid; above 0; empty: the "

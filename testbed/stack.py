@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from carpool_testbed import crds, devcluster
@@ -48,7 +48,8 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 @contextlib.contextmanager
 def running_stack(cluster: devcluster.Cluster, log_dir: Path,
-                  operator_env: Mapping[str, str] | None = None, strict: bool = False
+                  operator_env: Mapping[str, str] | None = None, strict: bool = False,
+                  extender_args: Sequence[str] = ()
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """CRDs applied, the extender on the scheduler's port and one operator, for the block;
     `strict`: the extender places only GpuJobs' pods, as the chart's does."""
@@ -62,7 +63,7 @@ def running_stack(cluster: devcluster.Cluster, log_dir: Path,
     try:
         processes["extender"] = devcluster.start_extender(
             cluster.kubeconfig, cluster.extender_port, log_dir / "extender.log",
-            serve_unowned=not strict)
+            extra_args=extender_args, serve_unowned=not strict)
         processes["operator"] = start_operator(cluster.kubeconfig, log_dir / "operator.log",
                                                operator_env)
         yield processes

@@ -55,6 +55,7 @@ class AssignedGpu:
     mig_instance: str = ""
     container: str = ""
     sharing_limit: int = 0  # the most jobs the holder lets this GPU carry (0: no limit)
+    borrowed: bool = False  # in capacity another job lent (core.lending)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Assignment:
             return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
                          for g in self.gpus)
         return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance,
-                              sharing_limit=g.sharing_limit)
+                              sharing_limit=g.sharing_limit, borrowed=g.borrowed)
                      for g in self.gpus)
 
 
@@ -98,6 +99,8 @@ def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
         entry["container"] = gpu.container
     if gpu.sharing_limit:
         entry["sharingLimit"] = gpu.sharing_limit
+    if gpu.borrowed:
+        entry["borrowed"] = True
     return entry
 
 
@@ -144,13 +147,21 @@ def _gpu(raw: object, where: str) -> AssignedGpu:
                        cores_pct=_count(raw, "cores", where, 0),
                        mig_instance=_text(raw, "migInstance", where),
                        container=_text(raw, "container", where),
-                       sharing_limit=_count(raw, "sharingLimit", where, 0))
+                       sharing_limit=_count(raw, "sharingLimit", where, 0),
+                       borrowed=_flag(raw, "borrowed", where))
 
 
 def _count(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise AssignmentError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _flag(raw: Mapping[str, object], key: str, where: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise AssignmentError(f"{where}: {key} must be true or false, got {value!r}")
     return value
 
 

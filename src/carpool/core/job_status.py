@@ -137,6 +137,8 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
             entry.update(index=gpu.index, model=gpu.model)
         if grant.sharing_limit:
             entry["sharingLimit"] = grant.sharing_limit
+        if grant.borrowed:
+            entry["borrowed"] = True
         out.append(entry)
     return out
 

@@ -26,8 +26,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from carpool.core.jobs import Job
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
 
 MIB_PER_GIB = 1024
 
@@ -72,6 +73,24 @@ def lendable(grant: GpuGrant, peak_memory_mib: int | None, peak_cores_pct: int |
     if peak_cores_pct is not None and grant.cores_pct > 0:
         cores = max(0, grant.cores_pct - max(1, math.ceil(peak_cores_pct * policy.headroom)))
     return memory, cores
+
+
+def with_lendable(jobs: Iterable[Job], policy: LendingPolicy, now: float) -> list[Job]:
+    """The jobs, each running owner with the part of its grant it may lend set from its
+    measured peak GPU memory (`Job.peak_memory_mib`, the device plugin's measure; SM use is
+    not measured per process, so no cores are lent)."""
+    out = []
+    for job in jobs:
+        started = job.started_at
+        if (job.phase is Phase.RUNNING and job.grants and started is not None
+                and not any(g.borrowed for g in job.grants)):
+            lent = [lendable(g, job.peak_memory_mib, None, now - started, policy)
+                    for g in job.grants]
+            memory = min(m for m, _ in lent)
+            if memory != job.lendable_mib:
+                job = replace(job, lendable_mib=memory, lendable_cores_pct=0)
+        out.append(job)
+    return out
 
 
 def split(grants: Sequence[GpuGrant], lent_memory_mib: int, lent_cores_pct: int

@@ -557,12 +557,19 @@ def _reclaim_lent(cycle: _Cycle) -> None:
         state = cycle.timeline.state_during(node, now, math.nextafter(now, math.inf))
         for key in lending.reclaims(state, by_node[node], cycle.leaving):
             victim = holders[key].job
+            gpus = {g.gpu_uuid for g in victim.grants}
+            owner = max((h.job for h in cycle.holders if h.job.node == node
+                         and h.job.key not in by_node[node]
+                         and any(g.gpu_uuid in gpus for g in h.job.grants)),
+                        key=lambda j: (sum(g.memory_mib for g in j.grants), j.key), default=None)
             lost = lost_gpu_hours(victim, holders[key].fraction, now)
             cycle.leaving.add(key)
             cycle.timeline.end_at(key, now + leaving_s(victim))
+            lender = owner.key if owner is not None else "another job"
             cycle.preemptions.append(Preemption(
-                key, "", node, PreemptionCause.OWNER_RECLAIM, victim.checkpoint_grace_s, lost,
-                f"{key} ran in GPU capacity lent by another job on {node}, which now needs it "
+                key, owner.key if owner is not None else "", node,
+                PreemptionCause.OWNER_RECLAIM, victim.checkpoint_grace_s, lost,
+                f"{key} ran in GPU memory lent by {lender} on {node}, which now needs it "
                 f"back; {lost:.2f} GPU-hours since its last checkpoint"))
 
 
