@@ -39,6 +39,15 @@ SERVICE_P99 = Gauge("carpool_service_scope_p99_latency_seconds",
                     ["scope", "key"])
 SERVICE_FAILURE_RATIO = Gauge("carpool_service_scope_failure_ratio",
                               "Failed requests over all finished ones", ["scope", "key"])
+# Lending (carpool.core.lending)
+LENT_GPU_HOURS = Counter(
+    "carpool_lent_gpu_hours_total",
+    "GPU-hours jobs ran in GPU memory other jobs lent, by the borrower's project (summed "
+    "pass by pass)", ["project"])
+OWNER_RECLAIM_SECONDS = Histogram(
+    "carpool_owner_reclaim_seconds",
+    "From the decision to give an owner its lent memory back to the borrower off the GPU",
+    buckets=(1, 2, 5, 10, 15, 30, 45, 60, 120, 300))
 PASS_SECONDS = Histogram("carpool_reconcile_pass_seconds", "Duration of one reconcile pass",
                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 

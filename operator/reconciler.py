@@ -37,6 +37,7 @@ from carpool.core.ownership import (
     gpujob_owner,
 )
 from carpool.core.placement import NodeState
+from carpool.core.preemption import PreemptionCause
 from carpool.core.queueing import (
     Admission,
     AdmissionConfig,
@@ -160,6 +161,8 @@ class Reconciler:
         self.writer = Writer(kube, lambda key: self.informers.get(GPUJOBS, key),
                              config.write_workers)
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
+        self._last_pass: float | None = None  # when the last pass's metrics were recorded
+        self._reclaiming: dict[str, tuple[int, float]] = {}  # borrower -> (attempt, decided)
         self._refresh_s = config.wait_refresh_s  # see ReconcilerConfig.wait_refresh_per_s
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
@@ -544,6 +547,8 @@ class Reconciler:
         if preemptor is not None:
             self._record_event(preemptor, on_preemptor)
         metrics.PREEMPTIONS.labels(victim.project, preemption.cause.value).inc()
+        if preemption.cause is PreemptionCause.OWNER_RECLAIM:
+            self._reclaiming[victim.key] = (victim.attempts, state.now)
         self._write_status_now(state, victim.key)  # record intent before the pod goes
         self._stop_attempt(state, victim, preemption.grace_s)
 
@@ -687,9 +692,25 @@ class Reconciler:
             if job_status.quota_status_changes(obj.get("status") or {}, status):
                 self.kube.patch_quota_status(project.project, status)
 
+    def _record_lending(self, state: PassState, jobs: Mapping[str, Job]) -> None:
+        """Borrowers' GPU time since the last pass, and reclaims whose borrower has gone."""
+        last, self._last_pass = self._last_pass, state.now
+        for job in jobs.values():
+            run = job.current_run
+            if run is not None and any(g.borrowed for g in job.grants) and last is not None:
+                held = state.now - max(last, run.start)
+                if held > 0:
+                    metrics.LENT_GPU_HOURS.labels(job.project).inc(run.fraction * held / 3600)
+        for key, (attempt, decided) in list(self._reclaiming.items()):
+            borrower = jobs.get(key)
+            if borrower is None or borrower.attempts != attempt or not borrower.holds_gpus:
+                metrics.OWNER_RECLAIM_SECONDS.observe(max(0.0, state.now - decided))
+                del self._reclaiming[key]
+
     def _record_metrics(self, state: PassState, result: CycleResult) -> None:
         lengths: dict[tuple[str, str], int] = {}
         jobs = {j.key: j for j in state.jobs}
+        self._record_lending(state, jobs)
         for wait in result.waits:
             job = jobs[wait.job_key]
             key = (job.project, job.job_class.label)

@@ -12,7 +12,9 @@ alice's job's peak rises to 50 GiB: bob's job is stopped within its checkpoint g
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,16 +34,21 @@ GIB = 1024
 
 @pytest.fixture(scope="module")
 def lending_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[None]:
+                  ) -> Iterator[int]:
+    """The operator and extender with lending on; the operator's metrics port."""
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     env = {"CARPOOL_RESYNC_SECONDS": "2", "CARPOOL_LENDING": "true",
-           "CARPOOL_LENDING_OBSERVED_S": "5", "CARPOOL_LENDING_RECLAIM_WITHIN_S": "30"}
+           "CARPOOL_LENDING_OBSERVED_S": "5", "CARPOOL_LENDING_RECLAIM_WITHIN_S": "30",
+           "CARPOOL_METRICS_PORT": str(port)}
     with stack.running_stack(cluster, log_dir, env, extender_args=("--lending",)):
-        yield
+        yield port
 
 
 @pytest.fixture
-def world(cluster: devcluster.Cluster, lending_stack: None, tmp_path: Path
+def world(cluster: devcluster.Cluster, lending_stack: int, tmp_path: Path
           ) -> Iterator[tenants.World]:
     made = tenants.World(cluster, tmp_path, "lend")
     try:
@@ -62,8 +69,16 @@ def job(name: str, project: str, node: str, cls: str, memory: str, preemptible: 
                          "containers": [{"name": "main", "image": "train"}]}}}}
 
 
+def metric(port: int, name: str, label: str = "") -> float:
+    """The sum of a metric's samples on the operator's /metrics whose line has `label`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and label in line)
+
+
 def test_a_borrower_runs_in_lent_memory_and_leaves_when_the_owner_needs_it(
-        world: tenants.World) -> None:
+        world: tenants.World, lending_stack: int) -> None:
     node = world.node("gpu", world.name("m"))
     owners, borrowers = world.namespace("owners"), world.namespace("sweeps")
     world.apply_cluster_scoped(user_roles(world))
@@ -122,6 +137,12 @@ def test_a_borrower_runs_in_lent_memory_and_leaves_when_the_owner_needs_it(
         events = json.loads(world.admin("get", "events", "-n", borrowers, "-o", "json"))["items"]
         told = [e["message"] for e in events if e.get("reason") == "Preempted"]
         assert told and f"lent by {owners}/train" in told[0], told
+        lent = f'project="{borrower_project}"'
+        assert metric(lending_stack, "carpool_lent_gpu_hours_total", lent) > 0
+        assert metric(lending_stack, "carpool_preemptions_total",
+                      f'cause="OwnerReclaim",{lent}') == 1
+        wait_for("the reclaim timed", lambda: metric(
+            lending_stack, "carpool_owner_reclaim_seconds_count") >= 1, timeout=20)
         assert alice.status(owners, "train")["phase"] == "Running"
     finally:
         stop.set()
