@@ -31,6 +31,9 @@ RUN_SIGMA = 0.1
 RISE_P = 0.2
 RISE_FROM = 0.6
 RISE_AT = (0.2, 0.8)
+# the replay's clock adds and subtracts epoch-sized floats: a rise event's own instant can
+# come out a hair before the rise, so it counts from this much earlier
+RISE_SLACK_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,13 @@ class Usage:
 
     def used(self, work_s: float, run_s: float) -> float:
         """The share of its request the job has peaked at after `work_s` of its run."""
-        if self.rise_at is not None and work_s < self.rise_at * run_s:
+        if self.rise_at is not None and work_s < self.rise_at * run_s - RISE_SLACK_S:
             return self.peak * RISE_FROM
         return self.peak
 
     def rise_after(self, work_s: float, run_s: float) -> float | None:
         """Seconds of work from `work_s` until the rise, or None if none is ahead."""
-        if self.rise_at is None or work_s >= self.rise_at * run_s:
+        if self.rise_at is None or work_s >= self.rise_at * run_s - RISE_SLACK_S:
             return None
         return self.rise_at * run_s - work_s
 

@@ -75,3 +75,10 @@ def test_usage_is_drawn_per_template_and_run() -> None:
     a, b = usage("s:p:train", "s:p/train-1"), usage("s:p:train", "s:p/train-2")
     assert 0.05 <= a.peak <= 1 and abs(a.peak / b.peak - 1) < 0.6
     assert usage("s:p:train", "s:p/train-1") == a
+
+
+def test_a_rise_counts_at_its_own_instant_whatever_the_float_rounding() -> None:
+    use = Usage(0.9, rise_at=0.556)
+    start, run_s = 4374.0, 2973.0
+    at = start + use.rise_after(0.0, run_s)  # type: ignore[operator]
+    assert use.used(at - start, run_s) == 0.9
