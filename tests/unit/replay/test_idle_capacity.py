@@ -78,7 +78,7 @@ def test_usage_is_drawn_per_template_and_run() -> None:
 
 
 def test_a_rise_counts_at_its_own_instant_whatever_the_float_rounding() -> None:
-    use = Usage(0.9, rise_at=0.556)
+    use = Usage(0.9, rise_at=0.5560223749155836)  # (4374 + 1653.05...) - 4374 < 1653.05...
     start, run_s = 4374.0, 2973.0
     at = start + use.rise_after(0.0, run_s)  # type: ignore[operator]
     assert use.used(at - start, run_s) == 0.9
