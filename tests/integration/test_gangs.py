@@ -249,3 +249,19 @@ def test_a_gang_whose_worker_no_node_takes_is_given_back_whole(scene: Scene) -> 
             "-o", "json"))["items"]
         if p["metadata"]["name"].startswith(f"split-{given_back.get('attempts', 1)}")
         and not p["metadata"].get("deletionTimestamp")] or None, timeout=30, interval=0.3)
+
+
+def test_a_higher_class_gang_preempts_a_lower_one_and_starts_whole(scene: Scene) -> None:
+    """A preemptible batch gang fills the cluster; a short gang of two 2-GPU workers preempts
+    it (whole: every worker stops) and starts whole in its place."""
+    scene.submit("low", workers=4, preemptible=True, simulated="300s")
+    wait_for("the batch gang running", lambda: (
+        scene.whole_or_none("low", 4) == 4
+        and scene.status("low").get("phase") == "Running") or None, timeout=60, interval=0.3)
+    scene.submit("high", workers=2, cls="short", simulated="300s")
+    wait_for("the short gang running whole", lambda: (
+        scene.whole_or_none("high", 2) == 2
+        and scene.status("high").get("phase") == "Running") or None, timeout=90, interval=0.3)
+    low = scene.status("low")
+    assert low["phase"] in ("Queued", "Preempted"), low
+    assert scene.whole_or_none("low", 4) == 0

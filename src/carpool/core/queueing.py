@@ -270,6 +270,8 @@ class Wait:
 MAX_DURATION_EXCEEDED = "MaxDurationExceeded"
 # the most start times a waiting gang's reservation tries (each is a whole placement)
 MAX_GANG_STARTS = 16
+# the most running jobs a gang's victim search looks through, best victims first
+MAX_GANG_VICTIM_SEARCH = 32
 IDLE_TIMEOUT = "IdleTimeout"
 
 
@@ -884,9 +886,9 @@ class _QueueDecisions:
     def _decide_gang(self, job: Job, position: int, borrowers_allowed: bool) -> bool:
         """`decide_job` for a gang: admitted whole, every worker placed by one `place_gang`
         decision, or not at all; judged by its project's limits as one job (the sum of its
-        workers). A gang does not preempt others (it waits); while it waits it reserves the
-        earliest time the forward simulation holds it whole (`_reserve_gang`), so jobs behind
-        it only backfill around that."""
+        workers). Without room it may preempt (`_preempt_for_gang`); else it waits, reserving
+        the earliest time the forward simulation holds it whole (`_reserve_gang`), so jobs
+        behind it only backfill around that."""
         cycle = self.cycle
         now = cycle.snapshot.now
         too_large = self._gang_never_fits(job)
@@ -917,13 +919,68 @@ class _QueueDecisions:
                                       may_preempt=False)
         else:
             reason, message = self._gang_capacity_reason(job, duration)
+            in_quota = verdict.standing is Standing.IN_QUOTA
+            if (reason is WaitReason.CAPACITY and job.not_before <= now
+                    and not verdict.budget_exhausted):
+                preempted = self._preempt_for_gang(job, in_quota, duration)
+                if preempted:
+                    ledger.add(fraction, memory, verdict.borrowed, claims)
+                    self._wait_for_victims(job, position, preempted, "")
+                    return True
             if verdict.budget_exhausted:
                 message = f"{verdict.message}; {message}"
             parked = _Parked(reason, message, now, in_quota=(
-                None if verdict.budget_exhausted else verdict.standing is Standing.IN_QUOTA))
+                None if verdict.budget_exhausted else in_quota))
         if parked is not None:
             self._park_gang(job, position, duration, parked)
         return True
+
+    def _preempt_for_gang(self, job: Job, in_quota: bool, duration: float
+                          ) -> list[Preemption]:
+        """The fewest running jobs the gang may preempt (`preemption.victim_cause`) whose
+        leaving lets it be placed whole: taken in the order victims are preferred until it
+        fits, then any not needed dropped; the gang keeps a reservation where they were.
+        Within this cycle's caps; none if it would not fit even so."""
+        cycle = self.cycle
+        config = cycle.config
+        now = cycle.snapshot.now
+        budget = largest_plan(config.max_preemptions_per_cycle, len(cycle.preemptions))
+        if budget <= 0 or cycle.preempt_attempts >= config.max_preemption_attempts_per_cycle:
+            return []
+        cycle.preempt_attempts += 1
+        candidates = sorted(
+            (Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
+             for h in cycle.holders if h.job.key not in cycle.leaving
+             and (cause := victim_cause(job, in_quota, h.job, now,
+                                        config.aging_step_s)) is not None),
+            key=lambda c: c.preference)[:MAX_GANG_VICTIM_SEARCH]
+        leaving = frozenset(cycle.leaving)
+
+        def fits(chosen: list[Candidate]) -> GangPlacement | None:
+            gone = leaving | {c.job.key for c in chosen}
+            return self._place_gang_at(job, now, now + duration, without=gone)
+
+        chosen: list[Candidate] = []
+        for candidate in candidates:
+            chosen.append(candidate)
+            if fits(chosen) is not None:
+                break
+        else:
+            return []
+        for candidate in reversed(chosen[:-1]):
+            trial = [c for c in chosen if c is not candidate]
+            if fits(trial) is not None:
+                chosen = trial
+        placement = fits(chosen)
+        if placement is None or len(chosen) > budget:
+            return []
+        out = [_preemption(cycle, job, c, placement.workers[0].node) for c in chosen]
+        start = now + max(leaving_s(c.job) for c in chosen)
+        for worker in placement.workers:
+            cycle.timeline.add(worker.node, Occupancy(job.key, start, start + duration,
+                                                      worker.grants))
+        cycle.preemptions.extend(out)
+        return out
 
     def _gang_never_fits(self, job: Job) -> str | None:
         """Why no placement could ever hold the gang, even on an empty cluster; None if one
@@ -951,17 +1008,19 @@ class _QueueDecisions:
         return (f"the cluster could not hold all {len(job.workers)} workers "
                 f"({job.gpu_count} GPUs) at once even if it were empty")
 
-    def _place_gang_at(self, job: Job, start: float, end: float, topology: bool = True
-                       ) -> GangPlacement | None:
+    def _place_gang_at(self, job: Job, start: float, end: float, topology: bool = True,
+                       without: frozenset[str] = frozenset()) -> GangPlacement | None:
         """The gang placed over [start, end) around everything the timeline holds then
         (running jobs and the reservations of higher-ranked ones), within its topology (or,
         without `topology`, anywhere). Fits come from the timeline's memo, shared with every
         other question of the cycle."""
         timeline = self.cycle.timeline
-        states = {name: timeline.state_during(name, start, end) for name in timeline.node_names}
+        states = {name: timeline.state_during(name, start, end, without)
+                  for name in timeline.node_names}
         return place_gang(job.workers, states, self.cycle.config.node_placer,
                           job.topology if topology else None,
-                          lambda name, request: timeline.fit_during(name, request, start, end),
+                          lambda name, request: timeline.fit_during(name, request, start, end,
+                                                                    without),
                           self._domain_index())
 
     def _domain_index(self) -> dict[TopologyLevel, tuple[Domain, ...]]:

@@ -228,11 +228,12 @@ class Timeline:
                 state = self._states[(node, ids)] = base.with_grants(held) if held else base
         return state
 
-    def state_during(self, node: str, start: float, end: float) -> NodeState:
-        """The node as every occupancy overlapping [start, end) leaves it (a gang's
-        placement, `core.gangs`, adds its own workers' grants to these)."""
-        ids = (self._ids_from_now(node, end) if start == self.now
-               else self._overlapping(node, start, end, frozenset()))
+    def state_during(self, node: str, start: float, end: float,
+                     without: frozenset[str] = frozenset()) -> NodeState:
+        """The node as every occupancy overlapping [start, end) leaves it, `without` jobs
+        (a gang's placement, `core.gangs`, adds its own workers' grants to these)."""
+        ids = (self._ids_from_now(node, end) if start == self.now and not without
+               else self._overlapping(node, start, end, without))
         return self._state(node, ids)
 
     def end_times(self) -> list[float]:

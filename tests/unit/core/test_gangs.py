@@ -232,3 +232,23 @@ def test_several_gpus_of_a_node_are_chosen_within_one_nvlink_island(
     plain = NodeState(gpu_node("n1", 8).inventory, _nvlink_node().grants)
     fit = extender_placer()(plain, request)
     assert fit is not None and min(int(g.gpu_uuid.rsplit("g", 1)[1]) for g in fit[1]) == 3
+
+
+def test_a_higher_class_gang_preempts_what_keeps_it_from_starting_whole() -> None:
+    """Two 4-GPU workers on two 4-GPU nodes; a preemptible batch job holds 2 GPUs of n2 and
+    a non-preemptible one nothing: the short gang preempts just the batch job and waits for
+    it (Preempting), its GPUs reserved; without a preemptible victim it only waits."""
+    nodes = [node("n1"), node("n2")]
+    held = (WorkerPlacement("n2", tuple(GpuGrant(f"n2-g{i}", 80 * GIB, 100, True)
+                                        for i in range(2))),)
+    victim = running(gpu_job("b/batch", "b", count=2, preemptible=True), held)
+    urgent = gang("a/g", 2, 4, cls=JobClass.SHORT)
+    result = cycle([victim, urgent], nodes, now=10)
+    assert [p.victim_key for p in result.preemptions] == ["b/batch"]
+    wait = result.wait_for("a/g")
+    assert wait is not None and wait.reason is WaitReason.PREEMPTING
+    kept = running(gpu_job("b/batch", "b", count=2), held)
+    result = cycle([kept, urgent], nodes, now=10)
+    assert result.preemptions == ()
+    wait = result.wait_for("a/g")
+    assert wait is not None and wait.reason is WaitReason.CAPACITY
