@@ -596,6 +596,7 @@ class Topic(enum.Enum):
     CAPACITY = "capacity"
     SHARING = "sharing"
     CONSTRAINTS = "constraints"
+    SIZE = "size"
 
 
 @dataclass(frozen=True)
@@ -797,13 +798,33 @@ UNSEEN_NAMESPACES = ("which nodes have room now and the jobs ahead are not shown
                      "operator's reason, position and estimate above count them)")
 
 
+def _size_findings(job: Obj, request: GpuRequest, jobs: Iterable[Obj]) -> list[Finding]:
+    """What the job's template's finished runs peaked at, where a smaller request would do
+    (`core.right_sizing`); nothing without such runs."""
+    spec = _spec(job)
+    template = job_template(str(_meta(job).get("name", "")), first_image(spec))
+    project = str(spec.get("project") or "")
+    seen = {job_key(j): j for j in jobs}  # (the same job may come twice)
+    for advice in size_advice(seen.values()):
+        if (advice.project, advice.template) == (project, template) and \
+                advice.recommended_mib < request.memory_mib:
+            return [Finding(Topic.SIZE, False, (
+                f"{advice.runs} finished runs of {template} peaked at "
+                f"{advice.peak_mib / 1024:.1f} GiB (90th percentile); asking for "
+                f"{advice.recommended_mib // 1024} GiB instead of "
+                f"{request.memory_mib // 1024} GiB would fit more GPUs"))]
+    return []
+
+
 def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: Iterable[Obj],
-            pods: Iterable[Obj] | None, now: float) -> Explanation:
+            pods: Iterable[Obj] | None, now: float, history: Iterable[Obj] = ()
+            ) -> Explanation:
     """Why `job` waits: the operator's own reason, then quota, budget, capacity and
     constraints recomputed from the objects, each with its numbers. `jobs` and `pods` are
     every namespace's, or None where the reader may not list them all (a namespace's user):
     then the jobs ahead and which nodes have room are not shown, rather than counted from
-    one namespace and wrong."""
+    one namespace and wrong. `history`: GpuJobs whose finished runs say what the job's
+    template really uses (right-sizing), beside `jobs`."""
     status, spec = _status(job), _spec(job)
     key = job_key(job)
     phase = str(status.get("phase") or "")
@@ -872,6 +893,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
         findings.append(_capacity_finding(request, states))
     findings.extend(_sharing_findings(job, request, reason, jobs))
     findings.extend(_constraint_findings(request, inventories))
+    findings.extend(_size_findings(job, request, [*(jobs or ()), *history]))
     if stale:
         findings.append(Finding(Topic.CAPACITY, False,
                                 f"{len(stale)} GPU node(s) have a stale heartbeat (no report "

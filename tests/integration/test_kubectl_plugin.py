@@ -33,6 +33,7 @@ from carpool.cli import kubectl_plugin
 from carpool.core import names
 from carpool.core.timestamps import format_timestamp as format_time
 from carpool_testbed import crds, devcluster
+from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 Obj = dict[str, Any]
@@ -291,7 +292,8 @@ def test_no_cluster(cluster: devcluster.Cluster, tmp_path: Path) -> None:
 def test_quota_shows_where_finished_jobs_asked_for_far_more_memory_than_they_used(
         cluster: devcluster.Cluster) -> None:
     """Three finished runs of one template asked for 40 GiB a GPU and peaked near 5 GiB:
-    `kubectl carpool quota` advises 6 GiB (their 90th-percentile peak + 20 %)."""
+    `kubectl carpool quota` advises 6 GiB (their 90th-percentile peak + 20 %), and `why` says
+    so of a fourth run that waits."""
     api = cluster.api()
     crds.apply_crds(api)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
@@ -317,6 +319,20 @@ def test_quota_shows_where_finished_jobs_asked_for_far_more_memory_than_they_use
         rows = [line.split() for line in result.stdout.splitlines()
                 if line.startswith(project)]
         assert [project, "resnet@lab/resnet:3", "3", "40.0", "5.0", "6.0"] in rows, result.stdout
+        # a fourth run waits: `why` says what its template's runs used
+        body = job_body("resnet-4", project, "batch", 1, "40Gi")
+        body["spec"]["template"]["spec"]["containers"][0]["image"] = "lab/resnet:3"
+        custom.create_namespaced_custom_object(names.GROUP, names.VERSION, namespace,
+                                               names.GPUJOB_PLURAL, body)
+        custom.patch_namespaced_custom_object_status(
+            names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL, "resnet-4",
+            {"status": {"phase": "Queued", "reason": "Capacity"}})
+        why = wait_for("why answers (a CRD just applied may still initialize its storage)",
+                       lambda: w if (w := kubectl_carpool(cluster, "why", "resnet-4", "-n",
+                                                          namespace)).returncode == 0 else None,
+                       timeout=30, interval=1.0)
+        assert ("3 finished runs of resnet@lab/resnet:3 peaked at 5.0 GiB (90th percentile); "
+                "asking for 6 GiB instead of 40 GiB") in " ".join(why.stdout.split()), why.stdout
     finally:
         with contextlib.suppress(client.ApiException):
             custom.delete_cluster_custom_object(names.GROUP, names.VERSION,

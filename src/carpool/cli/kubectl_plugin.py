@@ -200,8 +200,9 @@ def cmd_why(reader: ClusterReader, args: argparse.Namespace, now: float) -> Any:
             jobs, pods = reader.list_gpujobs(None), reader.list_pods(None)
         except NotAllowed:  # a namespace's user: its job's own status is whole, the rest not
             jobs, pods = None, None
+    history = reader.list_gpujobs(namespace) if waiting and jobs is None else []
     explanation = reporting.explain(job, quota, jobs,
-                                    reader.list_gpunodes() if waiting else [], pods, now)
+                                    reader.list_gpunodes() if waiting else [], pods, now, history)
     if args.output == "json":
         return explanation
     if not explanation.waiting:
