@@ -286,11 +286,13 @@ def test_invariant_checks_catch_breaches() -> None:
     assert not chaos.projects_over_budget(runs, {"p": budget}, now=1320.0)  # refilled at 1300
     finished = {"metadata": {"name": "d", "namespace": "ns", "labels": {
         names.LABEL_PROJECT: "p"}, "annotations": {names.ANN_ASSIGNMENT: json.dumps(
-            {"gpus": [{"uuid": "g0", "memoryMiB": 500, "cores": 20}]})}},
+            {"node": "n0", "gpus": [{"uuid": "g0", "index": 0, "memoryMiB": 500,
+                                     "cores": 20}]})}},
         "status": {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {
             "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:00:10Z"}}}]}}
     run = chaos.pod_run(finished, capacity)
-    assert run is not None and (run.fraction, run.end - run.start) == (0.5, 10.0)
+    assert run is not None and run.end is not None
+    assert (run.fraction, run.end - run.start) == (0.5, 10.0)
     # the device plugin's answers: two 600 MiB MPS caps on a 1000 MiB GPU, one GPU not assigned
     answer = {"CUDA_VISIBLE_DEVICES": "g0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=600M",
               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30", "CARPOOL_ISOLATION": "mps"}
