@@ -46,6 +46,15 @@ def log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def check_alive(processes: Mapping[str, subprocess.Popen[bytes]], log_dir: Path) -> None:
+    """Raise, naming the component and the tail of its log, if one of `processes` has exited:
+    a run whose operator or extender is gone measures nothing."""
+    for name, process in processes.items():
+        if process.poll() is not None:
+            raise RuntimeError(f"the {name} exited ({process.returncode}); the end of "
+                               f"{log_dir / f'{name}.log'}:\n{log_tail(log_dir / f'{name}.log')}")
+
+
 @contextlib.contextmanager
 def running_stack(cluster: devcluster.Cluster, log_dir: Path,
                   operator_env: Mapping[str, str] | None = None, strict: bool = False,

@@ -1295,19 +1295,22 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
                 say(f"attack raised {type(err).__name__}: {err}")
 
     began = time.monotonic()
-    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}, strict=True):
+    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"},
+                             strict=True) as processes:
         checker.start()
         threads = [threading.Thread(target=submit_loop, daemon=True),
                    threading.Thread(target=attack_loop, daemon=True)]
         try:
             wait_for("the tenant-isolation policy to be enforced",
                      lambda: _enforced(tenant_api, tenant_ns), timeout=60)
+            stack.check_alive(processes, log_dir)
             for thread in threads:
                 thread.start()
             shown = 0
             while time.monotonic() - began < settings.duration_s:
                 time.sleep(min(settings.progress_s,
                                max(0.1, settings.duration_s - (time.monotonic() - began))))
+                stack.check_alive(processes, log_dir)
                 tried, accepted, refused = tally.totals()
                 say(f"{time.monotonic() - began:4.0f}/{settings.duration_s:.0f} s; victim "
                     f"{checker.phases(victim_ns)}; tenant {checker.phases(tenant_ns)}; attacks "
