@@ -30,7 +30,7 @@ USER_ROLES = devcluster.repo_root() / "hack" / "policies" / "user-roles.yaml"
 @dataclass
 class World:
     """One test's namespaces, projects, tenants and nodes (unique names under `prefix`), torn
-    down by `cleanup`."""
+    down by `cleanup` (or at the end of a `with` block)."""
 
     cluster: devcluster.Cluster
     tmp: Path
@@ -78,6 +78,12 @@ class World:
         """Admin: merge `status` into an object's status subresource."""
         self.admin("patch", *kind_path, "--subresource=status", "--type=merge",
                    "-p", json.dumps({"status": status}))
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.cleanup()
 
     def cleanup(self) -> None:
         """Everything deleted; the namespaces waited for while the operator still runs (it

@@ -41,11 +41,8 @@ def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPat
 @pytest.fixture
 def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
           ) -> Iterator[tenants.World]:
-    made = tenants.World(cluster, tmp_path, "idle")
-    try:
+    with tenants.World(cluster, tmp_path, "idle") as made:
         yield made
-    finally:
-        made.cleanup()
 
 
 def session(name: str, project: str, node: str) -> dict[str, Any]:

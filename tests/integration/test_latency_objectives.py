@@ -41,11 +41,8 @@ def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPat
 @pytest.fixture
 def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
           ) -> Iterator[tenants.World]:
-    made = tenants.World(cluster, tmp_path, "slo")
-    try:
+    with tenants.World(cluster, tmp_path, "slo") as made:
         yield made
-    finally:
-        made.cleanup()
 
 
 def gpujob(name: str, project: str, model: str, image: str, **spec: Any) -> dict[str, Any]:

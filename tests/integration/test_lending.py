@@ -50,11 +50,8 @@ def lending_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPath
 @pytest.fixture
 def world(cluster: devcluster.Cluster, lending_stack: int, tmp_path: Path
           ) -> Iterator[tenants.World]:
-    made = tenants.World(cluster, tmp_path, "lend")
-    try:
+    with tenants.World(cluster, tmp_path, "lend") as made:
         yield made
-    finally:
-        made.cleanup()
 
 
 def job(name: str, project: str, node: str, cls: str, memory: str, preemptible: bool

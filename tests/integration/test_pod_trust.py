@@ -47,11 +47,8 @@ STRAY_DEADLINE_S = 30  # a stray GPU pod is gone within this long (the issue's b
 @pytest.fixture
 def world(cluster: devcluster.Cluster, carpool_stack: dict[str, subprocess.Popen[bytes]],
           tmp_path: Path) -> Iterator[tenants.World]:
-    made = tenants.World(cluster, tmp_path, "trust")
-    try:
+    with tenants.World(cluster, tmp_path, "trust") as made:
         yield made
-    finally:
-        made.cleanup()
 
 
 class Lab:

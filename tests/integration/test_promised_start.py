@@ -41,11 +41,8 @@ SETTLE_S = 8  # the operator's passes (every 2 s here) and status writes after a
 @pytest.fixture
 def world(cluster: devcluster.Cluster, carpool_stack: dict[str, subprocess.Popen[bytes]],
           tmp_path: Path) -> Iterator[tenants.World]:
-    made = tenants.World(cluster, tmp_path, "due")
-    try:
+    with tenants.World(cluster, tmp_path, "due") as made:
         yield made
-    finally:
-        made.cleanup()
 
 
 def _epoch(text: object) -> float:
