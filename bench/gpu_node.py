@@ -624,8 +624,8 @@ class Bench:
                  diagnose=lambda: "\n".join(self.job_diagnose(t, n) for t, n in keys))
         for team, name in keys:
             if self.job_status(team, name).get("phase") == "Running":
-                self.kubectl("exec", "-n", team, str(self.pod_of(team, name)), "--", "touch",
-                             "/tmp/go", check=False)
+                self.kubectl("exec", "-n", team, str(self.pod_of(team, name)), "--", "python3",
+                             WORKER, "go", check=False)
         results = [self.result(team, name) for team, name in keys]
         for team in {t for t, _ in keys}:
             self.delete_jobs(team)
