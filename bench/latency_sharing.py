@@ -12,7 +12,10 @@ measured, one logical GPU after the other on the one physical GPU: its services 
 requests back to back together for `--seconds`, from a pool of host processes each started
 with the environment the device plugin's Allocate answered (over its real gRPC socket) for an
 MPS pod of 10 GiB. Rounds alternate the policies. Reported per policy: GPUs needed, services
-whose P99 broke their target, throughput (samples/s) in all and per GPU, worst P99 / target.
+whose P99 over all they served (every round pooled, as an SLO is judged) broke their target,
+the worst P99 / target, the most services over target within one round, throughput
+(samples/s, median and range over rounds) in all and per GPU. Services that broke their target
+running alone (fixed degree 1) in a round are named: that is the machine's noise floor.
 
 The targets are set from what the profiling run measured alone (`--targets`: factors of each
 template's P99 alone, cycled over the services), so they mean the same on any GPU.
@@ -489,7 +492,8 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
 
 def summarize(services: list[Service], groups: list[list[Service]],
               rounds: list[dict[str, Measure]]) -> dict[str, Any]:
-    """Per round: violations, samples/s; reported as medians over rounds (and their spread)."""
+    """A service's objective is judged as an SLO is, on its P99 over everything it served in
+    the run (all rounds pooled); the rounds' own counts and samples/s show the spread."""
     per_round = []
     for one in rounds:
         broken = [s.name for s in services if one[s.name].p99_s > s.p99_target_s]
@@ -497,15 +501,20 @@ def summarize(services: list[Service], groups: list[list[Service]],
         worst = max(one[s.name].p99_s / s.p99_target_s for s in services)
         per_round.append({"violations": len(broken), "broken": broken,
                           "samples_per_s": samples, "worst_p99_vs_target": worst})
+    pooled = {s.name: Measure(sum(r[s.name].requests for r in rounds),
+                              sum(r[s.name].seconds for r in rounds),
+                              [x for r in rounds for x in r[s.name].latencies_s])
+              for s in services}
+    broken = [s.name for s in services if pooled[s.name].p99_s > s.p99_target_s]
     return {"gpus": len(groups), "groups": [[s.name for s in g] for g in groups],
             "rounds": per_round,
-            "violations": statistics.median(r["violations"] for r in per_round),
-            "violations_max": max(r["violations"] for r in per_round),
+            "violations": len(broken), "broken": broken,
+            "worst_p99_vs_target": max(pooled[s.name].p99_s / s.p99_target_s
+                                       for s in services),
+            "round_violations_max": max(r["violations"] for r in per_round),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in per_round),
             "samples_per_s_range": [min(r["samples_per_s"] for r in per_round),
-                                    max(r["samples_per_s"] for r in per_round)],
-            "worst_p99_vs_target": statistics.median(r["worst_p99_vs_target"]
-                                                     for r in per_round)}
+                                    max(r["samples_per_s"] for r in per_round)]}
 
 
 def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -> None:
@@ -517,15 +526,23 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
           f"profiling {report['profiling_s']:g}s and learning {report['learning_s']:g}s; "
           f"{report['seconds_total']:g}s in all")
     print()
-    print("| policy | GPUs | services over P99 target (max) | samples/s (range) | "
-          "samples/s per GPU | worst P99 / target |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| policy | GPUs | services over P99 target | worst P99 / target | "
+          "over target in one round (max) | samples/s (range) | samples/s per GPU |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         low, high = r["samples_per_s_range"]
-        print(f"| {name} | {r['gpus']} | {r['violations']:g} ({r['violations_max']}) | "
+        print(f"| {name} | {r['gpus']} | {r['violations']} | "
+              f"{r['worst_p99_vs_target']:.2f} | {r['round_violations_max']} | "
               f"{r['samples_per_s']:.0f} ({low:.0f}-{high:.0f}) | "
-              f"{r['samples_per_s'] / r['gpus']:.0f} | {r['worst_p99_vs_target']:.2f} |")
-    clean = [r for name, r in rows.items() if name != "carpool" and r["violations_max"] == 0]
+              f"{r['samples_per_s'] / r['gpus']:.0f} |")
+    alone = rows["fixed 1"]["rounds"]
+    if any(r["broken"] for r in alone):
+        print()
+        print("running alone, these services broke their own target in a round (the machine's "
+              "noise, not sharing): "
+              + "; ".join(f"round {n}: {', '.join(r['broken'])}"
+                          for n, r in enumerate(alone, 1) if r["broken"]))
+    clean = [r for name, r in rows.items() if name != "carpool" and r["violations"] == 0]
     carpool = rows["carpool"]
     per_gpu = carpool["samples_per_s"] / carpool["gpus"]
     if clean:
@@ -534,7 +551,7 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
         print()
         beats = all(per_gpu > rows[f"fixed {d}"]["samples_per_s"] / rows[f"fixed {d}"]["gpus"]
                     for d in (1, 3))
-        print(f"goal: Carpool breaks no objective: {carpool['violations_max'] == 0}; per GPU it "
+        print(f"goal: Carpool breaks no objective: {carpool['violations'] == 0}; per GPU it "
               f"delivers {per_gpu / best_per_gpu:.0%} of the best fixed degree that breaks none "
               f"(>= 90 %: {per_gpu >= 0.9 * best_per_gpu}); more than fixed 1 and 3: {beats}")
 
