@@ -52,6 +52,7 @@ from carpool_testbed import devcluster, traces
 
 NODES_CSV = traces.node_list()
 PODS_CSV = traces.pod_list("default")
+OPENB_NODES = 1213
 
 
 def openb_inventories(seed: int = 0) -> list[NodeInventory]:
@@ -72,6 +73,79 @@ def openb_inventories(seed: int = 0) -> list[NodeInventory]:
     return out
 
 
+MIG_MODELS = frozenset({"G3"})  # 80 GiB models a synthesised cluster may partition
+
+
+def synthetic_inventories(count: int, seed: int = 0) -> list[NodeInventory]:
+    """`count` nodes of 8 GPUs each, models drawn from the openb cluster's GPU mix, sharing
+    modes mixed (deterministic): of every 20 nodes, 2 offer MPS only (their GPUs in
+    EXCLUSIVE_PROCESS mode), 2 time-slicing and exclusive GPUs only, 1 (if its model has 80
+    GiB) MIG only with seven 1g.10gb instances per GPU; the rest every mode but MIG."""
+    from carpool.core.resources import Isolation, MigInstance
+
+    rng = random.Random(seed)
+    with NODES_CSV.open() as f:
+        rows = list(csv.DictReader(f))
+    models = [row["model"] for row in rows for _ in range(int(row["gpu"]))]
+    out = []
+    for n in range(count):
+        name = f"synth-node-{n:05d}"
+        model = rng.choice(models)
+        kind = n % 20
+        sharing = frozenset({Isolation.MPS, Isolation.TIMESLICE, Isolation.EXCLUSIVE})
+        if kind < 2:
+            sharing = frozenset({Isolation.MPS})
+        elif kind < 4:
+            sharing = frozenset({Isolation.TIMESLICE, Isolation.EXCLUSIVE})
+        mig = kind == 4 and model in MIG_MODELS
+        if mig:
+            sharing = frozenset({Isolation.MIG})
+        gpus = tuple(
+            Gpu(index=i, uuid=f"{name}-gpu{i}", model=model,
+                memory_total_mib=GPU_MODEL_MEMORY_MIB[model],
+                temperature_c=round(rng.uniform(30, 70), 1),
+                slowdown_temp_c=GPU_MODEL_SLOWDOWN_C[model],
+                exclusive_process=kind < 2,
+                mig_instances=tuple(MigInstance(f"{name}-gpu{i}-mig{j}", "1g.10gb", 1, 10240)
+                                    for j in range(7)) if mig else ())
+            for i in range(8))
+        out.append(NodeInventory(name=name, gpus=gpus, sharing=sharing, datasets=frozenset(
+            {"imagenet"} if rng.random() < 0.1 else set())))
+    return out
+
+
+def cluster_inventories(nodes: int) -> list[NodeInventory]:
+    """The openb nodes at their own count (1,213), else a synthesised cluster of `nodes`."""
+    return openb_inventories() if nodes == OPENB_NODES else synthetic_inventories(nodes)
+
+
+def mixed_isolation(shapes: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
+    """The shapes with sharing modes mixed in as a synthesised cluster offers them
+    (deterministic): a whole-GPU pod asks for exclusive GPUs one time in three, a fraction
+    of a GPU for time-slicing one time in seven and, if it needs at most 10 GiB, for a MIG
+    instance one time in twenty (any model); the rest MPS."""
+    rng = random.Random(seed)
+    out = []
+    for shape in shapes:
+        draw = rng.random()
+        isolation = ""
+        if shape["cores"] >= 100 and draw < 1 / 3:
+            isolation = "exclusive"
+        elif shape["cores"] < 100 and shape["memory_gib"] <= 10 and draw < 1 / 20:
+            isolation = "mig"
+        elif shape["cores"] < 100 and draw < 1 / 20 + 1 / 7:
+            isolation = "timeslice"
+        out.append({**shape, "isolation": isolation,
+                    "models": "" if isolation == "mig" else shape["models"]})
+    return out
+
+
+def pod_shapes(nodes: int) -> list[dict[str, Any]]:
+    """The openb trace's shapes; for a synthesised cluster, with its sharing modes mixed in."""
+    shapes = openb_pod_shapes()
+    return shapes if nodes == OPENB_NODES else mixed_isolation(shapes)
+
+
 def openb_pod_shapes() -> list[dict[str, Any]]:
     """GPU pods of the default trace as (count, memory GiB, cores %, models)."""
     shapes = []
@@ -87,13 +161,13 @@ def openb_pod_shapes() -> list[dict[str, Any]]:
     return shapes
 
 
-def openb_cache() -> tuple[Any, Callable[[str, dict[str, Any]], None]]:
-    """The extender's cache holding the openb nodes (synced), and a pod watch for it that
-    reports bound pods Running at once, as KWOK does."""
+def openb_cache(nodes: int = OPENB_NODES) -> tuple[Any, Callable[[str, dict[str, Any]], None]]:
+    """The extender's cache holding the openb nodes, or a synthesised cluster of `nodes`
+    (synced), and a pod watch for it that reports bound pods Running at once, as KWOK does."""
     from carpool.extender.cache import ClusterCache
 
     cache = ClusterCache()
-    for inventory in openb_inventories():
+    for inventory in cluster_inventories(nodes):
         cache.put_inventory(inventory)
     for kind in ("nodes", "gpunodes", "pods", "gpujobs"):
         cache.mark_synced(kind)
@@ -109,14 +183,15 @@ def openb_cache() -> tuple[Any, Callable[[str, dict[str, Any]], None]]:
 # --- the server (child process) -------------------------------------------------------------
 
 
-def serve(port: int, api_delay_s: float, filter_best: int) -> None:
+def serve(port: int, api_delay_s: float, filter_best: int, nodes: int,
+          bounded_search: bool) -> None:
     from aiohttp import web
 
     from carpool.extender.fake import LoopFakeCluster
     from carpool.extender.server import make_app, tune_interpreter
     from carpool.extender.service import Extender, Settings
 
-    cache, watch = openb_cache()
+    cache, watch = openb_cache(nodes)
 
     gc_pauses: list[float] = []
     gc_started = [0.0]
@@ -135,7 +210,8 @@ def serve(port: int, api_delay_s: float, filter_best: int) -> None:
 
     gc.callbacks.append(gc_timer)
     cluster = LoopFakeCluster(delay_s=api_delay_s, on_change=watch)
-    extender = Extender(cache, cluster, Settings(filter_best=filter_best))
+    extender = Extender(cache, cluster, Settings(filter_best=filter_best,
+                                                 bounded_search=bounded_search))
     server_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
     cpu_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
     warm_cpu_ms: dict[str, list[float]] = {"filter": [], "prioritize": []}
@@ -213,6 +289,8 @@ def serve(port: int, api_delay_s: float, filter_best: int) -> None:
 
 def pod_manifest(name: str, shape: dict[str, Any]) -> dict[str, Any]:
     annotations = {"carpool.dev/models": shape["models"]} if shape["models"] else {}
+    if shape.get("isolation"):
+        annotations["carpool.dev/isolation"] = shape["isolation"]
     limits = {"carpool.dev/gpu": str(shape["count"]),
               "carpool.dev/gpu-memory": str(shape["memory_gib"]),
               "carpool.dev/gpu-cores": str(shape["cores"])}
@@ -702,12 +780,13 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
     from carpool.extender.service import Extender, Settings
     from carpool.extender.wire import decode_binding_args, decode_extender_args, decode_pod
 
-    cache, watch = openb_cache()
+    cache, watch = openb_cache(args.nodes)
     cluster = LoopFakeCluster(on_change=watch)
-    extender = Extender(cache, cluster, Settings(filter_best=SHIPPED_FILTER_BEST))
+    extender = Extender(cache, cluster, Settings(filter_best=SHIPPED_FILTER_BEST,
+                                                 bounded_search=args.search != "full"))
     names = cache.node_names()
     rng = random.Random(args.seed)
-    shapes = openb_pod_shapes()
+    shapes = pod_shapes(args.nodes)
 
     async def run_blocking(fn: Any, *fn_args: Any) -> Any:
         return fn(*fn_args)
@@ -730,8 +809,8 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     asyncio.run(fill())
-    distinct = list({(s["count"], s["memory_gib"], s["cores"], s["models"]): s
-                     for s in shapes}.values())
+    distinct = list({(s["count"], s["memory_gib"], s["cores"], s["models"],
+                      s.get("isolation", "")): s for s in shapes}.values())
     print(f"{args.pods} pods placed in {time.perf_counter() - started:.1f} s "
           f"({cache.counts()['holds']} holding GPUs); {len(distinct)} distinct shapes")
     gc.collect()
@@ -741,6 +820,7 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         # a new ranker that has learnt the same workload: new scorers, an empty memo
         ranker = Ranker(extender.settings.scoring, extender.settings.learn_workload)
+        ranker.index = extender.ranker.index  # the nodes' index is the cache's, kept
         for pod in placed:
             ranker.observe(decode_pod(pod))
         ranker.set_supply(cache.supply())
@@ -773,12 +853,22 @@ def main() -> int:
                         help="the extender's --filter-best (0: filter passes every node that "
                              "fits, and the loop calls prioritize); default %(default)s, as "
                              "shipped")
+    parser.add_argument("--search", choices=("bounded", "full", "both"), default="bounded",
+                        help="how filter finds its best nodes: the shipped bounded search, "
+                             "scoring every candidate (Settings.bounded_search off), or both, "
+                             "alternated run by run (with --runs)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the load; with --search both, each setting this often")
     parser.add_argument("--port", type=int, default=18181)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", action="store_true",
                         help="end to end on the local cluster: pods/s with vs without extender")
-    parser.add_argument("--nodes", type=int, default=1000, help="KWOK nodes for --cluster")
+    parser.add_argument("--nodes", type=int,
+                        help=f"GPU nodes: {OPENB_NODES} (the default) are openb's, any other "
+                             f"count a synthesised cluster of 8-GPU nodes in openb's model mix "
+                             f"with mixed sharing modes; KWOK nodes for --cluster (default "
+                             f"1000)")
     parser.add_argument("--keep-nodes", default="", metavar="ID",
                         help="(--cluster) name the nodes by ID, reuse them if they exist and "
                              "leave them for the next run (saves minutes when comparing)")
@@ -803,22 +893,53 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="(--cold-passes)")
     args = parser.parse_args()
     if args.cold_passes:
+        args.nodes = args.nodes or OPENB_NODES
         return bench_cold_passes(args)
     if args.sampling:
         return bench_sampling(args)
     if args.cluster:
+        args.nodes = args.nodes or 1000
         return bench_cluster(args)
+    args.nodes = args.nodes or OPENB_NODES
     if args.serve:
-        serve(args.port, args.api_delay_ms / 1000, args.filter_best)
+        serve(args.port, args.api_delay_ms / 1000, args.filter_best, args.nodes,
+              args.search == "bounded")
         return 0
-    inventories = openb_inventories()
+    inventories = cluster_inventories(args.nodes)
     node_names = [inv.name for inv in inventories]
     rng = random.Random(args.seed)
-    shapes = openb_pod_shapes()
+    shapes = pod_shapes(args.nodes)
     pods = [pod_manifest(f"pod-{i:05d}", rng.choice(shapes)) for i in range(args.pods)]
+    print(f"extender cache: {len(inventories)} nodes, "
+          f"{sum(len(i.gpus) for i in inventories)} GPUs; concurrency {args.concurrency}; "
+          f"fake API server delay {args.api_delay_ms} ms per call; filter passes "
+          f"{args.filter_best or 'every fitting node'}")
+    settings = ["bounded", "full"] if args.search == "both" else [args.search]
+    results: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
+    for run in range(args.runs):
+        for search in settings if run % 2 == 0 else settings[::-1]:  # alternated
+            print(f"--- run {run + 1}, search {search}", flush=True)
+            results[search].append(one_run(args, search, pods, node_names))
+    if args.runs > 1 or len(settings) > 1:
+        print(f"{'search':<8} {'runs':>4} {'filter p50':>20} {'filter p99':>20} "
+              f"{'bind p50':>20} {'bind p99':>20}  (ms, median [range])")
+        for search, runs in results.items():
+            cells = []
+            for key in ("filter p50", "filter p99", "bind p50", "bind p99"):
+                values = [r[key] for r in runs]
+                cells.append(f"{statistics.median(values):.2f} [{min(values):.2f}–"
+                             f"{max(values):.2f}]")
+            print(f"{search:<8} {len(runs):>4} " + " ".join(f"{c:>20}" for c in cells))
+    return 0
+
+
+def one_run(args: argparse.Namespace, search: str, pods: list[dict[str, Any]],
+            node_names: list[str]) -> dict[str, float]:
+    """One load against a fresh extender process; the percentiles it printed."""
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", "--port", str(args.port), "--api-delay-ms",
-         str(args.api_delay_ms), "--filter-best", str(args.filter_best)])
+         str(args.api_delay_ms), "--filter-best", str(args.filter_best),
+         "--nodes", str(args.nodes), "--search", search])
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -830,24 +951,22 @@ def main() -> int:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit("the extender did not start") from None
                 time.sleep(0.2)
-        print(f"extender cache: {len(inventories)} nodes, "
-              f"{sum(len(i.gpus) for i in inventories)} GPUs; concurrency {args.concurrency}; "
-              f"fake API server delay {args.api_delay_ms} ms per call; filter passes "
-              f"{args.filter_best or 'every fitting node'}")
         stolen = _stolen_ms()
         timings = asyncio.run(load(args.port, pods, node_names, args.concurrency))
         print(f"CPU time the VM's host took from this machine during the load (steal): "
-              f"{_stolen_ms() - stolen:.0f} ms")
+              f"{_stolen_ms() - stolen:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     finally:
         server.terminate()
         server.wait(10)
     print(f"{'verb':<18} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    out = {}
     for verb, values in timings.items():
         if values:
             ms = [v * 1000 for v in values]
+            out[f"{verb} p50"], out[f"{verb} p99"] = percentile(ms, 0.5), percentile(ms, 0.99)
             print(f"{verb:<18} {len(ms):>6} {percentile(ms, 0.5):>8.2f} "
                   f"{percentile(ms, 0.99):>8.2f} {statistics.fmean(ms):>8.2f}")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from carpool.extender.wire import pod_requests
 
 IN_FLIGHT_STALE_S = HAND_OVER_STALE_S  # the handshake rule's last-resort timeout
 ASSUMED_TTL_S = 300.0  # an assumption the watch never confirmed is dropped after this
+CHANGE_LOG = 100_000  # node changes kept for `changes_since` (a reader further behind relists)
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
@@ -67,6 +68,14 @@ class Snapshot:
     states: dict[str, NodeState]  # the known nodes among those asked for
     missing: dict[str, str]  # the others, with the reason there is no state
     in_flight: dict[str, tuple[Hold, ...]]  # only nodes with another pod in flight
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What is particular to one pod on the cluster's nodes (see `ClusterCache.pod_view`)."""
+
+    in_flight: dict[str, tuple[Hold, ...]]  # nodes with another pod in flight
+    own: tuple[str, NodeState] | None  # the node of the pod's own hold, without it
 
 
 UNKNOWN_NODE = "node is unknown to the Carpool extender (no Node object seen)"
@@ -127,6 +136,8 @@ class ClusterCache:
         self._unsettled: dict[str, set[str]] = {}
         self._states: dict[str, NodeState] = {}  # memoised per node; dropped on change
         self._changed: set[str] = set()  # nodes whose state was dropped (see drain_changed)
+        self._log: list[str] = []  # the same, in order, for `changes_since`
+        self._log_start = 0  # the position of `_log[0]`
         self._supply: Counter[str] = Counter()  # GPUs per model over the known nodes
         # CPU and memory requested on each node by the pods there (any pod, GPU or not):
         self._observed_usage: dict[str, tuple[str, int, int]] = {}  # from the watch
@@ -178,6 +189,11 @@ class ClusterCache:
     def _drop_state(self, name: str) -> None:
         self._states.pop(name, None)
         self._changed.add(name)
+        self._log.append(name)
+        if len(self._log) > CHANGE_LOG:
+            half = CHANGE_LOG // 2
+            del self._log[:half]
+            self._log_start += half
 
     def _rebuild_inventory(self, name: str) -> None:
         node = self._nodes.get(name)
@@ -519,17 +535,51 @@ class ClusterCache:
             own = self._effective.get(exclude_key)
             if own is not None and own.node in states:
                 states[own.node] = self._without(states[own.node], own.node, exclude_key)
-            stale = []
-            for node in self._unsettled.keys() & states.keys():
-                for key in sorted(self._unsettled[node]):
-                    hold = self._effective[key]
-                    if not hold.in_flight(now):
-                        stale.append((node, key))
-                    elif key != exclude_key:
-                        in_flight[node] = (*in_flight.get(node, ()), hold)
-            for node, key in stale:
-                self._settled(node, key)
+            in_flight = self._in_flight_on(self._unsettled.keys() & states.keys(), exclude_key,
+                                           now)
         return Snapshot(states, missing, in_flight)
+
+    def _in_flight_on(self, nodes: Iterable[str], exclude_key: str, now: float
+                      ) -> dict[str, tuple[Hold, ...]]:
+        """Other pods' in-flight holds on these nodes (with unsettled holds); holds past the
+        staleness timeout are settled on the way."""
+        in_flight: dict[str, tuple[Hold, ...]] = {}
+        stale = []
+        for node in nodes:
+            for key in sorted(self._unsettled[node]):
+                hold = self._effective[key]
+                if not hold.in_flight(now):
+                    stale.append((node, key))
+                elif key != exclude_key:
+                    in_flight[node] = (*in_flight.get(node, ()), hold)
+        for node, key in stale:
+            self._settled(node, key)
+        return in_flight
+
+    def pod_view(self, pod_key: str, now: float) -> PodView:
+        """`snapshot`'s in-flight holds and the pod's own node (its state without the pod's
+        hold) over every node, without a state per node: the search over the node index
+        (`ranking.NodeIndex`) reads the other nodes' states from `changes_since`."""
+        with self._lock:
+            in_flight = self._in_flight_on(list(self._unsettled), pod_key, now)
+            hold = self._effective.get(pod_key)
+            state = self._state(hold.node) if hold is not None else None
+            own = None
+            if hold is not None and state is not None:
+                own = (hold.node, self._without(state, hold.node, pod_key))
+        return PodView(in_flight, own)
+
+    def changes_since(self, position: int | None
+                      ) -> tuple[dict[str, NodeState | None], int, bool]:
+        """The current state (None: gone) of each node changed since `position`, the position
+        to ask from next time, and whether the answer is every known node instead (asked
+        with None, or from a position the change log no longer reaches)."""
+        with self._lock:
+            end = self._log_start + len(self._log)
+            if position is None or position < self._log_start:
+                return ({name: self._state(name) for name in self._inventories}, end, True)
+            names = dict.fromkeys(self._log[position - self._log_start:])
+            return ({name: self._state(name) for name in names}, end, False)
 
     def state_of(self, node: str) -> NodeState | None:
         """The node's current state (None if unknown)."""

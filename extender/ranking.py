@@ -12,6 +12,9 @@ reasons are what users read).
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -21,10 +24,12 @@ from typing import Protocol
 
 from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant, GpuRequest
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation
 from carpool.core.scoring import (
     CARPOOL,
     Dataset,
+    GpuSlot,
+    NodeProfile,
     RequestScorer,
     Scorer,
     ScoringPolicy,
@@ -113,6 +118,11 @@ class ShapePlacer:
             for i, c in enumerate(demand.containers))
         self._single = demand.containers[0].request if len(demand.containers) == 1 else None
         self._requests = tuple(c.request for c in demand.containers)
+
+    @property
+    def single(self) -> RequestScorer | None:
+        """The scorer of a one-container demand (None for several containers)."""
+        return self._scorers[0] if self._single is not None else None
 
     def place(self, state: NodeState) -> Placement | Misfit:
         """GPUs for every container on this node, or the reason it does not fit.
@@ -294,6 +304,8 @@ class Evaluation:
 
 
 DemandShape = tuple[object, ...]
+NO_PLAN = -1.0  # a group's plan score when the profile cannot hold the demand
+EACH_NODE = -2.0  # ... when the fit rules may overrule the plan: every node is scored
 
 
 class NodeSource(Protocol):
@@ -304,6 +316,119 @@ class NodeSource(Protocol):
     def state_of(self, node: str) -> NodeState | None: ...
 
     def drain_changed(self) -> set[str]: ...
+
+
+class IndexSource(Protocol):
+    """Where the node index reads changed nodes from (the extender's cache)."""
+
+    def changes_since(self, position: int | None
+                      ) -> tuple[dict[str, NodeState | None], int, bool]: ...
+
+
+OrderKey = tuple[GpuSlot | None, int]  # (slot, how many GPUs of it); None: of any slot
+
+
+def coolest(state: CachedState, key: OrderKey) -> float:
+    """The mean temperature term of the node's `m` coolest usable GPUs of `slot` (of any
+    slot where None): what `scoring.gpus_for` gives a plan of `m` GPUs of that slot, at
+    least what any `m` GPUs of it (or, None, any `m` GPUs) give. 1 (the most) where the
+    node has fewer."""
+    slot, m = key
+    by_slot = state.shared_gpus
+    if slot is not None:
+        terms = [g.temperature for g in by_slot.get(slot, ())]
+    else:
+        terms = sorted((g.temperature for gpus in by_slot.values() for g in gpus), reverse=True)
+    if len(terms) < m:
+        return 1.0
+    return sum(terms[:m]) / m
+
+
+class NodeGroup:
+    """Nodes a one-container demand scores alike but for their GPUs' temperatures and
+    datasets: one profile (so one `Scorer.plan`), sharing modes and readiness, and whether
+    the fit rules may overrule the profile's view (`scoring.doubtful_gpus`, per isolation).
+    Its members are kept in orders by `coolest`, made when a search first asks for one."""
+
+    __slots__ = ("doubtful_mps", "doubtful_other", "key", "members", "orders", "profile",
+                 "ready", "sharing")
+
+    def __init__(self, key: tuple[object, ...], state: CachedState) -> None:
+        self.key = key
+        self.profile: NodeProfile = state.profile
+        self.sharing = state.inventory.sharing
+        self.ready = state.inventory.ready
+        self.doubtful_mps = bool(state.doubtful_gpus(Isolation.MPS))
+        self.doubtful_other = bool(state.doubtful_gpus(Isolation.TIMESLICE))
+        self.members: dict[str, CachedState] = {}
+        # per order key: (minus `coolest`, node name), sorted: coolest first
+        self.orders: dict[OrderKey, list[tuple[float, str]]] = {}
+
+    def order(self, key: OrderKey) -> list[tuple[float, str]]:
+        found = self.orders.get(key)
+        if found is None:
+            found = self.orders[key] = sorted(
+                (-coolest(state, key), name) for name, state in self.members.items())
+        return found
+
+    def add(self, name: str, state: CachedState) -> None:
+        self.members[name] = state
+        for key, order in self.orders.items():
+            bisect.insort(order, (-coolest(state, key), name))
+
+    def remove(self, name: str) -> None:
+        state = self.members.pop(name)
+        for key, order in self.orders.items():
+            order.pop(bisect.bisect_left(order, (-coolest(state, key), name)))
+
+
+def group_key(state: CachedState) -> tuple[object, ...]:
+    return (state.profile, state.inventory.sharing, state.inventory.ready,
+            bool(state.doubtful_gpus(Isolation.MPS)),
+            bool(state.doubtful_gpus(Isolation.TIMESLICE)))
+
+
+class NodeIndex:
+    """Every known node's current state, in groups (`NodeGroup`); kept current from the
+    cache's change log, so a request pays for the nodes that changed since the last one,
+    not for every node (`Ranker.search`)."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, CachedState] = {}
+        self.groups: dict[tuple[object, ...], NodeGroup] = {}
+        self._group_of: dict[str, NodeGroup] = {}
+        self._position: int | None = None
+        self.lock = threading.Lock()  # held by `Ranker.search` from sync to answer
+
+    def sync(self, source: IndexSource) -> None:
+        states, self._position, complete = source.changes_since(self._position)
+        if complete:
+            for name in [n for n in self.states if n not in states]:
+                self._remove(name)
+        for name, state in states.items():
+            if state is None:
+                self._remove(name)
+            elif self.states.get(name) is not state:
+                self._remove(name)
+                self._add(name, CachedState.of(state))
+
+    def _add(self, name: str, state: CachedState) -> None:
+        key = group_key(state)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = NodeGroup(key, state)
+        group.add(name, state)
+        self.states[name] = state
+        self._group_of[name] = group
+
+    def _remove(self, name: str) -> None:
+        group = self._group_of.pop(name, None)
+        if group is None:
+            return
+        del self.states[name]
+        group.remove(name)
+        if not group.members:
+            del self.groups[group.key]
 
 
 class _Generation:
@@ -319,6 +444,8 @@ class _Generation:
         self.memo: OrderedDict[DemandShape, dict[str, Evaluation]] = (
             OrderedDict())
         self.placers: dict[DemandShape, ShapePlacer] = {}  # per shape in `memo`
+        # per shape in `memo`, per node group: the plan's score (`Ranker.search`)
+        self.plan_scores: dict[DemandShape, dict[NodeGroup, tuple[float, OrderKey]]] = {}
 
     def placer(self, shape: DemandShape, demand: PodDemand, policy: str) -> ShapePlacer:
         placer = self.placers.get(shape)
@@ -337,7 +464,9 @@ class Ranker:
     changed, and when the target workload or the GPU supply changes it builds the new
     scorers' memo on the side and switches only when it is complete, so no request pays for
     a cold pass over every node. Without a warmer (`background_warming` False) a new
-    generation takes over at once. Safe to share between threads (a lost race recomputes).
+    generation takes over at once. `search` needs no warmer: it scores only the few nodes
+    that can be among the best (the extender's filter with `--filter-best`). Safe to share
+    between threads (a lost race recomputes).
     """
 
     def __init__(self, policy: ScoringPolicy = CARPOOL, learn_workload: bool = True,
@@ -356,6 +485,7 @@ class Ranker:
         self.misses = 0
         self.warmed = 0
         self.workload_rebuilds = 0
+        self.index = NodeIndex()
 
     @property
     def _scorers(self) -> dict[str, Scorer]:
@@ -422,6 +552,7 @@ class Ranker:
             while len(generation.memo) > 1 and total > self._max_entries:
                 old, dropped = generation.memo.popitem(last=False)  # least recently used
                 generation.placers.pop(old, None)
+                generation.plan_scores.pop(old, None)
                 total -= len(dropped)
             live = set(self._current.memo) | set(self._next.memo if self._next else ())
             for old in [s for s in self._demands if s not in live and s != shape]:
@@ -454,6 +585,106 @@ class Ranker:
         self.hits += len(states) - len(misses)
         self.misses += len(misses)
         return out
+
+    def search(self, source: IndexSource, demand: PodDemand, policy: str, keep: int,
+               allowed: Callable[[str], bool], own: tuple[str, NodeState] | None = None
+               ) -> dict[str, float] | None:
+        """The scores of enough of the `allowed` nodes that fit that the best `keep` of them
+        are the best `keep` of all the allowed nodes (`service.best_nodes` picks them,
+        ties included); empty when none fits. None for a demand of several containers.
+
+        `evaluate_all` scores every candidate, so a new demand shape once cost a pass over
+        every node. Here nodes are scored in the order of a ceiling on their score (the
+        plan's score of their group's profile, their coolest GPU, the best locality:
+        `RequestScorer.ceiling`), until `keep` fit and the next ceiling is below the
+        `keep`-th best score: nodes alike in all but temperature share one plan, so this
+        reads one plan per group and scores a few nodes. Groups where the fit rules may
+        overrule the plan (`NodeGroup`) are scored node by node; `own`: the pod's own node,
+        in the state without its hold.
+        """
+        generation = self._current
+        shape = self._shape(demand, policy)
+        memo = self._memo_for(generation, shape, demand, policy)
+        placer = generation.placer(shape, demand, policy)
+        scorer = placer.single
+        if scorer is None:
+            return None
+        request = scorer.request
+        isolation = request.isolation
+        each = isolation is Isolation.MIG or bool(request.sharing_limits)
+        index = self.index
+        with index.lock:
+            index.sync(source)
+            groups = index.groups
+            plan_scores = generation.plan_scores.setdefault(shape, {})
+            if len(plan_scores) > 2 * len(groups) + 64:  # forget groups that are gone
+                plan_scores = generation.plan_scores[shape] = {
+                    g: v for g, v in plan_scores.items() if g.members}
+            ceiling = scorer.ceiling
+
+            def ceiling_of(plan_score: float, coolest: float) -> float:
+                if plan_score < 0:  # no plan: the node scores 0 where it fits at all
+                    return 0.0 if plan_score == NO_PLAN else math.inf
+                return ceiling(plan_score, coolest)
+
+            heap: list[tuple[float, int, float, list[tuple[float, str]], int]] = []
+            for n, group in enumerate(groups.values()):
+                if not group.ready or isolation not in group.sharing:
+                    continue  # no node of the group fits (`placement.gpu_verdicts`)
+                known = plan_scores.get(group)
+                if known is None:
+                    doubtful = (group.doubtful_mps if isolation is Isolation.MPS
+                                else group.doubtful_other)
+                    plan = None if each or doubtful else scorer.plan_of(group.profile)
+                    if plan is None:
+                        known = (EACH_NODE if each or doubtful else NO_PLAN, (None, 1))
+                    else:
+                        slots = set(plan.slots)
+                        known = (plan.score, (slots.pop() if len(slots) == 1 else None,
+                                              len(plan.slots)))
+                    plan_scores[group] = known
+                plan_score, key = known
+                order = group.order(key)
+                heap.append((-ceiling_of(plan_score, -order[0][0]), n, plan_score, order, 0))
+            heapq.heapify(heap)
+            found: dict[str, float] = {}
+            best: list[float] = []  # the `keep` best scores found, lowest first
+            hits = misses = 0
+
+            def score(name: str, state: NodeState) -> None:
+                nonlocal hits, misses
+                entry = memo.get(name)
+                if entry is None or entry.state is not state:
+                    entry = memo[name] = placer.evaluate(state)
+                    misses += 1
+                else:
+                    hits += 1
+                if entry.score is not None:
+                    found[name] = entry.score
+                    if len(best) < keep:
+                        heapq.heappush(best, entry.score)
+                    elif entry.score > best[0]:
+                        heapq.heapreplace(best, entry.score)
+
+            own_name = own[0] if own is not None else None
+            if own is not None and allowed(own[0]):
+                score(own[0], own[1])
+            states = index.states
+            while heap:
+                top, n, plan_score, order, i = heap[0]
+                if len(best) >= keep and -top < best[0]:
+                    break
+                name = order[i][1]
+                if i + 1 < len(order):
+                    heapq.heapreplace(heap, (-ceiling_of(plan_score, -order[i + 1][0]), n,
+                                             plan_score, order, i + 1))
+                else:
+                    heapq.heappop(heap)
+                if name != own_name and allowed(name):
+                    score(name, states[name])
+        self.hits += hits
+        self.misses += misses
+        return found
 
     def evaluate(self, state: NodeState, demand: PodDemand, policy: str) -> Evaluation:
         return self.evaluate_all({state.name: state}, demand, policy)[state.name]

@@ -226,7 +226,7 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
             await asyncio.sleep(0 if more else WARM_IDLE_S)
 
     async def start_warming(app: web.Application) -> None:
-        extender.ranker.background_warming = True
+        extender.ranker.background_warming = extender.needs_warming
         app[WARMER_KEY] = asyncio.get_running_loop().create_task(warm_loop())
 
     async def shutdown(app: web.Application) -> None:

@@ -688,12 +688,7 @@ class RequestScorer:
     def score_with(self, node: NodeState, profile: NodeProfile, by_slot: GpusBySlot
                    ) -> tuple[float, tuple[int, ...]] | None:
         """`score`, given the node's `profile_of` and its `gpus_by_slot` for this request."""
-        plans = self._plans
-        plan = plans.get(profile, _NOT_PLANNED)
-        if plan is _NOT_PLANNED:
-            if len(plans) > MAX_MEMO_ENTRIES:
-                plans.clear()
-            plan = plans[profile] = self.scorer.plan(profile, self.demand)
+        plan = self.plan_of(profile)
         if plan is None:
             return None
         slots = plan.slots
@@ -706,6 +701,24 @@ class RequestScorer:
         else:
             indices, temperature = gpus_for(node, by_slot, slots)
         return self.combine(node, plan.score, temperature), indices
+
+    def plan_of(self, profile: NodeProfile) -> Plan | None:
+        """`Scorer.plan` of this request's demand on a node with this profile (memoised)."""
+        plans = self._plans
+        plan = plans.get(profile, _NOT_PLANNED)
+        if plan is _NOT_PLANNED:
+            if len(plans) > MAX_MEMO_ENTRIES:
+                plans.clear()
+            plan = plans[profile] = self.scorer.plan(profile, self.demand)
+        return plan
+
+    def ceiling(self, plan_score: float, temperature: float) -> float:
+        """`combine` with the locality term at its best (1): no node whose plan scores
+        `plan_score` and whose GPUs' temperature terms are at most `temperature` scores more
+        (the same operations on terms as large or larger, so the rounding agrees)."""
+        num = self._w_profile * plan_score + self._w_temperature * temperature
+        num += self._w_locality
+        return num / self._den if self._den > 0 else 0.0
 
     def combine(self, node: NodeState, plan_score: float, temperature: float) -> float:
         """The node's score from its plan's score and its GPUs' mean temperature term:
