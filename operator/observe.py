@@ -157,21 +157,35 @@ class Observer:
         # quota name -> (resourceVersion, its retired usage as decoded then); see retired
         self._retired_decoded: dict[str, tuple[str, RetiredUsage | None]] = {}
         self._status_problems: set[str] = set()  # malformed quota statuses logged already
+        # what the read derives from an object while its resourceVersion stays the same:
+        # node name -> (GpuNode version, Node labels, inventory); pod uid -> (version, view)
+        self._inventories: dict[str, tuple[str, Mapping[str, str], NodeInventory]] = {}
+        self._pod_views: dict[str, tuple[str, PodView]] = {}
 
     def _read_nodes(self, state: PassState) -> None:
         """Inventories, driver/CUDA versions and per-pod peak memory from the GpuNodes."""
         labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
                   for n in self.informers.objects("nodes")}
+        inventories: dict[str, tuple[str, Mapping[str, str], NodeInventory]] = {}
         for gn in self.informers.objects(names.GPUNODE_PLURAL):
             name = gn["metadata"]["name"]
             if name not in labels:
                 continue  # the Node is gone; its GpuNode is stale
             status = gn.get("status") or {}
-            try:
-                state.inventories[name] = inventory_from_gpunode(name, status, labels[name])
-            except ValueError as err:
-                log.warning("ignoring GpuNode %s: %s", name, err)
-                continue
+            version = str(gn["metadata"].get("resourceVersion", ""))
+            cached = self._inventories.get(name)
+            if version and cached is not None and cached[0] == version \
+                    and cached[1] == labels[name]:
+                inventories[name] = cached
+                state.inventories[name] = cached[2]
+            else:
+                try:
+                    state.inventories[name] = inventory_from_gpunode(name, status, labels[name])
+                except ValueError as err:
+                    log.warning("ignoring GpuNode %s: %s", name, err)
+                    continue
+                if version:
+                    inventories[name] = (version, labels[name], state.inventories[name])
             state.node_software[name] = (str(status.get("driverVersion") or ""),
                                          str(status.get("cudaVersion") or ""))
             if status.get("processActivity") is True:
@@ -185,6 +199,7 @@ class Observer:
                 state.pod_peaks[key] = max(peak, state.pod_peaks.get(key, 0))
                 if (active := epoch_of(pod.get("lastActiveTime"))) is not None:
                     state.pod_active[key] = max(active, state.pod_active.get(key, active))
+        self._inventories = inventories  # nodes gone are forgotten
 
     def read(self, now: float) -> PassState:
         """The jobs, pods and nodes in the watch caches, decoded; derives, writes nothing."""
@@ -196,10 +211,17 @@ class Observer:
                       for g in inv.gpus for m in g.mig_instances}
         by_uid: dict[str, tuple[PodView, str]] = {}  # uid -> (pod, resourceVersion)
         by_name: dict[str, str] = {}  # namespace/name -> uid
+        views: dict[str, tuple[str, PodView]] = {}
         for pod in self.informers.objects(PODS):
-            view = view_pod(pod)
-            by_uid[view.uid] = (view, str(pod["metadata"].get("resourceVersion", "")))
+            version = str(pod["metadata"].get("resourceVersion", ""))
+            seen = self._pod_views.get(str(pod["metadata"].get("uid", "")))
+            view = seen[1] if version and seen is not None and seen[0] == version \
+                else view_pod(pod)
+            if version:
+                views[view.uid] = (version, view)
+            by_uid[view.uid] = (view, version)
             by_name[f"{view.namespace}/{view.name}"] = view.uid
+        self._pod_views = views  # pods gone are forgotten
         linked: set[str] = set()  # uids of pods that are some job's attempt
         decoded: dict[str, _Decoded] = {}
         for obj in self.informers.objects(GPUJOBS):

@@ -8,6 +8,7 @@ GPU memory MiB, GPU usage "GPU equivalents" (the fraction of a GPU held, as in `
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -213,8 +214,10 @@ class Job:
         """In the queue: new, or preempted and gone from its GPUs."""
         return self.phase is Phase.QUEUED or (self.phase is Phase.PREEMPTED and not self.grants)
 
-    @property
+    @functools.cached_property
     def current_run(self) -> RunRecord | None:
+        """The open run of the latest attempt (kept: a cycle asks for it of every holder
+        many times)."""
         open_runs = [r for r in self.runs if r.end is None]
         return max(open_runs, key=lambda r: r.attempt) if open_runs else None
 

@@ -393,6 +393,12 @@ class _Cycle:
     held_back: dict[GpuRequest, list[tuple[str, str]]] = field(default_factory=dict)
     # request -> why sharing limits alone keep it off every node now (None: they do not)
     sharing_blocked: dict[GpuRequest, str | None] = field(default_factory=dict)
+    # every node's held grants, and whether any carries a sharing limit (`_sharing_blocked`)
+    held_by_node: dict[str, list[GpuGrant]] | None = None
+    held_limits: bool = False
+    # the holders `preemption.victim_cause` can ever name (preemptible, not interactive, not
+    # terminating), in `holders` order: the victim scans look at these only
+    victims: list[_Holder] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
@@ -418,12 +424,16 @@ def _sharing_blocked(cycle: _Cycle, request: GpuRequest) -> str | None:
     not what keeps it out, or no limit is in play (the usual case, answered at once)."""
     if request in cycle.sharing_blocked:
         return cycle.sharing_blocked[request]
-    held: dict[str, list[GpuGrant]] = {}
-    for holder in cycle.holders:
-        if holder.job.node in cycle.snapshot.nodes:
-            held.setdefault(holder.job.node, []).extend(holder.job.grants)
+    if cycle.held_by_node is None:  # the same for every request: gathered once a cycle
+        cycle.held_by_node = {}
+        for holder in cycle.holders:
+            if holder.job.node in cycle.snapshot.nodes:
+                cycle.held_by_node.setdefault(holder.job.node, []).extend(holder.job.grants)
+        cycle.held_limits = any(g.sharing_limit for gs in cycle.held_by_node.values()
+                                for g in gs)
+    held = cycle.held_by_node
     why = None
-    if request.sharing_limits or any(g.sharing_limit for gs in held.values() for g in gs):
+    if request.sharing_limits or cycle.held_limits:
         for name in sorted(cycle.snapshot.nodes):
             state = cycle.snapshot.nodes[name].with_grants(held.get(name, ()))
             verdicts = gpu_verdicts(state, request)
@@ -493,9 +503,11 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     by_project_holders: dict[str, list[_Holder]] = {}
     for holder in holders:
         by_project_holders.setdefault(holder.job.project, []).append(holder)
+    victims = [h for h in holders if h.job.preemptible and not h.job.terminating
+               and h.job.job_class is not JobClass.INTERACTIVE]
     return _Cycle(snapshot, config, learned, usage, reference_mib, timeline, ledgers, holders,
                   models, capacity, leaving=leaving, running_spans=spans,
-                  holders_by_project=by_project_holders, spreads=spreads)
+                  holders_by_project=by_project_holders, spreads=spreads, victims=victims)
 
 
 def _quota_free_at(cycle: _Cycle, quota: ProjectQuota, gpus: float, memory_mib: int
@@ -600,7 +612,7 @@ def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> li
     if budget <= 0:
         return []
     candidates = []
-    for holder in cycle.holders:
+    for holder in cycle.victims:
         victim = holder.job
         if victim.key in cycle.leaving:
             continue
@@ -950,7 +962,7 @@ class _QueueDecisions:
         cycle.preempt_attempts += 1
         candidates = sorted(
             (Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
-             for h in cycle.holders if h.job.key not in cycle.leaving
+             for h in cycle.victims if h.job.key not in cycle.leaving
              and (cause := victim_cause(job, in_quota, h.job, now,
                                         config.aging_step_s)) is not None),
             key=lambda c: c.preference)[:MAX_GANG_VICTIM_SEARCH]
@@ -1384,7 +1396,7 @@ class _QueueDecisions:
             node, grants = slot.node, slot.grants
         else:
             others = [Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
-                      for h in cycle.holders if h.job.key not in gone
+                      for h in cycle.victims if h.job.key not in gone
                       and (cause := victim_cause(job, True, h.job, now, step)) is not None]
             plan = plan_preemption(job.request, duration, others, cycle.timeline, gone)
             if plan is None:

@@ -115,7 +115,8 @@ def _controller(job: str) -> Obj:
 def _cluster(gpus: int) -> dict[str, list[Obj]]:
     return {
         "nodes": [{"metadata": {"name": "n1", "resourceVersion": "2", "labels": {}}}],
-        names.GPUNODE_PLURAL: [{"metadata": {"name": "n1", "resourceVersion": "3"},
+        # a GpuNode of another GPU count is another version of it, as the API server says
+        names.GPUNODE_PLURAL: [{"metadata": {"name": "n1", "resourceVersion": f"3{gpus}"},
                                 "status": {"sharingMode": "mps", "gpus": [
                                     {"index": i, "uuid": f"GPU-{i}", "model": MODEL,
                                      "memoryTotalMiB": 81920} for i in range(gpus)]}}],
@@ -758,12 +759,13 @@ def test_a_gpu_pod_of_no_live_job_is_stopped_and_billed_to_its_project() -> None
     assert retired is not None and retired["gpuHours"] == pytest.approx(2 * 0.5, abs=1e-4)
     assert set(retired["jobs"]) == {"pod:team/old-1@pod-old-1", "pod:team/a-7@forged-7"}
     # the next pass sees them stopping: not stopped twice, nothing more billed yet
-    for pod in (gone, forged):
-        pod["metadata"]["deletionTimestamp"] = "2027-01-15T08:00:10Z"
+    for pod in (gone, forged):  # (each change a new version, as the API server writes it)
+        pod["metadata"].update(deletionTimestamp="2027-01-15T08:00:10Z", resourceVersion="31")
     kube.deleted.clear()
     assert next_pass(T0 + 5) is None and kube.deleted == []
     # one ended 4 s after it was first seen, the other is gone when the pass runs: each is
     # billed up to its end, once
+    gone["metadata"]["resourceVersion"] = "32"
     gone["status"] = {**gone["status"], "phase": "Failed", "containerStatuses": [{"state": {
         "terminated": {"startedAt": "2027-01-15T07:00:00Z",
                        "finishedAt": "2027-01-15T08:00:04Z"}}}]}

@@ -1,0 +1,387 @@
+"""The operator's reconcile pass at scale, in one process: where its time goes, and its writes.
+
+Builds `--nodes` simulated GPU nodes (8 GPUs each: H100 80 GiB and H200 141 GiB, MPS and
+exclusive nodes) and `--jobs` GpuJobs in memory, and runs the real operator pass
+(`Reconciler.run_pass`: observe, decide, act) over an in-memory API that stores what the
+operator writes and counts every write by verb and resource. No API server, so it times the
+operator's own work and nothing else. The pass runs as in a cluster:
+
+1. `fill`: every job is new; the pass admits what fits (one pod and one status write each)
+   and the rest wait. A stand-in scheduler then binds each created pod where the admission
+   put it and its container starts (the extender's annotation, as KWOK would run it).
+2. `steady`: nothing changed; what a pass costs with the queue as it is (the resync every
+   `CARPOOL_RESYNC_SECONDS`), and how many writes it makes (ideally none).
+3. `refresh`: `--finish` running jobs have finished: the pass records them, admits what fits
+   into the freed GPUs and refreshes every waiting job's estimated start. Its decide time is
+   the ETA refresh over the whole queue.
+
+For each pass it prints the seconds of observe (read), decide and act, the writes by kind,
+and the process's peak RSS; `--profile` adds the top functions of one phase by cumulative
+time (cProfile).
+
+    .venv/bin/python bench/operator_cycle.py --nodes 5000 --jobs 50000 [--finish 500]
+        [--repeat 3] [--profile refresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import logging
+import pstats
+import random
+import re
+import resource
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+from typing import Any
+
+from carpool.core import names
+from carpool.core.assignment import ANN_ASSIGNMENT, AssignedGpu, Assignment, encode_assignment
+from carpool.core.resources import Isolation
+from carpool.kube.errors import Conflict, NotFound
+from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube
+from carpool.operator.reconciler import Reconciler, ReconcilerConfig
+from carpool_testbed import simnodes
+
+Obj = dict[str, Any]
+PATH = re.compile(r"^/(?:api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?"
+                  r"/(?P<res>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$")
+KINDS = (GPUJOBS, PODS, QUOTAS, names.GPUNODE_PLURAL, "nodes")
+
+
+def _merge(target: Obj, patch: Obj) -> None:
+    """JSON merge patch (RFC 7386) of `patch` into `target`."""
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            merged = dict(target[key])
+            _merge(merged, value)
+            target[key] = merged
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+class MemoryApi:
+    """What `carpool.kube.client.Api` offers the operator, over dicts in memory; every write
+    counted by (verb, resource[/subresource])."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Obj]] = {kind: {} for kind in KINDS}
+        self.version = 1
+        self.writes = 0
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.lock = threading.Lock()
+
+    def _stamp(self, obj: Obj) -> None:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+
+    def put(self, kind: str, obj: Obj) -> None:
+        """An object as something other than the operator wrote it (setup, the scheduler)."""
+        meta = obj["metadata"]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        key = f"{meta['namespace']}/{meta['name']}" if meta.get("namespace") else meta["name"]
+        with self.lock:
+            self._stamp(obj)
+            self.objects[kind][key] = obj
+
+    def request(self, method: str, path: str, body: Any = None, **_: Any) -> Obj:
+        match = PATH.match(path.split("?", 1)[0])
+        if match is None:
+            raise ValueError(f"unexpected path {path}")
+        ns, res, name, sub = match["ns"], match["res"], match["name"], match["sub"]
+        if method != "GET":
+            with self.lock:
+                self.writes += 1
+                self.counts[(method, res + (f"/{sub}" if sub else ""))] += 1
+        store = self.objects.get(res)
+        key = f"{ns}/{name}" if ns else str(name)
+        if store is None:  # Events, PriorityClasses, Services, claims: counted only
+            if res == "events" and body:
+                with self.lock:
+                    self.counts[("POST", f"events {body.get('reason')}")] += 1
+            return dict(body or {})
+        with self.lock:
+            if method == "POST":
+                meta = body["metadata"]
+                key = f"{ns}/{meta['name']}" if ns else meta["name"]
+                if key in store:
+                    raise Conflict(409, "AlreadyExists")
+                obj = copy.deepcopy(body)
+                obj["metadata"].update(uid=str(uuid.uuid4()), namespace=ns, creationTimestamp=
+                                       datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                self._stamp(obj)
+                store[key] = obj
+                return obj
+            obj = store.get(key)
+            if obj is None:
+                raise NotFound(404, "NotFound")
+            if method == "GET":
+                return obj
+            if method == "DELETE":
+                return store.pop(key)
+            updated = dict(obj)  # PATCH: a new object, as the API server's watch would show
+            patch = {k: v for k, v in body.items() if k != "metadata" or sub is None}
+            if sub is None and "metadata" in body:
+                meta = dict(updated["metadata"])
+                _merge(meta, {k: v for k, v in body["metadata"].items()
+                              if k != "resourceVersion"})
+                updated["metadata"] = meta
+                patch.pop("metadata", None)
+            _merge(updated, patch)
+            updated["metadata"] = dict(updated["metadata"])
+            self._stamp(updated)
+            store[key] = updated
+            return updated
+
+    def get(self, path: str, query: Any = None) -> Obj | None:
+        try:
+            return self.request("GET", path)
+        except NotFound:
+            return None
+
+    def create(self, path: str, body: Obj) -> Obj:
+        return self.request("POST", path, body)
+
+    def patch(self, path: str, body: Obj, content_type: str = "", query: Any = None) -> Obj:
+        return self.request("PATCH", path, body)
+
+    def delete(self, path: str, query: Any = None) -> Obj | None:
+        try:
+            return self.request("DELETE", path)
+        except NotFound:
+            return None
+
+
+class MemoryInformers:
+    """The watch caches as `operator.informer.Informers` offers them, always caught up."""
+
+    def __init__(self, api: MemoryApi):
+        self.api = api
+
+    def objects(self, kind: str) -> list[Obj]:
+        with self.api.lock:
+            return list(self.api.objects[kind].values())
+
+    def get(self, kind: str, key: str) -> Obj | None:
+        return self.api.objects[kind].get(key)
+
+    def gone_at(self, kind: str, uid: str) -> None:
+        return None
+
+    def arrived(self, kind: str) -> int:
+        return 0
+
+    def arrived_since(self, kind: str, count: int) -> list[Obj]:
+        return []
+
+    def caught_up(self, timeout: float) -> bool:
+        return True
+
+
+def _nodes(count: int) -> list[simnodes.SimNode]:
+    """Half H100 80 GiB, half H200 141 GiB; one node in four offers whole GPUs only."""
+    document = {"nodes": [{
+        "name": f"gpu-{i:05d}", "zone": f"zone-{i % 4}",
+        "sharing": "exclusive" if i % 4 == 3 else "mps",
+        "gpus": [{"model": "H100" if i % 2 else "H200", "count": 8,
+                  "memoryTotalMiB": (80 if i % 2 else 141) * 1024}]} for i in range(count)]}
+    return simnodes.parse_nodes(document)
+
+
+def _job(i: int, project: str, rng: random.Random) -> Obj:
+    """One of a mix of shapes: MPS shares of one GPU, whole GPUs (1, 2 or 4), any model or
+    one, four classes, 1 to 60 minutes. Each its own template (no trailing number), so the
+    bench's instant finishes teach no other job's run time."""
+    cls = rng.choices(["interactive", "short", "long", "batch"], [1, 3, 2, 4])[0]
+    shape = rng.random()
+    if shape < 0.45:
+        gpu: Obj = {"count": 1, "memory": f"{rng.choice([16, 24, 32, 48])}Gi",
+                    "cores": rng.choice([25, 34, 50]), "isolation": "mps"}
+    else:
+        gpu = {"count": rng.choice([1, 1, 1, 2, 2, 4]), "memory": "40Gi",
+               "isolation": "exclusive"}
+    if rng.random() < 0.3:
+        gpu["models"] = [rng.choice(["H100", "H200"])]
+    seconds = rng.randint(60, 3600)
+    return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
+            "metadata": {"name": f"j{i}-run", "namespace": project},
+            "spec": {"project": project, "class": cls, "preemptible": cls == "batch",
+                     "gpu": gpu, "estimatedDuration": f"{seconds}s",
+                     "template": {"spec": {"containers": [{"name": "main",
+                                                           "image": "work"}]}}}}
+
+
+def build(args: argparse.Namespace) -> MemoryApi:
+    api = MemoryApi()
+    now = datetime.now(UTC)
+    for node in _nodes(args.nodes):
+        api.put("nodes", simnodes.node_manifest(node))
+        gpunode = simnodes.gpunode_manifest(node)
+        gpunode["status"] = simnodes.gpunode_status(node, now)
+        api.put(names.GPUNODE_PLURAL, gpunode)
+    gpus = args.nodes * 8
+    projects = [f"p{i}" for i in range(args.projects)]
+    for project in projects:
+        api.put(QUOTAS, {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+                         "metadata": {"name": project},
+                         "spec": {"namespaces": [project],
+                                  "concurrent": {"gpus": gpus // args.projects},
+                                  "borrowing": {"enabled": True}}})
+    rng = random.Random(args.seed)
+    for i in range(args.jobs):
+        api.put(GPUJOBS, _job(i, projects[i % len(projects)], rng))
+    return api
+
+
+def schedule(api: MemoryApi) -> int:
+    """The stand-in scheduler and kubelet: each pod not on a node yet is bound where its
+    job's admission put it (the extender's assignment annotation) and starts running."""
+    started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    bound = 0
+    for key, pod in list(api.objects[PODS].items()):
+        if pod["spec"].get("nodeName"):
+            continue
+        job = api.objects[GPUJOBS].get(f"{pod['metadata']['namespace']}/"
+                                       f"{pod['metadata']['ownerReferences'][0]['name']}")
+        status = (job or {}).get("status") or {}
+        if not status.get("node"):
+            continue
+        isolation = Isolation.parse(str(job["spec"]["gpu"].get("isolation", "mps")))
+        assignment = Assignment(status["node"], tuple(
+            AssignedGpu(g["uuid"], int(g.get("index", 0)), int(g["memoryMiB"]),
+                        int(g.get("cores", 0)), container="main") for g in status["gpus"]),
+            isolation)
+        pod = dict(pod, spec=dict(pod["spec"], nodeName=status["node"]))
+        annotations = {**pod["metadata"].get("annotations", {}),
+                       ANN_ASSIGNMENT: encode_assignment(assignment)}
+        pod["metadata"] = dict(pod["metadata"], annotations=annotations)
+        pod["status"] = {"phase": "Running", "startTime": started, "containerStatuses": [
+            {"state": {"running": {"startedAt": started}}}]}
+        api.objects[PODS][key] = pod
+        api._stamp(pod)
+        bound += 1
+    return bound
+
+
+def finish(api: MemoryApi, count: int, rng: random.Random) -> int:
+    """`count` running pods end (their containers exit 0)."""
+    running = [k for k, p in api.objects[PODS].items() if (p.get("status") or {}).get(
+        "phase") == "Running"]
+    ended = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for key in rng.sample(sorted(running), min(count, len(running))):
+        pod = api.objects[PODS][key]
+        begun = pod["status"]["startTime"]
+        pod = dict(pod, status={"phase": "Succeeded", "startTime": begun, "containerStatuses": [
+            {"state": {"terminated": {"startedAt": begun, "finishedAt": ended,
+                                      "reason": "Completed", "exitCode": 0}}}]})
+        api.objects[PODS][key] = pod
+        api._stamp(pod)
+    return min(count, len(running))
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class PassTimes(logging.Handler):
+    """The pass's own log line (read/decide/act seconds, writes), kept."""
+
+    LINE = re.compile(r"(\d+) jobs, (\d+) admitted, (\d+) preempted, (\d+) waiting, (\d+) "
+                      r"writes; read ([0-9.]+)s decide ([0-9.]+)s act ([0-9.]+)s")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = self.LINE.search(record.getMessage())
+        if match:
+            keys = ("jobs", "admitted", "preempted", "waiting", "writes", "read", "decide",
+                    "act")
+            self.last = {k: float(v) for k, v in zip(keys, match.groups(), strict=True)}
+
+
+def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, label: str,
+             profile: bool) -> dict[str, Any]:
+    before = Counter(api.counts)
+    profiler = cProfile.Profile() if profile else None
+    started = time.monotonic()
+    if profiler:
+        profiler.enable()
+    reconciler.run_pass(time.time())
+    reconciler.wait_for_writes()
+    if profiler:
+        profiler.disable()
+    total = time.monotonic() - started
+    writes = {f"{verb} {res}": n - before.get((verb, res), 0)
+              for (verb, res), n in sorted(api.counts.items()) if n > before.get((verb, res), 0)}
+    row = {"phase": label, **times.last, "total_s": round(total, 2), "writes_by_kind": writes,
+           "peak_rss_mib": round(_peak_rss_mib())}
+    print(json.dumps(row), flush=True)
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+        print(out.getvalue(), file=sys.stderr)
+    return row
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    started = time.monotonic()
+    api = build(args)
+    print(f"built {args.nodes} nodes and {args.jobs} jobs in "
+          f"{time.monotonic() - started:.1f}s", file=sys.stderr)
+    times = PassTimes()
+    logging.getLogger("carpool.operator.reconciler").addHandler(times)
+    logging.getLogger("carpool.operator.reconciler").setLevel(logging.INFO)
+    config = ReconcilerConfig(admission_budget_s=0, admission_budget_max_s=0)
+    reconciler = Reconciler(Kube(api), config, MemoryInformers(api))  # type: ignore
+    rows = [one_pass(reconciler, api, times, "fill", args.profile == "fill")]
+    print(f"scheduled {schedule(api)} pods", file=sys.stderr)
+    rows.append(one_pass(reconciler, api, times, "settle", False))
+    rng = random.Random(args.seed + 1)
+    for i in range(args.repeat):
+        rows.append(one_pass(reconciler, api, times, "steady",
+                             args.profile == "steady" and i == 0))
+        print(f"{finish(api, args.finish, rng)} pods finished", file=sys.stderr)
+        rows.append(one_pass(reconciler, api, times, "refresh",
+                             args.profile == "refresh" and i == 0))
+        schedule(api)
+        rows.append(one_pass(reconciler, api, times, "settle", False))
+    summary = {}
+    for phase in ("steady", "refresh"):
+        picked = [r for r in rows if r["phase"] == phase]
+        summary[phase] = {k: (round(statistics.median(r[k] for r in picked), 2),
+                              round(min(r[k] for r in picked), 2),
+                              round(max(r[k] for r in picked), 2))
+                          for k in ("read", "decide", "act", "total_s", "writes")}
+    print(json.dumps({"summary (median, min, max)": summary}), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=5000)
+    parser.add_argument("--jobs", type=int, default=50000)
+    parser.add_argument("--projects", type=int, default=20)
+    parser.add_argument("--finish", type=int, default=500,
+                        help="running jobs that finish before each refresh pass")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--profile", choices=("fill", "steady", "refresh"))
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
