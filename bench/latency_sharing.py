@@ -17,8 +17,9 @@ the worst P99 / target, the most services over target within one round, throughp
 (samples/s, median and range over rounds) in all and per GPU. Services that broke their target
 running alone (fixed degree 1) in a round are named: that is the machine's noise floor.
 
-The targets are set from what the profiling run measured alone (`--targets`: factors of each
-template's P99 alone, cycled over the services), so they mean the same on any GPU.
+The targets are set from what the profiling run measured alone, the median of `--alone-runs`
+runs (`--targets`: factors of each template's P99 alone, cycled over the services), so they
+mean the same on any GPU.
 
   python3 bench/latency_sharing.py                       # on the GPU machine (CUDA, MPS)
   python3 bench/latency_sharing.py --device cpu --small  # the logic, anywhere (no GPU)
@@ -291,20 +292,23 @@ def arrivals(count: int) -> list[str]:
     return [order[(n * 5) % len(order)] for n in range(count)]
 
 
-def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, model: str
-            ) -> tuple[list[Any], dict[str, float]]:
-    """Each template alone and 2..`degrees` at a time: samples for `core.interference` and
-    each template's P99 alone."""
+def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, model: str,
+            alone_runs: int) -> tuple[list[Any], dict[str, float]]:
+    """Each template alone (`alone_runs` times) and 2..`degrees` at a time: samples for
+    `core.interference`, and each template's P99 alone, the median of its alone runs (one
+    short run can catch the machine in a slow moment, and the targets are set from it)."""
     from carpool.core.interference import Sample
 
     samples, alone = [], {}
     for template in templates:
         for degree in range(1, degrees + 1):
-            measures = pool.run([template] * degree, seconds)
+            runs = [pool.run([template] * degree, seconds)
+                    for _ in range(alone_runs if degree == 1 else 1)]
+            measures = [m for run in runs for m in run]
             for m in measures:
                 samples.append(Sample(model, template, degree, m.req_per_s, m.p99_s))
             if degree == 1:
-                alone[template] = measures[0].p99_s
+                alone[template] = statistics.median(m.p99_s for m in measures)
             log(f"    {template} x{degree}: "
                 f"{statistics.median(m.req_per_s for m in measures):.1f} req/s each, P99 "
                 f"{statistics.median(m.p99_s for m in measures) * 1000:.2f} ms")
@@ -372,8 +376,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="per measured GPU")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile-seconds", type=float, default=1.5)
-    parser.add_argument("--profile-degrees", type=int, default=4,
+    parser.add_argument("--profile-degrees", type=int, default=POOL,
                         help="the profiling run measures each template at 1..this degree")
+    parser.add_argument("--alone-runs", type=int, default=3,
+                        help="runs of each template alone; their median P99 sets its targets")
     parser.add_argument("--learn-rounds", type=int, default=3,
                         help="Carpool places, its services report, it learns: this often "
                              "before the measured rounds")
@@ -431,7 +437,8 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
     log(f"profiling {len(kinds)} templates at 1..{args.profile_degrees} "
         f"({args.profile_seconds:g}s each)")
     started = time.monotonic()
-    samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model)
+    samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model,
+                             args.alone_runs)
     profiling_s = time.monotonic() - started
     factors = [float(x) for x in args.targets.split(",")]
     services = [Service(f"{t}#{n}", t, alone[t] * factors[n % len(factors)])
