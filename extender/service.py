@@ -289,6 +289,7 @@ class Extender:
         self._pods_lock = threading.Lock()
         self.nominations = Nominations()
         self._followers: set[asyncio.Task[None]] = set()
+        self._last_names: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())
 
     @property
     def needs_warming(self) -> bool:
@@ -475,9 +476,11 @@ class Extender:
                     if in_flight_clash(holds, counts)}
         excluded.update(name for name, _ in self.nominations.clashes(demand.key, counts,
                                                                      time.monotonic()))
-        wanted = set(args.node_names)
-        if excluded:
-            wanted -= excluded
+        last, asked = self._last_names
+        if args.node_names != last:  # (the scheduler often sends the same list again)
+            asked = frozenset(args.node_names)
+            self._last_names = (args.node_names, asked)
+        wanted = asked - excluded if excluded else asked
         found = self.ranker.search(self.cache, demand, policy, keep, wanted.__contains__,
                                    view.own)
         if not found:
