@@ -770,10 +770,10 @@ def bench_sampling(args: argparse.Namespace) -> int:
 
 
 def bench_cold_passes(args: argparse.Namespace) -> int:
-    """What a demand shape's first filter costs at 1,213 nodes, after `--pods` pods of trace
+    """What a demand shape's first filter costs at `--nodes`, after `--pods` pods of trace
     shapes were placed through the extender (filter, then bind: nodes fill and their
     profiles diverge). Each round starts new scorers with an empty memo, as a change of the
-    target workload does, and times one filter per distinct trace shape (all 1,213 nodes
+    target workload does, and times one filter per distinct trace shape (every node
     named), in this process with the collector off, so only the placement code is timed."""
     from carpool.extender.fake import LoopFakeCluster
     from carpool.extender.ranking import Ranker
@@ -839,7 +839,8 @@ def bench_cold_passes(args: argparse.Namespace) -> int:
     for shape, times in sorted(zip(distinct, per_shape, strict=True),
                                key=lambda x: -min(x[1]))[:5]:
         print(f"  slowest: {shape['count']} GPU(s), {shape['memory_gib']} GiB, "
-              f"{shape['cores']} % cores: {min(times):.1f} ms")
+              f"{shape['cores']} % cores, {shape.get('isolation') or 'mps'}: "
+              f"{min(times):.1f} ms")
     return 0
 
 

@@ -467,9 +467,10 @@ class Extender:
 
     def _best_bounded(self, args: ExtenderArgs, demand: PodDemand, policy: str, keep: int
                       ) -> list[str] | None:
-        """What `_filter` passes with `filter_best` when some node fits outright (no other
-        pod of its GPU count in flight or nominated there), found by `Ranker.search`; None
-        (or empty) otherwise, and for pods of several containers: the full pass decides."""
+        """What `_filter` passes with `filter_best` when some node fits (the best of those
+        where no other pod of its GPU count is in flight or nominated, else of those where
+        one is), found by `Ranker.search`; None when none fits, and for pods of several
+        containers: the full pass decides (and says why no node fits)."""
         view = self.cache.pod_view(demand.key, self.clock())
         counts = demand.gpu_counts
         excluded = {name for name, holds in view.in_flight.items()
@@ -483,6 +484,10 @@ class Extender:
         wanted = asked - excluded if excluded else asked
         found = self.ranker.search(self.cache, demand, policy, keep, wanted.__contains__,
                                    view.own)
+        if not found and excluded:  # every fitting node waits for a hand-over: keep those
+            waiting = asked & excluded
+            found = self.ranker.search(self.cache, demand, policy, keep, waiting.__contains__,
+                                       view.own)
         if not found:
             return None
         return best_nodes(list(found), found, demand.key, keep)
