@@ -24,9 +24,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from carpool.extender.service import CACHE_KINDS, Extender
 from carpool.extender.wire import (
+    ArgsReader,
     WireError,
     decode_binding_args,
-    decode_extender_args,
     dump_json,
     parse_json,
 )
@@ -102,25 +102,26 @@ class Metrics:
 
 
 METRICS_KEY = web.AppKey("metrics", Metrics)
+ARGS_KEY = web.AppKey("args", ArgsReader)
 
 
 def _bad_request(message: str, status: int = 400) -> web.Response:
     return web.json_response({"Error": message}, status=status)
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_body(request: web.Request) -> bytes:
     try:
-        body = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise WireError(f"request body too large: {exc.text}") from None
-    return parse_json(body)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _verb(name: str, work: Callable[[web.Request, Any], Awaitable[Any]]) -> Handler:
-    """Wrap one verb: parse, time, count, and turn bad input into 400 (never a 500)."""
+def _verb(name: str, work: Callable[[web.Request, bytes], Awaitable[Any]]) -> Handler:
+    """Wrap one verb (given the body; it decodes it): time, count, and turn bad input into
+    400 (never a 500)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         metrics = request.app[METRICS_KEY]
@@ -128,7 +129,7 @@ def _verb(name: str, work: Callable[[web.Request, Any], Awaitable[Any]]) -> Hand
         outcome = "ok"
         try:
             try:
-                body = await _read_json(request)
+                body = await _read_body(request)
             except WireError as exc:
                 outcome = "bad_request"
                 status = 413 if "too large" in str(exc) else 400
@@ -152,20 +153,20 @@ def _verb(name: str, work: Callable[[web.Request, Any], Awaitable[Any]]) -> Hand
     return handler
 
 
-async def _filter(request: web.Request, body: Any) -> Any:
+async def _filter(request: web.Request, body: bytes) -> Any:
     extender = request.app[EXTENDER_KEY]
-    result = extender.filter(decode_extender_args(body))
+    result = extender.filter(request.app[ARGS_KEY].read(body))
     metrics = request.app[METRICS_KEY]
     metrics.filtered_out.inc(len(result["FailedNodes"]) + len(result["FailedAndUnresolvableNodes"]))
     return result
 
 
-async def _prioritize(request: web.Request, body: Any) -> Any:
-    return request.app[EXTENDER_KEY].prioritize(decode_extender_args(body))
+async def _prioritize(request: web.Request, body: bytes) -> Any:
+    return request.app[EXTENDER_KEY].prioritize(request.app[ARGS_KEY].read(body))
 
 
-async def _bind(request: web.Request, body: Any) -> Any:
-    args = decode_binding_args(body)
+async def _bind(request: web.Request, body: bytes) -> Any:
+    args = decode_binding_args(parse_json(body))
     loop = asyncio.get_running_loop()
     pool = request.app[POOL_KEY]
 
@@ -197,6 +198,7 @@ def make_app(extender: Extender, max_body: int = DEFAULT_MAX_BODY,
     app = web.Application(client_max_size=max_body)
     app[EXTENDER_KEY] = extender
     app[METRICS_KEY] = Metrics(extender)
+    app[ARGS_KEY] = ArgsReader()
     pool = ThreadPoolExecutor(max_workers=bind_threads, thread_name_prefix="bind")
     app[POOL_KEY] = pool
 

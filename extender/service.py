@@ -478,7 +478,8 @@ class Extender:
         excluded.update(name for name, _ in self.nominations.clashes(demand.key, counts,
                                                                      time.monotonic()))
         last, asked = self._last_names
-        if args.node_names != last:  # (the scheduler often sends the same list again)
+        # (the scheduler often sends the same list again: `wire.ArgsReader` reuses it)
+        if args.node_names is not last and args.node_names != last:
             asked = frozenset(args.node_names)
             self._last_names = (args.node_names, asked)
         wanted = asked - excluded if excluded else asked

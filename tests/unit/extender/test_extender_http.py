@@ -179,3 +179,30 @@ def test_fuzzed_requests_never_crash_the_extender(body: Any, path: str) -> None:
             assert result["Error"]
 
     serve(extender, check)
+
+
+def test_the_args_reader_decodes_bodies_as_the_plain_decoder_and_reuses_repeated_names(
+) -> None:
+    import orjson
+
+    from carpool.extender.wire import ArgsReader, WireError, decode_extender_args, parse_json
+
+    reader = ArgsReader()
+    pod = {"metadata": {"name": "p", "annotations": {"x": '"NodeNames":["a"]'}}}
+    bodies = [
+        orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": ["n1", "n2"]}),  # as Go writes
+        orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": ["n1", "n2"]}),  # the same again
+        orjson.dumps({"Pod": pod, "NodeNames": ["n2"]}),
+        orjson.dumps({"NodeNames": ["n1"], "Pod": pod}),
+        json.dumps({"Pod": pod, "NodeNames": ["n1", "n3"]}).encode(),  # spaces: parsed whole
+        orjson.dumps({"Pod": pod, "NodeNames": ["odd]name", "n1"]}),
+        orjson.dumps({"Pod": pod, "NodeNames": []}),
+    ]
+    for body in bodies:
+        assert reader.read(body) == decode_extender_args(parse_json(body))
+    first, again = reader.read(bodies[0]), reader.read(bodies[1])
+    assert first.node_names is again.node_names  # not parsed again
+    with pytest.raises(WireError, match="NodeNames must be a list of strings"):
+        reader.read(orjson.dumps({"Pod": pod, "NodeNames": ["n1", 2]}))
+    with pytest.raises(WireError, match="not valid JSON"):
+        reader.read(b'{"Pod": {}, "NodeNames":["n1"],')
