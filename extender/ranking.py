@@ -586,6 +586,11 @@ class Ranker:
         self.misses += len(misses)
         return out
 
+    def sync_index(self, source: IndexSource) -> None:
+        """Bring the node index up to date (`search` does too; the first time every node)."""
+        with self.index.lock:
+            self.index.sync(source)
+
     def search(self, source: IndexSource, demand: PodDemand, policy: str, keep: int,
                allowed: Callable[[str], bool], own: tuple[str, NodeState] | None = None
                ) -> dict[str, float] | None:

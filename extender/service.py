@@ -301,7 +301,10 @@ class Extender:
     def warm(self, budget_s: float) -> bool:
         """One step of keeping the ranker's memo complete (see `Ranker.warm`), for at most
         about `budget_s`; True if there is more to do. Run between requests."""
-        if not self.needs_warming or not self.cache.synced(CACHE_KINDS):
+        if not self.cache.synced(CACHE_KINDS):
+            return False
+        if not self.needs_warming:  # the search's node index, off the request path
+            self.ranker.sync_index(self.cache)
             return False
         self.ranker.set_supply(self.cache.supply())
         return self.ranker.warm(self.cache, time.monotonic() + budget_s)
