@@ -79,7 +79,7 @@ def test_the_bounded_search_passes_the_nodes_scoring_every_node_passes(
     for i in range(200):
         manifest = pod(rng, i)
         cluster.add_pod(manifest)
-        asked = names if rng.random() < 0.7 else rng.sample(names, 20)
+        asked = names if rng.random() < 0.7 else rng.sample(names, 40)
         args = ExtenderArgs(cluster.pod("default", f"p{i}"), tuple(asked), None)
         looked = bounded.ranker.hits + bounded.ranker.misses
         answer = full.filter(args)
