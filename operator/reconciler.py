@@ -48,6 +48,7 @@ from carpool.core.queueing import (
     admission_cycle,
 )
 from carpool.core.resources import JobClass
+from carpool.core.timeline import TimelineMemo
 from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
 from carpool.operator.informer import Informers
@@ -70,6 +71,9 @@ log = logging.getLogger(__name__)
 # seconds a stray GPU pod (no live job's current attempt) is given to stop: a pass runs at
 # least every resync period (5 s), so such a pod is gone within 30 s of becoming one
 ORPHAN_GRACE_S = 10
+# the placement memo kept between passes holds up to this many entries per node before it
+# starts afresh (a node's states, and the fit of each request shape in each)
+MEMO_ENTRIES_PER_NODE = 100
 
 
 @dataclass
@@ -167,6 +171,12 @@ class Reconciler:
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._strays: dict[str, _Stray] = {}  # pod uid -> a stray being stopped (_stop_strays)
+        # node states and fits kept from pass to pass, as the replay keeps them: most nodes
+        # and holders are as the last pass saw them (the read reuses their inventories and
+        # decodings), so most placement questions were answered then
+        self._node_states: dict[str, NodeState] = {}
+        if config.admission.timeline_memo is None:
+            config.admission = replace(config.admission, timeline_memo=TimelineMemo())
 
     @property
     def informers(self) -> Informers:
@@ -246,7 +256,15 @@ class Reconciler:
 
     def decide(self, state: PassState) -> CycleResult:
         """Stage 2: the core's admission cycle on the snapshot (pure)."""
-        nodes = {name: NodeState(inv) for name, inv in state.inventories.items()}
+        nodes = {}
+        for name, inventory in state.inventories.items():
+            kept = self._node_states.get(name)
+            nodes[name] = kept if kept is not None and kept.inventory is inventory \
+                else NodeState(inventory)
+        self._node_states = nodes
+        memo = self.config.admission.timeline_memo
+        if memo is not None:  # room for every node's states and fits of a few shapes
+            memo.limit = max(memo.limit, MEMO_ENTRIES_PER_NODE * len(nodes))
         # what deleted jobs taught the estimates, as the replay keeps it run by run
         learned, misses = kept_history(state.retired.values())
         # each job's sharing limits from what the jobs' service measures teach

@@ -1503,6 +1503,9 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
     now = snapshot.now
     pending: dict[str, int] = {}
     job_project = {j.key: j.project for j in snapshot.jobs}
+    by_project: dict[str, list[Job]] = {}  # in snapshot order, as the sums always were
+    for job in snapshot.jobs:
+        by_project.setdefault(job.project, []).append(job)
     for wait in waits:
         if wait.reason.refused:
             continue
@@ -1512,7 +1515,7 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
     for name in sorted(snapshot.quotas):
         quota = snapshot.quotas[name]
         usage = cycle.usage[name]
-        mine = [h for h in cycle.holders if h.job.project == name]
+        mine = cycle.holders_by_project.get(name, [])
         new = admitted.get(name, [])
         running = sum(h.fraction for h in mine) + sum(f for f, _, _ in new)
         borrowed = (sum(h.fraction for h in mine if h.job.borrowed)
@@ -1521,7 +1524,7 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
         reserved = sum((budget_claims(quota, h.fraction, now, h.job.started_at,
                                       h.job.limit_s).get(current, 0.0) for h in mine), 0.0)
         reserved += sum(r for _, _, r in new)
-        efficiency = memory_efficiency(j for j in snapshot.jobs if j.project == name).ratio
+        efficiency = memory_efficiency(by_project.get(name, ())).ratio
         budget = quota.budget_gpu_hours
         out.append(ProjectStatus(
             name, usage.period_start, usage.period_start + quota.period_s, budget,

@@ -168,6 +168,9 @@ class Timeline:
         self._future: set[str] = set()  # nodes with an occupancy that starts after now
         self._host_index: dict[int, dict[str, int]] = {}  # request id -> node -> host order
         self._best: dict[int, _BestNow] = {}  # request id -> its ranking (see best_now)
+        # node -> (its version, the distinct ends of its occupancies in order): `earliest`
+        # asks for them on every host for every job it reserves
+        self._ends: dict[str, tuple[int, list[float]]] = {}
 
     def _request_id(self, request: GpuRequest) -> int:
         """A small int per distinct request, so the hot loops hash ints, not dataclasses."""
@@ -376,11 +379,13 @@ class Timeline:
         since = protected if yielding and protected else {}
         for name in self._hosts[rid]:
             occupancies = self._occupancies[name]
-            ends = {not_before} | {o.end for o in occupancies if o.end > not_before}
+            ends = self._ends_after(name, not_before)
             if since:  # a victim's protection ends: the cycle may preempt it from then on
-                ends |= {since[o.job_key] for o in occupancies
-                         if o.job_key in since and not_before < since[o.job_key] < o.end}
-            times = sorted(ends)
+                times = sorted({not_before, *ends} | {
+                    since[o.job_key] for o in occupancies
+                    if o.job_key in since and not_before < since[o.job_key] < o.end})
+            else:
+                times = [not_before, *ends]
             for t in times:
                 if best is not None and t > best[0]:
                     break
@@ -398,6 +403,16 @@ class Timeline:
                     if found is not None and (best is None or found[:4] < best[:4]):
                         best = found
         return Slot(best[0], best[3], best[4], best[5]) if best else None
+
+    def _ends_after(self, node: str, after: float) -> list[float]:
+        """The distinct times the node's occupancies end after `after`, in order."""
+        version = self._versions[node]
+        kept = self._ends.get(node)
+        if kept is None or kept[0] != version:
+            kept = self._ends[node] = (version, sorted({o.end for o in
+                                                        self._occupancies[node]}))
+        ends = kept[1]
+        return ends[bisect.bisect_right(ends, after):]
 
     def _displacing(self, node: str, request: GpuRequest, rid: int, t: float, duration_s: float,
                     yielding: Mapping[str, float], order: Mapping[str, int],
