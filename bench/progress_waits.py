@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from carpool.core.run_times import learn_durations, remaining, run_time
 from carpool.replay import queue_replay
 
 DEFAULT_TRACES = ("gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85,load:4:0.85,load:5:0.85,"
-                  "openb:0.004")
+                  "load:6:0.85,load:7:0.85,openb:0.004")
 CLASSES = ("interactive", "short", "long", "batch")
 
 
@@ -64,12 +65,23 @@ def replay(spec: str, share: float) -> dict[str, object]:
         "carpool", progress_share=share, progress_seed=seed)
     cpu = time.process_time() - started
     scores = queue_replay.score(outcome)
+    by_class: dict[str, list[tuple[float, float, queue_replay.Estimate | None]]] = {}
+    for key, record in outcome.records.items():
+        assert record.first_start is not None
+        by_class.setdefault(outcome.trace[key].job_class.label, []).append(
+            (record.arrival, record.first_start, record.arrival_estimate))
+    class_errors = {c: queue_replay.first_estimate_errors(group)
+                    for c, group in sorted(by_class.items())}
     return {"trace": spec, "share": share, "cpu_s": round(cpu, 1),
             **{k: scores[k] for k in (
                 "eta_median_abs_rel_error", "eta_median_abs_rel_error_by_class",
                 "eta_refreshed_median_abs_rel_error", "eta_interval_coverage",
                 "eta_range_median_rel_width", "eta_median_signed_rel_error",
-                "jobs_waited_60s_with_estimate")}}
+                "jobs_waited_60s_with_estimate")},
+            "jobs_by_class": {c: e["jobs_waited_60s_with_estimate"]
+                              for c, e in class_errors.items()},
+            "eta_interval_coverage_by_class": {c: e["eta_interval_coverage"]
+                                               for c, e in class_errors.items()}}
 
 
 def diagnose(spec: str, share: float) -> dict[str, object]:
@@ -186,11 +198,62 @@ def row(result: dict[str, object]) -> str:
     shown = f"{100 * share:.0f} %" if isinstance(share, float) else str(share)
     width = result["eta_range_median_rel_width"]
     shown_width = f"{width:.2f}" if isinstance(width, float) else "–"
+    jobs = result.get("jobs_by_class", {})
+    assert isinstance(jobs, dict)
+    interactive = pct(by_class.get("interactive"))
+    if interactive != "–" and "interactive" in jobs:
+        interactive += f" ({jobs['interactive']})"
     return (f"| {result['trace']} | {shown} | {pct(result['eta_median_abs_rel_error'])} | "
-            + " | ".join(pct(by_class.get(c)) for c in CLASSES)
+            + " | ".join(interactive if c == "interactive" else pct(by_class.get(c))
+                         for c in CLASSES)
             + f" | {pct(result['eta_refreshed_median_abs_rel_error'])} | "
             f"{pct(result['eta_interval_coverage'])} | {shown_width} | "
             f"{result['jobs_waited_60s_with_estimate']} | {result['cpu_s']} |")
+
+
+def spread(values: list[float]) -> str:
+    """Median and min-max over traces."""
+    if not values:
+        return "–"
+    low, high = pct(min(values)), pct(max(values))
+    return f"{pct(statistics.median(values))} ({low}–{high})"
+
+
+def summary(results: list[dict[str, object]]) -> list[str]:
+    """Per share, over the generated traces: the median and the spread (min-max) of each
+    column, and how many traces met the goals (error at arrival <= 20 %, interactive <= 30 %,
+    range holding 75-85 %)."""
+    lines = ["| reporting | generated traces | median error at arrival | ≤ 20 % | interactive "
+             "| ≤ 30 % | in 80 % range | 75–85 % | range width |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shares = sorted({r["share"] for r in results if isinstance(r["share"], float)})
+    for share in shares:
+        generated = [r for r in results if r["share"] == share
+                     and not str(r["trace"]).startswith("openb")]
+        errors = [r["eta_median_abs_rel_error"] for r in generated]
+        inter = [r["eta_median_abs_rel_error_by_class"].get("interactive")  # type: ignore[union-attr]
+                 for r in generated]
+        cover = [r["eta_interval_coverage"] for r in generated]
+        widths = [r["eta_range_median_rel_width"] for r in generated]
+        fe = [e for e in errors if isinstance(e, float)]
+        fi = [e for e in inter if isinstance(e, float)]
+        fc = [e for e in cover if isinstance(e, float)]
+        fw = [e for e in widths if isinstance(e, float)]
+        width = (f"{statistics.median(fw):.2f} ({min(fw):.2f}–{max(fw):.2f})" if fw else "–")
+        lines.append(
+            f"| {100 * share:.0f} % | {len(generated)} | {spread(fe)} | "
+            f"{sum(e <= 0.2 for e in fe)}/{len(fe)} | {spread(fi)} | "
+            f"{sum(e <= 0.3 for e in fi)}/{len(fi)} | {spread(fc)} | "
+            f"{sum(0.75 <= c <= 0.85 for c in fc)}/{len(fc)} | {width} |")
+    return lines
+
+
+def _run(task: tuple[str, float | None, Path | None]) -> dict[str, object]:
+    spec, share, against = task
+    if share is None:
+        assert against is not None
+        return replay_in(against, spec)
+    return replay(spec, share)
 
 
 def main() -> int:
@@ -202,26 +265,34 @@ def main() -> int:
                         help="another checkout (with its .venv): its replay without reports")
     parser.add_argument("--diagnose", action="store_true",
                         help="where the error at arrival comes from (see above)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="replays run side by side in this many processes")
     args = parser.parse_args()
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     shares = [float(s) for s in args.shares.split(",")]
     if args.diagnose:
         for spec in args.traces.split(","):
             for share in shares:
                 print(json.dumps(diagnose(spec, share)), flush=True)
         return 0
-    results = []
-    for spec in args.traces.split(","):
-        runs = [*([None] if args.against else []), *shares]
-        for share in runs:
-            result = replay_in(args.against, spec) if share is None else replay(spec, share)
+    tasks: list[tuple[str, float | None, Path | None]] = [
+        (spec, share, args.against) for spec in args.traces.split(",")
+        for share in [*([None] if args.against else []), *shares]]
+    with multiprocessing.Pool(args.workers) as pool:
+        results = []
+        for result in pool.imap(_run, tasks):
             results.append(result)
             print(json.dumps(result), flush=True)
     print()
-    print("| trace | reporting | median error at arrival | interactive | short | long | batch "
-          "| refreshed | in 80 % range | range width | jobs waited ≥ 60 s | replay CPU s |")
+    print("| trace | reporting | median error at arrival | interactive (jobs) | short | long "
+          "| batch | refreshed | in 80 % range | range width | jobs waited ≥ 60 s "
+          "| replay CPU s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for result in results:
         print(row(result))
+    print()
+    print("\n".join(summary(results)))
     return 0
 
 

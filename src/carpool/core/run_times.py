@@ -171,6 +171,7 @@ UNSEEN_PAUSES = 0.3  # the range's end, for a job that reported no pause yet: th
 JUST_BEGUN = 0.01  # done this attempt, below which a loop's first report gives no rate
 MAX_PAUSE_SHARE = 0.9  # a job paused more than this share of its time says little of its rate
 Z80 = 1.2816  # the 90th percentile of the standard normal: an 80 % range is +-Z80 sigma
+_NORMAL = statistics.NormalDist()
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,41 @@ def _recent_rates(samples: Sequence[tuple[float, float]], started: float) -> lis
             if b[0] > a[0] and b[1] > a[1]]
 
 
+def learned_remaining(run_time: tuple[float, float, float], ran_s: float) -> Remaining:
+    """What a job that does not report still needs by its run time (P10, expected, P90) and
+    how long it has run.
+
+    Within its expected run time: the expected less the time run. Each job is thus taken to
+    end when a typical run of its kind would, and the running jobs' ends keep the spread
+    their starts give them; the median of each one's run time given how long it has run
+    would put none of them near its end, and the first of many to end, which a waiting job
+    waits for, much later than it comes.
+
+    Past it, with a spread known (P10 < P90): survival-style, the median and P10/P90 of the
+    run time given that it is longer than `ran_s`, the run time taken as log-normal around
+    the expected with the spreads its P10 and P90 give below and above (a split normal in
+    log space, exact at all three). A job that overran goes on as the longer runs of its
+    kind did. Past any run time that makes likely, or without a spread, the expected less
+    the time run (negative: `remaining` gives it a share of the time it has run).
+    """
+    low_s, duration_s, high_s = run_time
+    if low_s < high_s and ran_s >= duration_s > 0:
+        mu = math.log(duration_s)
+        above = max(math.log(high_s) - mu, 1e-6) / Z80
+        outlived = _survival((math.log(ran_s) - mu) / above)  # P(run time > ran_s)
+        if outlived > 1e-12:
+            def after(q: float) -> float:  # the q-quantile of the run time, given ran_s
+                z = -_NORMAL.inv_cdf(outlived * (1.0 - q))
+                return math.exp(mu + z * above) - ran_s
+            return Remaining(after(0.5), after(0.1), after(0.9))
+    return Remaining(duration_s - ran_s, low_s - ran_s, high_s - ran_s)
+
+
+def _survival(z: float) -> float:
+    """P(Z > z) for a standard normal Z, accurate far in the tail."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:
     """Expected seconds until a GPU-holding job lets go of its GPUs (`remaining`'s
     expectation, without a range for the run time)."""
@@ -271,13 +307,15 @@ def remaining(job: Job, now: float, run_time: tuple[float, float, float],
 
     What the job's reported progress leaves (`reported_remaining`), else what its run time
     (`run_time`: P10, expected, P90, as `expected_duration` and `duration_range` learn them)
-    leaves. A job past its expectation is given `OVERRUN_FRACTION` of the time it has run so
-    far (at least `min_remaining_s`): run times are heavy-tailed, so the longer a job has
-    overrun the longer it is likely to go on; "any minute now" at every cycle made every
-    estimate behind it too early. Never more than what its limit (maxDuration, enforced)
-    leaves; a job past its limit is given `min_remaining_s` (it is being stopped). A job still
-    within its expectation is not floored at `min_remaining_s`: that would push every
-    estimate behind a job about to end up to `min_remaining_s` too late.
+    leaves given how long it has run (`learned_remaining`). A job past its expectation with
+    nothing better known (no spread of its template's run times, or far past them) is given
+    `OVERRUN_FRACTION` of the time it has run so far (at least `min_remaining_s`): run times
+    are heavy-tailed, so the longer a job has overrun the longer it is likely to go on; "any
+    minute now" at every cycle made every estimate behind it too early. Never more than what
+    its limit (maxDuration, enforced) leaves; a job past its limit is given `min_remaining_s`
+    (it is being stopped). A job still within its expectation is not floored at
+    `min_remaining_s`: that would push every estimate behind a job about to end up to
+    `min_remaining_s` too late.
     """
     started = job.started_at
     elapsed = max(0.0, now - started) if started is not None else 0.0
@@ -286,8 +324,7 @@ def remaining(job: Job, now: float, run_time: tuple[float, float, float],
         return Remaining(min_remaining_s, min_remaining_s, min_remaining_s)
     found = reported_remaining(job, now)
     if found is None:
-        low_s, duration_s, high_s = run_time
-        found = Remaining(duration_s - elapsed, low_s - elapsed, high_s - elapsed)
+        found = learned_remaining(run_time, elapsed)
     expected = found.expected
     if expected <= 0:
         expected = max(min_remaining_s, OVERRUN_FRACTION * elapsed)

@@ -20,9 +20,12 @@ from carpool.core.resources import (
     Phase,
 )
 from carpool.core.run_times import (
+    Z80,
     expected_duration,
     expected_remaining,
     learn_durations,
+    learned_remaining,
+    remaining,
     update_duration_estimate,
 )
 from carpool.core.timeline import Occupancy, Timeline, fluid_start
@@ -109,6 +112,31 @@ def test_expected_remaining() -> None:
     assert expected_remaining(j, 2200, 1000, 60) == 60  # past its limit: ends any moment
     queued = Job("a/q", "a", JobClass.SHORT, WHOLE, 0, 1000)
     assert expected_remaining(queued, 400, 1000, 60) == 1000
+
+
+def test_a_silent_job_within_its_run_time_ends_when_a_typical_run_would() -> None:
+    found = learned_remaining((500, 1000, 2000), 400)
+    assert (found.expected, found.low, found.high) == (600, 100, 1600)
+
+
+def test_a_silent_job_past_its_run_time_goes_on_as_the_longer_runs_did() -> None:
+    sigma = 0.5  # P90 = expected x e^(Z80 sigma)
+    run_time = (1000 * math.exp(-Z80 * sigma), 1000, 1000 * math.exp(Z80 * sigma))
+    # at its expected run time, half its kind's runs are longer: their median is the 75th
+    # percentile, e^(0.6745 sigma) x 1000
+    at_median = learned_remaining(run_time, 1000)
+    assert at_median.expected == pytest.approx(1000 * (math.exp(0.67449 * sigma) - 1), rel=1e-3)
+    assert 0 < at_median.low < at_median.expected < at_median.high
+    # further past it, less of what is left is likely, but never nothing
+    later = learned_remaining(run_time, 2000)
+    assert 0 < later.expected < at_median.expected + 1000
+    job = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, phase=Phase.RUNNING,
+              runs=(RunRecord(1, 0, None, 1.0),))
+    assert remaining(job, 2000, run_time, 60).expected == pytest.approx(later.expected)
+    # without a spread, or far past any run time the spread makes likely: half the time run
+    assert remaining(job, 2000, (1000, 1000, 1000), 60).expected == 1000
+    assert learned_remaining(run_time, 1e6).expected < 0
+    assert remaining(job, 1e6, run_time, 60).expected == 5e5
 
 
 def test_earliest_slot_waits_for_the_first_gpu_to_free() -> None:
