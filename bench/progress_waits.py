@@ -26,8 +26,8 @@ to every estimate would reach (the spread of the misses, not their bias).
 
 Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
 generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
-replay share 0 with another checkout's carpool (DIR, set up with `make dev`), to show that
-without reports nothing changed.
+replay share 0 with another checkout's carpool (DIR's bench/ and src/ on this checkout's
+Python), to compare the replay without reports with that checkout's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import subprocess
 import sys
@@ -173,14 +174,16 @@ def _median(values: list[float]) -> float | None:
 
 
 def replay_in(checkout: Path, spec: str) -> dict[str, object]:
-    """Share 0 with `checkout`'s carpool, in a process of its own (its Python, its code; the
-    replay there takes no share: it has none)."""
+    """Share 0 with `checkout`'s carpool, in a process of its own: its bench and its src/ on
+    this Python (the replay there takes no share: it has none)."""
+    checkout = checkout.resolve()
     code = ("import json, sys, time; sys.path.insert(0, 'bench');"
             "from eta_calibration import replay, load;"
             f"r = replay(load({spec!r}), 'defaults', True);"
             "print(json.dumps({'cpu_s': round(r.cpu_s, 1), **r.scores}))")
-    found = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", code],
-                           check=True, capture_output=True, text=True, cwd=checkout)
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    found = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                           text=True, cwd=checkout, env=env)
     scores = json.loads(found.stdout.splitlines()[-1])
     return {"trace": spec, "share": f"0 ({checkout.name})", **scores}
 
@@ -262,7 +265,7 @@ def main() -> int:
     parser.add_argument("--traces", default=DEFAULT_TRACES)
     parser.add_argument("--shares", default="0,0.25,0.5,1")
     parser.add_argument("--against", type=Path, metavar="DIR",
-                        help="another checkout (with its .venv): its replay without reports")
+                        help="another checkout: its replay without reports")
     parser.add_argument("--diagnose", action="store_true",
                         help="where the error at arrival comes from (see above)")
     parser.add_argument("--workers", type=int, default=1,
