@@ -306,6 +306,9 @@ class Evaluation:
 DemandShape = tuple[object, ...]
 NO_PLAN = -1.0  # a group's plan score when the profile cannot hold the demand
 EACH_NODE = -2.0  # ... when the fit rules may overrule the plan: every node is scored
+# A ceiling and the score it bounds may sum the same terms in another order: nodes whose
+# ceiling is this close below the best score are scored too (they may tie with it)
+CEILING_SLACK = 1e-9
 
 
 class NodeSource(Protocol):
@@ -677,7 +680,7 @@ class Ranker:
             states = index.states
             while heap:
                 top, n, plan_score, order, i = heap[0]
-                if len(best) >= keep and -top < best[0]:
+                if len(best) >= keep and -top < best[0] - CEILING_SLACK:
                     break
                 name = order[i][1]
                 if i + 1 < len(order):
