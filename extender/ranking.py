@@ -309,6 +309,9 @@ EACH_NODE = -2.0  # ... when the fit rules may overrule the plan: every node is 
 # A ceiling and the score it bounds may sum the same terms in another order: nodes whose
 # ceiling is this close below the best score are scored too (they may tie with it)
 CEILING_SLACK = 1e-9
+Order = list[tuple[float, str]]  # (minus a ceiling's temperature term, node name), sorted
+GroupReading = tuple[float, Order]  # what `Ranker.search` reads of a group for a shape
+NO_NODE: GroupReading = (NO_PLAN, [])  # ... where no node of it fits
 
 
 class NodeSource(Protocol):
@@ -448,7 +451,7 @@ class _Generation:
             OrderedDict())
         self.placers: dict[DemandShape, ShapePlacer] = {}  # per shape in `memo`
         # per shape in `memo`, per node group: the plan's score (`Ranker.search`)
-        self.plan_scores: dict[DemandShape, dict[NodeGroup, tuple[float, OrderKey]]] = {}
+        self.plan_scores: dict[DemandShape, dict[NodeGroup, GroupReading]] = {}
 
     def placer(self, shape: DemandShape, demand: PodDemand, policy: str) -> ShapePlacer:
         placer = self.placers.get(shape)
@@ -594,6 +597,23 @@ class Ranker:
         with self.index.lock:
             self.index.sync(source)
 
+    @staticmethod
+    def _plan_score(group: NodeGroup, scorer: RequestScorer, each: bool) -> GroupReading:
+        """What `search` reads of a group for one demand shape: the plan's score (or
+        NO_PLAN, EACH_NODE) and the group's nodes in the order of their ceilings; NO_NODE
+        where none of them fits (`placement.gpu_verdicts`). The same while the group
+        lives: its profile, sharing and readiness are its key, and it keeps its orders."""
+        isolation = scorer.request.isolation
+        if not group.ready or isolation not in group.sharing:
+            return NO_NODE
+        doubtful = group.doubtful_mps if isolation is Isolation.MPS else group.doubtful_other
+        plan = None if each or doubtful else scorer.plan_of(group.profile)
+        if plan is None:
+            return (EACH_NODE if each or doubtful else NO_PLAN), group.order((None, 1))
+        slots = set(plan.slots)
+        key = (slots.pop() if len(slots) == 1 else None, len(plan.slots))
+        return plan.score, group.order(key)
+
     def search(self, source: IndexSource, demand: PodDemand, policy: str, keep: int,
                allowed: Callable[[str], bool], own: tuple[str, NodeState] | None = None
                ) -> dict[str, float] | None:
@@ -635,24 +655,14 @@ class Ranker:
                     return 0.0 if plan_score == NO_PLAN else math.inf
                 return ceiling(plan_score, coolest)
 
-            heap: list[tuple[float, int, float, list[tuple[float, str]], int]] = []
+            heap: list[tuple[float, int, float, Order, int]] = []
             for n, group in enumerate(groups.values()):
-                if not group.ready or isolation not in group.sharing:
-                    continue  # no node of the group fits (`placement.gpu_verdicts`)
                 known = plan_scores.get(group)
                 if known is None:
-                    doubtful = (group.doubtful_mps if isolation is Isolation.MPS
-                                else group.doubtful_other)
-                    plan = None if each or doubtful else scorer.plan_of(group.profile)
-                    if plan is None:
-                        known = (EACH_NODE if each or doubtful else NO_PLAN, (None, 1))
-                    else:
-                        slots = set(plan.slots)
-                        known = (plan.score, (slots.pop() if len(slots) == 1 else None,
-                                              len(plan.slots)))
-                    plan_scores[group] = known
-                plan_score, key = known
-                order = group.order(key)
+                    known = plan_scores[group] = self._plan_score(group, scorer, each)
+                if known is NO_NODE:
+                    continue
+                plan_score, order = known
                 heap.append((-ceiling_of(plan_score, -order[0][0]), n, plan_score, order, 0))
             heapq.heapify(heap)
             found: dict[str, float] = {}
