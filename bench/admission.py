@@ -154,6 +154,16 @@ REQUEST_LINE = re.compile(r'^apiserver_request_total\{(.*)\} (\S+)$')
 LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+def component_rss_mib(pids: dict[str, int]) -> dict[str, float]:
+    """Each process's resident and peak resident memory now, MiB (VmRSS, VmHWM)."""
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            out[name] = round(_rss_kib(pid, "VmRSS") / 1024)
+            out[f"{name} peak"] = round(_rss_kib(pid, "VmHWM") / 1024)
+    return out
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (0 if it is gone)."""
     try:
@@ -486,6 +496,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             window = time.time() - operator_start
             cpu_seconds = {name: _cpu_seconds(pid) - cpu_before[name]
                            for name, pid in pids.items()}
+            rss_mib = component_rss_mib(pids)
             cpu = {name: seconds / window for name, seconds in cpu_seconds.items()}
             requests_after = _api_requests(api)
             requests = {k: (v - requests_before.get(k, 0.0)) / window
@@ -579,7 +590,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              sorted(requests.items(), key=lambda kv: -kv[1]) if v >= 0.5},
         # for bench/peers.py, which summarises Kueue's rounds the same way; not printed
         "_raw": {"admitted_at": admitted_at, "t0": t0, "cpu_seconds": cpu_seconds,
-                 "requests_before": requests_before, "requests_after": requests_after},
+                 "requests_before": requests_before, "requests_after": requests_after,
+                 "rss_mib": rss_mib},
     }
     if args.delete_cluster:
         devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)

@@ -205,8 +205,9 @@ def _nodes(count: int) -> list[simnodes.SimNode]:
 
 def _job(i: int, project: str, rng: random.Random) -> Obj:
     """One of a mix of shapes: MPS shares of one GPU, whole GPUs (1, 2 or 4), any model or
-    one, four classes, 1 to 60 minutes. Each its own template (no trailing number), so the
-    bench's instant finishes teach no other job's run time."""
+    one, four classes, 1 to 8 hours (no running job outlives its estimate while the bench
+    runs, or every pass would move the estimates behind it). Each its own template (no
+    trailing number), so the bench's early finishes teach no other job's run time."""
     cls = rng.choices(["interactive", "short", "long", "batch"], [1, 3, 2, 4])[0]
     shape = rng.random()
     if shape < 0.45:
@@ -217,7 +218,7 @@ def _job(i: int, project: str, rng: random.Random) -> Obj:
                "isolation": "exclusive"}
     if rng.random() < 0.3:
         gpu["models"] = [rng.choice(["H100", "H200"])]
-    seconds = rng.randint(60, 3600)
+    seconds = rng.randint(3600, 8 * 3600)
     return {"apiVersion": names.API_VERSION, "kind": "GpuJob",
             "metadata": {"name": f"j{i}-run", "namespace": project},
             "spec": {"project": project, "class": cls, "preemptible": cls == "batch",

@@ -29,7 +29,8 @@ start to the last admission; sustained: the middle 80 % of the admissions), crea
 controller's start) -> admitted p50/p99 (the watch first showing the Workload Admitted or
 the GpuJob Admitted or later), API writes per admission (the API server's
 apiserver_request_total, every write of every client, from the controller's start to the
-end of the round), CPU seconds per process per 1,000 admissions, and the medians' ratios.
+end of the round), CPU seconds per process per 1,000 admissions, each process's resident
+memory at the end of the round (and its peak), and the medians' ratios.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py [--jobs 5000] [--nodes 625] [--rounds 2]
 """
@@ -355,6 +356,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             window = time.time() - t0
             cpu = {name: admission._cpu_seconds(pid) - cpu_before[name]
                    for name, pid in pids.items()}
+            rss = admission.component_rss_mib(pids)
             requests_after = admission._api_requests(api)
             tracker.stop.set()
             with tracker.lock:
@@ -365,7 +367,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
         admission._signal_scheduler(paused, signal.SIGCONT)
     system = "kueue" if qps == KUEUE_SHIPPED_QPS else f"kueue-qps{qps}"
     result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after)
-    result["log"] = str(log)
+    result["log"], result["rss_mib"] = str(log), rss
     return result
 
 
@@ -465,7 +467,7 @@ def run_carpool(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     raw = outcome["_raw"]
     return summarize("carpool", raw["admitted_at"], raw["t0"], outcome["window_s"],
                      raw["cpu_seconds"], raw["requests_before"], raw["requests_after"]) | {
-        "log": outcome["log"]}
+        "log": outcome["log"], "rss_mib": raw["rss_mib"]}
 
 
 def median_row(rows: list[dict[str, Any]], key: str) -> float:
@@ -507,6 +509,9 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         lines.append("")
         lines.append(f"{r['system']}: writes per admission by resource: "
                      + ", ".join(f"{k} {v}" for k, v in r["writes"].items()))
+        lines.append(f"{r['system']}: RSS at the end of the round, MiB (now / peak): " + ", ".join(
+            f"{k} {v} / {r['rss_mib'].get(k + ' peak', v)}" for k, v in r["rss_mib"].items()
+            if not k.endswith(" peak") and not k.startswith("bench")))
     return "\n".join(lines)
 
 
