@@ -490,12 +490,13 @@ class Extender:
         if args.node_names is not last and args.node_names != last:
             asked = frozenset(args.node_names)
             self._last_names = (args.node_names, asked)
-        wanted = asked - excluded if excluded else asked
-        found = self.ranker.search(self.cache, demand, policy, keep, wanted.__contains__,
+        # (tests per node the search reaches, a few: no set of every node made per request)
+        found = self.ranker.search(self.cache, demand, policy, keep,
+                                   lambda name: name in asked and name not in excluded,
                                    view.own)
         if not found and excluded:  # every fitting node waits for a hand-over: keep those
-            waiting = asked & excluded
-            found = self.ranker.search(self.cache, demand, policy, keep, waiting.__contains__,
+            found = self.ranker.search(self.cache, demand, policy, keep,
+                                       lambda name: name in asked and name in excluded,
                                        view.own)
         if not found:
             return None
