@@ -163,15 +163,20 @@ class Informers:
 
     def caught_up(self, timeout: float) -> bool:
         """Wait until every store has listed and seen this operator's latest write of its
-        kind; a store still behind after `timeout` is told to list again (False)."""
+        kind; a store that has listed but is still behind after `timeout` is told to list
+        again (False)."""
         written = self.kube.written_versions()
         deadline = time.monotonic() + timeout
         ok = True
         for name, store in self.by_kind.items():
             left = max(0.0, deadline - time.monotonic())
             if not store.wait_for(written.get(name, 0), left):
-                log.warning("the %s cache has not caught up with our writes (at %d, wrote %d);"
-                            " listing again", name, store.version, written.get(name, 0))
-                store.relist()
+                if store.synced:  # listed, yet behind what we wrote: list again
+                    log.warning("the %s cache has not caught up with our writes (at %d, wrote "
+                                "%d); listing again", name, store.version, written.get(name, 0))
+                    store.relist()
+                else:  # its first list is still coming (thousands of objects): asking for
+                    # another would only start a second one once this one ends
+                    log.info("the %s cache is still listing", name)
                 ok = False
         return ok
