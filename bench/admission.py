@@ -59,6 +59,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from carpool.core import names
 from carpool.core.eta_accuracy import score_first_estimate
 from carpool.core.timestamps import epoch_seconds
+from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
 from carpool.replay.job_traces import user_estimate
 from carpool.replay.queue_replay import Estimate, first_estimate_errors
 from carpool_testbed import crds, devcluster, simnodes, stack
@@ -296,6 +298,35 @@ def _signal_scheduler(pids: list[int], signum: int) -> None:
             os.kill(pid, signum)
 
 
+def bound_pods(api: Any, namespaces: list[str], job_label: str) -> dict[str, list[bool]]:
+    """Per job (`<namespace>/<job_label>`), whether each of its pods is bound to a node."""
+    core = client.CoreV1Api(api)
+    out: dict[str, list[bool]] = {}
+    for namespace in namespaces:
+        for pod in core.list_namespaced_pod(namespace, label_selector=job_label).items:
+            job = pod.metadata.labels[job_label]
+            out.setdefault(f"{namespace}/{job}", []).append(bool(pod.spec.node_name))
+    return out
+
+
+def bound_when_settled(api: Any, namespaces: list[str], job_label: str, limit_s: float,
+                       quiet_s: float = 15.0) -> dict[str, list[bool]]:
+    """`bound_pods` once kube-scheduler has bound nothing more for `quiet_s` (or after
+    `limit_s`): a gang caught while its workers are still being bound is not a partial start,
+    one left so when binding has stopped is."""
+    deadline = time.monotonic() + limit_s
+    last = bound_pods(api, namespaces, job_label)
+    still_since = time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(5)
+        now = bound_pods(api, namespaces, job_label)
+        if now != last:
+            last, still_since = now, time.monotonic()
+        elif time.monotonic() - still_since >= quiet_s:
+            break
+    return last
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -325,6 +356,60 @@ def _job(namespace: str, name: str, project: str, rng: random.Random, model: str
                  "estimatedDuration": f"{seconds}s", "simulatedDuration": f"{seconds}s",
                  "template": {"spec": {"containers": [{"name": "main", "image": "work"}]}}},
     }
+
+
+NODES_PER_RACK, RACKS_PER_BLOCK = 8, 4
+
+
+def topology_labels(index: int) -> dict[str, str]:
+    """Node `index`'s rack and block (8 nodes a rack, 4 racks a block), by the labels Carpool's
+    topology levels read; bench/peers.py gives Kueue's Topology the same labels."""
+    rack = index // NODES_PER_RACK
+    return {TOPOLOGY_LABELS[TopologyLevel.RACK]: f"r{rack}",
+            TOPOLOGY_LABELS[TopologyLevel.BLOCK]: f"b{rack // RACKS_PER_BLOCK}"}
+
+
+@dataclass(frozen=True)
+class GangShape:
+    """A gang in the generated workload: `workers` pods of `gpus` whole GPUs each, in one rack,
+    either required or preferred."""
+
+    workers: int
+    gpus: int
+    required: bool
+
+
+def gang_shapes(jobs: int, share: float, seed: int, gpus_per_node: int = 8
+                ) -> dict[int, GangShape]:
+    """Which of `jobs` are gangs (a `share` of them) and their shapes: 2-16 workers of 1 to
+    `gpus_per_node` GPUs, at most a rack's GPUs in all; drawn from a generator of its own, so
+    both systems of bench/peers.py get the same gangs and the other jobs stay as they were."""
+    rng = random.Random(f"bench-gangs-{seed}")
+    rack = NODES_PER_RACK * gpus_per_node
+    out = {}
+    for i in range(jobs):
+        if rng.random() >= share:
+            continue
+        workers = rng.choice([2, 2, 4, 4, 8, 16])
+        gpus = rng.choice([g for g in (1, 2, 4, 8) if g <= gpus_per_node and workers * g <= rack])
+        out[i] = GangShape(workers, gpus, required=rng.random() < 0.5)
+    return out
+
+
+def _make_gang(manifest: dict[str, Any], shape: GangShape) -> None:
+    """Turn a `_job` manifest into a gang of `shape` (whole GPUs, in one rack), in place."""
+    spec = manifest["spec"]
+    spec["gpu"] = {"count": shape.gpus, "memory": "80Gi", "isolation": "exclusive",
+                   "models": spec["gpu"]["models"]}
+    spec["workers"] = [{"name": "worker", "replicas": shape.workers}]
+    spec["topology"] = {"level": "rack", "mode": "required" if shape.required else "preferred"}
+
+
+def job_gpus(manifest: dict[str, Any]) -> int:
+    """GPUs a generated GpuJob holds once admitted (every worker's, for a gang)."""
+    spec = manifest["spec"]
+    replicas = sum(w["replicas"] for w in spec.get("workers", [])) or 1
+    return int(spec["gpu"]["count"]) * replicas
 
 
 def _vary_jobs(manifests: list[dict[str, Any]], templates: int, user_estimates: str,
@@ -365,6 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     nodes = simnodes.parse_nodes({"nodes": [{
         "name": f"bench-{tag}-n{i}", "zone": "zone-a", "sharing": "mps",
+        "labels": topology_labels(i),
         "gpus": [{"model": model, "count": args.gpus_per_node,
                   "memoryTotalMiB": 141 * 1024}]} for i in range(args.nodes)]})
     started = time.monotonic()
@@ -382,6 +468,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "borrowing": {"enabled": True}}})
     jobs = [(p, f"j{i}") for i in range(args.jobs) for p in [projects[i % len(projects)]]]
     manifests = [_job(p, name, p, rng, model, args.exclusive) for p, name in jobs]
+    for i, shape in gang_shapes(args.jobs, args.gang_share, args.seed,
+                                args.gpus_per_node).items():
+        _make_gang(manifests[i], shape)
+    if args.none_preemptible:
+        for manifest in manifests:
+            manifest["spec"]["preemptible"] = False
     if args.templates or args.user_estimates != "exact":
         _vary_jobs(manifests, args.templates, args.user_estimates, args.seed)
 
@@ -479,8 +571,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"rss {rss_samples[-1] // 1024 if rss_samples else 0} MiB", file=sys.stderr)
                 if admitted != last_count:
                     last_count, last_change = admitted, time.monotonic()
-                if paused and (admitted >= len(manifests)
-                               or time.monotonic() - last_change > 15):
+                if paused and not args.hold_scheduler and (
+                        admitted >= len(manifests) or time.monotonic() - last_change > 15):
                     _signal_scheduler(paused, signal.SIGCONT)  # the burst is over
                     paused.clear()
                     print("  kube-scheduler resumed", file=sys.stderr)
@@ -501,6 +593,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             requests_after = _api_requests(api)
             requests = {k: (v - requests_before.get(k, 0.0)) / window
                         for k, v in requests_after.items() if v > requests_before.get(k, 0.0)}
+            bound: dict[str, list[bool]] = {}
+            if paused and args.then_schedule:  # the admissions are counted: now start them
+                _signal_scheduler(paused, signal.SIGCONT)
+                paused.clear()
+                bound = bound_when_settled(api, projects, names.LABEL_JOB, args.then_schedule)
             sampling.set()
             tracker.stop.set()
             with tracker.lock:
@@ -569,6 +666,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "scheduler_paused": args.pause_scheduler,
         "projects": args.projects, "nodes": args.nodes,
         "gpus": gpus, "created_s": created_s, "admitted": len(admitted_at),
+        "gpus_admitted": sum(job_gpus(m) for m in manifests
+                             if f"{m['metadata']['namespace']}/{m['metadata']['name']}"
+                             in admitted_at),
         "burst_admitted": len(burst), "burst_rate": burst_rate, "total_rate": total_rate,
         "sustained_rate": sustained_rate,
         "first_admission_s": (times[0] - t0) if times else None,
@@ -590,6 +690,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              sorted(requests.items(), key=lambda kv: -kv[1]) if v >= 0.5},
         # for bench/peers.py, which summarises Kueue's rounds the same way; not printed
         "_raw": {"admitted_at": admitted_at, "t0": t0, "cpu_seconds": cpu_seconds,
+                 "bound": bound,
                  "requests_before": requests_before, "requests_after": requests_after,
                  "rss_mib": rss_mib},
     }
@@ -747,11 +848,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stop kube-scheduler (SIGSTOP) until the admission burst is over:"
                         " the operator's admission path alone, without scheduling and"
                         " simulated pods competing for the same CPUs")
+    parser.add_argument("--none-preemptible", action="store_true",
+                        help="no job is preemptible (bench/peers.py: Kueue's jobs there share "
+                             "one priority, so neither system preempts)")
+    parser.add_argument("--hold-scheduler", action="store_true",
+                        help="with --pause-scheduler, keep kube-scheduler stopped to the end "
+                             "(bench/peers.py: no job starts, ends and frees GPUs while the "
+                             "admissions are counted, as in Kueue's rounds)")
+    parser.add_argument("--then-schedule", type=float, default=0.0, metavar="S",
+                        help="with --hold-scheduler, once the admissions are counted let "
+                             "kube-scheduler run until it binds nothing more (S seconds at "
+                             "most) and record which pods of each job are bound "
+                             "(bench/peers.py counts partial gang starts from it)")
     parser.add_argument("--ceiling", type=int, default=0, metavar="N",
                         help="first measure the API server alone with N pod creates and N "
                         "GpuJob status patches")
     parser.add_argument("--create-first", action="store_true",
                         help="create every GpuJob before the operator starts")
+    parser.add_argument("--gang-share", type=float, default=0.0,
+                        help="this share of the jobs are gangs of 2-16 workers of whole GPUs, "
+                             "each in one rack (required or preferred): `gang_shapes`")
     parser.add_argument("--exclusive", action="store_true",
                         help="whole-GPU jobs (isolation exclusive) instead of MPS shares")
     parser.add_argument("--user-estimates", choices=("exact", "realistic"), default="exact",

@@ -20,17 +20,26 @@ ProjectQuotas of nodes x 8 / 20 GPUs with borrowing; Kueue: one ClusterQueue eac
 nominal quota of `nvidia.com/gpu`, all in one cohort, borrowing unlimited, a LocalQueue in the
 project's namespace), `--jobs` one-GPU jobs (Carpool: GpuJobs with isolation exclusive; Kueue:
 batch/v1 Jobs, suspended, in the project's LocalQueue), all created before the controller
-starts, so the rates are the controller's and not the bench client's. kube-scheduler is
+starts, so the rates are the controller's and not the bench client's. With `--gang-share S`
+that share of the jobs are gangs (`admission.gang_shapes`: 2-16 workers of 1-8 whole GPUs, in
+one rack, required or preferred; the same gangs for both): Carpool's are GpuJobs with
+spec.workers and spec.topology, Kueue's are Jobs of one pod per worker with Topology Aware
+Scheduling (a Topology of block, rack and host on the nodes' labels, the flavor naming it, the
+pods' podset-required/preferred-topology annotation naming the rack). kube-scheduler is
 stopped until the burst is over (both: the admission path alone). Rounds alternate
 Kueue, Carpool, Kueue, ... (the first system swaps each pair).
 
 Prints per system and round: admissions/s (burst: admitted / seconds from the controller's
 start to the last admission; sustained: the middle 80 % of the admissions), creation (the
 controller's start) -> admitted p50/p99 (the watch first showing the Workload Admitted or
-the GpuJob Admitted or later), API writes per admission (the API server's
+the GpuJob Admitted or later), the share of the cluster's GPUs the admitted jobs hold when
+admissions stop (utilization), API writes per admission (the API server's
 apiserver_request_total, every write of every client, from the controller's start to the
 end of the round), CPU seconds per process per 1,000 admissions, each process's resident
 memory at the end of the round (and its peak), and the medians' ratios.
+With `--then-schedule S` kube-scheduler then runs, the controllers still up, until it has
+bound nothing for 15 s (S seconds at most), and the gangs with some but not all of their
+workers bound are counted (partial starts).
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py [--jobs 5000] [--nodes 625] [--rounds 2]
 """
@@ -58,6 +67,7 @@ from typing import Any
 import yaml
 from kubernetes import client, watch
 
+from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
 from carpool_testbed import crds, devcluster, simnodes
 
 HERE = Path(__file__).resolve().parent
@@ -68,6 +78,9 @@ GPU = "nvidia.com/gpu"
 KUEUE_SHIPPED_QPS, KUEUE_SHIPPED_BURST = 50, 100  # controller_manager_config.yaml
 WEBHOOK_NAMES = ("kueue-mutating-webhook-configuration", "kueue-validating-webhook-configuration")
 CONVERTED = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
+RACK_LABEL = TOPOLOGY_LABELS[TopologyLevel.RACK]
+BLOCK_LABEL = TOPOLOGY_LABELS[TopologyLevel.BLOCK]
+FLAVOR_LABEL = "bench.carpool.dev/flavor"  # what a TAS ResourceFlavor's nodeLabels select
 BACKGROUND = ("leases", "nodes")  # node heartbeats and leader leases: not per admission
 SELECTED = ("mpod.kb.io", "mdeployment.kb.io", "mstatefulset.kb.io", "vpod.kb.io",
             "vdeployment.kb.io", "vstatefulset.kb.io")
@@ -78,6 +91,7 @@ def _admission() -> Any:
     spec = importlib.util.spec_from_file_location("bench_admission", HERE / "admission.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -197,18 +211,46 @@ class WorkloadTracker:
                 time.sleep(0.5)
 
 
-def _job_manifest(namespace: str, name: str, seconds: int) -> dict[str, Any]:
+def _job_manifest(namespace: str, name: str, seconds: int, gang: Any = None
+                  ) -> dict[str, Any]:
+    """A one-GPU Job, or for a gang (`admission.GangShape`) a Job of one pod per worker with
+    the worker's GPUs, in one rack as Kueue's Topology Aware Scheduling is asked to."""
+    pods, gpus = (gang.workers, gang.gpus) if gang is not None else (1, 1)
+    annotations = {"carpool.dev/simulated-duration": str(seconds)}
+    if gang is not None:
+        kind = "required" if gang.required else "preferred"
+        annotations[f"kueue.x-k8s.io/podset-{kind}-topology"] = RACK_LABEL
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": name, "namespace": namespace,
                      "labels": {"kueue.x-k8s.io/queue-name": "jobs"}},
-        "spec": {"suspend": True, "parallelism": 1, "completions": 1, "backoffLimit": 0,
+        "spec": {"suspend": True, "parallelism": pods, "completions": pods, "backoffLimit": 0,
                  "template": {
-                     "metadata": {"annotations": {"carpool.dev/simulated-duration": str(seconds)}},
+                     "metadata": {"annotations": annotations},
                      "spec": {"restartPolicy": "Never", "containers": [{
                          "name": "main", "image": "work",
-                         "resources": {"requests": {GPU: "1"}, "limits": {GPU: "1"}}}]}}},
+                         "resources": {"requests": {GPU: str(gpus)},
+                                       "limits": {GPU: str(gpus)}}}]}}},
     }
+
+
+def partial_starts(bound: dict[str, list[bool]], gangs: dict[int, Any]) -> dict[str, int]:
+    """Of the gangs with a pod bound, how many have some but not all of their workers bound
+    (`admission.bound_pods`, keyed `<namespace>/j<i>`)."""
+    started = partial = 0
+    for key, flags in bound.items():
+        index = int(key.rsplit("/j", 1)[1])
+        if index not in gangs or not any(flags):
+            continue
+        started += 1
+        partial += sum(flags) < gangs[index].workers
+    return {"gangs_started": started, "partial_starts": partial}
+
+
+def job_gpus(jobs: int, gangs: dict[int, Any]) -> dict[str, int]:
+    """GPUs each job of the generated workload holds once admitted, by name (`j<i>`)."""
+    return {f"j{i}": gangs[i].workers * gangs[i].gpus if i in gangs else 1
+            for i in range(jobs)}
 
 
 @contextlib.contextmanager
@@ -270,6 +312,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
     model = f"BENCH{tag}"
     nodes = simnodes.parse_nodes({"nodes": [{
         "name": f"bench-{tag}-n{i}", "zone": "zone-a", "sharing": "mps",
+        "labels": {**admission.topology_labels(i), FLAVOR_LABEL: tag},
         "gpus": [{"model": model, "count": 8, "memoryTotalMiB": 141 * 1024}]}
         for i in range(args.nodes)]})
     crds.apply_crds(api)  # the GpuNodes of the simulated nodes need them
@@ -281,9 +324,18 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
     projects = [f"bench-{tag}-p{i}" for i in range(args.projects)]
     cohort = f"bench-{tag}"
     flavor = f"bench-{tag}"
+    gangs = admission.gang_shapes(args.jobs, args.gang_share, args.seed)
+    flavor_spec: dict[str, Any] = {}
+    if gangs:  # Topology Aware Scheduling: block, rack, host, on the flavor's nodes
+        custom.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "topologies", {
+            "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "Topology",
+            "metadata": {"name": flavor},
+            "spec": {"levels": [{"nodeLabel": BLOCK_LABEL}, {"nodeLabel": RACK_LABEL},
+                                {"nodeLabel": "kubernetes.io/hostname"}]}})
+        flavor_spec = {"nodeLabels": {FLAVOR_LABEL: tag}, "topologyName": flavor}
     custom.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "resourceflavors", {
         "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}", "kind": "ResourceFlavor",
-        "metadata": {"name": flavor}})
+        "metadata": {"name": flavor}, "spec": flavor_spec})
     for project in projects:
         core.create_namespace({"metadata": {"name": project}})
         custom.create_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues", {
@@ -301,7 +353,8 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             "metadata": {"name": "jobs", "namespace": project},
             "spec": {"clusterQueue": project}})
     rng = admission.random.Random(args.seed)
-    manifests = [_job_manifest(projects[i % len(projects)], f"j{i}", rng.randint(40, 120))
+    manifests = [_job_manifest(projects[i % len(projects)], f"j{i}", rng.randint(40, 120),
+                               gangs.get(i))
                  for i in range(args.jobs)]
     pool = api.rest_client.pool_manager
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -361,13 +414,19 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             tracker.stop.set()
             with tracker.lock:
                 admitted = dict(tracker.admitted)
-        # the scheduler stays stopped until Kueue's pods are gone (it has nothing else to do)
+            bound: dict[str, list[bool]] = {}
+            if args.then_schedule:  # the admissions are counted: now start them
+                admission._signal_scheduler(paused, signal.SIGCONT)
+                bound = admission.bound_when_settled(api, projects,
+                                                     "batch.kubernetes.io/job-name",
+                                                     args.then_schedule)
         cleanup_kueue(cluster, projects, flavor, [n.name for n in nodes])
     finally:
         admission._signal_scheduler(paused, signal.SIGCONT)
     system = "kueue" if qps == KUEUE_SHIPPED_QPS else f"kueue-qps{qps}"
-    result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after)
-    result["log"], result["rss_mib"] = str(log), rss
+    result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after,
+                       job_gpus(args.jobs, gangs), gpus)
+    result.update(partial_starts(bound, gangs), log=str(log), rss_mib=rss)
     return result
 
 
@@ -414,7 +473,7 @@ def cleanup_kueue(cluster: devcluster.Cluster, projects: list[str], flavor: str,
                                       for w in items
                                       if w["metadata"]["namespace"] in set(projects)]))
     for plural, name in [*[("clusterqueues", p) for p in projects],
-                         ("resourceflavors", flavor)]:
+                         ("resourceflavors", flavor), ("topologies", flavor)]:
         with contextlib.suppress(client.ApiException):
             custom.patch_cluster_custom_object(KUEUE_GROUP, KUEUE_VERSION, plural, name,
                                                {"metadata": {"finalizers": None}})
@@ -432,8 +491,11 @@ def cleanup_kueue(cluster: devcluster.Cluster, projects: list[str], flavor: str,
 
 def summarize(system: str, admitted: dict[str, float], t0: float, window: float,
               cpu: dict[str, float], before: dict[str, float], after: dict[str, float],
-              ) -> dict[str, Any]:
+              gpus_of: dict[str, int], capacity: int) -> dict[str, Any]:
+    """One round's measures; utilization: the GPUs the admitted jobs hold (by job name,
+    `job_gpus`) over the cluster's, when the admissions stopped."""
     times = sorted(admitted.values())
+    held = sum(gpus_of[key.rsplit("/", 1)[-1]] for key in admitted)
     n = len(times)
     low, high = (times[n // 10], times[n * 9 // 10]) if n else (0.0, 0.0)
     writes = {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
@@ -441,7 +503,7 @@ def summarize(system: str, admitted: dict[str, float], t0: float, window: float,
     background = sum(v for k, v in writes.items()
                      if k.split(" ")[1].split("/")[0] in BACKGROUND)
     return {
-        "system": system, "admitted": n,
+        "system": system, "admitted": n, "utilization": held / capacity,
         "burst_rate": n / max(1e-9, times[-1] - t0) if n else 0.0,
         "sustained_rate": (n * 9 // 10 - n // 10) / (high - low) if high > low else 0.0,
         "p50": admission._percentile([t - t0 for t in times], 0.5),
@@ -461,13 +523,17 @@ def run_carpool(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     carpool_args = admission.build_parser().parse_args([
         "--jobs", str(args.jobs), "--nodes", str(args.nodes), "--projects",
         str(args.projects), "--cluster", args.cluster, "--extender-port",
-        str(args.extender_port), "--create-first", "--pause-scheduler", "--exclusive",
-        "--stop-when-admitted", "--timeout", str(args.timeout), "--seed", str(args.seed)])
+        str(args.extender_port), "--create-first", "--pause-scheduler", "--hold-scheduler",
+        "--exclusive", "--stop-when-admitted", "--timeout", str(args.timeout),
+        "--seed", str(args.seed), "--gang-share", str(args.gang_share),
+        "--then-schedule", str(args.then_schedule), "--none-preemptible"])
     outcome = admission.run(carpool_args)
     raw = outcome["_raw"]
+    gangs = admission.gang_shapes(args.jobs, args.gang_share, args.seed)
     return summarize("carpool", raw["admitted_at"], raw["t0"], outcome["window_s"],
-                     raw["cpu_seconds"], raw["requests_before"], raw["requests_after"]) | {
-        "log": outcome["log"], "rss_mib": raw["rss_mib"]}
+                     raw["cpu_seconds"], raw["requests_before"], raw["requests_after"],
+                     job_gpus(args.jobs, gangs), outcome["gpus"]) | partial_starts(
+        raw["bound"], gangs) | {"log": outcome["log"], "rss_mib": raw["rss_mib"]}
 
 
 def median_row(rows: list[dict[str, Any]], key: str) -> float:
@@ -478,22 +544,25 @@ def report(results: list[dict[str, Any]], command: str) -> str:
     systems = list(dict.fromkeys(r["system"] for r in results))
     by = {s: [r for r in results if r["system"] == s] for s in systems}
     lines = [f"`{command}`", "",
-             "| round | system | admitted | admissions/s burst | sustained | p50 s | p99 s "
-             "| API writes / admission (without leases, nodes) "
-             "| CPU s / 1,000 admissions (top 4) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| round | system | admitted | GPUs held | admissions/s burst | sustained | p50 s "
+             "| p99 s | API writes / admission (without leases, nodes) "
+             "| partial starts / gangs started | CPU s / 1,000 admissions (top 4) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, r in enumerate(results):
         cpu = ", ".join(f"{k} {v:.1f}" for k, v in list(r["cpu_s_per_1000"].items())[:4])
-        lines.append(f"| {i + 1} | {r['system']} | {r['admitted']} | {r['burst_rate']:.1f} "
+        lines.append(f"| {i + 1} | {r['system']} | {r['admitted']} | {r['utilization']:.1%} "
+                     f"| {r['burst_rate']:.1f} "
                      f"| {r['sustained_rate']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} "
                      f"| {r['writes_per_admission']:.2f} "
-                     f"({r['controller_writes_per_admission']:.2f}) | {cpu} |")
+                     f"({r['controller_writes_per_admission']:.2f}) "
+                     f"| {r['partial_starts']} / {r['gangs_started']} | {cpu} |")
     others = [s for s in systems if s != "carpool"]
     lines.append("")
     lines.append("| median | " + " | ".join(systems) + " | "
                  + " | ".join(f"Carpool / {s}" for s in others) + " |")
     lines.append("|---|" + "---:|" * (len(systems) + len(others)))
-    for key, label in (("burst_rate", "admissions/s, burst"),
+    for key, label in (("utilization", "GPUs held by admitted jobs (share)"),
+                       ("burst_rate", "admissions/s, burst"),
                        ("sustained_rate", "admissions/s, sustained"),
                        ("p50", "controller start -> admitted p50 (s)"),
                        ("p99", "controller start -> admitted p99 (s)"),
@@ -534,6 +603,13 @@ def main() -> None:
                         help="each round also runs Kueue with client QPS N (burst 2N)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--gang-share", type=float, default=0.0,
+                        help="this share of the jobs are gangs of 2-16 workers in one rack "
+                             "(Kueue: Topology Aware Scheduling; `admission.gang_shapes`)")
+    parser.add_argument("--then-schedule", type=float, default=0.0, metavar="S",
+                        help="once a round's admissions are counted, let kube-scheduler run "
+                             "until it binds nothing more (S seconds at most), then count gangs "
+                             "with some but not all workers bound")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ[devcluster.EXTENDER_PORT_ENV] = str(args.extender_port)
