@@ -3,7 +3,10 @@
 Fed by watches (see `watching`) and by the extender's own binds. A pod's GPUs count as held
 from the moment bind *assumes* them (before anything is written to the API server) until the
 pod is deleted or terminates; the watch *confirms* an assumption when it shows the pod with
-the assignment annotation, and a failed bind *forgets* it. Every read and every
+the assignment annotation, and a failed bind *forgets* it. The GPUs an admitted gang's
+admission chose for a worker whose pod is not bound yet (its GpuJob's status.workers, written
+by the operator) are *reserved* for that worker: no other pod takes them while its gang is
+being bound, so a gang never starts with a worker left out. Every read and every
 choose-and-assume happens under one short lock around this memory only — never across an
 HTTP or API call — so two concurrent binds can never both take the same free capacity.
 """
@@ -24,12 +27,17 @@ from carpool.core.assignment import (
     AssignmentError,
     parse_assignment,
 )
-from carpool.core.decoding import first_image, gpu_request_from_spec, worker_requests_from_spec
+from carpool.core.decoding import (
+    first_image,
+    gpu_request_from_spec,
+    placements_from_status,
+    worker_requests_from_spec,
+)
 from carpool.core.jobs import job_template
 from carpool.core.lending import LendingPolicy, lendable, split
 from carpool.core.ownership import Owner
 from carpool.core.placement import NodeState
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, NodeInventory, Phase
 from carpool.core.timestamps import epoch_of
 from carpool.extender.inventory import InventoryError, inventory_from_objects
 from carpool.extender.states import CachedState
@@ -130,7 +138,10 @@ class ClusterCache:
         self._broken: dict[str, str] = {}  # node -> why its GpuNode could not be read
         self._observed: dict[str, Hold] = {}  # from pod annotations, as the watch shows them
         self._assumed: dict[str, Hold] = {}  # from our binds, until confirmed or forgotten
-        self._effective: dict[str, Hold] = {}  # assumed wins over observed
+        # a gang worker's GPUs, by its pod, from its admitted GpuJob's status.workers
+        self._reserved: dict[str, Hold] = {}
+        self._reserved_by_job: dict[str, set[str]] = {}
+        self._effective: dict[str, Hold] = {}  # assumed wins over observed, then reserved
         self._keys_on_node: dict[str, set[str]] = {}
         # effective holds that may still be in flight, by node (filter asks per node)
         self._unsettled: dict[str, set[str]] = {}
@@ -280,6 +291,22 @@ class ClusterCache:
                 self._samples[key] = sample
             self._profiles = None
         self._shapes[key] = tuple(dict.fromkeys(shapes))
+        self._reserve_workers(key, worker_reservations(job, request))
+
+    def _reserve_workers(self, job_key: str, holds: Mapping[str, Hold]) -> None:
+        """Make `holds` (by worker pod) the reservations of the gang `job_key`."""
+        before = self._reserved_by_job.pop(job_key, set())
+        if holds:
+            self._reserved_by_job[job_key] = set(holds)
+        for pod_key in before | set(holds):
+            hold = holds.get(pod_key)
+            if hold == self._reserved.get(pod_key):
+                continue
+            if hold is None:
+                del self._reserved[pod_key]
+            else:
+                self._reserved[pod_key] = hold
+            self._refresh(pod_key)
 
     def apply_gpujob(self, event: str, job: Mapping[str, Any]) -> None:
         meta = job.get("metadata") or {}
@@ -290,6 +317,7 @@ class ClusterCache:
                 self._jobs.pop(key, None)
                 self._shapes.pop(key, None)
                 self._gang_created.pop(key, None)
+                self._reserve_workers(key, {})
                 self._templates.pop(key, None)
                 if self._samples.pop(key, None) is not None:
                     self._profiles = None
@@ -302,8 +330,13 @@ class ClusterCache:
             self._profiles = None
             self._shapes = {}
             self._gang_created = {}
+            listed = set()
             for job in jobs:
                 self._set_job(job)
+                meta = job.get("metadata") or {}
+                listed.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+            for gone in set(self._reserved_by_job) - listed:
+                self._reserve_workers(gone, {})
 
     def job_shapes(self, namespace: str, owner: Owner) -> tuple[GpuRequest, ...]:
         """The distinct requests of a gang's workers (spec.workers); empty for a one-pod job
@@ -367,7 +400,7 @@ class ClusterCache:
 
     def _refresh(self, key: str) -> None:
         old = self._effective.pop(key, None)
-        new = self._assumed.get(key) or self._observed.get(key)
+        new = self._assumed.get(key) or self._observed.get(key) or self._reserved.get(key)
         if old is not None:
             self._settled(old.node, key)
         same_grants = (old is not None and new is not None and old.node == new.node
@@ -666,6 +699,31 @@ def _usage_of(pod: Mapping[str, Any]) -> tuple[str, int, int] | None:
 
 def hold_uid(pod: Mapping[str, Any]) -> str:
     return str((pod.get("metadata") or {}).get("uid", ""))
+
+
+HOLDING_PHASES = frozenset(p.value for p in Phase if p.holds_gpus)
+
+
+def worker_reservations(job: Mapping[str, Any], request: GpuRequest | str
+                        ) -> dict[str, Hold]:
+    """The holds a gang's workers keep on the GPUs its admission chose (by worker pod key):
+    what the operator wrote in status.workers while the job holds GPUs (Admitted, or Running
+    once rank 0 runs); none for any other job or phase. A worker's bound pod holds the same
+    GPUs through its own assignment, which takes precedence."""
+    status = job.get("status") or {}
+    if status.get("phase") not in HOLDING_PHASES or not status.get("workers"):
+        return {}
+    namespace = str((job.get("metadata") or {}).get("namespace", ""))
+    exclusive = isinstance(request, GpuRequest) and request.isolation is Isolation.EXCLUSIVE
+    out = {}
+    for entry, placement in zip(sorted((e for e in status["workers"] if isinstance(e, Mapping)),
+                                       key=lambda e: int(e.get("rank", 0))),
+                                placements_from_status(status, exclusive), strict=True):
+        pod = f"{namespace}/{entry.get('pod', '')}"
+        if placement.node and placement.grants:
+            out[pod] = Hold(pod, "", placement.node, placement.grants,
+                            frozenset({len(placement.grants)}), 0.0, settled=True)
+    return out
 
 
 def in_flight_clash(in_flight: Iterable[Hold], gpu_counts: frozenset[int]) -> str | None:

@@ -280,3 +280,42 @@ def test_a_gang_attempt_counts_as_created_once_its_job_says_so() -> None:
     assert cache.gang_created("lab", Owner("train", "other-uid")) == 0
     cache.apply_gpujob("DELETED", job)
     assert cache.gang_created("lab", Owner("train", "u1")) == 0
+
+
+def test_a_gang_workers_gpus_stay_reserved_for_it_until_its_pod_is_bound() -> None:
+    """The GPUs an admitted gang's admission chose for each worker (status.workers, written
+    by the operator) are held for that worker while its pod is not bound: another pod bound
+    meanwhile cannot take them and leave the gang short of a worker."""
+    cache = cache_with_node(gpus=2)
+    job: dict[str, Any] = {
+        "metadata": {"name": "train", "namespace": "lab", "uid": "u1"},
+        "spec": {"project": "lab", "gpu": {"count": 1, "memory": "40Gi",
+                                           "isolation": "exclusive"},
+                 "workers": [{"name": "w", "replicas": 2}]},
+        "status": {"phase": "Admitted", "attempts": 1, "workers": [
+            {"rank": r, "pod": f"train-1-w{r}" if r else "train-1", "node": "n",
+             "gpus": [{"uuid": f"n-g{r}", "index": r, "memoryMiB": 40 * GIB, "cores": 100}]}
+            for r in range(2)]}}
+    cache.apply_gpujob("ADDED", job)
+    # anyone else sees both GPUs taken; each worker sees only the other's reservation
+    assert used_mib(cache) == 80 * GIB
+    own = cache.snapshot(["n"], "lab/train-1", NOW).states["n"]
+    assert [g.gpu_uuid for g in own.grants] == ["n-g1"]
+    assert cache.reserve("default/other", "uid-o", "n", frozenset({1}), NOW,
+                         take(10, "n-g1")) == Refused("full")
+    # rank 0 binds: its own pod's assignment holds its GPU from then on
+    assert isinstance(cache.reserve("lab/train-1", "uid-0", "n", frozenset({1}), NOW,
+                                    take(40, "n-g0")), Assignment)
+    cache.apply_pod("MODIFIED", _named(bound_pod("train-1", "n", 40, "n-g0"), "lab"), NOW)
+    cache.apply_gpujob("MODIFIED", {**job, "status": {**job["status"], "phase": "Running"}})
+    assert used_mib(cache) == 80 * GIB  # rank 1's GPU is still kept for it
+    # the gang ends: only what bound pods hold is left
+    cache.apply_gpujob("MODIFIED", {**job, "status": {"phase": "Succeeded"}})
+    assert used_mib(cache) == 40 * GIB
+    cache.apply_gpujob("DELETED", job)
+    assert used_mib(cache) == 40 * GIB
+
+
+def _named(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
+    pod["metadata"]["namespace"] = namespace
+    return pod
