@@ -474,6 +474,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.none_preemptible:
         for manifest in manifests:
             manifest["spec"]["preemptible"] = False
+    for manifest in manifests:  # (with --then-schedule no job ends while it is watched)
+        spec = manifest["spec"]
+        for field in ("simulatedDuration", "estimatedDuration"):
+            seconds = int(spec[field].removesuffix("s")) + round(args.then_schedule)
+            spec[field] = f"{seconds}s"
     if args.templates or args.user_estimates != "exact":
         _vary_jobs(manifests, args.templates, args.user_estimates, args.seed)
 
@@ -593,11 +598,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             requests_after = _api_requests(api)
             requests = {k: (v - requests_before.get(k, 0.0)) / window
                         for k, v in requests_after.items() if v > requests_before.get(k, 0.0)}
-            bound: dict[str, list[bool]] = {}
-            if paused and args.then_schedule:  # the admissions are counted: now start them
-                _signal_scheduler(paused, signal.SIGCONT)
-                paused.clear()
-                bound = bound_when_settled(api, projects, names.LABEL_JOB, args.then_schedule)
             sampling.set()
             tracker.stop.set()
             with tracker.lock:
@@ -609,6 +609,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 finished = len(tracker.finished)
                 waited = set(tracker.waited)
                 reasons = dict(tracker.reasons)
+            bound: dict[str, list[bool]] = {}
+            if paused and args.then_schedule:  # the admissions are counted: now start them
+                _signal_scheduler(paused, signal.SIGCONT)
+                paused.clear()
+                bound = bound_when_settled(api, projects, names.LABEL_JOB, args.then_schedule)
             operator_log = log_dir / "operator.log"
             log_lines = operator_log.read_text(errors="replace").splitlines()
             failures = sum(1 for line in log_lines if "reconcile pass failed" in line)
@@ -859,7 +864,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --hold-scheduler, once the admissions are counted let "
                              "kube-scheduler run until it binds nothing more (S seconds at "
                              "most) and record which pods of each job are bound "
-                             "(bench/peers.py counts partial gang starts from it)")
+                             "(bench/peers.py counts partial gang starts from it); every job "
+                             "runs S seconds longer, so none ends and frees GPUs meanwhile")
     parser.add_argument("--ceiling", type=int, default=0, metavar="N",
                         help="first measure the API server alone with N pod creates and N "
                         "GpuJob status patches")

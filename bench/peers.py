@@ -353,8 +353,9 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             "metadata": {"name": "jobs", "namespace": project},
             "spec": {"clusterQueue": project}})
     rng = admission.random.Random(args.seed)
-    manifests = [_job_manifest(projects[i % len(projects)], f"j{i}", rng.randint(40, 120),
-                               gangs.get(i))
+    # (with --then-schedule no job ends, and frees GPUs, while the binds are watched)
+    manifests = [_job_manifest(projects[i % len(projects)], f"j{i}",
+                               rng.randint(40, 120) + round(args.then_schedule), gangs.get(i))
                  for i in range(args.jobs)]
     pool = api.rest_client.pool_manager
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
