@@ -715,10 +715,14 @@ def worker_reservations(job: Mapping[str, Any], request: GpuRequest | str
         return {}
     namespace = str((job.get("metadata") or {}).get("namespace", ""))
     exclusive = isinstance(request, GpuRequest) and request.isolation is Isolation.EXCLUSIVE
+    try:
+        entries = sorted((e for e in status["workers"] if isinstance(e, Mapping)),
+                         key=lambda e: int(e.get("rank", 0)))
+        placements = placements_from_status(status, exclusive)
+    except (TypeError, ValueError):  # not what the operator writes: reserve nothing
+        return {}
     out = {}
-    for entry, placement in zip(sorted((e for e in status["workers"] if isinstance(e, Mapping)),
-                                       key=lambda e: int(e.get("rank", 0))),
-                                placements_from_status(status, exclusive), strict=True):
+    for entry, placement in zip(entries, placements, strict=True):
         pod = f"{namespace}/{entry.get('pod', '')}"
         if placement.node and placement.grants:
             out[pod] = Hold(pod, "", placement.node, placement.grants,

@@ -314,6 +314,10 @@ def test_a_gang_workers_gpus_stay_reserved_for_it_until_its_pod_is_bound() -> No
     assert used_mib(cache) == 40 * GIB
     cache.apply_gpujob("DELETED", job)
     assert used_mib(cache) == 40 * GIB
+    # a status the operator would not write reserves nothing (and breaks nothing)
+    odd = {**job, "status": {"phase": "Admitted", "workers": [{"rank": "first", "node": "n"}]}}
+    cache.apply_gpujob("ADDED", odd)
+    assert used_mib(cache) == 40 * GIB
 
 
 def _named(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
