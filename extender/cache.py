@@ -330,12 +330,9 @@ class ClusterCache:
             self._profiles = None
             self._shapes = {}
             self._gang_created = {}
-            listed = set()
             for job in jobs:
                 self._set_job(job)
-                meta = job.get("metadata") or {}
-                listed.add(f"{meta.get('namespace', '')}/{meta.get('name', '')}")
-            for gone in set(self._reserved_by_job) - listed:
+            for gone in set(self._reserved_by_job) - set(self._jobs):
                 self._reserve_workers(gone, {})
 
     def job_shapes(self, namespace: str, owner: Owner) -> tuple[GpuRequest, ...]:

@@ -318,6 +318,11 @@ def test_a_gang_workers_gpus_stay_reserved_for_it_until_its_pod_is_bound() -> No
     odd = {**job, "status": {"phase": "Admitted", "workers": [{"rank": "first", "node": "n"}]}}
     cache.apply_gpujob("ADDED", odd)
     assert used_mib(cache) == 40 * GIB
+    # a relist that no longer shows an admitted gang drops its reservations
+    cache.replace_gpujobs([job])
+    assert used_mib(cache) == 80 * GIB
+    cache.replace_gpujobs([])
+    assert used_mib(cache) == 40 * GIB
 
 
 def _named(pod: dict[str, Any], namespace: str) -> dict[str, Any]:
