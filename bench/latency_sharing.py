@@ -4,16 +4,17 @@ Inference services (a ResNet-50-shaped conv net and a transformer encoder, each 
 1, 8 and 32) arrive one after another, each with a P99 target. Every policy places them online,
 in arrival order, first fit, with the placement core's own sharing rule
 (`placement.gpu_rejection` over logical GPUs): a fixed degree d gives every service a sharing
-limit of d; Carpool gives each service the limit its template's interference profile allows
-for its objective (`core.interference`), the profile learned from a short profiling run (each
-template alone and 2..P at a time) and then from what its own services report where it placed
-them, a few times over (`--learn-rounds`; both times are reported). Then each policy's GPUs are
-measured, one logical GPU after the other on the one physical GPU: its services serve
-requests back to back together for `--seconds`, from a pool of host processes each started
-with the environment the device plugin's Allocate answered (over its real gRPC socket) for an
-MPS pod of 10 GiB. Rounds alternate the policies. Reported per policy: GPUs needed, services
-whose P99 over all they served (every round pooled, as an SLO is judged) broke their target,
-the worst P99 / target, the most services over target within one round, throughput
+limit of d; Carpool gives each service the limit its template's interference profile allows for
+its objective and its weight as a sharer (`core.interference`), the profile learned from a short
+profiling run (each template alone and 2..P at a time) and then from what its own services
+report where it placed them, a few times over (`--learn-rounds`; both times are reported). Then
+each policy's GPUs are measured, one logical GPU after the other on the one physical GPU (a
+logical GPU holds what the real one's memory holds, at most 8 services, the pool's size): its
+services serve requests back to back together for `--seconds`, from a pool of host processes
+each started with the environment the device plugin's Allocate answered (over its real gRPC
+socket) for an MPS pod of 10 GiB. Rounds alternate the policies. Reported per policy: GPUs
+needed, services whose P99 over all they served (every round pooled, as an SLO is judged) broke
+their target, the worst P99 / target, the most services over target within one round, throughput
 (samples/s, median and range over rounds) in all and per GPU. Services that broke their target
 running alone (fixed degree 1) in a round are named: that is the machine's noise floor.
 
@@ -48,7 +49,8 @@ from typing import Any
 WORKER_FLAG = "--worker"
 MODELS = ("resnet", "encoder")
 BATCHES = (1, 8, 32)
-POOL = 6  # worker processes: the largest degree measured
+DEGREES = 6  # fixed degrees 1..6, and the profiling run's largest degree
+POOL = 8  # worker processes: the most services one GPU carries in a measured run
 GRANT_MIB = 10 * 1024  # each service's MPS grant
 
 
@@ -260,6 +262,9 @@ class Pool:
 
     def run(self, templates: list[str], seconds: float) -> list[Measure]:
         """Serve `templates` together, one per worker, for `seconds`."""
+        if len(templates) > len(self.procs):
+            raise ValueError(f"{len(templates)} services on one GPU, the pool has "
+                             f"{len(self.procs)} workers")
         start = time.time() + 0.2
         for proc, template in zip(self.procs, templates, strict=False):
             assert proc.stdin is not None
@@ -315,17 +320,20 @@ def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, mode
     return samples, alone
 
 
-def place(services: list[Service], limit_of: Any, model: str) -> list[list[Service]]:
-    """Online first fit in arrival order over logical GPUs of `model`, by the placement core's
-    rule (`gpu_rejection`: each service's sharing limit and those of the services there)."""
+def place(services: list[Service], request_of: Any, model: str, memory_mib: int
+          ) -> list[list[Service]]:
+    """Online first fit in arrival order over logical GPUs like the real one (`model`,
+    `memory_mib`), by the placement core's rule (`gpu_rejection`: memory, each service's
+    sharing limit and weight and those of the services there); `request_of` gives a
+    service's one-GPU request."""
     from carpool.core.placement import NodeState, gpu_rejection, grant_for
-    from carpool.core.resources import Gpu, GpuRequest, NodeInventory
+    from carpool.core.resources import Gpu, NodeInventory
 
-    gpus = tuple(Gpu(i, f"gpu-{i}", model, GRANT_MIB * 64) for i in range(len(services)))
+    gpus = tuple(Gpu(i, f"gpu-{i}", model, memory_mib) for i in range(len(services)))
     state = NodeState(NodeInventory("bench", gpus))
     groups: list[list[Service]] = []
     for service in services:
-        request = GpuRequest(1, GRANT_MIB, 0, sharing_limits=limit_of(service))
+        request = request_of(service)
         frees = state.free()
         for index, free in enumerate(frees):
             if index < len(groups) and gpu_rejection(free, request) is not None:
@@ -338,10 +346,11 @@ def place(services: list[Service], limit_of: Any, model: str) -> list[list[Servi
     return groups
 
 
-def allocate_envs(device: str, pipe_dir: Path) -> tuple[list[dict[str, str]], str, Any]:
-    """The pool's environments from the device plugin's Allocate answers (pods svc-0..5,
-    MPS, 10 GiB each) through its gRPC socket, and the GPU model; on `cpu`, the fake
-    backend's answers (and no MPS: the variables are dropped)."""
+def allocate_envs(device: str, pipe_dir: Path
+                  ) -> tuple[list[dict[str, str]], tuple[str, int], Any]:
+    """The pool's environments from the device plugin's Allocate answers (pods svc-0..7,
+    MPS, 10 GiB each) through its gRPC socket, and the GPU's model and memory; on `cpu`, the
+    fake backend's answers (and no MPS: the variables are dropped)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import gpu_sharing
 
@@ -355,7 +364,7 @@ def allocate_envs(device: str, pipe_dir: Path) -> tuple[list[dict[str, str]], st
 
         backend = FakeBackend.from_spec({"node": "bench-node", "gpus": [{"model": "H200"}]})
     answers = asyncio.run(gpu_sharing.plugin_allocations(backend, pipe_dir, requests))
-    model = backend.inventory()[0].model
+    facts = backend.inventory()[0]
     envs = []
     for answer in answers:
         env = gpu_sharing.host_env(answer)
@@ -363,7 +372,7 @@ def allocate_envs(device: str, pipe_dir: Path) -> tuple[list[dict[str, str]], st
             env = {k: v for k, v in env.items()
                    if not k.startswith("CUDA_") and k != "NVIDIA_VISIBLE_DEVICES"}
         envs.append(gpu_sharing.client_env(env))
-    return envs, model, backend
+    return envs, (facts.model, facts.memory_total_mib), backend
 
 
 def main() -> int:
@@ -376,7 +385,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="per measured GPU")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile-seconds", type=float, default=1.5)
-    parser.add_argument("--profile-degrees", type=int, default=POOL,
+    parser.add_argument("--profile-degrees", type=int, default=DEGREES,
                         help="the profiling run measures each template at 1..this degree")
     parser.add_argument("--alone-runs", type=int, default=3,
                         help="runs of each template alone; their median P99 sets its targets")
@@ -395,7 +404,7 @@ def main() -> int:
                               "args": {k: str(v) for k, v in vars(args).items()}}
     mps_root = Path(tempfile.mkdtemp(prefix="carpool-mps-", dir="/tmp"))
     pipe_dir, log_dir = mps_root / "pipe", mps_root / "log"
-    envs, model, backend = allocate_envs(args.device, pipe_dir)
+    envs, (model, memory_mib), backend = allocate_envs(args.device, pipe_dir)
     log(f"Allocate answered for {POOL} MPS pods of {GRANT_MIB // 1024} GiB on a {model}: "
         f"{json.dumps({k: v for k, v in envs[0].items() if k.startswith('CUDA')})}")
     daemon = None
@@ -412,7 +421,7 @@ def main() -> int:
         log(f"{POOL} serving processes ready ({pool.engine}, {args.device}), "
             f"{time.monotonic() - began:.0f}s in")
         try:
-            report.update(run(pool, args, model, Objectives, learn))
+            report.update(run(pool, args, (model, memory_mib), Objectives, learn))
         finally:
             pool.stop()
     finally:
@@ -428,10 +437,14 @@ def main() -> int:
     return 0
 
 
-def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, learn: Any
-        ) -> dict[str, Any]:
-    from carpool.core.interference import Sample
+def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_type: Any,
+        learn: Any) -> dict[str, Any]:
+    from carpool.core.interference import Sample, limited
+    from carpool.core.resources import GpuRequest
 
+    model, memory_mib = gpu
+    # a logical GPU holds what the real one's memory holds, and no more than the pool serves
+    memory_mib = min(memory_mib, POOL * GRANT_MIB)
     templates = arrivals(args.services)
     kinds = sorted(set(templates), key=templates.index)
     log(f"profiling {len(kinds)} templates at 1..{args.profile_degrees} "
@@ -444,17 +457,19 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
     services = [Service(f"{t}#{n}", t, alone[t] * factors[n % len(factors)])
                 for n, t in enumerate(templates)]
 
-    def carpool_limits() -> dict[str, tuple[tuple[str, int], ...]]:
+    def carpool_requests() -> dict[str, Any]:
+        """Each service's request with the limit and weight its template's profile gives."""
         profiles = learn(samples)
-        return {s.name: profiles.limits(s.template, objectives_type(s.p99_target_s))
-                for s in services}
+        return {s.name: limited(GpuRequest(1, GRANT_MIB, 0,
+                                           objectives=objectives_type(s.p99_target_s)),
+                                s.template, profiles) for s in services}
 
     # Carpool learns on: its services run where it put them and report, in the company they
     # found there (what the node agent records in a cluster), and it places again
     started = time.monotonic()
     for n in range(args.learn_rounds):
-        limits = carpool_limits()
-        groups = place(services, lambda s, known=limits: known[s.name], model)
+        requests = carpool_requests()
+        groups = place(services, lambda s, known=requests: known[s.name], model, memory_mib)
         for group in groups:
             for service, m in zip(group, pool.run([s.template for s in group],
                                                   args.seconds), strict=True):
@@ -462,11 +477,12 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
                                       m.p99_s))
         log(f"  learning {n + 1}/{args.learn_rounds}: {len(groups)} GPUs")
     learning_s = time.monotonic() - started
-    limits = carpool_limits()
+    requests = carpool_requests()
     policies: dict[str, list[list[Service]]] = {}
-    for degree in range(1, POOL + 1):
-        policies[f"fixed {degree}"] = place(services, lambda s, d=degree: ((model, d),), model)
-    policies["carpool"] = place(services, lambda s: limits[s.name], model)
+    for degree in range(1, DEGREES + 1):
+        fixed = GpuRequest(1, GRANT_MIB, 0, sharing_limits=((model, degree),))
+        policies[f"fixed {degree}"] = place(services, lambda s, r=fixed: r, model, memory_mib)
+    policies["carpool"] = place(services, lambda s: requests[s.name], model, memory_mib)
     for name, groups in policies.items():
         log(f"  {name}: {len(groups)} GPUs: "
             + " | ".join(",".join(s.name for s in g) for g in groups))
@@ -493,7 +509,8 @@ def run(pool: Pool, args: argparse.Namespace, model: str, objectives_type: Any, 
                         for s in samples],
             "services": [{"name": s.name, "template": s.template,
                           "p99_target_ms": round(s.p99_target_s * 1000, 3),
-                          "limit": dict(limits[s.name])} for s in services],
+                          "limit": dict(requests[s.name].sharing_limits),
+                          "weight": dict(requests[s.name].sharing_weights)} for s in services],
             "policies": rows}
 
 

@@ -141,7 +141,7 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
         for grant in grants:
             gpus.append(AssignedGpu(grant.gpu_uuid, index[grant.gpu_uuid], grant.memory_mib,
                                     grant.cores_pct, grant.mig_instance, container.container,
-                                    grant.sharing_limit))
+                                    grant.sharing_limit, grant.sharing_weight))
     isolation = demand.containers[0].request.isolation if demand.containers else None
     return Assignment(node.name, tuple(gpus), isolation)
 
@@ -341,7 +341,8 @@ class Extender:
         ((container, asked),) = [(c.container, c.request) for c in demand.containers]
         request = replace(asked, isolation=known.isolation, models=known.models,
                           mig_slices=known.mig_slices, objectives=known.objectives,
-                          sharing_limits=known.sharing_limits)
+                          sharing_limits=known.sharing_limits,
+                          sharing_weights=known.sharing_weights)
         return replace(demand, containers=(ContainerDemand(container, request),))
 
     def _policy(self, demand: PodDemand) -> str:

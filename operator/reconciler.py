@@ -785,7 +785,8 @@ def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
         index = {g.uuid: g.index for g in inventory.gpus} if inventory else {}
         out.append(Assignment(worker.node, tuple(
             AssignedGpu(g.gpu_uuid, index.get(g.gpu_uuid, 0), g.memory_mib, g.cores_pct,
-                        g.mig_instance, container, borrowed=g.borrowed)
+                        g.mig_instance, container, g.sharing_limit, g.sharing_weight,
+                        borrowed=g.borrowed)
             for g in worker.grants),
             job.request.isolation))
     return out

@@ -15,7 +15,8 @@ spec (immutable), so the device plugin, the operator and the reports read it fro
 Carpool wrote rather than from the pod's own annotations; it is left out of assignments made
 before it was recorded (readers then fall back to the node's mode). `migInstance`,
 `container` and `sharingLimit` (the most jobs the pod's job lets its GPU carry,
-`core.interference`) are left out when empty; `cores` defaults to 0; keys this version does not know
+`core.interference`) are left out when empty, `sharingWeight` (how heavy a sharer the job is,
+thousandths) when whole (1000); `cores` defaults to 0; keys this version does not know
 are ignored (a newer extender may add some).
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from carpool.core.annotations import load_annotation_json
 from carpool.core.names import ANN_ASSIGNMENT
-from carpool.core.resources import GpuGrant, Isolation
+from carpool.core.resources import WHOLE_SHARER, GpuGrant, Isolation
 
 # How long a bound pod counts as "in flight" (assigned, not yet handed over by the device
 # plugin, not running) when nothing else ends it. The extender keeps a second pod with the same
@@ -55,6 +56,7 @@ class AssignedGpu:
     mig_instance: str = ""
     container: str = ""
     sharing_limit: int = 0  # the most jobs the holder lets this GPU carry (0: no limit)
+    sharing_weight: int = WHOLE_SHARER  # how heavy a sharer the holder is (core.interference)
     borrowed: bool = False  # in capacity another job lent (core.lending)
 
 
@@ -76,7 +78,8 @@ class Assignment:
             return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
                          for g in self.gpus)
         return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance,
-                              sharing_limit=g.sharing_limit, borrowed=g.borrowed)
+                              sharing_limit=g.sharing_limit, sharing_weight=g.sharing_weight,
+                              borrowed=g.borrowed)
                      for g in self.gpus)
 
 
@@ -99,6 +102,8 @@ def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
         entry["container"] = gpu.container
     if gpu.sharing_limit:
         entry["sharingLimit"] = gpu.sharing_limit
+    if gpu.sharing_weight != WHOLE_SHARER:
+        entry["sharingWeight"] = gpu.sharing_weight
     if gpu.borrowed:
         entry["borrowed"] = True
     return entry
@@ -148,7 +153,16 @@ def _gpu(raw: object, where: str) -> AssignedGpu:
                        mig_instance=_text(raw, "migInstance", where),
                        container=_text(raw, "container", where),
                        sharing_limit=_count(raw, "sharingLimit", where, 0),
+                       sharing_weight=_weight(raw, where),
                        borrowed=_flag(raw, "borrowed", where))
+
+
+def _weight(raw: Mapping[str, object], where: str) -> int:
+    value = _count(raw, "sharingWeight", where, WHOLE_SHARER)
+    if not 1 <= value <= WHOLE_SHARER:
+        raise AssignmentError(f"{where}: sharingWeight must be between 1 and {WHOLE_SHARER}, "
+                              f"got {value}")
+    return value
 
 
 def _count(raw: Mapping[str, object], key: str, where: str, default: int | None = None) -> int:

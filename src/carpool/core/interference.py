@@ -16,9 +16,15 @@ From a profile it takes each job's sharing limit, the most jobs its GPU may carr
   still climbs at the highest degree measured, so Carpool goes on to measure the next).
 
 A template with measures at fewer than two degrees has no profile, and its jobs no limit:
-placement is then what it is without this module. The limit counts jobs, whatever they run:
-a GPU takes one more job only while that job's limit and the limit of every job already there
-allow it (`placement.gpu_rejection`).
+placement is then what it is without this module.
+
+A limit is measured in the company of copies of the job's own template; company lighter than
+that presses on the GPU less. So each job also gets a sharing weight: the share of its GPU's
+throughput it takes running alone (its throughput alone against the most its template's jobs
+together got from one GPU, in thousandths, at least MIN_WEIGHT), 1000 (`WHOLE_SHARER`) for a
+template with no profile. A GPU takes one more job only while that job's limit and the limit
+of every job already there allow it, each job counting its lighter neighbours in proportion to
+their weight and the others as one job each (`placement.sharing_rejection`).
 
 Everything here is pure.
 """
@@ -35,7 +41,7 @@ from typing import Any
 from carpool.core import service_levels
 from carpool.core.decoding import first_image
 from carpool.core.jobs import Job, job_template
-from carpool.core.resources import GpuRequest, Objectives
+from carpool.core.resources import WHOLE_SHARER, GpuRequest, Objectives
 
 KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total throughput
 MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
@@ -46,6 +52,7 @@ EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be 
 TAIL_QUANTILE = 0.9
 # Reports are noisy: a degree keeps a P99 objective only with its P99 this far under the target.
 P99_HEADROOM = 0.9
+MIN_WEIGHT = 50  # a sharing weight's floor (thousandths): no job is free company
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,14 @@ class Profile:
     def alone(self) -> float:
         """Throughput running alone (degree 1, measured or read along the curve)."""
         return self.throughput_at(1)
+
+    def weight(self) -> int:
+        """How heavy a sharer a job of this template is, in thousandths: its throughput alone
+        against the most the measured degrees' jobs got together (at least MIN_WEIGHT)."""
+        most = max(max(p.total for p in self.points), self.alone())
+        if most <= 0:
+            return WHOLE_SHARER
+        return max(MIN_WEIGHT, min(WHOLE_SHARER, round(WHOLE_SHARER * self.alone() / most)))
 
     def knee(self) -> int | None:
         """The first measured degree after which one more job adds less than KNEE_GAIN of
@@ -185,6 +200,13 @@ class Profiles:
                 out.append((model, limit))
         return tuple(out)
 
+    def weights(self, template: str) -> tuple[tuple[str, int], ...]:
+        """A job's sharing weight per GPU model its template has a profile on, model order
+        (`GpuRequest.sharing_weights`); a model not listed: WHOLE_SHARER."""
+        return tuple((model, profile.weight())
+                     for (model, name), profile in sorted(self.by_key.items())
+                     if name == template)
+
 
 NO_PROFILES = Profiles({})
 
@@ -240,11 +262,18 @@ def learn_from_gpujobs(gpujobs: Iterable[Mapping[str, Any]]) -> Profiles:
 
 
 def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuRequest:
-    """`request` with its sharing limits from `profiles` (the same request, unchanged, where
-    its template has none: placement is then exactly what it is without profiles)."""
-    limits = profiles.limits(template, request.objectives) if profiles.by_key else ()
-    return request if limits == request.sharing_limits else replace(request,
-                                                                   sharing_limits=limits)
+    """`request` with its sharing limits and weights from `profiles` (the same request,
+    unchanged, where its template has none: placement is then exactly what it is without
+    profiles)."""
+    if not profiles.by_key:
+        limits: tuple[tuple[str, int], ...] = ()
+        weights: tuple[tuple[str, int], ...] = ()
+    else:
+        limits = profiles.limits(template, request.objectives)
+        weights = profiles.weights(template)
+    if limits == request.sharing_limits and weights == request.sharing_weights:
+        return request
+    return replace(request, sharing_limits=limits, sharing_weights=weights)
 
 
 def with_limits(jobs: Iterable[Job], profiles: Profiles) -> list[Job]:

@@ -16,7 +16,7 @@ from typing import Any
 from carpool.core.checkpointing import resume_point
 from carpool.core.lifecycle import history_gpu_hours, job_conditions
 from carpool.core.queueing import DUE_NOTE, Admission, Expiry, Preemption, ProjectStatus, Wait
-from carpool.core.resources import GpuGrant, NodeInventory, Phase
+from carpool.core.resources import WHOLE_SHARER, GpuGrant, NodeInventory, Phase
 from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
 Obj = dict[str, Any]
@@ -137,6 +137,8 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
             entry.update(index=gpu.index, model=gpu.model)
         if grant.sharing_limit:
             entry["sharingLimit"] = grant.sharing_limit
+        if grant.sharing_weight != WHOLE_SHARER:
+            entry["sharingWeight"] = grant.sharing_weight
         if grant.borrowed:
             entry["borrowed"] = True
         out.append(entry)

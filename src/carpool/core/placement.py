@@ -26,6 +26,8 @@ class GpuFree:
     grants: int
     free_mig: tuple[str, ...]  # unused MIG instance UUIDs
     sharing_limit: int = 0  # the smallest limit of the jobs on it (0: none has one)
+    # each job on it as (its sharing limit, 0: none; its sharing weight), for `sharing_rejection`
+    sharers: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class NodeState:
                     grants=sum(1 for g in held if not g.lent),  # jobs on it (core.lending)
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
                     sharing_limit=_sharing_limit(held) if held else 0,
+                    sharers=tuple((g.sharing_limit, g.sharing_weight)
+                                  for g in held if not g.lent),
                 )
             )
         return out
@@ -151,18 +155,46 @@ SHARING_WOULD_BREAK = "sharing it by"  # how every sharing rejection reads (`why
 def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     """Why one more job on this GPU would break an objective or pass the knee of the
     throughput curve (`core.interference`): the request's own limit for the GPU's model, or
-    the smallest limit of the jobs already there; None if both allow it."""
+    the limit of a job already there; None if every limit allows it.
+
+    A limit was measured with company as heavy as the job itself (copies of its template), so
+    a job counts each lighter neighbour in proportion to its weight and each as heavy or
+    heavier as one whole job (`counted_sharers`): a heavy service keeps its measured limit
+    while light neighbours fill the GPU, and a light one is never judged more leniently than
+    by counting jobs."""
+    model = free.gpu.model
     degree = free.grants + 1
-    own = request.sharing_limit(free.gpu.model)
-    if own and degree > own:
+    own = request.sharing_limit(model)
+    weight = request.sharing_weight(model)
+    weights = [w for _, w in free.sharers]
+    if own and not _within(own, weight, weights):
         return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
-                f"{degree} would break this job's objective (its profile on "
-                f"{free.gpu.model} allows {own})")
-    if free.sharing_limit and degree > free.sharing_limit:
-        return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
-                f"{degree} would break the objective of a job there (its profile allows "
-                f"{free.sharing_limit})")
+                f"{degree} would break this job's objective (its profile on {model} allows "
+                f"{own}{_as_counted(weight, weights)})")
+    for n, (limit, held) in enumerate(free.sharers):
+        others = [*weights[:n], *weights[n + 1:], weight]
+        if limit and not _within(limit, held, others):
+            return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
+                    f"{degree} would break the objective of a job there (its profile allows "
+                    f"{limit}{_as_counted(held, others)})")
     return None
+
+
+def counted_sharers(weight: int, others: list[int]) -> float:
+    """How many jobs a GPU carries as a job of `weight` counts them: itself, each neighbour at
+    least as heavy as one, each lighter one as the share of its weight."""
+    return 1 + sum(min(weight, w) for w in others) / max(1, weight)
+
+
+def _within(limit: int, weight: int, others: list[int]) -> bool:
+    """`counted_sharers(weight, others) <= limit`, in whole numbers."""
+    return sum(min(weight, w) for w in others) <= (limit - 1) * weight
+
+
+def _as_counted(weight: int, others: list[int]) -> str:
+    """What the count comes to where lighter neighbours count in part (else nothing)."""
+    counted = counted_sharers(weight, others)
+    return "" if counted == len(others) + 1 else f"; counting lighter jobs in part: {counted:.2f}"
 
 
 def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
@@ -222,4 +254,5 @@ def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
         chosen = fitting[0]
         return GpuGrant(gpu.uuid, chosen.memory_mib, 0, mig_instance=chosen.uuid)
     return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct,
-                    sharing_limit=request.sharing_limit(gpu.model))
+                    sharing_limit=request.sharing_limit(gpu.model),
+                    sharing_weight=request.sharing_weight(gpu.model))

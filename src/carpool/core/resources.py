@@ -70,6 +70,9 @@ class Phase(enum.Enum):
 
 
 MIG_SLICES_PER_GPU = 7
+# A sharer's weight (thousandths) when it is as heavy as any: the weight of a job whose template
+# has no interference profile, and the most any job weighs (`core.interference`).
+WHOLE_SHARER = 1000
 
 
 def mps_ceiling_mib(memory_total_mib: int, ceiling_pct: int) -> int:
@@ -110,6 +113,9 @@ class GpuRequest:
     # the most jobs a GPU of each model may carry with this one on it (itself included), from
     # its template's interference profile (`core.interference`); a model not listed: no limit
     sharing_limits: tuple[tuple[str, int], ...] = ()
+    # how heavy a sharer it is on a GPU of each model, in thousandths of the heaviest
+    # (`core.interference`); a model not listed: WHOLE_SHARER
+    sharing_weights: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -128,6 +134,13 @@ class GpuRequest:
             if name == model:
                 return limit
         return 0
+
+    def sharing_weight(self, model: str) -> int:
+        """How heavy a sharer of a GPU of `model` this job is (WHOLE_SHARER: as heavy as any)."""
+        for name, weight in self.sharing_weights:
+            if name == model:
+                return weight
+        return WHOLE_SHARER
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,7 @@ class GpuGrant:
     exclusive: bool = False
     mig_instance: str = ""  # MIG instance UUID when isolation is MIG
     sharing_limit: int = 0  # the most jobs the holder lets its GPU carry (0: no limit)
+    sharing_weight: int = WHOLE_SHARER  # how heavy a sharer it is (`GpuRequest.sharing_weights`)
     # lending (core.lending): `lent` marks the part of an owner's grant it has left unused,
     # which borrowers may use; `borrowed` marks a borrower's grant sitting in such a part
     lent: bool = False

@@ -28,7 +28,8 @@ names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_si
                 max_size=20)
 counts = st.integers(min_value=0, max_value=2**40)
 gpus = st.builds(AssignedGpu, uuid=names, index=counts, memory_mib=counts, cores_pct=counts,
-                 mig_instance=st.just("") | names, container=st.just("") | names)
+                 mig_instance=st.just("") | names, container=st.just("") | names,
+                 sharing_limit=st.integers(0, 16), sharing_weight=st.integers(1, 1000))
 assignments = st.builds(Assignment, node=names, gpus=st.lists(gpus, min_size=1, max_size=8)
                         .map(tuple))
 
@@ -42,6 +43,7 @@ def test_what_the_extender_writes_reads_back_the_same(assignment: Assignment) ->
 def test_empty_optional_fields_are_left_out(assignment: Assignment) -> None:
     for entry in json.loads(encode_assignment(assignment))["gpus"]:
         assert entry.get("migInstance", "x") and entry.get("container", "x")
+        assert entry.get("sharingLimit", 1) and entry.get("sharingWeight", 1) != 1000
 
 
 def test_the_written_form_is_compact_and_stable() -> None:
@@ -77,6 +79,10 @@ def test_cores_default_to_zero_and_unknown_keys_are_ignored() -> None:
      "migInstance must be a string"),
     ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "container": null}]}',
      "container must be a string"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingWeight": 0}]}',
+     "sharingWeight must be between 1 and 1000, got 0"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingWeight": 1.5}]}',
+     "sharingWeight must be a non-negative integer"),
     ("[" * 100 + "]" * 100, "nests deeper"),
     ('{"node": "' + "n" * 70_000 + '"}', "bytes, more than"),
 ])

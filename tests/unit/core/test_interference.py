@@ -98,6 +98,48 @@ def test_placement_keeps_a_gpu_within_its_jobs_and_the_newcomers_limits() -> Non
                                       RequestScorer(free, Scorer())), NoFit)
 
 
+def test_a_sharing_weight_is_the_share_of_the_gpu_a_job_takes_alone() -> None:
+    profiles = inf.learn([*samples(RESNET), *samples({1: (50.0, 0.02), 2: (25.0, 0.04)},
+                                                      template="saturating")])
+    resnet, saturating = profiles.get("H200", "resnet"), profiles.get("H200", "saturating")
+    assert resnet is not None and saturating is not None
+    assert resnet.weight() == 454  # 227 alone of the 500 its jobs got together at most
+    assert saturating.weight() == 1000  # sharing adds nothing: it takes the whole GPU alone
+    light = inf.learn(samples({1: (10.0, 0.01), 2: (10.0, 0.01), 3: (10.0, 0.01)},
+                              template="light")).get("H200", "light")
+    assert light is not None and light.weight() == 333
+    request = GpuRequest(1, GIB, 25, objectives=Objectives(0.010))
+    weighed = inf.limited(request, "resnet", profiles)
+    assert weighed.sharing_weights == (("H200", 454),) and weighed.sharing_weight("A100") == 1000
+    assert grant_for(h200().free()[0], weighed).sharing_weight == 454
+
+
+def test_a_job_counts_lighter_neighbours_in_part_and_heavier_ones_whole() -> None:
+    heavy = GpuRequest(1, GIB, 0, sharing_limits=(("H200", 2),), sharing_weights=(("H200", 1000),))
+    light = GpuRequest(1, GIB, 0, sharing_limits=(("H200", 6),), sharing_weights=(("H200", 250),))
+    heavy_held, light_held = (grant_for(h200().free()[0], r) for r in (heavy, light))
+    # the heavy service's limit of 2 was measured with a copy of itself: four light
+    # neighbours press on it as much as that one (1 + 4 x 0.25 = 2), a fifth is too many
+    assert gpu_rejection(h200(heavy_held, *[light_held] * 3).free()[0], light) is None
+    why = gpu_rejection(h200(heavy_held, *[light_held] * 4).free()[0], light)
+    assert why is not None and "objective of a job there" in why
+    assert "counting lighter jobs in part: 2.25" in why
+    assert gpu_rejection(h200(*[light_held] * 4).free()[0], heavy) is None
+    why = gpu_rejection(h200(*[light_held] * 5).free()[0], heavy)
+    assert why is not None and "this job's objective" in why
+    # a light job counts every neighbour as heavy as itself or heavier as one whole job, as
+    # without weights: never more company than its limit in jobs
+    light3 = replace(light, sharing_limits=(("H200", 3),))
+    unprofiled = GpuGrant("g0", GIB, 0)  # weighs WHOLE_SHARER
+    assert gpu_rejection(h200(unprofiled, unprofiled).free()[0], light3) is None
+    why = gpu_rejection(h200(*[unprofiled] * 3).free()[0], light3)
+    assert why is not None and "sharing it by 4 would break this job's objective" in why
+    assert "counting lighter jobs in part" not in why
+    # with weights alike, the count is the count of jobs
+    assert gpu_rejection(h200(heavy_held).free()[0], heavy) is None
+    assert gpu_rejection(h200(heavy_held, heavy_held).free()[0], heavy) is not None
+
+
 def test_a_job_blocked_only_by_sharing_waits_with_its_own_reason() -> None:
     node = h200()
     limit = (("H200", 2),)
