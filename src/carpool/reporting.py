@@ -660,9 +660,12 @@ def _sharing_findings(job: Obj, request: GpuRequest, reason: str, jobs: Iterable
     text = (f"objectives: {', '.join(promised)}" if promised else "no objectives of its own")
     if jobs is not None:
         template = job_template(str(_meta(job).get("name", "")), first_image(_spec(job)))
-        limits = interference.learn_from_gpujobs(jobs).limits(template, objectives)
+        profiles = interference.learn_from_gpujobs(jobs)
+        limits = profiles.limits(template, objectives)
+        weights = dict(profiles.weights(template))
         text += ("; its template's profiles allow "
-                 + ", ".join(f"{n} job(s) per {model}" for model, n in limits) if limits
+                 + ", ".join(f"{n} job(s) per {model} (weighing {weights[model] / 1000:.2f} "
+                             f"as a sharer)" for model, n in limits) if limits
                  else "; its template has no interference profile yet (no limit from it)")
     if blocking:
         text += ("; every GPU with room already runs as many jobs as its objective, or the "
