@@ -7,8 +7,8 @@ this node's GPU model, at sharing degrees 1, 2 and 3 (seeded as the node agent r
 submits, with `kubectl --as`, jobs of that template promising a P99 under 10 ms: the profile
 allows two on a GPU. The first two run on the node's one GPU (the extender records the limit
 and the job's weight as a sharer in their assignment); the third, and a job without objectives
-of a template with no profile, find the GPU with room by memory and cores, but wait with reason SharingWouldBreakObjective, and
-`kubectl carpool why` says so.
+of a template with no profile, find the GPU with room by memory and cores, but wait with reason
+SharingWouldBreakObjective, and `kubectl carpool why` says so.
 """
 
 from __future__ import annotations
