@@ -1,17 +1,21 @@
-"""Unused GPU capacity put to work, in the queue replay: lending and right-sizing on and off,
-side by side on the same traces.
+"""Unused GPU capacity put to work, in the queue replay: lending, right-sizing and the
+idle-session stop on and off, side by side on the same traces.
 
-Jobs use less than they ask (`carpool.replay.usage_traces`: peaks drawn per template from a
-Beta fitted to a published over-request figure, some rising late). For each trace, Carpool
-replays it four ways in one batch (settings alternated across traces, so drift on a shared
-machine falls on all of them): as asked (`--over-requests`: measured, nothing acts on it),
-`--lending`, `--right-sizing`, and both. Printed per trace and setting: work done while the
-trace arrives (GPU-hours of progress by the requests' shares, up to the last arrival), the
-owners' (non-preemptible jobs') P50 and P99 waits, GPU-hours run in lent capacity, owner
-reclaims and the P99 time from an owner's rise to its borrower gone, right-sized runs the
-watchdog ended; and each setting's work against "as asked".
+Jobs use less than they ask and interactive sessions go idle (`carpool.replay.usage_traces`:
+peaks drawn per template from a Beta fitted to a published over-request figure, some rising
+late; sessions active for the first part of their run). For each trace, Carpool replays it
+four ways in one batch (settings alternated across traces, so drift on a shared machine
+falls on all of them): as asked (`--over-requests`: measured, nothing acts on it); lending
+from shared grants and right-sizing (`--lending --right-sizing`); the same with whole-GPU
+owners lending too (`--lend-whole-gpus`); and all of that with idle sessions stopped
+(`--idle-timeout`). Printed per trace and setting: work done while the trace arrives
+(GPU-hours of progress by the requests' shares, up to the last arrival; an idle session does
+none), the owners' (non-preemptible jobs') P50 and P99 waits, GPU-hours run in lent capacity,
+owner reclaims and the P99 time from an owner's rise to its borrower gone, right-sized runs
+the watchdog ended, sessions stopped as idle; and each setting's work against "as asked".
 
     .venv/bin/python bench/idle_capacity.py [--jobs-per-trace 500] [--load 2.0] [--seeds 7,8]
+        [--idle-timeout 30m]
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ import time
 from pathlib import Path
 
 from carpool.cli.simulator import QueueRun, replay_policies, scaled_nodes
+from carpool.core.durations import parse_duration
 from carpool.replay import job_traces, queue_replay
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces/openb/openb_pod_list_default.csv"
 NODES = ROOT / "traces/openb/openb_node_list_gpu_node.csv"
-SETTINGS = {"as asked": (True, False, False), "lending": (True, True, False),
-            "right-sizing": (True, False, True), "both": (True, True, True)}
+# (lending, right-sizing, whole GPUs lend, idle sessions stopped)
+SETTINGS = {"as asked": (False, False, False, False),
+            "lend shared + right-size": (True, True, False, False),
+            "+ whole GPUs lend": (True, True, True, False),
+            "+ idle sessions stopped": (True, True, True, True)}
 
 
 def main() -> int:
@@ -40,6 +48,8 @@ def main() -> int:
     parser.add_argument("--seeds", default="7,8", help="generated traces' seeds (7,8)")
     parser.add_argument("--scale", type=float, default=0.006)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--idle-timeout", type=parse_duration, default="30m",
+                        help="the idle-session timeout of the last setting (30m)")
     args = parser.parse_args()
     nodes_csv, shapes = NODES.read_text(), job_traces.parse_trace(TRACE.read_text()).rows
     capacity = queue_replay.capacity_gpus(scaled_nodes(nodes_csv, args.scale))
@@ -50,10 +60,11 @@ def main() -> int:
         names = list(SETTINGS)
         names = names[turn % len(names):] + names[:turn % len(names)]  # alternate the order
         for name in names:
-            over, lending, right = SETTINGS[name]
-            runs.append((seed, name, QueueRun(nodes_csv, trace, args.scale, seed, 4, "carpool",
-                                              None, over_requests=over, lending=lending,
-                                              right_sizing=right)))
+            lending, right, whole, stop = SETTINGS[name]
+            runs.append((seed, name, QueueRun(
+                nodes_csv, trace, args.scale, seed, 4, "carpool", None, over_requests=True,
+                lending=lending, right_sizing=right, lend_whole_gpus=whole,
+                idle_timeout_s=args.idle_timeout if stop else 0.0)))
     started = time.perf_counter()
     done = 0
 
@@ -70,8 +81,8 @@ def main() -> int:
     print(f"{args.jobs_per_trace} generated jobs per trace, load {args.load} as asked, "
           f"{capacity} GPUs (--scale {args.scale})")
     print("| trace | setting | work GPU-h | vs as asked | owner P50 wait | owner P99 wait | "
-          "lent GPU-h | reclaims | reclaim P99 | outgrown |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "lent GPU-h | reclaims | reclaim P99 | outgrown | idle stopped |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     gains: dict[str, list[float]] = {}
     for seed, settings in sorted(by_trace.items()):
         base = float(settings["as asked"]["work_gpu_hours_by_last_arrival"])  # type: ignore[arg-type]
@@ -82,7 +93,8 @@ def main() -> int:
             print(f"| seed {seed} | {name} | {work:.1f} | {work / base:.2f}x | "
                   f"{_secs(s['owner_wait_p50_s'])} | {_secs(s['owner_wait_p99_s'])} | "
                   f"{float(s['lent_gpu_hours']):.1f} | {s['owner_reclaims']} | "  # type: ignore[arg-type]
-                  f"{_secs(s['owner_reclaim_p99_s'])} | {s['right_sized_runs_outgrown']} |")
+                  f"{_secs(s['owner_reclaim_p99_s'])} | {s['right_sized_runs_outgrown']} | "
+                  f"{s['idle_sessions_stopped']} |")
     for name, ratios in gains.items():
         print(f"{name}: work vs as asked, median {statistics.median(ratios):.2f}x "
               f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")

@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lending", action="store_true",
                         help="count owners' unused GPU memory as lent and bind the pods the "
                              "operator places there (the operator's CARPOOL_LENDING)")
+    parser.add_argument("--lending-whole-gpus", action="store_true",
+                        help="with --lending, whole-GPU (exclusive) owners lend too (the "
+                             "operator's CARPOOL_LENDING_WHOLE_GPUS)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -83,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({args.kubeconfig or 'in-cluster'}): {exc}", file=sys.stderr)
         return 2
     tune_interpreter()
-    cache = ClusterCache(LendingPolicy() if args.lending else None)
+    cache = ClusterCache(LendingPolicy(whole_gpus=args.lending_whole_gpus)
+                         if args.lending else None)
     start_informers(api, cache)
     extender = Extender(cache, KubeCluster(api), settings)
     ssl_context = None

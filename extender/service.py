@@ -27,7 +27,7 @@ from carpool.core.assignment import (
     encode_assignment,
     parse_assignment,
 )
-from carpool.core.ownership import grant_mismatch, unowned_refusal
+from carpool.core.ownership import calibrated_mismatch, grant_mismatch, unowned_refusal
 from carpool.core.placement import NodeState
 from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import CARPOOL, ScoringPolicy
@@ -335,6 +335,8 @@ class Extender:
         for shape in self.cache.job_shapes(demand.namespace, demand.owner):
             if problem and not grant_mismatch(shape, asked_for):  # a gang worker's shape
                 known, problem = shape, ""
+        if problem and not calibrated_mismatch(known, asked_for, demand.planned):
+            problem = ""  # placed by its calibrated size (core.right_sizing)
         if problem:
             return Mismatch(f"pod {demand.key} {problem}; not placed (Carpool places a job's "
                             f"pod only as its GpuJob asks)")
@@ -357,8 +359,11 @@ class Extender:
         if planned is None:
             return self._filter(args)
         borrowing = any(g.borrowed for g in planned.gpus)
+        annotations = (args.pod.get("metadata") or {}).get("annotations") or {}
         what = ("it runs in capacity lent there" if borrowing
-                else "a gang worker; its gang was placed with it")
+                else "a gang worker; its gang was placed with it"
+                if names.ANN_GANG in annotations
+                else "the operator placed it there by its calibrated size")
         elsewhere = {n: f"carpool: {what} on {planned.node}"
                      for n in args.node_names if n != planned.node}
         if planned.node not in args.node_names:

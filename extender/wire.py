@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from carpool.core import names
+from carpool.core.assignment import Assignment, AssignmentError, parse_assignment
 from carpool.core.ownership import Owner, gpujob_owner
 from carpool.core.quantities import quantity_mib, quantity_milli
 from carpool.core.resources import GpuRequest, Isolation
@@ -60,6 +61,9 @@ class PodDemand:
     cpu_milli: int = 0  # the pod's CPU request (see `pod_requests`)
     memory_mib: int = 0  # the pod's memory request
     owner: Owner | None = None  # the GpuJob controlling the pod (core.ownership)
+    # the node and GPUs the operator's admission chose (names.ANN_PLANNED; None: none, or
+    # not readable)
+    planned: Assignment | None = None
 
     @property
     def key(self) -> str:
@@ -340,7 +344,17 @@ def decode_pod(pod: Mapping[str, Any]) -> PodDemand:
         cpu_milli=cpu_milli,
         memory_mib=memory_mib,
         owner=gpujob_owner(_owner_references(meta)),
+        planned=_planned(annotations.get(names.ANN_PLANNED)),
     )
+
+
+def _planned(text: object) -> Assignment | None:
+    if not text:
+        return None
+    try:
+        return parse_assignment(str(text))
+    except AssignmentError:
+        return None
 
 
 def _owner_references(meta: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from carpool.core import interference, job_status, lending, names
+from carpool.core import interference, job_status, lending, names, right_sizing
 from carpool.core.accounting import forget_gone, retire_deleted, retire_runs
 from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
 from carpool.core.decoding import (
@@ -128,7 +128,8 @@ class ReconcilerConfig:
             arrival_window_s=settings.arrival_window_s,
             keep_promises=settings.keep_promises,
             lending=(lending.LendingPolicy(settings.lending_observed_s,
-                                           reclaim_within_s=settings.lending_reclaim_within_s)
+                                           reclaim_within_s=settings.lending_reclaim_within_s,
+                                           whole_gpus=settings.lending_whole_gpus)
                      if settings.lending else None),
         ), write_workers=settings.write_workers,
             wait_refresh_s=settings.wait_refresh_s,
@@ -273,6 +274,8 @@ class Reconciler:
         policy = self.config.admission.lending
         if policy is not None:  # what each running job may lend, from its measured peak
             jobs = lending.with_lendable(jobs, policy, state.now)
+        # waiting preemptible jobs placed by their calibrated size, where their project says
+        jobs = right_sizing.with_calibrated(jobs, state.quotas)
         snapshot = ClusterSnapshot(now=state.now, jobs=tuple(jobs), quotas=state.quotas,
                                    nodes=nodes, retired=state.retired, learned=learned,
                                    start_misses=misses)
@@ -630,8 +633,10 @@ class Reconciler:
                                                    _planned(admission, obj, job, state))]
                 self.kube.ensure_service(build_gang_service(obj))
             else:
-                pod = build_pod(obj, job.request, admission.attempt)
-                if any(g.borrowed for g in admission.grants):  # lent capacity: these GPUs
+                request = right_sizing.pod_request(job.request, admission.grants)
+                pod = build_pod(obj, request, admission.attempt)
+                if request != job.request or any(g.borrowed for g in admission.grants):
+                    # placed by its calibrated size, or in lent capacity: these GPUs
                     pod["metadata"]["annotations"][names.ANN_PLANNED] = encode_assignment(
                         _planned(admission, obj, job, state)[0])
                 pods = [apply_platform_settings(pod, job.request.isolation,

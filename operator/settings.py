@@ -86,6 +86,10 @@ class OperatorSettings:
         "CARPOOL_LENDING_RECLAIM_WITHIN_S", 30.0,
         "longest checkpoint grace of a job that may borrow: how long an owner waits for its "
         "lent memory")
+    lending_whole_gpus: bool = setting(
+        "CARPOOL_LENDING_WHOLE_GPUS", False,
+        "whole-GPU (exclusive) owners lend their unused memory too; their borrowers share the "
+        "GPU's SM time (lending.wholeGpus; true or false); the extender must be told the same")
     mps_client_uid: int | None = setting(
         "CARPOOL_MPS_CLIENT_UID", None,
         "user every MPS job's containers run as (mpsDaemon.clientUid; above 0; empty: the "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from carpool.core.durations import format_duration_roughly
+from carpool.core.durations import format_duration_roughly, parse_duration
 from carpool.core.lending import LendingPolicy
 from carpool.core.placement import NodeState
 from carpool.core.queueing import AdmissionConfig, extender_placer
@@ -62,15 +62,18 @@ class QueueRun:
     over_requests: bool = False  # jobs use less than they ask (replay.usage_traces)
     lending: bool = False  # Carpool lends unused grants (core.lending)
     right_sizing: bool = False  # Carpool places preemptible jobs by calibrated size
+    idle_timeout_s: float = 0.0  # every project's idleSessions.timeout (0: none)
+    lend_whole_gpus: bool = False  # whole-GPU owners lend too (LendingPolicy.whole_gpus)
 
     @property
     def idle(self) -> queue_replay.IdleCapacity | None:
-        if not (self.over_requests or self.lending or self.right_sizing):
+        if not (self.over_requests or self.lending or self.right_sizing or self.idle_timeout_s):
             return None
         carpool = self.policy == "carpool"
         return queue_replay.IdleCapacity(
-            self.seed, LendingPolicy() if self.lending and carpool else None,
-            self.right_sizing and carpool)
+            self.seed, LendingPolicy(whole_gpus=self.lend_whole_gpus)
+            if self.lending and carpool else None,
+            self.right_sizing and carpool, self.idle_timeout_s if carpool else 0.0)
 
 
 def queue_policy(name: str, arrival_window_s: float = 3600.0,
@@ -181,6 +184,13 @@ _positive_seconds = _number_where(lambda v: v > 0, "must be more than 0")
 _seconds = _number_where(lambda v: v >= 0, "must be at least 0")
 
 
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def positive(text: str) -> int:
     try:
         value = int(text)
@@ -253,6 +263,13 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
     queue.add_argument("--right-sizing", action="store_true",
                        help="Carpool places preemptible jobs by the peaks their template's "
                             "finished runs reached (implies --over-requests)")
+    queue.add_argument("--lend-whole-gpus", action="store_true",
+                       help="with --lending, whole-GPU (exclusive) owners lend too; their "
+                            "borrowers share the GPU's time (lending.wholeGpus)")
+    queue.add_argument("--idle-timeout", type=_duration, default=0.0, metavar="DURATION",
+                       help="Carpool stops interactive sessions idle this long, every "
+                            "project's idleSessions.timeout, e.g. 30m (implies "
+                            "--over-requests, which makes sessions go idle; default: never)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
                        help="table (default) or one JSON object per policy, one a line")
     queue.set_defaults(run=run_queue, prog=queue.prog)
@@ -357,7 +374,8 @@ def run_queue(args: argparse.Namespace) -> int:
                 raise InputError(f"cannot write {args.write_trace}: {error}") from None
         runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
                          args.limit, args.quotas, args.arrival_window, args.progress_share,
-                         args.over_requests, args.lending, args.right_sizing)
+                         args.over_requests, args.lending, args.right_sizing,
+                         args.idle_timeout, args.lend_whole_gpus)
                 for policy in args.policy]
         started = time.perf_counter()
         done = 0

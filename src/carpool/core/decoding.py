@@ -215,6 +215,7 @@ def job_from_object(obj: Mapping[str, Any], phase: Phase, attempts: int,
         runs=runs_from_history(history),
         peak_memory_mib=status.get("peakMemoryMiB"),
         last_gpu_activity=epoch_of(status.get("lastGpuActivity")),
+        calibration_outgrown=bool(status.get("calibrationOutgrown", False)),
         template=job_template(str(meta["name"]), first_image(spec)),
         first_estimated_start=epoch_of(status.get("firstEstimatedStart")),
         first_simulated_start=epoch_of(status.get("firstSimulatedStart")),
@@ -276,6 +277,7 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         weight=float(spec.get("weight", 1.0)),
         class_limits=class_limits_from_spec(spec),
         idle_session_timeout_s=_seconds(spec, "idleSessions.timeout", 0.0),
+        place_calibrated=bool((spec.get("rightSizing") or {}).get("placePreemptible", False)),
     )
 
 

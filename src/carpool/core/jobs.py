@@ -146,6 +146,9 @@ class Job:
     # None where its node's plugin does not measure that (core.queueing.idle_expiry)
     last_gpu_activity: float | None = None
     template: str = ""  # what it runs (image, or name without a trailing number): learning key
+    # a run placed by its calibrated size failed: it is placed as asked from now on
+    # (core.right_sizing.placement_request; status.calibrationOutgrown)
+    calibration_outgrown: bool = False
     # per GPU, the part of its grant it may lend (core.lending.lendable, from what was measured)
     lendable_mib: int = 0
     lendable_cores_pct: int = 0
@@ -266,6 +269,9 @@ class ProjectQuota:
     class_limits: tuple[ClassLimit, ...] = ()
     # an interactive job whose GPUs see no work this long is stopped (0: never)
     idle_session_timeout_s: float = 0.0
+    # its waiting preemptible jobs are placed by their template's calibrated size
+    # (core.right_sizing.placement_request; spec.rightSizing.placePreemptible)
+    place_calibrated: bool = False
 
     def __post_init__(self) -> None:
         if not self.weight > 0:

@@ -16,6 +16,12 @@ checkpoint grace is at most `reclaim_within_s`, the bound on how long the owner 
 When an owner ends, its borrowers stay: their grants then count as ordinary use of the
 GPU (`placement._held`).
 
+Whole GPUs (exclusive grants) lend only where `LendingPolicy.whole_gpus` says so. The owner
+then keeps its own context outside MPS (unfenced: it holds the whole GPU) and a borrower runs
+beside it as an MPS client with its own limits, so the GPU time-slices between the owner and
+the borrowers while both compute: the owner gives up exclusive use of the SMs, never memory.
+MIG instances never lend (their memory is a fixed partition).
+
 Billing: a borrower is billed by its own grant like any job; the owner by its grant, which
 it keeps. Pure: grants and measurements in, grants and stop lists out.
 """
@@ -40,6 +46,7 @@ class LendingPolicy:
     observed_s: float = 600.0  # an owner's peak is trusted after it ran this long
     headroom: float = 1.2  # the owner keeps its peak times this (memory in whole GiB)
     reclaim_within_s: float = 30.0  # borrowers must stop within this (their checkpoint grace)
+    whole_gpus: bool = False  # exclusive (whole-GPU) owners lend too; borrowers share SM time
 
     def __post_init__(self) -> None:
         if self.observed_s < 0:
@@ -61,10 +68,10 @@ def may_borrow(request: GpuRequest, preemptible: bool, checkpoint_grace_s: float
 def lendable(grant: GpuGrant, peak_memory_mib: int | None, peak_cores_pct: int | None,
              running_s: float, policy: LendingPolicy) -> tuple[int, int]:
     """(memory MiB, cores %) of an owner's grant on one GPU it may lend: what lies above its
-    measured peak times the headroom, once it ran `observed_s`; nothing for exclusive and
-    MIG grants, or where that was not measured (None)."""
-    if (running_s < policy.observed_s or grant.exclusive or grant.mig_instance
-            or grant.lent or grant.borrowed):
+    measured peak times the headroom, once it ran `observed_s`; nothing for MIG grants,
+    exclusive ones unless the policy lends whole GPUs, or where that was not measured (None)."""
+    if (running_s < policy.observed_s or (grant.exclusive and not policy.whole_gpus)
+            or grant.mig_instance or grant.lent or grant.borrowed):
         return 0, 0
     memory = cores = 0
     if peak_memory_mib is not None and grant.memory_mib > 0:
@@ -96,14 +103,15 @@ def with_lendable(jobs: Iterable[Job], policy: LendingPolicy, now: float) -> lis
 def split(grants: Sequence[GpuGrant], lent_memory_mib: int, lent_cores_pct: int
           ) -> tuple[GpuGrant, ...]:
     """An owner's grants with the lent part of each split off as a `lent` grant (the same
-    amounts per GPU); the grants themselves when nothing is lent."""
+    amounts per GPU); the grants themselves when nothing is lent. An exclusive owner's part
+    stays exclusive: to new owners the GPU is still taken (`borrower_view` opens it)."""
     if lent_memory_mib <= 0 and lent_cores_pct <= 0:
         return tuple(grants)
     out: list[GpuGrant] = []
     for g in grants:
         memory = min(lent_memory_mib, g.memory_mib)
         cores = min(lent_cores_pct, g.cores_pct)
-        if g.exclusive or g.mig_instance or g.borrowed or (memory <= 0 and cores <= 0):
+        if g.mig_instance or g.borrowed or (memory <= 0 and cores <= 0):
             out.append(g)
             continue
         out.append(replace(g, memory_mib=g.memory_mib - memory, cores_pct=g.cores_pct - cores))
@@ -112,10 +120,13 @@ def split(grants: Sequence[GpuGrant], lent_memory_mib: int, lent_cores_pct: int
 
 
 def borrower_view(state: NodeState) -> NodeState:
-    """The node as a borrower sees it: lent parts free, other borrowers' grants held. The
-    placement rules then fit a borrower exactly as they fit anyone (`as_borrowed` marks what
-    they grant)."""
-    grants = tuple(replace(g, borrowed=False) if g.borrowed else g
+    """The node as a borrower sees it: lent parts free, other borrowers' grants held, a
+    whole-GPU owner that lends no longer exclusive. The placement rules then fit a borrower
+    exactly as they fit anyone (`as_borrowed` marks what they grant)."""
+    lending_gpus = {g.gpu_uuid for g in state.grants if g.lent}
+    grants = tuple(replace(g, borrowed=False) if g.borrowed
+                   else replace(g, exclusive=False) if g.exclusive and g.gpu_uuid in lending_gpus
+                   else g
                    for g in state.grants if not g.lent)
     return NodeState(state.inventory, grants, state.cpu_used_milli, state.memory_used_mib)
 

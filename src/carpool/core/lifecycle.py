@@ -27,6 +27,7 @@ from carpool.core.assignment import (
 )
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.ownership import GpuLimits, Owner, PodIdentity
+from carpool.core.quantities import gib_ceil, quantity_mib
 from carpool.core.resources import GpuGrant, Isolation, Phase
 from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
@@ -83,6 +84,8 @@ class PodView:
 # goes back to the queue instead of failing, at most MAX_REQUEUES_AFTER_FAILURE times.
 NODE_REJECTIONS = frozenset({"UnexpectedAdmissionError", "TopologyAffinityError"})
 DISRUPTED = "Disrupted"  # the outcome recorded for a disrupted attempt
+# a run placed by its calibrated size (core.right_sizing) failed: requeued as asked
+OUTGREW_CALIBRATION = "OutgrewCalibration"
 MAX_REQUEUES_AFTER_FAILURE = 3
 
 
@@ -297,6 +300,20 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                                    attempts, now)
         if requeued is not None:
             return requeued
+    if (current.phase == "Failed" and preempting != attempts
+            and (sizes := placed_below_spec(job, current)) is not None):
+        if phase is Phase.QUEUED:  # requeued for it already; its failed pod stays
+            return Observation(Phase.QUEUED, attempts, {})
+        history = _record(history, current, fraction, now, OUTGREW_CALIBRATION)
+        message = (f"attempt {attempts} failed placed at {sizes[0]} GiB per GPU, its "
+                   f"template's calibrated size, below the {sizes[1]} GiB it asks for; "
+                   f"requeued as asked")
+        patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
+                 "gpuHours": round(history_gpu_hours(history, now), 6),
+                 "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
+                 "podAssignment": None, "calibrationOutgrown": True,
+                 "reason": OUTGREW_CALIBRATION, "message": message}
+        return Observation(Phase.QUEUED, attempts, patch, (("Warning", "Requeued", message),))
     if current.terminal and preempting != attempts:
         outcome = current.phase
         new_phase = Phase.SUCCEEDED if outcome == "Succeeded" else Phase.FAILED
@@ -342,6 +359,21 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
                        f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
     return Observation(new_phase, attempts, patch, tuple(events), current)
+
+
+def placed_below_spec(job: Obj, pod: PodView) -> tuple[int, int] | None:
+    """(GiB per GPU the pod was placed with, GiB its job's spec.gpu asks) where its limits
+    are below the spec: the operator placed it by its calibrated size (`core.right_sizing`);
+    None otherwise. Its MPS limit fenced it there, so a failure is taken to be outgrowing it."""
+    gpu = (job.get("spec") or {}).get("gpu") or {}
+    if str(gpu.get("isolation", Isolation.MPS.value)) != Isolation.MPS.value or not pod.limits:
+        return None
+    try:
+        asked = gib_ceil(quantity_mib(gpu.get("memory", 0)))
+    except ValueError:
+        return None
+    placed = pod.limits[0].memory_gib
+    return (placed, asked) if 0 < placed < asked else None
 
 
 def _requeue_failed(phase: Phase, history: list[Obj], pod: PodView, outcome: str,

@@ -164,6 +164,31 @@ def grant_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]]) -> st
     return ""
 
 
+def calibrated_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]],
+                        planned: Assignment | None) -> str:
+    """Why a pod that asks for less than its GpuJob's spec.gpu is not one the operator placed
+    by its template's calibrated size ("" when it is; `core.right_sizing`): one container,
+    an MPS job's count and isolation, GPU memory at most the spec's and exactly what the
+    operator's planned assignment grants on each GPU, the spec's cores. The limits are the
+    operator's (immutable once the pod exists); below the spec they only ever shrink the
+    pod's own fence."""
+    if planned is None:
+        return "no planned assignment of the operator's places it below its spec"
+    if job.isolation is not Isolation.MPS or len(pod) != 1:
+        return "only a one-container MPS job is placed by its calibrated size"
+    container, asked = pod[0]
+    memory_gib = asked.memory_mib // MIB_PER_GIB
+    if (asked.count != job.count or asked.isolation is not job.isolation
+            or asked.cores_pct != job.cores_pct or len(planned.gpus) != job.count
+            or not 0 < memory_gib < -(-job.memory_mib // MIB_PER_GIB)):
+        return (f"container {container!r} limits are not its spec.gpu's at a lower GPU memory")
+    if any(-(-g.memory_mib // MIB_PER_GIB) != memory_gib or g.cores_pct != asked.cores_pct
+           for g in planned.gpus):
+        return (f"container {container!r} limits carpool.dev/gpu-memory to {memory_gib}, "
+                f"which its planned assignment does not grant")
+    return ""
+
+
 @dataclass(frozen=True)
 class GpuLimits:
     """One container's carpool.dev/* limits (immutable once the pod exists)."""

@@ -6,16 +6,24 @@ back from everyone else. Per project and job template (`jobs.job_template`: its 
 name without a trailing number), once a few runs have finished, the advice is the runs' 90th
 percentile peak with a fifth more as headroom, in whole GiB, shown where it is below what the
 runs usually ask for.
+
+Where a ProjectQuota sets `spec.rightSizing.placePreemptible`, its waiting preemptible
+one-pod MPS jobs are placed by that size (`placement_request`): the pod is created with the
+calibrated limits and the operator's planned assignment, which the extender accepts below the
+spec (`ownership.placed_below_spec`). MPS fences the run at that size; a run so placed that
+fails is taken to have outgrown it (`lifecycle.observe`) and runs again as asked, never
+calibrated again.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from carpool.core.resources import GpuRequest, Isolation
+from carpool.core.jobs import Job, ProjectQuota
+from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
 
 MIN_SAMPLES = 3  # finished runs of a template before its peaks say anything
 PEAK_QUANTILE = 0.9
@@ -72,6 +80,52 @@ def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | Non
     if (memory, cores) == (request.memory_mib, request.cores_pct):
         return request
     return replace(request, memory_mib=memory, cores_pct=cores)
+
+
+def placement_request(job: Job, quota: ProjectQuota | None, memory_mib: int | None,
+                      cores_pct: int | None) -> GpuRequest:
+    """What a job is placed by: its calibrated size (`calibrated`, from the recommendations
+    given) where its project places preemptible jobs so, it is a waiting preemptible one-pod
+    job and no run of it outgrew that size; else what it asks."""
+    if (quota is None or not quota.place_calibrated or not job.preemptible or job.workers
+            or not job.waiting or job.calibration_outgrown):
+        return job.request
+    return calibrated(job.request, memory_mib, cores_pct)
+
+
+def pod_request(request: GpuRequest, grants: Sequence[GpuGrant]) -> GpuRequest:
+    """What a one-pod job's pod asks for, from the grants its admission chose: its spec's
+    request, or that request at the grants' lower memory where the admission placed it by
+    its calibrated size (`placement_request`)."""
+    if request.isolation is not Isolation.MPS or not grants:
+        return request
+    memory = max(g.memory_mib for g in grants)
+    return replace(request, memory_mib=memory) if 0 < memory < request.memory_mib else request
+
+
+def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota]) -> list[Job]:
+    """The jobs, each waiting one with its request as `placement_request` places it, from
+    the peak GPU memory of the finished runs listed (Succeeded jobs of its project and
+    template; the device plugin's measure)."""
+    if not any(q.place_calibrated for q in quotas.values()):
+        return list(jobs)
+    peaks: dict[tuple[str, str], list[int]] = {}
+    for job in jobs:
+        if job.phase is Phase.SUCCEEDED and job.peak_memory_mib and job.template:
+            peaks.setdefault((job.project, job.template), []).append(job.peak_memory_mib)
+    recommendations: dict[tuple[str, str], int | None] = {}
+    out = []
+    for job in jobs:
+        key = (job.project, job.template)
+        if job.waiting and key in peaks:
+            if key not in recommendations:
+                recommendations[key] = recommended_mib(peaks[key])
+            request = placement_request(job, quotas.get(job.project), recommendations[key],
+                                        None)
+            if request != job.request:
+                job = replace(job, request=request)
+        out.append(job)
+    return out
 
 
 def size_advice(runs: Iterable[tuple[str, str, int, int]]) -> list[SizeAdvice]:

@@ -163,6 +163,7 @@ class Stop:
     job_key: str
     grace_s: float
     owner_reclaim: bool = False  # it ran in lent capacity its owner needs back
+    ends: bool = False  # the job is done once off its GPUs (an expiry: idle session, maxDuration)
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,9 @@ def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
         result = admission_cycle(state.snapshot(), config)
         return Decisions(
             tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
-            tuple(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM)
-                  for p in result.preemptions),
+            (*(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM)
+               for p in result.preemptions),
+             *(Stop(e.job_key, e.grace_s, ends=True) for e in result.expiries)),
             {w.job_key: Estimate(w.estimated_start, w.estimated_start_low,
                                  w.estimated_start_high, w.simulated_start)
              for w in result.waits if w.estimated_start is not None})
@@ -386,8 +388,9 @@ class Outcome:
 
 ARRIVE, LEAVE, END = 0, 1, 2  # at one instant: leaving GPUs before ends, then arrivals
 # a job's use rises (usage_traces); the watchdog ends an outgrown job; a job has run long
-# enough for its peak to be trusted (lending)
-RISE, KILL, OBSERVED = 3, 4, 5
+# enough for its peak to be trusted (lending); a session has sat idle for its project's
+# timeout; a stopped job is off its GPUs for good
+RISE, KILL, OBSERVED, IDLE_DUE, EXPIRE = 3, 4, 5, 6, 7
 OUTGROW_S = 60.0  # a job placed below its peak reaches it this long after it starts
 
 
@@ -397,11 +400,14 @@ class IdleCapacity:
     from `seed` (`usage_traces`); `lending` lends it within GPUs (`core.lending`, the
     carpool policy's `AdmissionConfig.lending` must match); `right_sizing` places
     preemptible jobs by the peaks their template's finished runs reached
-    (`core.right_sizing`), running them as asked once they outgrow that."""
+    (`core.right_sizing`), running them as asked once they outgrow that; `idle_timeout_s`
+    is every project's `idleSessions.timeout` (0: none), applied by the operator's rule
+    (`queueing.idle_expiry`) to the GPU activity the device plugin would have seen."""
 
     seed: int = 0
     lending: lending.LendingPolicy | None = None
     right_sizing: bool = False
+    idle_timeout_s: float = 0.0
 
 
 @dataclass
@@ -414,6 +420,7 @@ class IdleStats:
     reclaim_latencies: list[float] = field(default_factory=list)  # rise to borrower gone
     borrower_stops: dict[str, int] = field(default_factory=dict)  # preemptions per borrower
     outgrown: int = 0  # right-sized runs the watchdog ended
+    sessions_stopped: int = 0  # interactive jobs stopped as idle
 
 
 class Replay:
@@ -441,6 +448,11 @@ class Replay:
         self.learning_rate = learning_rate
         self.observe = observe
         self.trace = trace
+        if idle is not None and (idle.idle_timeout_s > 0 or idle.right_sizing):
+            quotas = {name: replace(q, idle_session_timeout_s=idle.idle_timeout_s,
+                                    place_calibrated=idle.right_sizing)
+                      for name, q in quotas.items()}
+            self.quotas = quotas
         self.state = State(jobs[0].arrival if jobs else 0.0, nodes, quotas, trace)
         self.events: list[tuple[float, int, str, int]] = [
             (j.arrival, ARRIVE, j.key, 0) for j in jobs]
@@ -462,11 +474,11 @@ class Replay:
         self.ticks: dict[str, tuple[int, int]] = {}  # (attempt, report) each last reported
         self.idle = idle
         self.usage: dict[str, Usage] = (
-            {j.key: usage(f"{idle.seed}:{j.project}:{j.template}", f"{idle.seed}:{j.key}")
+            {j.key: usage(f"{idle.seed}:{j.project}:{j.template}", f"{idle.seed}:{j.key}",
+                          j.job_class is JobClass.INTERACTIVE)
              for j in jobs} if idle is not None else {})
         self.idle_stats = IdleStats() if idle is not None else None
         self.peaks: dict[tuple[str, str], list[int]] = {}  # finished runs' peak cores
-        self.as_asked: set[str] = set()  # outgrew a right-sized run: placed as asked now
         self.calibrations: dict[tuple[str, str], int | None] = {}  # recommended cores
         self.rose_at: dict[str, float] = {}  # node -> when an owner's use there last rose
 
@@ -486,7 +498,6 @@ class Replay:
         other.reporting = set(self.reporting)
         other.ticks = dict(self.ticks)
         other.peaks = {k: list(v) for k, v in self.peaks.items()}
-        other.as_asked = set(self.as_asked)
         other.calibrations = dict(self.calibrations)
         if self.idle_stats is not None:
             other.idle_stats = copy.deepcopy(self.idle_stats)
@@ -503,8 +514,10 @@ class Replay:
         if stats is not None:
             if any(g.borrowed for g in job.grants):
                 stats.lent_gpu_seconds += held
-            if not lost:
-                stats.work_runs.append((run.start, now, nominal_fraction(
+            if not lost:  # work is done only while the job is active (an idle session is not)
+                active_s = self.usage[job.key].active_s(self.trace[job.key].runtime_s)
+                active_end = run.start + max(0.0, active_s - self.done_s.get(job.key, 0.0))
+                stats.work_runs.append((run.start, min(now, active_end), nominal_fraction(
                     self.trace[job.key].request, self.reference)))
         if not lost:
             self.done_s[job.key] = self.done_s.get(job.key, 0.0) + (now - run.start)
@@ -546,17 +559,24 @@ class Replay:
             job = state.jobs.get(key)
             if job is not None and job.attempts == attempt and job.phase is Phase.RUNNING:
                 self.rose_at[job.node] = now  # the cycle's measurement sees the new peak
-        elif kind == OBSERVED:
-            pass  # the cycle's measurement lends what the job's peak leaves
+        elif kind in (OBSERVED, IDLE_DUE):
+            pass  # the cycle's measurement lends what the job's peak leaves / sees it idle
+        elif kind == EXPIRE:  # a stopped job is off its GPUs and done
+            job = state.jobs.get(key)
+            if job is None or job.attempts != attempt or not job.terminating:
+                return
+            self._close_run(job, now)
+            del state.jobs[key]
+            self.last_end = max(self.last_end, now)
         elif kind == KILL:  # the watchdog ends a right-sized run that outgrew its grant
             job = state.jobs.get(key)
             if job is None or job.attempts != attempt or job.phase is not Phase.RUNNING:
                 return
             assert self.idle_stats is not None
             self.idle_stats.outgrown += 1
-            self.as_asked.add(key)
             state.jobs[key] = replace(self._close_run(job, now, lost=True), grants=(), node="",
                                       phase=Phase.QUEUED, request=trace[key].request,
+                                      calibration_outgrown=True,
                                       lendable_mib=0, lendable_cores_pct=0)
         else:  # LEAVE: a preempted job is off its GPUs and queued again
             job = state.jobs.get(key)
@@ -584,8 +604,15 @@ class Replay:
         self.cycles += 1
         for stop in decisions.stops:
             job = state.jobs[stop.job_key]
-            self.preemptions += 1
             stats = self.idle_stats
+            if stop.ends:
+                if stats is not None:
+                    stats.sessions_stopped += job.job_class is JobClass.INTERACTIVE
+                state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
+                heapq.heappush(events, (now + max(stop.grace_s, 1.0), EXPIRE, job.key,
+                                        job.attempts))
+                continue
+            self.preemptions += 1
             if stats is not None and any(g.borrowed for g in job.grants):
                 stats.borrower_stops[job.key] = stats.borrower_stops.get(job.key, 0) + 1
                 if stop.owner_reclaim:
@@ -645,6 +672,10 @@ class Replay:
         rise = use.rise_after(done, run_s)
         if rise is not None and rise < remaining:
             heapq.heappush(self.events, (now + rise, RISE, job.key, job.attempts))
+        timeout = self.idle.idle_timeout_s if self.idle is not None else 0.0
+        idle_due = max(0.0, use.active_s(run_s) - done) + timeout
+        if timeout > 0 and use.idle_from is not None and idle_due < remaining:
+            heapq.heappush(self.events, (now + idle_due, IDLE_DUE, job.key, job.attempts))
         asked = self.trace[job.key].request.cores_pct
         if job.request.cores_pct < asked:  # placed by its calibrated size
             if peak_of(asked, use.used(done, run_s)) > job.request.cores_pct:
@@ -664,6 +695,14 @@ class Replay:
         assert idle is not None
         for key, job in list(state.jobs.items()):
             trace = self.trace[key]
+            if job.phase is Phase.RUNNING and self.usage[key].idle_from is not None:
+                run = job.current_run
+                assert run is not None
+                active_end = run.start + max(0.0, self.usage[key].active_s(trace.runtime_s)
+                                             - self.done_s.get(key, 0.0))
+                seen = min(state.now, active_end)  # the last GPU activity the plugin saw
+                if seen != job.last_gpu_activity:
+                    job = state.jobs[key] = replace(job, last_gpu_activity=seen)
             if idle.lending is not None and job.phase is Phase.RUNNING and job.grants:
                 run = job.current_run
                 assert run is not None
@@ -678,14 +717,14 @@ class Replay:
                 cores = min(c for _, c in lent)
                 if (memory, cores) != (job.lendable_mib, job.lendable_cores_pct):
                     state.jobs[key] = replace(job, lendable_mib=memory, lendable_cores_pct=cores)
-            elif (idle.right_sizing and job.waiting and job.preemptible
-                  and key not in self.as_asked):
+            elif idle.right_sizing and job.waiting:
                 learn = (job.project, job.template)
                 if learn not in self.calibrations:
                     self.calibrations[learn] = right_sizing.recommended(
                         self.peaks.get(learn, ()), 1)
-                calibrated_cores = self.calibrations[learn]
-                request = right_sizing.calibrated(trace.request, None, calibrated_cores)
+                request = right_sizing.placement_request(
+                    replace(job, request=trace.request), self.quotas.get(job.project), None,
+                    self.calibrations[learn])
                 if request != job.request:
                     state.jobs[key] = replace(job, request=request)
 
@@ -872,6 +911,7 @@ def idle_scores(outcome: Outcome) -> dict[str, object]:
         "owner_reclaim_p99_s": _quantile(stats.reclaim_latencies, 0.99),
         "borrower_stops_max_per_job": max(stops, default=0),
         "right_sized_runs_outgrown": stats.outgrown,
+        "idle_sessions_stopped": stats.sessions_stopped,
     }
 
 

@@ -16,6 +16,13 @@ a point drawn uniformly in 20-80 % of its run (a larger evaluation batch, a seco
 loaded), then at its peak. Lending that trusted the early peak must then give the lent
 part back: these rises are what reclaims are made of.
 
+Interactive sessions are left open: notebook sessions hold their GPUs for most of their
+lifetimes without using them (Carver et al., "NotebookOS", ASPLOS 2026, on production notebook
+traces; the paper gives no share per session that could be fitted here). So each
+interactive job does its work in the first `SESSION_WORK` share of its trace's run time,
+drawn uniformly per job (an assumption, not a fit), and then sits open with its memory held
+and no GPU activity until the trace's end, unless its project's idle-session timeout stops it.
+
 Pure: a seed and a job key in, a usage profile out.
 """
 
@@ -31,6 +38,7 @@ RUN_SIGMA = 0.1
 RISE_P = 0.2
 RISE_FROM = 0.6
 RISE_AT = (0.2, 0.8)
+SESSION_WORK = (0.1, 0.5)  # the share of an interactive session's run with GPU activity
 # the replay's clock adds and subtracts epoch-sized floats: a rise event's own instant can
 # come out a hair before the rise, so it counts from this much earlier
 RISE_SLACK_S = 1e-3
@@ -39,10 +47,16 @@ RISE_SLACK_S = 1e-3
 @dataclass(frozen=True)
 class Usage:
     """One job's use of its share: `peak` of it at most; before `rise_at` (a fraction of
-    its run time; None: no rise) only `RISE_FROM` of that."""
+    its run time; None: no rise) only `RISE_FROM` of that; no GPU activity after `idle_from`
+    (a fraction of its run time; None: active to its end), its memory still held."""
 
     peak: float
     rise_at: float | None = None
+    idle_from: float | None = None
+
+    def active_s(self, run_s: float) -> float:
+        """Seconds of its run with GPU activity (the work it does)."""
+        return run_s if self.idle_from is None else self.idle_from * run_s
 
     def used(self, work_s: float, run_s: float) -> float:
         """The share of its request the job has peaked at after `work_s` of its run."""
@@ -57,14 +71,17 @@ class Usage:
         return self.rise_at * run_s - work_s
 
 
-def usage(template_seed: str, job_seed: str) -> Usage:
-    """The usage of a job of a template (the same seeds, the same usage)."""
+def usage(template_seed: str, job_seed: str, interactive: bool = False) -> Usage:
+    """The usage of a job of a template (the same seeds, the same usage); an interactive
+    one goes idle part way through its run."""
     template_peak = random.Random(template_seed).betavariate(*PEAK_BETA)
     rng = random.Random(job_seed)
     peak = min(1.0, max(PEAK_FLOOR, template_peak * rng.lognormvariate(0.0, RUN_SIGMA)))
     rises = rng.random() < RISE_P
     rise_at = rng.uniform(*RISE_AT)
-    return Usage(peak, rise_at if rises else None)
+    idle_from = (random.Random(f"{job_seed}:session").uniform(*SESSION_WORK) if interactive
+                 else None)
+    return Usage(peak, rise_at if rises else None, idle_from)
 
 
 def peak_of(request_units: int, share: float) -> int:

@@ -123,3 +123,26 @@ def test_the_admission_cycle_places_a_borrower_in_lent_capacity_and_reclaims_it(
     (stop,) = result.preemptions
     assert (stop.victim_key, stop.cause) == ("b/sweep", PreemptionCause.OWNER_RECLAIM)
     assert stop.grace_s <= POLICY.reclaim_within_s
+
+
+def test_a_whole_gpu_owner_lends_only_where_the_policy_lets_whole_gpus_lend() -> None:
+    exclusive = GpuGrant("g0", 80 * GIB, 100, exclusive=True)
+    whole = replace(POLICY, whole_gpus=True)
+    assert lendable(exclusive, 20 * GIB, None, 900, POLICY) == (0, 0)
+    assert lendable(exclusive, 20 * GIB, None, 900, whole) == (80 * GIB - 24 * GIB, 0)
+    mig = GpuGrant("g0", 10 * GIB, 0, mig_instance="MIG-1")
+    assert lendable(mig, 1 * GIB, None, 900, whole) == (0, 0)  # a fixed partition
+
+
+def test_a_lending_whole_gpu_stays_taken_for_new_owners_and_opens_to_borrowers() -> None:
+    state = NodeState(NODE, split((GpuGrant("g0", 80 * GIB, 100, exclusive=True),),
+                                  56 * GIB, 0))
+    request = GpuRequest(1, 30 * GIB, 0, Isolation.MPS)
+    assert node_rejection(state, request) == "0 of 1 GPUs fit; GPU 0 is held exclusively"
+    assert node_rejection(borrower_view(state), request) is None
+    borrowed = state.with_grants(as_borrowed((GpuGrant("g0", 30 * GIB, 0),)))
+    assert reclaims(borrowed, {"b/sweep": (NOW, borrowed.grants[-1:])}) == []
+    # the owner's peak rises to 60 GiB: it keeps 72, lends 8, and the borrower must go
+    risen = NodeState(NODE, split((GpuGrant("g0", 80 * GIB, 100, exclusive=True),),
+                                  8 * GIB, 0)).with_grants(borrowed.grants[-1:])
+    assert reclaims(risen, {"b/sweep": (NOW, borrowed.grants[-1:])}) == ["b/sweep"]

@@ -82,3 +82,41 @@ def test_a_rise_counts_at_its_own_instant_whatever_the_float_rounding() -> None:
     start, run_s = 4374.0, 2973.0
     at = start + use.rise_after(0.0, run_s)  # type: ignore[operator]
     assert use.used(at - start, run_s) == 0.9
+
+
+def test_an_idle_session_is_stopped_by_the_operators_rule_and_its_gpu_goes_to_work() -> None:
+    session = traces.TraceJob("p/notebook", "p", JobClass.INTERACTIVE,
+                              GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 20_000, 7200,
+                              "notebook", False)
+    batch = mps("sweep", 100, 3000, 60, JobClass.BATCH, True)
+    uses = {"notebook": Usage(0.5, idle_from=0.1), "sweep": Usage(1.0)}  # active 2000 s
+    kept = run([session, batch], uses, qr.IdleCapacity())
+    stopped = run([session, batch], uses, qr.IdleCapacity(idle_timeout_s=1800))
+    assert kept.records["p/sweep"].first_start == 20_000
+    assert stopped.records["p/sweep"].first_start == 2000 + 1800 + 30  # timeout, then grace
+    assert qr.score(stopped)["idle_sessions_stopped"] == 1
+    assert qr.score(kept)["idle_sessions_stopped"] == 0
+    # an idle session does no work: 2000 s of the notebook's, then the sweep's
+    assert qr.score(stopped)["work_gpu_hours_by_last_arrival"] == 100 / 3600  # last arrival
+    assert kept.idle is not None and stopped.idle is not None
+    assert [(s, e) for s, e, _ in kept.idle.work_runs] == [(0, 2000), (20_000, 23_000)]
+    assert [(s, e) for s, e, _ in stopped.idle.work_runs] == [(0, 2000), (3830, 6830)]
+
+
+def test_a_whole_gpu_owner_lends_its_unused_share_where_whole_gpus_lend() -> None:
+    owner = traces.TraceJob("p/train", "p", JobClass.LONG,
+                            GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 7200, 7200,
+                            "train", False)
+    uses = {"train": Usage(0.4), "sweep": Usage(1.0)}
+    shared = run([owner, SWEEP], uses, qr.IdleCapacity(lending=LENDING))
+    whole = run([owner, SWEEP], uses,
+                qr.IdleCapacity(lending=LendingPolicy(observed_s=600, whole_gpus=True)))
+    assert shared.records["p/sweep"].first_start == 7200
+    assert whole.records["p/sweep"].first_start == 600  # 100 - ceil(40 x 1.2) = 52 % lent
+
+
+def test_only_interactive_sessions_go_idle() -> None:
+    session = usage("s:p:nb", "s:p/nb-1", interactive=True)
+    assert session.idle_from is not None and 0.1 <= session.idle_from <= 0.5
+    assert session.active_s(1000) == session.idle_from * 1000
+    assert usage("s:p:nb", "s:p/nb-1").idle_from is None
