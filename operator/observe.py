@@ -291,6 +291,9 @@ class Observer:
                     state.events.append((obj, event))
                 state.patches[key] = patch
                 continue
+            if merged.get("calibrationOutgrown") and not job.calibration_outgrown:
+                # requeued this pass for outgrowing its calibrated size: placed as asked now
+                job = replace(job, calibration_outgrown=True)
             if job.workers:
                 job = self._observe_gang(state, job, obs.live_pod, workers, placements,
                                          {**status, **patch}, patch)
