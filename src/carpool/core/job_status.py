@@ -15,7 +15,15 @@ from typing import Any
 
 from carpool.core.checkpointing import resume_point
 from carpool.core.lifecycle import history_gpu_hours, job_conditions
-from carpool.core.queueing import DUE_NOTE, Admission, Expiry, Preemption, ProjectStatus, Wait
+from carpool.core.queueing import (
+    DUE_NOTE,
+    Admission,
+    Expiry,
+    Preemption,
+    ProjectStatus,
+    Wait,
+    WaitReason,
+)
 from carpool.core.resources import WHOLE_SHARER, GpuGrant, NodeInventory, Phase
 from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
@@ -25,9 +33,17 @@ ESTIMATE_ROUNDING_S = 10.0  # the admission backlog and pod start delay are coun
 # estimated starts are written rounded to one of these steps (`estimate_step`)
 ESTIMATE_STEPS_S = (1.0, 2.0, 5.0, 10.0)
 ESTIMATE_PRECISION = 0.05  # the coarsest step within this share of the time until the start
+# an estimated start moving by more than this share of the time until it is written at once
+# (the estimates of a long queue drift with every start and every overdue job; a start hours
+# away moving by a minute is no news to plan by)
+ESTIMATE_JUMP = 0.25
 # a range's end moving by more than this share of the time until it is written at once (a
 # surge of higher-class arrivals widens every waiting job's range a little at each arrival)
 RANGE_JUMP = 0.25
+# reasons that say the same to the user (no slot for the job now; it waits for GPUs): GPUs
+# free now but reserved for jobs ranked ahead, or none free. Which one a job gets turns with
+# each finish and each backfilled start, so a change between them waits for the refresh
+NO_SLOT_NOW = frozenset({WaitReason.CAPACITY.value, WaitReason.BEHIND_HIGHER_RANKED.value})
 
 # written once, each group whole once its first field is there: when the job was submitted,
 # and its first estimate with what came with it (a pass that read the job before that write
@@ -321,18 +337,21 @@ def wait_refresh_s(waiting: int, refresh_s: float, refreshes_per_s: float) -> fl
 def wait_change_is_urgent(status: Mapping[str, Any], fields: Mapping[str, Any], now: float,
                           jump_s: float) -> bool:
     """Whether a waiting job's new wait `fields` must be written now rather than at its next
-    refresh: its reason changed, it became due or stopped being due (`queueing.DUE_NOTE`: it
-    now ranks ahead of work that passed it), its estimate came, went or moved by more than
-    `jump_s`, its range came or went, or the range's end moved by more than `jump_s` and
-    `RANGE_JUMP` of the time until it (what the user plans by; a position or message alone
-    can wait)."""
+    refresh: its reason changed (but between the `NO_SLOT_NOW` reasons), it became due or
+    stopped being due (`queueing.DUE_NOTE`: it now ranks ahead of work that passed it), its
+    estimate came, went or moved by more than `jump_s` and `ESTIMATE_JUMP` of the time until
+    it, its range came or went, or the range's end moved by more than `jump_s` and
+    `RANGE_JUMP` of the time until it (what the user plans by; a position, message or a move
+    small next to the wait left can wait)."""
     estimate, latest = fields.get("estimatedStart"), fields.get("estimatedStartLatest")
     before, latest_before = status.get("estimatedStart"), status.get("estimatedStartLatest")
-    return (status.get("reason") != fields.get("reason")
+    reason, reason_before = fields.get("reason"), status.get("reason")
+    return ((reason_before != reason and not {reason_before, reason} <= NO_SLOT_NOW)
             or (DUE_NOTE in (status.get("message") or ""))
             != (DUE_NOTE in (fields.get("message") or ""))
             or (before is None) != (estimate is None)
-            or _moved(before, estimate, jump_s)
+            or _moved(_not_past(before, now), estimate,
+                      max(jump_s, ESTIMATE_JUMP * _until(before, now)))
             or (latest_before is None) != (latest is None)
             or _moved(latest_before, latest,
                       max(jump_s, RANGE_JUMP * _until(latest_before, now))))
@@ -342,6 +361,12 @@ def _until(when: str | None, now: float) -> float:
     """Seconds from now until a written time (0 if absent or past)."""
     epoch = epoch_seconds(when) if when else None
     return max(0.0, epoch - now) if epoch is not None else 0.0
+
+
+def _not_past(when: str | None, now: float) -> str | None:
+    """A written time, or now if it has passed: an estimate that came and went said "now"."""
+    epoch = epoch_seconds(when) if when else None
+    return format_timestamp(now) if epoch is not None and epoch < now else when
 
 
 def _moved(before: str | None, after: str | None, jump_s: float) -> bool:

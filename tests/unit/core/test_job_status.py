@@ -44,9 +44,30 @@ def test_position_and_small_estimate_moves_wait_for_the_refresh() -> None:
 
 def test_reason_and_estimate_changes_are_urgent() -> None:
     assert urgent(wait(600), wait(600, reason="QuotaExceeded"))
-    assert urgent(wait(600), wait(661))
+    assert urgent(wait(100), wait(161))
     assert urgent(wait(None), wait(600))
     assert urgent(wait(600), wait(None))
+
+
+def test_an_estimate_is_urgent_past_a_quarter_of_the_time_until_it() -> None:
+    # 600 s away: a quarter is 150 s; the estimate's own jump when nearer
+    assert not urgent(wait(600), wait(740))
+    assert urgent(wait(600), wait(760))
+    assert urgent(wait(600), wait(440))
+    assert not urgent(wait(100), wait(150))
+
+
+def test_an_estimate_that_has_passed_counts_as_now() -> None:
+    # it said "now" and says about that still: no news
+    assert not urgent(wait(-90), wait(30))
+    assert urgent(wait(-90), wait(90))
+
+
+def test_a_turn_between_the_no_slot_now_reasons_waits_for_the_refresh() -> None:
+    capacity, behind = WaitReason.CAPACITY.value, WaitReason.BEHIND_HIGHER_RANKED.value
+    assert not urgent(wait(600, reason=capacity), wait(600, reason=behind))
+    assert not urgent(wait(600, reason=behind), wait(600, reason=capacity))
+    assert urgent(wait(600, reason=capacity), wait(600, reason=WaitReason.QUOTA.value))
 
 
 def test_becoming_due_is_urgent_other_message_changes_wait() -> None:
