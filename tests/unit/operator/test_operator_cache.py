@@ -880,3 +880,50 @@ def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
     (written,) = [s for _, s in kube.statuses if s.get("reason") == "Unschedulable"]
     assert written["phase"] == "Preempted" and written["unschedulableGiveBacks"] == 1
     assert "didn't match Pod's node affinity" in written["message"]
+
+
+def test_an_unchanged_cluster_keeps_the_last_decision_for_a_while() -> None:
+    kube = FakeKube()
+    cluster = _cluster(1)
+    too_large = _job("a")
+    too_large["spec"]["gpu"] = {"count": 2, "memory": "20Gi"}
+    cluster[GPUJOBS] = [too_large]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    first = reconciler.run_pass(1_800_000_000.0)
+    reconciler.wait_for_writes()
+    assert [w.reason.value for w in first.waits] == ["TooLargeForAnyNode"]
+    for informer in reconciler.informers.by_kind.values():
+        informer.version = kube.version  # caught up (the objects left as they were)
+    # the same snapshot at the same time: the decision stands
+    assert reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05) is first
+    reconciler.wait_for_writes()
+    for informer in reconciler.informers.by_kind.values():
+        informer.version = kube.version
+    # time alone moved by far more than deciding took (3x): decided again
+    assert reconciler.run_pass(1_800_000_060.0, catch_up_s=0.05) is not first
+
+
+def test_a_decision_that_admitted_or_whose_cluster_changed_is_made_again() -> None:
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    admitted = reconciler.run_pass(1_800_000_000.0)
+    reconciler.wait_for_writes()
+    assert admitted.admissions
+    for informer in reconciler.informers.by_kind.values():
+        informer.version = kube.version  # (the admission's pod not in the cache)
+    assert reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05) is not admitted
+    # a waiting job's spec changed: decided again
+    too_large = _job("b")
+    too_large["spec"]["gpu"] = {"count": 2, "memory": "20Gi"}
+    cluster[GPUJOBS] = [too_large]
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    waiting = reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05)
+    reconciler.wait_for_writes()
+    larger = _job("b", "2")
+    larger["spec"]["gpu"] = {"count": 4, "memory": "20Gi"}
+    cluster[GPUJOBS] = [larger]
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    again = reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05)
+    assert again is not waiting and [w.job_key for w in again.waits] == ["team/b"]
