@@ -404,15 +404,18 @@ class _Cycle:
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
     quota_preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
     holders_by_project: dict[str, list[_Holder]] = field(default_factory=dict)
-    # how much earlier and later than planned an occupancy may end (its P10, P90), for the
-    # occupancies whose end depends on a job's own progress reports (`_Spread`)
+    # how much earlier and later than planned an occupancy may end (its P10, P90): every
+    # running job's, and reservations behind one (`_Spread`)
     spreads: dict[str, _Spread] = field(default_factory=dict)
     borrow_fail: set[GpuRequest] = field(default_factory=set)  # found no lent room this cycle
 
 
 class _Spread(NamedTuple):
     """Seconds an occupancy may end earlier (`early`) or later (`late`) than planned, 80 %
-    of the time, where a running job's progress reports decide it."""
+    of the time. A running job that does not report has no `late`: its run time's spread
+    is that of its kind's past runs, which the misses of started jobs already hold (with
+    the arrivals that make most late starts), while one that ends early opens a slot
+    before the range those misses give begins."""
 
     early: float
     late: float
@@ -477,8 +480,9 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         remaining_s = left.expected
         if job.terminating:
             remaining_s = min(remaining_s, leaving_s(job))
-        elif left.reported:
-            spreads[job.key] = _Spread(left.expected - left.low, left.high - left.expected)
+        else:
+            spreads[job.key] = _Spread(left.expected - left.low,
+                                       left.high - left.expected if left.reported else 0.0)
         # a holder occupies at least the instant `now`, even at epoch times where a tiny
         # remainder added to `now` rounds back to `now`
         end = max(now + remaining_s, math.nextafter(now, math.inf))
@@ -789,9 +793,11 @@ def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
     estimated wait stretched by `stretch` (`_range_stretch`): the estimate is the
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
     they lately have (a surge the misses of started jobs show only a wait later). A job
-    whose start is the end of a job that reports progress, or of a reservation behind one
-    (`spread`, `_QueueDecisions._spread_behind`), gets at least that end's own range: how the
-    misses of started jobs spread says nothing of how far this one job's progress leaves it."""
+    whose start is the end of a running job, or of a reservation behind one (`spread`,
+    `_QueueDecisions._spread_behind`), gets at least that end's own range: how the misses of
+    started jobs spread says little of how far this one job's progress or run time leaves
+    it (on openb at half reporting, jobs that waited over a day started mostly before a
+    range made from those misses alone began)."""
     if wait.estimated_start is None:
         return wait
     found = start_range(now, wait.estimated_start, misses)
@@ -1478,8 +1484,8 @@ class _QueueDecisions:
 
     def _spread_behind(self, job: Job, found: Slot, duration: float) -> None:
         """How much earlier or later the job may start than `found` says, when that start is
-        the end of an occupancy whose spread is known (`_Cycle.spreads`: a job that reports
-        progress, or a reservation behind one); then its own reservation's end spreads by
+        the end of an occupancy whose spread is known (`_Cycle.spreads`: a running job, or
+        a reservation behind one); then its own reservation's end spreads by
         that and its run time's P10-P90 (`run_times.run_time`), as independent errors."""
         cycle = self.cycle
         if found.displaces:

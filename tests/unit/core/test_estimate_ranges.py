@@ -23,6 +23,7 @@ from carpool.core.estimate_ranges import (
 )
 from carpool.core.jobs import (
     ClusterSnapshot,
+    DurationEstimate,
     Job,
     ProgressDetail,
     ProjectQuota,
@@ -32,7 +33,13 @@ from carpool.core.jobs import (
 )
 from carpool.core.queueing import AdmissionConfig, admission_cycle
 from carpool.core.resources import GpuGrant, JobClass, Phase
-from carpool.core.run_times import PROGRESS_DRIFT, UNSEEN_PAUSES, Z80
+from carpool.core.run_times import (
+    PROGRESS_DRIFT,
+    UNSEEN_PAUSES,
+    Z80,
+    learned_remaining,
+    run_time,
+)
 from carpool.reporting import relative_range
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
@@ -170,3 +177,31 @@ def test_jobs_behind_a_job_that_reports_progress_get_its_range() -> None:
     # the same job without reports: expected to end at its estimate, no spread of its own
     silent = ranges(replace(running, progress=None, progress_at=None, progress_detail=None))
     assert silent["b/first"] == (HOUR, HOUR, HOUR)
+
+
+def test_a_job_behind_a_silent_job_may_start_as_early_as_that_job_may_end() -> None:
+    """The running job does not report; its kind's runs took 1,000 s, P10-P90 e^-+0.5 of
+    that. The job waiting for its GPUs starts when the running one is expected to end
+    (`run_times.learned_remaining`), and its range begins where that end's P10 is; the misses
+    of started jobs (here all right on time) alone would begin it at the estimate. Its range
+    ends where the misses say: a silent job's late side is theirs."""
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
+                      grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),),
+                      template="train")
+    history = DurationEstimate(1000.0, 1.0, 10, math.log(1000.0), 0.0, 0.1, 0.2, -0.5 * Z80,
+                               0.5 * Z80)
+    waiting = gpu_job("b/next", "b", count=2, submitted=400.0, estimate=600.0)
+    on_time = tuple(StartMiss(float(i), JobClass.BATCH, 0.0, None)
+                    for i in range(MIN_RANGE_SAMPLES))
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "ab"}
+    snapshot = ClusterSnapshot(400.0, (running, waiting), quotas, {"n1": gpu_node()},
+                               start_misses=on_time, learned={("a", "train"): history})
+    result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer,
+                                                       class_calibration=False))
+    wait = next(w for w in result.waits if w.job_key == "b/next")
+    left = learned_remaining(run_time(running, snapshot.learned), 400.0)
+    assert wait.estimated_start == pytest.approx(400.0 + left.expected)
+    assert wait.estimated_start_low == pytest.approx(400.0 + left.low)
+    assert wait.estimated_start_high == pytest.approx(wait.estimated_start)
+    assert left.low < left.expected
