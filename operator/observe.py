@@ -38,7 +38,7 @@ from carpool.core.ownership import (
     controls,
     is_orphan,
 )
-from carpool.core.resources import Isolation, JobClass, NodeInventory, Phase
+from carpool.core.resources import GpuGrant, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_of
 from carpool.operator.informer import Informers
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Obj
@@ -161,6 +161,10 @@ class Observer:
         # node name -> (GpuNode version, Node labels, inventory); pod uid -> (version, view)
         self._inventories: dict[str, tuple[str, Mapping[str, str], NodeInventory]] = {}
         self._pod_views: dict[str, tuple[str, PodView]] = {}
+        # job key -> the grants it held at the last read: a job decoded again (its status
+        # written) whose grants are the same keeps the same tuple, which the placement memo
+        # knows its node's state by (`timeline.TimelineMemo`)
+        self._grants: dict[str, tuple[GpuGrant, ...]] = {}
 
     def _read_nodes(self, state: PassState) -> None:
         """Inventories, driver/CUDA versions and per-pod peak memory from the GpuNodes."""
@@ -281,6 +285,9 @@ class Observer:
                 node = str(merged.get("node") or "")
             else:
                 grants, node = (), ""
+            kept = self._grants.get(key)
+            if kept is not None and kept == grants:
+                grants = kept
             try:
                 job = job_from_object(obj, obs.phase, obs.attempts, grants, node,
                                       merged.get("history") or [])
@@ -318,6 +325,7 @@ class Observer:
             elif not obs.phase.finished:
                 state.initial[key] = job_status.initial_status(obj)
         self.decoded = decoded  # jobs gone from the cache are forgotten
+        self._grants = {job.key: job.grants for job in state.jobs if job.grants}
         billed = {str(ns) for quota in self.informers.objects(QUOTAS)
                   for ns in (quota.get("spec") or {}).get("namespaces") or ()}
         state.pods = {uid: pod for uid, (pod, _) in by_uid.items()}

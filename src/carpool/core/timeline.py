@@ -16,6 +16,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.core.derived import DerivedState
 from carpool.core.placement import NodeState, node_rejection
@@ -71,7 +72,9 @@ class TimelineMemo:
 
     Keyed by the identity of the node's base state (kept alive here, so an id is never
     reused while its entry exists) and the grants held, so a changed inventory never meets
-    a stale entry. Cleared when it grows past `limit` entries.
+    a stale entry. Past `limit` entries, a cycle starts with only what the cycle before it
+    used (most nodes are as they were; dropping everything made the next cycle place every
+    request on every node again).
     """
 
     def __init__(self, limit: int = 100_000) -> None:
@@ -84,22 +87,29 @@ class TimelineMemo:
         self._hosts: dict[tuple[tuple[int, ...], GpuRequest],
                           tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
         self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
+        # the keys of each table looked up since the last `bind`
+        self._used: tuple[set[Any], set[Any], set[Any], set[Any]] = (set(), set(), set(), set())
 
     def bind(self, placer: NodePlacer) -> None:
         if self.placer is not placer:
             self.placer = placer
             self._fits.clear()
         if len(self._states) + len(self._fits) > self.limit:
-            self._states.clear()
-            self._fits.clear()
-            self._hosts.clear()
-            self._derived.clear()
+            tables: tuple[dict[Any, Any], ...] = (self._states, self._fits, self._hosts,
+                                                  self._derived)
+            for table, used in zip(tables, self._used, strict=True):
+                kept = {key: table[key] for key in used if key in table}
+                table.clear()
+                table.update(kept)
+        for used in self._used:
+            used.clear()
 
     def derived(self, base: NodeState) -> DerivedState:
         """The `DerivedState` of `base`, the same one every cycle while `base` is passed in."""
         entry = self._derived.get(id(base))
         if entry is None or entry[0] is not base:
             entry = self._derived[id(base)] = (base, DerivedState.of(base))
+        self._used[3].add(id(base))
         return entry[1]
 
     def state(self, base: NodeState, held: tuple[tuple[GpuGrant, ...], ...]) -> NodeState:
@@ -111,6 +121,7 @@ class TimelineMemo:
                 a is not b for a, b in zip(entry[1], held, strict=True)):
             grants = tuple(g for gs in held for g in gs)
             entry = self._states[key] = (base, held, base.with_grants(grants) if grants else base)
+        self._used[0].add(key)
         return entry[2]
 
     def fit(self, state: NodeState, request: GpuRequest, placer: NodePlacer
@@ -119,6 +130,7 @@ class TimelineMemo:
         entry = self._fits.get(key)
         if entry is None or entry[0] is not state:
             entry = self._fits[key] = (state, placer(state, request))
+        self._used[1].add(key)
         return entry[1]
 
     def hosts(self, bases: tuple[NodeState, ...], names: tuple[str, ...],
@@ -129,6 +141,7 @@ class TimelineMemo:
             hosts = tuple(n for n, b in zip(names, bases, strict=True)
                           if node_rejection(b, request) is None)
             entry = self._hosts[key] = (bases, hosts)
+        self._used[2].add(key)
         return entry[1]
 
 

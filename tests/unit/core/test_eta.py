@@ -30,7 +30,7 @@ from carpool.core.run_times import (
     remaining,
     update_duration_estimate,
 )
-from carpool.core.timeline import Occupancy, Timeline, fluid_start
+from carpool.core.timeline import Occupancy, Timeline, TimelineMemo, fluid_start
 from carpool_testbed.builders import GIB, HOUR, gpu_node, packing_placer, packing_score
 
 WHOLE = GpuRequest(1, 0, isolation=Isolation.EXCLUSIVE)
@@ -258,3 +258,27 @@ def test_best_now_equals_a_scan_of_every_node(ops: list[tuple[str, int, int, int
             got = timeline.best_now(request, length, respect)
             assert (None if got is None else (got.node, got.grants)) \
                 == _scanned(timeline, request, length, respect)
+
+
+def test_a_full_memo_keeps_what_the_last_cycle_used() -> None:
+    placed: list[str] = []
+
+    def counting(state: NodeState, request: GpuRequest
+                 ) -> tuple[float, tuple[GpuGrant, ...]] | None:
+        placed.append(state.name)
+        return packing_placer(state, request)
+
+    nodes = {"n1": node("n1"), "n2": node("n2")}
+    request = GpuRequest(1, 40 * GIB, isolation=Isolation.EXCLUSIVE)
+    memo = TimelineMemo(limit=1)
+
+    def cycle(*names: str) -> None:
+        timeline = Timeline(nodes, 0.0, counting, memo)
+        for name in names:
+            timeline.fit_during(name, request, 0.0, 3600.0)
+
+    cycle("n1", "n2")
+    cycle("n1")  # both answered from the memo; past its limit, only n1's answers are kept
+    assert placed == ["n1", "n2"]
+    cycle("n1", "n2")
+    assert placed == ["n1", "n2", "n2"]
