@@ -86,17 +86,28 @@ def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: flo
     waited long for its GPUs is not thrown back, and aging cannot make two jobs take turns
     evicting each other.
     """
-    if victim.key == preemptor.key or not victim.holds_gpus or victim.terminating:
+    if victim.key == preemptor.key or not may_be_victim(victim, now):
         return None
-    if victim.job_class is JobClass.INTERACTIVE or not victim.preemptible:
-        return None
-    if now < preemptible_from(victim, now):
-        return None
-    if victim.borrowed and preemptor_in_quota and victim.project != preemptor.project:
+    return cause_between(preemptor.project, preemptor_in_quota,
+                         effective_level(preemptor, now, aging_step_s), victim,
+                         effective_level(victim, now, aging_step_s))
+
+
+def may_be_victim(victim: Job, now: float) -> bool:
+    """The part of `victim_cause` that is the victim's alone: it holds GPUs and is not
+    stopping, is preemptible and not interactive, and has run its minimum runtime by `now`."""
+    return (victim.holds_gpus and not victim.terminating
+            and victim.job_class is not JobClass.INTERACTIVE and victim.preemptible
+            and now >= preemptible_from(victim, now))
+
+
+def cause_between(preemptor_project: str, preemptor_in_quota: bool, preemptor_level: int,
+                  victim: Job, victim_level: int) -> PreemptionCause | None:
+    """The rest of `victim_cause`, for a victim `may_be_victim` allows, from both jobs'
+    effective levels at that time (a search over many victims computes each once)."""
+    if victim.borrowed and preemptor_in_quota and victim.project != preemptor_project:
         return PreemptionCause.RECLAIM
-    outranked = (effective_level(victim, now, aging_step_s)
-                 > effective_level(preemptor, now, aging_step_s))
-    if outranked and (preemptor_in_quota or victim.borrowed):
+    if victim_level > preemptor_level and (preemptor_in_quota or victim.borrowed):
         return PreemptionCause.HIGHER_CLASS
     return None
 

@@ -81,9 +81,11 @@ from carpool.core.preemption import (
     MIN_LEAVING_S,
     Candidate,
     PreemptionCause,
+    cause_between,
     largest_plan,
     leaving_s,
     lost_gpu_hours,
+    may_be_victim,
     plan_preemption,
     preemptible_from,
     quota_victims,
@@ -843,7 +845,9 @@ class _QueueDecisions:
         # per job whose estimate the forward simulation made: what its message says after
         # the estimated start, which is added once final (`_told`)
         self.told_after: dict[str, str] = {}
-        self._victims: list[_Holder] | None = None  # `_yielding`'s candidates, in order
+        # `_yielding`'s candidates in order: (job, when it may first be preempted, its
+        # effective level then, how long it keeps its GPUs once told to stop)
+        self._victims: list[tuple[Job, float, int, float]] | None = None
         self._domains: dict[TopologyLevel, tuple[Domain, ...]] | None = None  # (gangs)
         self._gang_never: dict[tuple[tuple[GpuRequest, ...], TopologyNeed | None],
                                str | None] = {}
@@ -1433,20 +1437,34 @@ class _QueueDecisions:
         if in_quota is None or config.max_preemptions_per_cycle == 0:
             return {}, {}
         now = cycle.snapshot.now
+        step = config.aging_step_s
         if self._victims is None:
-            self._victims = sorted(
-                (h for h in cycle.holders if h.job.preemptible and not h.job.terminating),
-                key=lambda h: victim_preference(h.job, lost_gpu_hours(h.job, h.fraction, now)))
-        patience = config.preempt_after_wait_s
+            # each possible victim once per cycle: when it may first be preempted, whether it
+            # may be at all (`preemption.may_be_victim`), its level then and how long it
+            # would keep its GPUs; only what depends on `job` is left for each call
+            patience = config.preempt_after_wait_s
+            self._victims = []
+            for h in sorted((h for h in cycle.holders
+                             if h.job.preemptible and not h.job.terminating),
+                            key=lambda h: victim_preference(
+                                h.job, lost_gpu_hours(h.job, h.fraction, now))):
+                at = max(now, preemptible_from(h.job, now))
+                if may_be_victim(h.job, at):
+                    self._victims.append((h.job, at, effective_level(h.job, at, step),
+                                          max(leaving_s(h.job), patience)))
         yielding: dict[str, float] = {}
         protected: dict[str, float] = {}
-        for h in self._victims:
-            at = max(now, preemptible_from(h.job, now))
-            if (h.job.key not in cycle.leaving
-                    and victim_cause(job, in_quota, h.job, at, config.aging_step_s) is not None):
-                yielding[h.job.key] = max(leaving_s(h.job), patience)
+        levels: dict[float, int] = {}  # `job`'s effective level at each victim's time
+        for victim, at, level, keeps_s in self._victims:
+            if victim.key in cycle.leaving or victim.key == job.key:
+                continue
+            own = levels.get(at)
+            if own is None:
+                own = levels[at] = effective_level(job, at, step)
+            if cause_between(job.project, in_quota, own, victim, level) is not None:
+                yielding[victim.key] = keeps_s
                 if at > now:
-                    protected[h.job.key] = at
+                    protected[victim.key] = at
         return yielding, protected
 
     def _reserve(self, job: Job, duration: float, not_before: float, limits: bool,
