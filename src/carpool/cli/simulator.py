@@ -436,14 +436,17 @@ def format_queue_table(scores: Sequence[dict[str, Any]]) -> str:
 
 
 def format_idle_table(scores: Sequence[dict[str, Any]]) -> str:
-    """One line per policy: work done while the trace arrives, owners' waits, lending."""
+    """One line per policy: work done while the trace arrives, owners' waits, lending, idle
+    sessions stopped."""
     header = (f"{'POLICY':<8} {'WORK GPU-H':>10} {'OWNER P50':>9} {'OWNER P99':>9} "
-              f"{'LENT GPU-H':>10} {'RECLAIMS':>8} {'RECLAIM P99':>11} {'OUTGROWN':>8}")
+              f"{'LENT GPU-H':>10} {'RECLAIMS':>8} {'RECLAIM P99':>11} {'OUTGROWN':>8} "
+              f"{'IDLE STOPPED':>12}")
     lines = [header]
     for s in scores:
         lines.append(
             f"{s['policy']:<8} {s['work_gpu_hours_by_last_arrival']:>10.1f} "
             f"{_secs(s['owner_wait_p50_s']):>9} {_secs(s['owner_wait_p99_s']):>9} "
             f"{s['lent_gpu_hours']:>10.1f} {s['owner_reclaims']:>8} "
-            f"{_secs(s['owner_reclaim_p99_s']):>11} {s['right_sized_runs_outgrown']:>8}")
+            f"{_secs(s['owner_reclaim_p99_s']):>11} {s['right_sized_runs_outgrown']:>8} "
+            f"{s['idle_sessions_stopped']:>12}")
     return "\n".join(lines)

@@ -105,6 +105,16 @@ def test_the_table_names_the_trace_and_every_policy(files: tuple[Path, Path]) ->
     assert [line.split()[0] for line in lines[2:]] == ["slurm", "carpool"]
 
 
+def test_idle_capacity_settings_add_their_columns(files: tuple[Path, Path]) -> None:
+    trace, nodes = files
+    done = carpool("simulate", "queue", "--pods", trace, "--nodes", nodes, "--scale", "1",
+                   "--jobs", "1", "--policy", "carpool", "--lending", "--lend-whole-gpus",
+                   "--right-sizing", "--idle-timeout", "30m")
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "WORK GPU-H" in line)
+    assert header.split()[-2:] == ["IDLE", "STOPPED"]
+
+
 @pytest.mark.parametrize(("change", "message"), [
     ({"trace": None}, "no such file: {trace}"),
     ({"nodes": None}, "no such file: {nodes}"),
@@ -120,6 +130,7 @@ def test_the_table_names_the_trace_and_every_policy(files: tuple[Path, Path]) ->
     ({"args": ["--policy", "lsf"]}, "unknown policy 'lsf'; choose from fifo, slurm"),
     ({"args": ["--interarrival", "0"]}, "argument --interarrival: '0' must be more than 0"),
     ({"args": ["--progress-share", "1.5"]}, "argument --progress-share: '1.5' must be in [0, 1]"),
+    ({"args": ["--idle-timeout", "30"]}, "argument --idle-timeout: not a duration"),
     ({"args": ["--generate", "5", "--write-trace", "/proc/no/such/dir/t.csv"]},
      "cannot write /proc/no/such/dir/t.csv"),
 ])
