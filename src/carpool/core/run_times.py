@@ -162,7 +162,7 @@ def run_time(job: Job, learned: Mapping[LearnKey, DurationEstimate]
 
 
 
-SILENT_END_QUANTILE = 0.3  # where a silent job is expected to end (`learned_remaining`)
+SILENT_END_QUANTILE = 0.2  # where a silent job is expected to end (`learned_remaining`)
 RANGE_LOW, RANGE_HIGH = 0.1, 0.9  # an 80 % range
 OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x its age more
 # How far a reported job's rate may still change before it ends: the spread (log space) of
@@ -276,7 +276,9 @@ def learned_remaining(run_time: tuple[float, float, float], ran_s: float) -> Rem
     Not the median of that part: a waiting job waits for the first of several running jobs
     to end, and the median end of each puts the first of many too late (replayed traces at
     85 % load, half the jobs reporting: the estimates at arrival were then a median 17 %
-    late). Nor the expected run time less the time run, which has a job that nears its
+    late; with none reporting, where every running job's end is so planned, the error at
+    arrival grew from 31 % at the 20th percentile to 59 % at the 30th on one). Nor the
+    expected run time less the time run, which has a job that nears its
     expectation end any moment, whatever its kind's spread.
 
     Without a spread, or past any run time the spread makes likely: the expected less the
