@@ -927,3 +927,26 @@ def test_a_decision_that_admitted_or_whose_cluster_changed_is_made_again() -> No
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     again = reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05)
     assert again is not waiting and [w.job_key for w in again.waits] == ["team/b"]
+
+
+def test_a_job_read_again_with_the_same_grants_keeps_the_same_grants_tuple() -> None:
+    # (the placement memo knows a node's state by its holders' grants tuples: a status write
+    # must not make every running job's node look new)
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a")]
+    reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+    reconciler.run_pass(1_800_000_000.0)
+    reconciler.wait_for_writes()
+    ((_, status),) = kube.statuses
+    shown = {k: v for k, v in status.items() if v is not None}
+    pod = copy.deepcopy(kube.pods[0])
+    pod["metadata"]["resourceVersion"] = str(kube.version)
+    cluster[PODS], cluster[GPUJOBS] = [pod], [_job("a", str(kube.version), shown)]
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    (before,) = reconciler.read(1_800_000_001.0).jobs
+    assert before.grants
+    cluster[GPUJOBS] = [_job("a", str(kube.version + 1), {**shown, "message": "written"})]
+    reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
+    (after,) = reconciler.read(1_800_000_002.0).jobs
+    assert after is not before and after.grants is before.grants
