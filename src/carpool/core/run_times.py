@@ -162,8 +162,6 @@ def run_time(job: Job, learned: Mapping[LearnKey, DurationEstimate]
 
 
 
-SILENT_END_QUANTILE = 0.2  # where a silent job is expected to end (`learned_remaining`)
-RANGE_LOW, RANGE_HIGH = 0.1, 0.9  # an 80 % range
 OVERRUN_FRACTION = 0.5  # a job past its expectation is expected to run this x its age more
 # How far a reported job's rate may still change before it ends: the spread (log space) of
 # its remaining time on top of what the spread of its recent rates says (rate changes,
@@ -265,38 +263,35 @@ def learned_remaining(run_time: tuple[float, float, float], ran_s: float) -> Rem
     """What a job that does not report still needs by its run time (P10, expected, P90) and
     how long it has run.
 
-    With a spread known (P10 < P90), survival-style: the run time is taken as log-normal
-    around the expected, with the spreads its P10 and P90 give below and above (a split
-    normal in log space, exact at all three), and only its part longer than `ran_s` counts.
-    The job is expected to end at the `SILENT_END_QUANTILE` quantile of that part, within
-    the P10-P90 of the same part. One rule from the start of a run to far past its
-    expectation: the longer a job has run, the later its kind's runs that lasted as long
-    ended.
+    Within its expected run time: the expected less the time run. Each job is thus taken to
+    end when a typical run of its kind would, and the running jobs' ends keep the spread
+    their starts give them; the median of each one's run time given how long it has run
+    would put none of them near its end, and the first of many to end, which a waiting job
+    waits for, much later than it comes.
 
-    Not the median of that part: a waiting job waits for the first of several running jobs
-    to end, and the median end of each puts the first of many too late (replayed traces at
-    85 % load, half the jobs reporting: the estimates at arrival were then a median 17 %
-    late; with none reporting, where every running job's end is so planned, the error at
-    arrival grew from 31 % at the 20th percentile to 59 % at the 30th on one). Nor the
-    expected run time less the time run, which has a job that nears its
-    expectation end any moment, whatever its kind's spread.
-
-    Without a spread, or past any run time the spread makes likely: the expected less the
-    time run (negative: `remaining` gives it a share of the time it has run).
+    Past it, with a spread known (P10 < P90): survival-style, the median and P10/P90 of the
+    run time given that it is longer than `ran_s`, the run time taken as log-normal around
+    the expected with the spreads its P10 and P90 give below and above (a split normal in
+    log space, exact at all three). A job that overran goes on as the longer runs of its
+    kind did. Past any run time that makes likely, or without a spread, the expected less
+    the time run (negative: `remaining` gives it a share of the time it has run).
     """
     low_s, duration_s, high_s = run_time
-    if 0 < low_s < high_s and duration_s > 0:
+    if low_s < high_s and ran_s >= duration_s > 0:
         mu = math.log(duration_s)
-        below = max(mu - math.log(low_s), 1e-6) / Z80
         above = max(math.log(high_s) - mu, 1e-6) / Z80
-        ran = math.log(max(ran_s, 1e-9)) - mu
-        outlived = 1.0 - _NORMAL.cdf(ran / (below if ran < 0 else above))  # P(longer)
+        outlived = _survival((math.log(ran_s) - mu) / above)  # P(run time > ran_s)
         if outlived > 1e-12:
-            def after(q: float) -> float:  # the q-quantile of the part longer than ran_s
-                z = _NORMAL.inv_cdf(min(1.0 - outlived * (1.0 - q), 1.0 - 1e-15))
-                return math.exp(mu + z * (below if z < 0 else above)) - ran_s
-            return Remaining(after(SILENT_END_QUANTILE), after(RANGE_LOW), after(RANGE_HIGH))
+            def after(q: float) -> float:  # the q-quantile of the run time, given ran_s
+                z = -_NORMAL.inv_cdf(outlived * (1.0 - q))
+                return math.exp(mu + z * above) - ran_s
+            return Remaining(after(0.5), after(0.1), after(0.9))
     return Remaining(duration_s - ran_s, low_s - ran_s, high_s - ran_s)
+
+
+def _survival(z: float) -> float:
+    """P(Z > z) for a standard normal Z, accurate far in the tail."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
 def expected_remaining(job: Job, now: float, duration_s: float, min_remaining_s: float) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from statistics import NormalDist
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +20,6 @@ from carpool.core.resources import (
     Phase,
 )
 from carpool.core.run_times import (
-    SILENT_END_QUANTILE,
     Z80,
     expected_duration,
     expected_remaining,
@@ -116,42 +114,29 @@ def test_expected_remaining() -> None:
     assert expected_remaining(queued, 400, 1000, 60) == 1000
 
 
-def test_a_silent_job_ends_at_a_low_quantile_of_its_kinds_runs_that_lasted_as_long() -> None:
-    sigma = 0.5  # P10 and P90 = expected x e^(-+Z80 sigma)
+def test_a_silent_job_within_its_run_time_ends_when_a_typical_run_would() -> None:
+    found = learned_remaining((500, 1000, 2000), 400)
+    assert (found.expected, found.low, found.high) == (600, 100, 1600)
+
+
+def test_a_silent_job_past_its_run_time_goes_on_as_the_longer_runs_did() -> None:
+    sigma = 0.5  # P90 = expected x e^(Z80 sigma)
     run_time = (1000 * math.exp(-Z80 * sigma), 1000, 1000 * math.exp(Z80 * sigma))
-    z = NormalDist().inv_cdf(SILENT_END_QUANTILE)
-    # just started: that quantile of its kind's run time, within their P10-P90
-    fresh = learned_remaining(run_time, 0)
-    assert fresh.expected == pytest.approx(1000 * math.exp(z * sigma), rel=1e-6)
-    assert (fresh.low, fresh.high) == pytest.approx((run_time[0], run_time[2]), rel=1e-4)
-    # at its expected run time only the longer half counts: the quantile within it
+    # at its expected run time, half its kind's runs are longer: their median is the 75th
+    # percentile, e^(0.6745 sigma) x 1000
     at_median = learned_remaining(run_time, 1000)
-    level = NormalDist().inv_cdf(1 - 0.5 * (1 - SILENT_END_QUANTILE))
-    assert at_median.expected == pytest.approx(1000 * (math.exp(level * sigma) - 1), rel=1e-6)
+    assert at_median.expected == pytest.approx(1000 * (math.exp(0.67449 * sigma) - 1), rel=1e-3)
     assert 0 < at_median.low < at_median.expected < at_median.high
-    # the longer it has run, the later it is expected to end, never at once
-    ends = [ran + learned_remaining(run_time, ran).expected for ran in (0, 400, 900, 1000, 2000)]
-    assert ends == sorted(ends) and all(e > r for e, r in zip(ends, (0, 400, 900, 1000, 2000),
-                                                                strict=True))
-    # below and above the expected, each side's own spread
-    skewed = learned_remaining((500, 1000, 4000), 0)
-    assert skewed.expected == pytest.approx(1000 * math.exp(z * math.log(2) / Z80), rel=1e-6)
-    job = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, phase=Phase.RUNNING,
-              runs=(RunRecord(1, 0, None, 1.0),))
+    # further past it, less of what is left is likely, but never nothing
     later = learned_remaining(run_time, 2000)
-    assert remaining(job, 2000, run_time, 60).expected == pytest.approx(later.expected)
-
-
-def test_a_silent_job_without_a_spread_ends_when_a_typical_run_would() -> None:
-    found = learned_remaining((1000, 1000, 1000), 400)
-    assert (found.expected, found.low, found.high) == (600, 600, 600)
+    assert 0 < later.expected < at_median.expected + 1000
     job = Job("a/x", "a", JobClass.SHORT, WHOLE, 0, 1000, phase=Phase.RUNNING,
               runs=(RunRecord(1, 0, None, 1.0),))
-    # past it, or far past any run time a spread makes likely: half the time run
+    assert remaining(job, 2000, run_time, 60).expected == pytest.approx(later.expected)
+    # without a spread, or far past any run time the spread makes likely: half the time run
     assert remaining(job, 2000, (1000, 1000, 1000), 60).expected == 1000
-    spread = (1000 * math.exp(-Z80 * 0.5), 1000, 1000 * math.exp(Z80 * 0.5))
-    assert learned_remaining(spread, 1e6).expected < 0
-    assert remaining(job, 1e6, spread, 60).expected == 5e5
+    assert learned_remaining(run_time, 1e6).expected < 0
+    assert remaining(job, 1e6, run_time, 60).expected == 5e5
 
 
 def test_earliest_slot_waits_for_the_first_gpu_to_free() -> None:
