@@ -12,7 +12,15 @@ from carpool_testbed import devcluster, stack
 
 
 @pytest.fixture(scope="module")
-def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+def carpool_settings() -> dict[str, str]:
+    """Settings (environment variables) a module's operator and extender get beyond the
+    test defaults; a module that tests a setting overrides this fixture."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory,
+                  carpool_settings: dict[str, str]
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """The extender and one operator running against the cluster for one test module.
 
@@ -21,7 +29,8 @@ def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPath
     test that restarts a process puts the new one in its place here, to be stopped at the end.
     """
     log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}) as processes:
+    env = {"CARPOOL_RESYNC_SECONDS": "2", **carpool_settings}
+    with stack.running_stack(cluster, log_dir, env) as processes:
         yield processes
         for name in processes:
             if processes[name].poll() is not None:

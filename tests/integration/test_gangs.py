@@ -20,7 +20,7 @@ import yaml
 
 from carpool.core import names
 from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
-from carpool_testbed import devcluster, simnodes, stack, tenants
+from carpool_testbed import devcluster, simnodes, tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
@@ -29,16 +29,12 @@ RACK = TOPOLOGY_LABELS[TopologyLevel.RACK]
 
 
 @pytest.fixture(scope="module")
-def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[None]:
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2",
-                                                "CARPOOL_UNSCHEDULABLE_TIMEOUT_S": "4"}):
-        yield
+def carpool_settings() -> dict[str, str]:
+    return {"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": "4"}
 
 
 @pytest.fixture
-def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
+def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
           ) -> Iterator[tenants.World]:
     with tenants.World(cluster, tmp_path, "gang") as made:
         yield made

@@ -23,23 +23,15 @@ import yaml
 
 from carpool.core import names
 from carpool.core.timestamps import format_timestamp
-from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed import devcluster, tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[None]:
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"}):
-        yield
-
-
 @pytest.fixture
-def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
+def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
           ) -> Iterator[tenants.World]:
     with tenants.World(cluster, tmp_path, "idle") as made:
         yield made

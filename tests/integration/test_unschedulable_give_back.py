@@ -21,7 +21,7 @@ import yaml
 
 from carpool.core import names
 from carpool.core.lifecycle import MAX_UNSCHEDULABLE_GIVE_BACKS
-from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed import devcluster, tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
@@ -30,17 +30,13 @@ TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="module")
-def operator_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[None]:
-    """The extender and an operator that gives unschedulable jobs back after TIMEOUT_S."""
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with stack.running_stack(cluster, log_dir, {
-            "CARPOOL_RESYNC_SECONDS": "2", "CARPOOL_UNSCHEDULABLE_TIMEOUT_S": str(TIMEOUT_S)}):
-        yield
+def carpool_settings() -> dict[str, str]:
+    """An operator that gives unschedulable jobs back after TIMEOUT_S."""
+    return {"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": str(TIMEOUT_S)}
 
 
 @pytest.fixture
-def world(cluster: devcluster.Cluster, operator_stack: None, tmp_path: Path
+def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
           ) -> Iterator[tenants.World]:
     with tenants.World(cluster, tmp_path, "unsched") as made:
         yield made
