@@ -15,7 +15,7 @@ import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -34,6 +34,7 @@ from carpool.core.scoring import CARPOOL, ScoringPolicy
 from carpool.core.timestamps import format_timestamp_micro
 from carpool.extender.cache import (
     ClusterCache,
+    Hold,
     InFlightClash,
     Refused,
     gang_attempt,
@@ -430,25 +431,12 @@ class Extender:
         placed = {name: e.score for name, e in evaluations.items() if e.score is not None}
         fits = list(placed)
         passed: list[str] = fits
-        waiting: dict[str, str] = {}  # fit, but a same-count pod is in flight there
-        in_flight = snapshot.in_flight
-        if in_flight:
-            passed = []
-            for name in fits:
-                flying = in_flight.get(name)
-                clash = in_flight_clash(flying, counts) if flying else None
-                if clash is None:
-                    passed.append(name)
-                else:
-                    waiting[name] = f"carpool: {clash}"
-        nominated = {}
-        for name, reason in self.nominations.clashes(demand.key, counts, time.monotonic()):
-            if name in waiting or name not in placed:
-                continue
-            nominated[name] = f"carpool: {reason}"
-        if nominated:
-            passed = [name for name in passed if name not in nominated]
-            waiting.update(nominated)
+        # fit, but a same-count pod is in flight or nominated there
+        waiting = {name: f"carpool: {reason}"
+                   for name, reason in self._held(snapshot.in_flight, demand).items()
+                   if name in placed}
+        if waiting:
+            passed = [name for name in fits if name not in waiting]
         # The handshake rule is enforced at bind (under the cache lock); here it steers pods
         # to other nodes. When every fitting node has a hand-over in flight, keep them: bind
         # waits briefly for it, where a rejection would park the pod in the scheduler's
@@ -477,6 +465,21 @@ class Extender:
             log.info("no node for %s: %s", demand.key, dict(why.most_common(3)))
         return encode_filter_result(args, passed, failed, unresolvable)
 
+    def _held(self, in_flight: Mapping[str, Iterable[Hold]], demand: PodDemand
+              ) -> dict[str, str]:
+        """Nodes where another pod of one of `demand`'s GPU counts is being handed over or
+        nominated, with why: filter steers the pod elsewhere while any other node fits (the
+        handshake rule itself is enforced at bind)."""
+        counts = demand.gpu_counts
+        held = {}
+        for name, holds in in_flight.items():
+            clash = in_flight_clash(holds, counts)
+            if clash is not None:
+                held[name] = clash
+        for name, reason in self.nominations.clashes(demand.key, counts, time.monotonic()):
+            held.setdefault(name, reason)
+        return held
+
     def _best_bounded(self, args: ExtenderArgs, demand: PodDemand, policy: str, keep: int
                       ) -> list[str] | None:
         """What `_filter` passes with `filter_best` when some node fits (the best of those
@@ -486,11 +489,7 @@ class Extender:
         if len(args.node_names) < SEARCH_SHARE * len(self.ranker.index.states):
             return None  # a sample (percentageOfNodesToScore): scoring it costs less
         view = self.cache.pod_view(demand.key, self.clock())
-        counts = demand.gpu_counts
-        excluded = {name for name, holds in view.in_flight.items()
-                    if in_flight_clash(holds, counts)}
-        excluded.update(name for name, _ in self.nominations.clashes(demand.key, counts,
-                                                                     time.monotonic()))
+        excluded = self._held(view.in_flight, demand).keys()
         last, asked = self._last_names
         # (the scheduler often sends the same list again: `wire.ArgsReader` reuses it)
         if args.node_names is not last and args.node_names != last:
