@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fake-spec", type=Path, help="fake backend: a YAML node spec")
     p.add_argument("--openb-node-list", type=Path,
                    help="fake backend: take this node's row from an openb node list CSV")
+    p.add_argument("--fake-usage-file", type=Path,
+                   help="fake backend, for tests: read each process's GPU memory from this "
+                        "JSON file, which the host's test writes (a root-owned path, never "
+                        "one a pod can write)")
     p.add_argument("--sharing-mode", choices=tuple(SHARING_MODES), default="mps")
     p.add_argument("--shares-per-gpu", type=int, default=8,
                    help="carpool.dev/gpu devices advertised per GPU (MPS/timeslice)")
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be a user or group ID above 0, got {value}")
     if args.backend == "fake" and not (args.fake_spec or args.openb_node_list):
         p.error("--backend fake needs --fake-spec or --openb-node-list")
+    if args.backend != "fake" and args.fake_usage_file:
+        p.error("--fake-usage-file is only for --backend fake")
     try:
         args.cdi_driver_mount = [DriverMount.parse(m) for m in args.cdi_driver_mount]
     except ValueError as err:
@@ -142,12 +148,18 @@ def make_backend(args: argparse.Namespace) -> Any:
         from carpool.deviceplugin.backends.nvml import NvmlBackend
         return NvmlBackend()
     from carpool.deviceplugin.backends.fake import FakeBackend
+    backend: FakeBackend | None = None
     if args.fake_spec:
-        return FakeBackend.from_yaml(args.fake_spec, node=args.node_name)
-    with args.openb_node_list.open(newline="") as f:
-        for row in csv.DictReader(f):
-            if row.get("sn") == args.node_name:
-                return FakeBackend.from_openb_row(row)
+        backend = FakeBackend.from_yaml(args.fake_spec, node=args.node_name)
+    else:
+        with args.openb_node_list.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if row.get("sn") == args.node_name:
+                    backend = FakeBackend.from_openb_row(row)
+                    break
+    if backend is not None:
+        backend.usage_file = args.fake_usage_file
+        return backend
     raise SystemExit(f"node {args.node_name} is not in {args.openb_node_list}")
 
 

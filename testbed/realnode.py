@@ -44,6 +44,7 @@ from typing import Any, Final
 import yaml
 
 from carpool.core import names
+from carpool.deviceplugin.watchdog import pod_of_pid
 from carpool_testbed import crds, devcluster
 
 DEFAULT_NODE_NAME: Final = "carpool-real-0"
@@ -169,6 +170,11 @@ class NodePaths:
     @property
     def fake_gpus(self) -> Path:
         return self.etc / "fake-gpus.yaml"
+
+    @property
+    def fake_usage(self) -> Path:
+        """The fake GPUs' process memory, which tests write (the plugin's --fake-usage-file)."""
+        return self.etc / "fake-gpu-usage.json"
 
     @property
     def mps_dir(self) -> Path:
@@ -902,6 +908,7 @@ class RealNode:
             sys.executable, "-m", "carpool.deviceplugin",
             "--node-name", self.name,
             "--backend", "fake", "--fake-spec", str(p.fake_gpus),
+            "--fake-usage-file", str(p.fake_usage),
             "--sharing-mode", self.settings.sharing_mode,
             "--shares-per-gpu", str(self.settings.shares_per_gpu),
             "--plugin-dir", str(p.plugin_dir),
@@ -918,6 +925,7 @@ class RealNode:
         p = self.paths
         p.etc.mkdir(parents=True, exist_ok=True)
         p.fake_gpus.write_text(yaml.safe_dump(fake_gpu_spec(self.name), sort_keys=False))
+        p.fake_usage.unlink(missing_ok=True)  # no process holds GPU memory yet
         (p.mps_dir / "pipe").mkdir(parents=True, exist_ok=True)
         if _pid_alive(p, "deviceplugin", "carpool.deviceplugin") is None:
             _spawn(p, "deviceplugin", self.plugin_command())
@@ -948,12 +956,36 @@ class RealNode:
         self.start_plugin()
         self.wait_shares()
 
+    def set_gpu_usage(self, processes: Sequence[tuple[int, str, int]]) -> None:
+        """What the fake GPUs report from now on: (host pid, GPU UUID, MiB) per process, as
+        NVML would list them. Written aside and renamed over: the plugin never reads half."""
+        aside = self.paths.fake_usage.with_suffix(".tmp")
+        aside.write_text(json.dumps({"processes": [
+            {"pid": pid, "gpu": gpu, "usedMiB": mib} for pid, gpu, mib in processes]}))
+        aside.replace(self.paths.fake_usage)
+
     def registrations(self) -> int:
         """How many times the plugin has registered with a kubelet (from its log)."""
         log = self.paths.log("deviceplugin")
         if not log.is_file():
             return 0
         return log.read_text(errors="replace").count("with the kubelet (")
+
+
+def pod_pids(pod_uid: str, marker: str = "", proc: Path = Path("/proc")) -> list[int]:
+    """Host pids of a pod's processes (by their cgroup, as the device plugin's watchdog finds
+    them) whose command line holds `marker` (the sandbox's pause process has its own)."""
+    out = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or pod_of_pid(int(entry.name), proc) != pod_uid:
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        if marker in command:
+            out.append(int(entry.name))
+    return sorted(out)
 
 
 def start(cluster: devcluster.Cluster, settings: NodeSettings | None = None,

@@ -3,10 +3,17 @@
 Built from a small spec (a dict or YAML file) or from one row of the openb node list. UUIDs are
 derived from the node name and GPU index, so every run (and the extender's view of a KWOK node)
 agrees on them. Tests change temperatures, memory, processes and health through the setters.
+
+A test that runs the backend in another process (the device plugin of the real node) drives
+the GPU memory of its processes through a *usage file* instead: a JSON file the host's test
+writes (`{"processes": [{"pid", "gpu": index or UUID, "usedMiB"}]}`), read at each reading, as
+NVML would be asked. It stands in for the driver, so it belongs on the host, never in a path a
+pod can write; the nvml backend has no such input.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Mapping
@@ -92,6 +99,7 @@ class FakeBackend:
         self._events: list[HealthEvent] = []
         self._failing: set[str] = set()
         self._cond = threading.Condition()
+        self.usage_file: Path | None = None  # set: process memory comes from this file
 
     # --- construction -------------------------------------------------------------------
 
@@ -181,7 +189,13 @@ class FakeBackend:
 
     def inventory(self) -> list[GpuFacts]:
         with self._cond:
-            return [self._gpus[i] for i in sorted(self._gpus)]
+            gpus = [self._gpus[i] for i in sorted(self._gpus)]
+        if self.usage_file is None:
+            return gpus
+        used: dict[str, int] = {}
+        for p in self._read_usage_file(self.usage_file):
+            used[p.gpu_uuid] = used.get(p.gpu_uuid, 0) + p.used_mib
+        return [replace(g, memory_used_mib=used.get(g.uuid, 0)) for g in gpus]
 
     def driver_version(self) -> str:
         return self._driver
@@ -190,6 +204,8 @@ class FakeBackend:
         return self._cuda
 
     def process_memory(self) -> list[ProcessMemory]:
+        if self.usage_file is not None:
+            return self._read_usage_file(self.usage_file)
         with self._cond:
             return list(self._processes)
 
@@ -234,6 +250,39 @@ class FakeBackend:
         """What `process_activity` reports from now on (None, the start: not measured)."""
         with self._cond:
             self._activity = None if activity is None else list(activity)
+
+    def _read_usage_file(self, path: Path) -> list[ProcessMemory]:
+        """The processes the usage file lists (none while it does not exist); ValueError
+        naming the entry and field when it is malformed."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return []
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"fake usage file {path}: {err}") from None
+        entries = data.get("processes") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError(f"fake usage file {path}: 'processes' must be a list")
+        with self._cond:
+            by_index = {g.index: g.uuid for g in self._gpus.values()}
+        known = set(by_index.values())
+        out = []
+        for n, entry in enumerate(entries):
+            where = f"fake usage file {path}: processes[{n}]"
+            if not isinstance(entry, dict):
+                raise ValueError(f"{where} must be a mapping")
+            pid, gpu, used = entry.get("pid"), entry.get("gpu"), entry.get("usedMiB")
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                raise ValueError(f"{where}.pid must be a positive integer, got {pid!r}")
+            if isinstance(used, bool) or not isinstance(used, int) or used < 0:
+                raise ValueError(f"{where}.usedMiB must be an integer >= 0, got {used!r}")
+            if isinstance(gpu, int) and not isinstance(gpu, bool) and gpu in by_index:
+                gpu = by_index[gpu]
+            if not isinstance(gpu, str) or gpu not in known:
+                raise ValueError(f"{where}.gpu must be the index or UUID of a GPU of node "
+                                 f"{self.node}, got {gpu!r}")
+            out.append(ProcessMemory(pid, gpu, used))
+        return out
 
     def inject_xid(self, index: int, xid: int, persistent: bool = True) -> None:
         """Report an Xid error; with `persistent`, probes fail until `clear_fault`."""

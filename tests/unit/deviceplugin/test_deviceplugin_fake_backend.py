@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,50 @@ def test_controls_change_readings_and_health() -> None:
     assert not backend.probe(uuid1)
     backend.clear_fault(1)
     assert backend.probe(uuid1)
+
+
+def test_a_usage_file_drives_process_memory_and_used_memory(tmp_path: Path) -> None:
+    """The real node's test drives the plugin's fake GPUs from outside its process."""
+    backend = FakeBackend.from_spec({"node": "n", "gpus": [{"model": "H200", "count": 2}]})
+    usage = tmp_path / "usage.json"
+    backend.usage_file = usage
+    assert backend.process_memory() == []  # no file yet: nothing runs
+    second = fake_gpu_uuid("n", 1)
+    usage.write_text(json.dumps({"processes": [
+        {"pid": 10, "gpu": 0, "usedMiB": 2048}, {"pid": 11, "gpu": second, "usedMiB": 512},
+        {"pid": 12, "gpu": 1, "usedMiB": 256}]}))
+    assert backend.process_memory() == [ProcessMemory(10, fake_gpu_uuid("n", 0), 2048),
+                                        ProcessMemory(11, second, 512),
+                                        ProcessMemory(12, second, 256)]
+    assert [g.memory_used_mib for g in backend.inventory()] == [2048, 768]
+    backend.set_processes([ProcessMemory(99, second, 1)])  # the file wins
+    assert {p.pid for p in backend.process_memory()} == {10, 11, 12}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[]", "'processes' must be a list"),
+    ("{", "fake usage file"),
+    ('{"processes": [{"pid": 0, "gpu": 0, "usedMiB": 1}]}', r"processes\[0\].pid"),
+    ('{"processes": [{"pid": 5, "gpu": 0, "usedMiB": -1}]}', r"processes\[0\].usedMiB"),
+    ('{"processes": [{"pid": 5, "gpu": 7, "usedMiB": 1}]}', r"processes\[0\].gpu"),
+    ('{"processes": [{"pid": 5, "gpu": "GPU-x", "usedMiB": 1}]}', r"processes\[0\].gpu"),
+])
+def test_a_malformed_usage_file_is_explained(tmp_path: Path, text: str, message: str) -> None:
+    backend = FakeBackend.from_spec({"node": "n", "gpus": [{"model": "H200"}]})
+    backend.usage_file = tmp_path / "usage.json"
+    backend.usage_file.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        backend.process_memory()
+
+
+def test_the_usage_file_is_a_flag_of_the_fake_backend_only(tmp_path: Path) -> None:
+    from carpool.deviceplugin.__main__ import make_backend, parse_args
+
+    spec = tmp_path / "node.yaml"
+    spec.write_text("gpus: [{model: T4}]\n")
+    usage = tmp_path / "usage.json"
+    backend = make_backend(parse_args(["--node-name", "n", "--backend", "fake", "--fake-spec",
+                                       str(spec), "--fake-usage-file", str(usage)]))
+    assert backend.usage_file == usage
+    with pytest.raises(SystemExit):
+        parse_args(["--node-name", "n", "--fake-usage-file", str(usage)])

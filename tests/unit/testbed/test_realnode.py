@@ -170,3 +170,17 @@ def test_containerd_config_adds_the_nvidia_handler_only_when_asked(tmp_path: Pat
     assert cri["containerd"]["default_runtime_name"] == "runc"  # tenants' pods: no env door
     assert runtimes["nvidia"]["options"] == {"SystemdCgroup": False,
                                              "BinaryName": "/opt/nct/runtime"}
+
+
+def test_pod_pids_finds_a_pods_processes_by_cgroup_and_command(tmp_path: Path) -> None:
+    uid = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+    for pid, cgroup, command in (
+            (7, f"0::/kubepods/besteffort/pod{uid}/abc\n", b"/bin/sh\0-c\0trap ... WORKLOAD"),
+            (8, f"0::/kubepods/besteffort/pod{uid}/def\n", b"/bin/sh\0-c\0pause"),
+            (9, "0::/system.slice/other\n", b"WORKLOAD")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(cgroup)
+        (tmp_path / str(pid) / "cmdline").write_bytes(command)
+    (tmp_path / "self").mkdir()
+    assert realnode.pod_pids(uid, proc=tmp_path) == [7, 8]
+    assert realnode.pod_pids(uid, "WORKLOAD", proc=tmp_path) == [7]
