@@ -12,6 +12,7 @@ CARPOOL_KEEP_CLUSTER=1 keeps the cluster afterwards (the node is always stopped)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -22,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import pytest
@@ -96,21 +97,56 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[devcluster.Cluster]:
             session.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="session")
-def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[Path]:
-    """CRDs, the extender on the scheduler's port and one operator; yields their log folder."""
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    context = stack.running_stack(cluster, log_dir, {"CARPOOL_RESYNC_SECONDS": "2"})
-    with TIMINGS.stage("CRDs, Carpool extender and operator"):
-        processes = context.__enter__()
-    try:
-        yield log_dir
-        for name, process in processes.items():
+class SessionStack:
+    """The session's extender and operator; a test may run them with settings of its own for a
+    while (`with_settings`), after which the defaults run again."""
+
+    DEFAULTS: ClassVar[dict[str, str]] = {"CARPOOL_RESYNC_SECONDS": "2"}
+
+    def __init__(self, cluster: devcluster.Cluster, log_dir: Path) -> None:
+        self.cluster, self.log_dir = cluster, log_dir
+        self._context: Any = None
+
+    def start(self, env: dict[str, str], extender_args: tuple[str, ...] = ()) -> None:
+        self._context = stack.running_stack(self.cluster, self.log_dir, env,
+                                            extender_args=extender_args)
+        self.processes = self._context.__enter__()
+
+    def stop(self) -> None:
+        for name, process in self.processes.items():
             if process.poll() is not None:
-                print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
+                print(f"{name} exited early:\n{stack.log_tail(self.log_dir / f'{name}.log')}")
+        self._context.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def with_settings(self, env: dict[str, str], extender_args: tuple[str, ...] = ()
+                      ) -> Iterator[None]:
+        self.stop()
+        self.start({**self.DEFAULTS, **env}, extender_args)
+        try:
+            yield
+        finally:
+            self.stop()
+            self.start(self.DEFAULTS)
+
+
+@pytest.fixture(scope="session")
+def session_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[SessionStack]:
+    """CRDs, the extender on the scheduler's port and one operator."""
+    running = SessionStack(cluster, Path(tmp_path_factory.mktemp("carpool-logs")))
+    with TIMINGS.stage("CRDs, Carpool extender and operator"):
+        running.start(SessionStack.DEFAULTS)
+    try:
+        yield running
     finally:
-        context.__exit__(None, None, None)
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def carpool_stack(session_stack: SessionStack) -> Path:
+    """The session stack's log folder (operator.log, extender.log)."""
+    return session_stack.log_dir
 
 
 @pytest.fixture(scope="session")
