@@ -14,8 +14,9 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Any
 
 from carpool.core.derived import DerivedState
@@ -45,11 +46,17 @@ class Occupancy:
 class _BestNow:
     """One request's nodes ranked by how well they hold it from now on, over the nodes whose
     occupancies all started by now: there the fit does not depend on the span's end. Entries
-    are (-score, host index, node, node version, grants); an entry whose node changed since is
-    stale and dropped when it comes to the top."""
+    are (-score, host index, push order, the node's state at now, grants); an entry is live
+    while its state is the one last fitted for its node (`fitted`), and a stale one is
+    dropped when it comes to the top. Kept from cycle to cycle by a `TimelineMemo`: a new
+    cycle fits again only the nodes whose state at now is another object than the one fitted
+    (those where jobs started or ended), not every node for every request shape."""
 
-    seen: int  # how much of the timeline's change log is folded in
-    heap: list[tuple[float, int, str, int, tuple[GpuGrant, ...]]]
+    hosts: tuple[str, ...]  # the nodes that could ever hold the request, in name order
+    fitted: list[NodeState | None]  # per host: its state at now when last fitted
+    heap: list[tuple[float, int, int, NodeState, tuple[GpuGrant, ...]]]
+    seen: int = 0  # how much of the current timeline's change log is folded in
+    pushed: int = 0  # entries pushed so far (orders equal keys; never compared further)
 
 
 # a slot being compared: (start, victims, -score, node, grants, victims' keys)
@@ -87,6 +94,8 @@ class TimelineMemo:
         self._hosts: dict[tuple[tuple[int, ...], GpuRequest],
                           tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
         self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
+        self.rankings: dict[GpuRequest, _BestNow] = {}  # `Timeline.best_now`'s, per request
+        self.ranked: set[GpuRequest] = set()  # the requests ranked since the last `bind`
         # the keys of each table looked up since the last `bind`
         self._used: tuple[set[Any], set[Any], set[Any], set[Any]] = (set(), set(), set(), set())
 
@@ -94,6 +103,7 @@ class TimelineMemo:
         if self.placer is not placer:
             self.placer = placer
             self._fits.clear()
+            self.rankings.clear()
         if len(self._states) + len(self._fits) > self.limit:
             tables: tuple[dict[Any, Any], ...] = (self._states, self._fits, self._hosts,
                                                   self._derived)
@@ -101,8 +111,10 @@ class TimelineMemo:
                 kept = {key: table[key] for key in used if key in table}
                 table.clear()
                 table.update(kept)
+            self.rankings = {r: self.rankings[r] for r in self.ranked if r in self.rankings}
         for used in self._used:
             used.clear()
+        self.ranked.clear()
 
     def derived(self, base: NodeState) -> DerivedState:
         """The `DerivedState` of `base`, the same one every cycle while `base` is passed in."""
@@ -181,6 +193,9 @@ class Timeline:
         self._future: set[str] = set()  # nodes with an occupancy that starts after now
         self._host_index: dict[int, dict[str, int]] = {}  # request id -> node -> host order
         self._best: dict[int, _BestNow] = {}  # request id -> its ranking (see best_now)
+        # every node's state at now when the first ranking was folded in this cycle, and how
+        # much of the change log that was (`_carried`)
+        self._at_now: tuple[int, dict[str, NodeState]] | None = None
         # node -> (its version, the distinct ends of its occupancies in order): `earliest`
         # asks for them on every host for every job it reserves
         self._ends: dict[str, tuple[int, list[float]]] = {}
@@ -347,29 +362,68 @@ class Timeline:
                       ) -> tuple[float, int, str, int, tuple[GpuGrant, ...]] | None:
         """The best entry of the request's ranking over nodes without later reservations."""
         ranking = self._best.get(rid)
+        stale: Iterable[str]
         if ranking is None:
-            ranking = self._best[rid] = _BestNow(len(self._changed), [])
-            stale: Iterable[str] = self._hosts[rid]
+            ranking, stale = self._carried(request, rid)
+            self._best[rid] = ranking
         else:
             stale = dict.fromkeys(self._changed[ranking.seen:])
-            ranking.seen = len(self._changed)
+        ranking.seen = len(self._changed)
         index = self._host_index[rid]
+        fitted, heap = ranking.fitted, ranking.heap
         # any end past now: these nodes' occupancies all overlap it or have ended by now
         end = math.nextafter(self.now, math.inf)
         for name in stale:
             i = index.get(name)
             if i is None or name in self._future:
                 continue
+            ids = self._ids_from_now(name, end)
+            state = self._state(name, ids)
+            if state is fitted[i]:
+                continue
+            fitted[i] = state
             fit = self._fit(name, request, rid, self.now, end)
             if fit is not None:
-                heapq.heappush(ranking.heap, (-fit[0], i, name, self._versions[name], fit[1]))
-        heap = ranking.heap
+                ranking.pushed += 1
+                heapq.heappush(heap, (-fit[0], i, ranking.pushed, state, fit[1]))
+        hosts = ranking.hosts
         while heap:
             entry = heap[0]
-            if entry[2] not in self._future and entry[3] == self._versions[entry[2]]:
-                return entry
+            i = entry[1]
+            name = hosts[i]
+            if entry[3] is fitted[i]:
+                if name not in self._future:
+                    return (entry[0], i, name, self._versions[name], entry[4])
+                fitted[i] = None  # fitted again once the node has no later reservation
             heapq.heappop(heap)
         return None
+
+    def _carried(self, request: GpuRequest, rid: int) -> tuple[_BestNow, Iterable[str]]:
+        """The request's ranking as the last cycle left it (the memo's) and the nodes to fit
+        again: those whose state at now is not the one fitted. Without one, a new ranking
+        and every host."""
+        hosts = self._hosts[rid]
+        kept = None
+        if self.memo is not None:
+            self.memo.ranked.add(request)
+            kept = self.memo.rankings.get(request)
+        if kept is None or kept.hosts is not hosts:
+            ranking = _BestNow(hosts, [None] * len(hosts), [])
+            if self.memo is not None:
+                self.memo.rankings[request] = ranking
+            return ranking, hosts
+        if self._at_now is None:
+            end = math.nextafter(self.now, math.inf)
+            self._at_now = (len(self._changed), {
+                name: self._state(name, self._ids_from_now(name, end)) for name in self._names})
+        seen, at_now = self._at_now
+        stale = dict.fromkeys(name for name, state in zip(hosts, kept.fitted, strict=True)
+                              if at_now[name] is not state)
+        stale.update(dict.fromkeys(self._changed[seen:]))
+        if len(kept.heap) > 2 * len(hosts) + 64:  # drop the stale entries kept so far
+            kept.heap = [e for e in kept.heap if e[3] is kept.fitted[e[1]]]
+            heapq.heapify(kept.heap)
+        return kept, stale
 
     def earliest(self, request: GpuRequest, duration_s: float, not_before: float,
                  yielding: Mapping[str, float] | None = None,
@@ -391,14 +445,13 @@ class Timeline:
         order = {key: i for i, key in enumerate(yielding)} if yielding else {}
         since = protected if yielding and protected else {}
         for name in self._hosts[rid]:
-            occupancies = self._occupancies[name]
-            ends = self._ends_after(name, not_before)
+            times: Iterable[float]
             if since:  # a victim's protection ends: the cycle may preempt it from then on
-                times = sorted({not_before, *ends} | {
-                    since[o.job_key] for o in occupancies
+                times = sorted({not_before, *self._ends_after(name, not_before)} | {
+                    since[o.job_key] for o in self._occupancies[name]
                     if o.job_key in since and not_before < since[o.job_key] < o.end})
-            else:
-                times = [not_before, *ends]
+            else:  # the node's ends looked up only if it does not hold the job at once
+                times = chain((not_before,), self._ends_from(name, not_before))
             for t in times:
                 if best is not None and t > best[0]:
                     break
@@ -417,15 +470,23 @@ class Timeline:
                         best = found
         return Slot(best[0], best[3], best[4], best[5]) if best else None
 
+    def _ends_from(self, node: str, after: float) -> Iterator[float]:
+        """`_ends_after` as it is iterated, without copying the node's list."""
+        ends = self._ends_sorted(node)
+        yield from islice(ends, bisect.bisect_right(ends, after), None)
+
     def _ends_after(self, node: str, after: float) -> list[float]:
         """The distinct times the node's occupancies end after `after`, in order."""
+        ends = self._ends_sorted(node)
+        return ends[bisect.bisect_right(ends, after):]
+
+    def _ends_sorted(self, node: str) -> list[float]:
         version = self._versions[node]
         kept = self._ends.get(node)
         if kept is None or kept[0] != version:
             kept = self._ends[node] = (version, sorted({o.end for o in
                                                         self._occupancies[node]}))
-        ends = kept[1]
-        return ends[bisect.bisect_right(ends, after):]
+        return kept[1]
 
     def _displacing(self, node: str, request: GpuRequest, rid: int, t: float, duration_s: float,
                     yielding: Mapping[str, float], order: Mapping[str, int],

@@ -245,6 +245,49 @@ def test_best_now_equals_a_scan_of_every_node(ops: list[tuple[str, int, int, int
                 == _scanned(timeline, request, length, respect)
 
 
+OP = st.tuples(st.sampled_from(["add", "end", "ask"]), st.integers(0, 5),
+               st.integers(0, len(SHARED) - 1), st.integers(-300, 300), st.integers(1, 600),
+               st.booleans())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(OP, max_size=25), min_size=1, max_size=4), st.integers(1, 3))
+def test_rankings_kept_across_cycles_equal_a_scan(
+        cycles: list[list[tuple[str, int, int, int, int, bool]]], limit_scale: int) -> None:
+    """A memo carries each request's ranking into the next cycle, fitting again only the
+    nodes whose state at now changed: through jobs that ended or started between cycles,
+    reservations and memo trims, best_now must give what looking at every node gives."""
+    nodes = {f"n{i}": node(f"n{i}", gpus=2) for i in range(6)}
+    memo = TimelineMemo(limit=40 * limit_scale)
+    running: dict[str, tuple[str, float, tuple[GpuGrant, ...]]] = {}  # key -> node, end, grants
+    for c, ops in enumerate(cycles):
+        now = 1000.0 + 200.0 * c
+        timeline = Timeline(nodes, now, packing_placer, memo)
+        for key, (name, end, grants) in sorted(running.items()):
+            if end > now:  # the same grants tuple each cycle, as the operator reads it
+                timeline.add(name, Occupancy(key, now, end, grants))
+        for op, n, r, offset, length, respect in ops:
+            request = SHARED[r]
+            if op == "add":
+                start = now if offset < 150 else now + offset
+                slot = (timeline.best_now(request, length) if start <= now
+                        else timeline.earliest(request, length, start))
+                if slot is not None:
+                    key = f"c{c}j{n}{r}{offset}"
+                    timeline.add(slot.node, Occupancy(key, slot.start, slot.start + length,
+                                                      slot.grants))
+                    if slot.start <= now:
+                        running[key] = (slot.node, slot.start + length, slot.grants)
+            elif op == "end" and running:
+                key = sorted(running)[n % len(running)]
+                timeline.end_at(key, now)
+                running.pop(key)
+            else:
+                got = timeline.best_now(request, length, respect)
+                assert (None if got is None else (got.node, got.grants)) \
+                    == _scanned(timeline, request, length, respect)
+
+
 def test_a_full_memo_keeps_what_the_last_cycle_used() -> None:
     placed: list[str] = []
 
