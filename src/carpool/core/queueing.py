@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -401,6 +401,9 @@ class _Cycle:
     # the holders `preemption.victim_cause` can ever name (preemptible, not interactive, not
     # terminating), in `holders` order: the victim scans look at these only
     victims: list[_Holder] = field(default_factory=list)
+    # those `preemption.may_be_victim` allows now, each with its effective level now and
+    # the GPU-hours it would lose (`_victim_candidates`; gathered on first use)
+    victims_now: list[tuple[_Holder, int, float]] | None = None
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
     preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
@@ -611,21 +614,30 @@ def _excess(ledger: ProjectLedger, fraction: float, memory: int, leaving: list[_
     return (max(0.0, gpus) if gpus > 1e-9 else 0.0, max(0.0, mem))
 
 
+def _victim_candidates(cycle: _Cycle, job: Job, in_quota: bool, gone: Set[str]
+                       ) -> list[Candidate]:
+    """The cycle's victims not in `gone` that `preemption.victim_cause` lets `job` preempt
+    now, in `holders` order, with their cause and loss. What is each victim's alone (may it
+    be preempted now, its level, its loss) is computed once a cycle, not once per search."""
+    now = cycle.snapshot.now
+    step = cycle.config.aging_step_s
+    if cycle.victims_now is None:
+        cycle.victims_now = [(h, effective_level(h.job, now, step),
+                              lost_gpu_hours(h.job, h.fraction, now))
+                             for h in cycle.victims if may_be_victim(h.job, now)]
+    own = effective_level(job, now, step)
+    return [Candidate(h.job, cause, lost) for h, level, lost in cycle.victims_now
+            if h.job.key not in gone and h.job.key != job.key
+            and (cause := cause_between(job.project, in_quota, own, h.job, level)) is not None]
+
+
 def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
     config = cycle.config
     now = cycle.snapshot.now
     budget = largest_plan(config.max_preemptions_per_cycle, len(cycle.preemptions))
     if budget <= 0:
         return []
-    candidates = []
-    for holder in cycle.victims:
-        victim = holder.job
-        if victim.key in cycle.leaving:
-            continue
-        cause = victim_cause(job, in_quota, victim, now, config.aging_step_s)
-        if cause is not None:
-            candidates.append(Candidate(victim, cause, lost_gpu_hours(victim, holder.fraction,
-                                                                      now)))
+    candidates = _victim_candidates(cycle, job, in_quota, cycle.leaving)
     plan = plan_preemption(job.request, duration, candidates, cycle.timeline,
                            frozenset(cycle.leaving))
     if plan is None or len(plan.victims) > budget:
@@ -970,12 +982,8 @@ class _QueueDecisions:
         if budget <= 0 or cycle.preempt_attempts >= config.max_preemption_attempts_per_cycle:
             return []
         cycle.preempt_attempts += 1
-        candidates = sorted(
-            (Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
-             for h in cycle.victims if h.job.key not in cycle.leaving
-             and (cause := victim_cause(job, in_quota, h.job, now,
-                                        config.aging_step_s)) is not None),
-            key=lambda c: c.preference)[:MAX_GANG_VICTIM_SEARCH]
+        candidates = sorted(_victim_candidates(cycle, job, in_quota, cycle.leaving),
+                            key=lambda c: c.preference)[:MAX_GANG_VICTIM_SEARCH]
         leaving = frozenset(cycle.leaving)
 
         def fits(chosen: list[Candidate]) -> GangPlacement | None:
@@ -1405,9 +1413,7 @@ class _QueueDecisions:
         if slot is not None:
             node, grants = slot.node, slot.grants
         else:
-            others = [Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now))
-                      for h in cycle.victims if h.job.key not in gone
-                      and (cause := victim_cause(job, True, h.job, now, step)) is not None]
+            others = _victim_candidates(cycle, job, True, gone)
             plan = plan_preemption(job.request, duration, others, cycle.timeline, gone)
             if plan is None:
                 return []
