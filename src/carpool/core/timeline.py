@@ -14,9 +14,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from itertools import chain, islice
 from typing import Any
 
 from carpool.core.derived import DerivedState
@@ -54,6 +53,7 @@ class _BestNow:
 
     hosts: tuple[str, ...]  # the nodes that could ever hold the request, in name order
     fitted: list[NodeState | None]  # per host: its state at now when last fitted
+    fits: list[tuple[float, tuple[GpuGrant, ...]] | None]  # per host: that fit (`earliest`)
     heap: list[tuple[float, int, int, NodeState, tuple[GpuGrant, ...]]]
     seen: int = 0  # how much of the current timeline's change log is folded in
     pushed: int = 0  # entries pushed so far (orders equal keys; never compared further)
@@ -382,7 +382,7 @@ class Timeline:
             if state is fitted[i]:
                 continue
             fitted[i] = state
-            fit = self._fit(name, request, rid, self.now, end)
+            fit = ranking.fits[i] = self._fit(name, request, rid, self.now, end)
             if fit is not None:
                 ranking.pushed += 1
                 heapq.heappush(heap, (-fit[0], i, ranking.pushed, state, fit[1]))
@@ -408,7 +408,7 @@ class Timeline:
             self.memo.ranked.add(request)
             kept = self.memo.rankings.get(request)
         if kept is None or kept.hosts is not hosts:
-            ranking = _BestNow(hosts, [None] * len(hosts), [])
+            ranking = _BestNow(hosts, [None] * len(hosts), [None] * len(hosts), [])
             if self.memo is not None:
                 self.memo.rankings[request] = ranking
             return ranking, hosts
@@ -444,18 +444,25 @@ class Timeline:
         rid = self._request_id(request)
         order = {key: i for i, key in enumerate(yielding)} if yielding else {}
         since = protected if yielding and protected else {}
-        for name in self._hosts[rid]:
-            times: Iterable[float]
-            if since:  # a victim's protection ends: the cycle may preempt it from then on
-                times = sorted({not_before, *self._ends_after(name, not_before)} | {
-                    since[o.job_key] for o in self._occupancies[name]
-                    if o.job_key in since and not_before < since[o.job_key] < o.end})
-            else:  # the node's ends looked up only if it does not hold the job at once
-                times = chain((not_before,), self._ends_from(name, not_before))
-            for t in times:
-                if best is not None and t > best[0]:
-                    break
-                fit = self._fit(name, request, rid, t, t + duration_s)
+        # from now, a node without later reservations holds the job as it holds it at now:
+        # best_now's ranking knows that fit already (folded up to date here)
+        known = None
+        if not_before == self.now:
+            self._best_current(request, rid)
+            known = self._best[rid].fits
+        for i, name in enumerate(self._hosts[rid]):
+            # the times after `not_before` when the node may first hold the job: its ends,
+            # and when a victim's protection ends (the cycle may preempt it from then on)
+            later = (sorted(set(self._ends_after(name, not_before)) | {
+                since[o.job_key] for o in self._occupancies[name]
+                if o.job_key in since and not_before < since[o.job_key] < o.end})
+                if since else self._ends_sorted(name))
+            at = 0 if since else -1  # -1: the first end after `not_before` not looked up yet
+            t = not_before
+            while best is None or t <= best[0]:
+                fit = (known[i] if known is not None and t == not_before
+                       and name not in self._future
+                       else self._fit(name, request, rid, t, t + duration_s))
                 if fit is not None:
                     candidate = (t, 0, -fit[0], name, fit[1], ())
                     if best is None or candidate[:4] < best[:4]:
@@ -468,12 +475,13 @@ class Timeline:
                         found = None
                     if found is not None and (best is None or found[:4] < best[:4]):
                         best = found
+                if at < 0:
+                    at = bisect.bisect_right(later, not_before)
+                if at >= len(later):
+                    break
+                t = later[at]
+                at += 1
         return Slot(best[0], best[3], best[4], best[5]) if best else None
-
-    def _ends_from(self, node: str, after: float) -> Iterator[float]:
-        """`_ends_after` as it is iterated, without copying the node's list."""
-        ends = self._ends_sorted(node)
-        yield from islice(ends, bisect.bisect_right(ends, after), None)
 
     def _ends_after(self, node: str, after: float) -> list[float]:
         """The distinct times the node's occupancies end after `after`, in order."""

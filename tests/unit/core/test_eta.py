@@ -286,6 +286,27 @@ def test_rankings_kept_across_cycles_equal_a_scan(
                 got = timeline.best_now(request, length, respect)
                 assert (None if got is None else (got.node, got.grants)) \
                     == _scanned(timeline, request, length, respect)
+                found = timeline.earliest(request, length, now)
+                assert (None if found is None else (found.start, found.node, found.grants)) \
+                    == _earliest_scanned(timeline, request, length, now)
+
+
+def _earliest_scanned(timeline: Timeline, request: GpuRequest, duration: float,
+                      not_before: float) -> tuple[float, str, tuple[GpuGrant, ...]] | None:
+    """earliest by definition: on every node, the first of `not_before` and the ends after
+    it where the job fits; the earliest, then the best score, then the first name."""
+    best: tuple[float, float, str, tuple[GpuGrant, ...]] | None = None
+    for name in timeline.node_names:
+        if timeline.never_fits(name, request):
+            continue
+        ends = sorted({o.end for o in timeline.occupancies(name) if o.end > not_before})
+        for t in [not_before, *ends]:
+            fit = timeline.fit_during(name, request, t, t + duration)
+            if fit is not None:
+                if best is None or (t, -fit[0], name) < best[:3]:
+                    best = (t, -fit[0], name, fit[1])
+                break
+    return None if best is None else (best[0], best[2], best[3])
 
 
 def test_a_full_memo_keeps_what_the_last_cycle_used() -> None:
