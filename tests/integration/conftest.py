@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool_testbed import devcluster, stack
+from carpool_testbed import devcluster, stack, tenants
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +35,12 @@ def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPath
         for name in processes:
             if processes[name].poll() is not None:
                 print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest, cluster: devcluster.Cluster, carpool_stack: object,
+          tmp_path: Path) -> Iterator[tenants.World]:
+    """One test's namespaces, projects and tenants, served by the module's operator stack, named
+    under the module's `WORLD_PREFIX` (a module with a stack of its own defines its own)."""
+    with tenants.World(cluster, tmp_path, request.module.WORLD_PREFIX) as made:
+        yield made

@@ -15,28 +15,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from carpool.core import names
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "size"  # the tenants' names (the `world` fixture)
 
 GIB = 1024
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "size") as made:
-        yield made
 
 
 def sweep(name: str, project: str, node: str, seconds: int | None) -> dict[str, Any]:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,24 +18,18 @@ import yaml
 
 from carpool.core import names
 from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
-from carpool_testbed import devcluster, simnodes, tenants
+from carpool_testbed import simnodes, tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "gang"  # the tenants' names (the `world` fixture)
 RACK = TOPOLOGY_LABELS[TopologyLevel.RACK]
 
 
 @pytest.fixture(scope="module")
 def carpool_settings() -> dict[str, str]:
     return {"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": "4"}
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "gang") as made:
-        yield made
 
 
 @dataclass

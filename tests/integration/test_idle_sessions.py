@@ -14,8 +14,6 @@ import json
 import math
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,18 +21,12 @@ import yaml
 
 from carpool.core import names
 from carpool.core.timestamps import format_timestamp
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "idle") as made:
-        yield made
+WORLD_PREFIX = "idle"  # the tenants' names (the `world` fixture)
 
 
 def session(name: str, project: str, node: str) -> dict[str, Any]:

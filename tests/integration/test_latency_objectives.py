@@ -14,27 +14,19 @@ SharingWouldBreakObjective, and `kubectl carpool why` says so.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from carpool.core import names, service_levels
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "slo"  # the tenants' names (the `world` fixture)
 MEASURED = {1: (200.0, 0.005), 2: (180.0, 0.008), 3: (150.0, 0.030)}  # degree: (req/s, P99)
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "slo") as made:
-        yield made
 
 
 def gpujob(name: str, project: str, model: str, image: str, **spec: Any) -> dict[str, Any]:

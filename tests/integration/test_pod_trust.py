@@ -24,31 +24,22 @@ on the shared cluster meanwhile and refuses the tenant, the same write is made a
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
 
 from carpool.core import names
 from carpool.core.timestamps import epoch_seconds
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import Obj, Tenant, tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "trust"  # the tenants' names (the `world` fixture)
 SETTLE_S = 8  # several operator passes (every 2 s here) and their writes
 STRAY_DEADLINE_S = 30  # a stray GPU pod is gone within this long (the issue's bound)
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: dict[str, subprocess.Popen[bytes]],
-          tmp_path: Path) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "trust") as made:
-        yield made
 
 
 class Lab:

@@ -19,30 +19,22 @@ environment the test fails: B's wait never says it is due, and C starts first.
 
 from __future__ import annotations
 
-import subprocess
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from carpool.core.queueing import DUE_NOTE as DUE
 from carpool.core.timestamps import epoch_seconds
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import Obj, Tenant, tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "due"  # the tenants' names (the `world` fixture)
 R_EXPECTED_S = 10  # what R is expected to take: B's promise is about this long after R starts
 R_RUNS_S = 35  # how long R runs: B's promise passes while R still holds the GPU
 SETTLE_S = 8  # the operator's passes (every 2 s here) and status writes after a change
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: dict[str, subprocess.Popen[bytes]],
-          tmp_path: Path) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "due") as made:
-        yield made
 
 
 def _epoch(text: object) -> float:

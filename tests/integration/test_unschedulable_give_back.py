@@ -11,9 +11,7 @@ free, and after three give-backs it fails with that reason (docs/concepts.md).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +19,12 @@ import yaml
 
 from carpool.core import names
 from carpool.core.lifecycle import MAX_UNSCHEDULABLE_GIVE_BACKS
-from carpool_testbed import devcluster, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "unsched"  # the tenants' names (the `world` fixture)
 TIMEOUT_S = 4
 
 
@@ -33,13 +32,6 @@ TIMEOUT_S = 4
 def carpool_settings() -> dict[str, str]:
     """An operator that gives unschedulable jobs back after TIMEOUT_S."""
     return {"CARPOOL_UNSCHEDULABLE_TIMEOUT_S": str(TIMEOUT_S)}
-
-
-@pytest.fixture
-def world(cluster: devcluster.Cluster, carpool_stack: object, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "unsched") as made:
-        yield made
 
 
 @dataclass
