@@ -477,10 +477,21 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
     holders: list[_Holder] = []
     spans: dict[str, list[tuple[float, float, int]]] = {}
     spreads: dict[str, _Spread] = {}
+    memo = config.timeline_memo
+    kept = memo.holders if memo is not None else {}
+    facts: dict[str, tuple[Job, NodeState | None, int, float, int]] = {}
     for job in (j for j in jobs if j.holds_gpus):
-        nominal = job_nominal_fraction(job, reference_mib)
-        fraction = held_fraction(job, nodes, nominal)
-        memory = _job_memory(job, reference_mib)
+        # its GPU equivalents and memory: the same while the job, its node and the
+        # reference are (most running jobs, from one cycle to the next)
+        node = nodes.get(job.node)
+        fact = kept.get(job.key)
+        if (fact is None or fact[0] is not job or fact[1] is not node
+                or fact[2] != reference_mib or job.placements):
+            nominal = job_nominal_fraction(job, reference_mib)
+            fact = (job, node, reference_mib, held_fraction(job, nodes, nominal),
+                    _job_memory(job, reference_mib))
+        facts[job.key] = fact
+        fraction, memory = fact[3], fact[4]
         left = remaining(job, now, run_time(job, learned), config.min_remaining_s)
         remaining_s = left.expected
         if job.terminating:
@@ -505,6 +516,8 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
             claims = budget_claims(ledger.quota, fraction, now, job.started_at, job.limit_s)
             ledger.add(fraction, memory, job.borrowed, claims)
             spans.setdefault(job.project, []).append((end, fraction, memory))
+    if memo is not None:
+        memo.holders = facts
     models = frozenset(g.model for n in nodes.values() for g in n.inventory.gpus)
     capacity = float(sum(1 for n in nodes.values() if n.inventory.ready
                          for g in n.inventory.gpus if g.healthy))

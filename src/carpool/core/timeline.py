@@ -16,11 +16,14 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from carpool.core.derived import DerivedState
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.resources import GpuGrant, GpuRequest
+
+if TYPE_CHECKING:
+    from carpool.core.jobs import Job
 
 # Places a request on a node as it is: (score in [0, 1], higher is better; the grants), or
 # None if it does not fit. The single seam where the extender's GPU choice and scoring
@@ -95,6 +98,9 @@ class TimelineMemo:
                           tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
         self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
         self.rankings: dict[GpuRequest, _BestNow] = {}  # `Timeline.best_now`'s, per request
+        # job key -> what the cycle derives from a running job and its node alone, kept
+        # while both are the same objects (`queueing._build_cycle`; the last cycle's holders)
+        self.holders: dict[str, tuple[Job, NodeState | None, int, float, int]] = {}
         self.ranked: set[GpuRequest] = set()  # the requests ranked since the last `bind`
         # the keys of each table looked up since the last `bind`
         self._used: tuple[set[Any], set[Any], set[Any], set[Any]] = (set(), set(), set(), set())

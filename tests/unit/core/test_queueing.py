@@ -22,6 +22,7 @@ from carpool.core.resources import (
     JobClass,
     Phase,
 )
+from carpool.core.timeline import TimelineMemo
 from carpool_testbed.builders import GIB, HOUR, gpu_job, gpu_node, packing_placer
 
 CONFIG = AdmissionConfig(node_placer=packing_placer)
@@ -368,3 +369,22 @@ def test_the_cycle_stops_an_idle_session_and_keeps_a_busy_one() -> None:
     result = cycle([idle, busy], now=now,
                    quota_map=quotas("a", idle_session_timeout_s=1800.0))
     assert [(e.job_key, e.reason) for e in result.expiries] == [("a/idle", "IdleTimeout")]
+
+
+def test_a_memo_reads_a_running_jobs_share_anew_when_its_node_changes() -> None:
+    """What a cycle derives from a running job and its node is kept by the memo while both
+    are the same objects: a node whose GPUs changed under the same job is read anew."""
+    running = replace(job("a/r", memory_gib=20, exclusive=False), phase=Phase.RUNNING,
+                      node="n1", grants=(GpuGrant("n1-g0", 20 * GIB, 0),), attempts=1,
+                      runs=(RunRecord(1, 0.0, None, 0.25),))
+    small, large, other = node(memory_gib=40), node(memory_gib=80), node("n2", memory_gib=80)
+    memo = replace(CONFIG, timeline_memo=TimelineMemo())
+
+    def running_gpus(n: NodeState, config: AdmissionConfig) -> float:
+        return cycle([running], now=60.0, nodes=[n, other],
+                     config=config).projects[0].running_gpus
+
+    expected = [running_gpus(n, CONFIG) for n in (small, large, small)]
+    assert expected[0] != expected[1]
+    assert [running_gpus(n, memo) for n in (small, small, large, small)] == [
+        expected[0], *expected]
