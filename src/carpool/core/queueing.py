@@ -371,6 +371,8 @@ class _Holder:
     fraction: float
     memory_mib: int
     end: float
+    # GPU-hours per budget period its project's budget holds for it (`quota.budget_claims`)
+    claims: Mapping[float, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -502,7 +504,8 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
         # a holder occupies at least the instant `now`, even at epoch times where a tiny
         # remainder added to `now` rounds back to `now`
         end = max(now + remaining_s, math.nextafter(now, math.inf))
-        holders.append(_Holder(job, fraction, memory, end))
+        holder = _Holder(job, fraction, memory, end)
+        holders.append(holder)
         if job.placements:  # a gang: each worker's GPUs on its own node
             for worker in job.placements:
                 if worker.node in nodes:
@@ -513,7 +516,8 @@ def _build_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig) -> _Cycle:
             timeline.add(job.node, Occupancy(job.key, now, end, grants))
         ledger = ledgers.get(job.project)
         if ledger is not None:
-            claims = budget_claims(ledger.quota, fraction, now, job.started_at, job.limit_s)
+            claims = holder.claims = budget_claims(ledger.quota, fraction, now, job.started_at,
+                                                   job.limit_s)
             ledger.add(fraction, memory, job.borrowed, claims)
             spans.setdefault(job.project, []).append((end, fraction, memory))
     if memo is not None:
@@ -1564,8 +1568,7 @@ def _project_statuses(cycle: _Cycle, admitted: Mapping[str, list[tuple[float, bo
         borrowed = (sum(h.fraction for h in mine if h.job.borrowed)
                     + sum(f for f, b, _ in new if b))
         current = quota.period_start(now)
-        reserved = sum((budget_claims(quota, h.fraction, now, h.job.started_at,
-                                      h.job.limit_s).get(current, 0.0) for h in mine), 0.0)
+        reserved = sum((h.claims.get(current, 0.0) for h in mine), 0.0)
         reserved += sum(r for _, _, r in new)
         efficiency = memory_efficiency(by_project.get(name, ())).ratio
         budget = quota.budget_gpu_hours
