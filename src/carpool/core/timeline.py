@@ -78,7 +78,9 @@ class Slot:
 
 class TimelineMemo:
     """Node states and fit results kept from one cycle to the next, for callers that run many
-    cycles over the same nodes (a replay: each event changes one node, the rest repeat).
+    cycles over the same nodes (a replay: each event changes one node, the rest repeat); also
+    each request's ranking of nodes (`_BestNow`) and what a cycle derives from each running
+    job (`holders`), which most of the next cycle's nodes and jobs leave as they were.
 
     Keyed by the identity of the node's base state (kept alive here, so an id is never
     reused while its entry exists) and the grants held, so a changed inventory never meets
@@ -94,8 +96,9 @@ class TimelineMemo:
                            tuple[NodeState, tuple[tuple[GpuGrant, ...], ...], NodeState]] = {}
         self._fits: dict[tuple[int, GpuRequest], tuple[NodeState, tuple[float, tuple[
             GpuGrant, ...]] | None]] = {}
-        self._hosts: dict[tuple[tuple[int, ...], GpuRequest],
-                          tuple[tuple[NodeState, ...], tuple[str, ...]]] = {}
+        self._hosts: dict[tuple[int, GpuRequest], tuple[tuple[NodeState, ...], tuple[str, ...],
+                                                          dict[str, int]]] = {}
+        self._bases: tuple[NodeState, ...] | None = None  # the last `same_bases`
         self._derived: dict[int, tuple[NodeState, DerivedState]] = {}
         self.rankings: dict[GpuRequest, _BestNow] = {}  # `Timeline.best_now`'s, per request
         # job key -> what the cycle derives from a running job and its node alone, kept
@@ -151,16 +154,29 @@ class TimelineMemo:
         self._used[1].add(key)
         return entry[1]
 
+    def same_bases(self, bases: tuple[NodeState, ...]) -> tuple[NodeState, ...]:
+        """`bases`, or the tuple of the very same states that the cycle before passed: one
+        identity per set of base states, which `hosts` is keyed by (checked once a cycle,
+        not once per request)."""
+        last = self._bases
+        if last is not None and len(last) == len(bases) and all(
+                a is b for a, b in zip(last, bases, strict=True)):
+            return last
+        self._bases = bases
+        return bases
+
     def hosts(self, bases: tuple[NodeState, ...], names: tuple[str, ...],
-              request: GpuRequest) -> tuple[str, ...]:
-        key = (tuple(id(b) for b in bases), request)
+              request: GpuRequest) -> tuple[tuple[str, ...], dict[str, int]]:
+        """The nodes of `bases` (from `same_bases`) that could ever hold the request, and
+        each one's place among them."""
+        key = (id(bases), request)
         entry = self._hosts.get(key)
-        if entry is None or any(a is not b for a, b in zip(entry[0], bases, strict=True)):
+        if entry is None or entry[0] is not bases:
             hosts = tuple(n for n, b in zip(names, bases, strict=True)
                           if node_rejection(b, request) is None)
-            entry = self._hosts[key] = (bases, hosts)
+            entry = self._hosts[key] = (bases, hosts, {n: i for i, n in enumerate(hosts)})
         self._used[2].add(key)
-        return entry[1]
+        return entry[1], entry[2]
 
 
 class Timeline:
@@ -186,6 +202,8 @@ class Timeline:
             for name, state in nodes.items()}
         self._names = sorted(nodes)
         self._bases = tuple(self._base[n] for n in self._names)
+        if memo is not None:
+            self._bases = memo.same_bases(self._bases)
         self._occupancies: dict[str, list[Occupancy]] = {name: [] for name in nodes}
         self._starts: dict[str, list[float]] = {name: [] for name in nodes}  # sorted
         self._versions: dict[str, int] = dict.fromkeys(nodes, 0)
@@ -212,11 +230,12 @@ class Timeline:
         if rid is None:
             rid = self._request_ids[request] = len(self._request_ids)
             if self.memo is not None:
-                self._hosts[rid] = self.memo.hosts(self._bases, tuple(self._names), request)
+                self._hosts[rid], self._host_index[rid] = self.memo.hosts(
+                    self._bases, tuple(self._names), request)
             else:
-                self._hosts[rid] = tuple(n for n in self._names
-                                         if node_rejection(self._base[n], request) is None)
-            self._host_index[rid] = {n: i for i, n in enumerate(self._hosts[rid])}
+                hosts = self._hosts[rid] = tuple(
+                    n for n in self._names if node_rejection(self._base[n], request) is None)
+                self._host_index[rid] = {n: i for i, n in enumerate(hosts)}
         return rid
 
     @property
