@@ -877,6 +877,11 @@ class _QueueDecisions:
         # `_yielding`'s candidates in order: (job, when it may first be preempted, its
         # effective level then, how long it keeps its GPUs once told to stop)
         self._victims: list[tuple[Job, float, int, float]] | None = None
+        self._victim_times: list[float] = []  # their distinct times, in order
+        self._victim_keys: set[str] = set()
+        # `_yielding`'s answers, by what they depend on (see there); never changed once given
+        self._yielded: dict[tuple[str, bool, int, tuple[int, ...]],
+                            tuple[dict[str, float], dict[str, float]]] = {}
         self._domains: dict[TopologyLevel, tuple[Domain, ...]] | None = None  # (gangs)
         self._gang_never: dict[tuple[tuple[GpuRequest, ...], TopologyNeed | None],
                                str | None] = {}
@@ -1475,6 +1480,18 @@ class _QueueDecisions:
                 if may_be_victim(h.job, at):
                     self._victims.append((h.job, at, effective_level(h.job, at, step),
                                           max(leaving_s(h.job), patience)))
+            self._victim_times = sorted({at for _, at, _, _ in self._victims})
+            self._victim_keys = {victim.key for victim, _, _, _ in self._victims}
+        # the answer depends on the job only through its project, how it preempts and its
+        # level at each victim's time (and on the victims already leaving, which only grow):
+        # jobs that share those share it
+        shared = None
+        if job.key not in self._victim_keys:
+            shared = (job.project, in_quota, len(cycle.leaving),
+                      tuple(effective_level(job, at, step) for at in self._victim_times))
+            found = self._yielded.get(shared)
+            if found is not None:
+                return found
         yielding: dict[str, float] = {}
         protected: dict[str, float] = {}
         levels: dict[float, int] = {}  # `job`'s effective level at each victim's time
@@ -1488,6 +1505,8 @@ class _QueueDecisions:
                 yielding[victim.key] = keeps_s
                 if at > now:
                     protected[victim.key] = at
+        if shared is not None:
+            self._yielded[shared] = (yielding, protected)
         return yielding, protected
 
     def _reserve(self, job: Job, duration: float, not_before: float, limits: bool,
