@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check gpu-latency gpu-node-stage gpu-node clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check gpu-latency gpu-lending gpu-node-stage gpu-node clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -102,6 +102,9 @@ gpu-check: ## On a GPU machine: NVML inventory, MPS limits and the sharing bench
 
 gpu-latency: ## On a GPU machine: services with P99 targets, Carpool's sharing vs fixed degrees 1-6
 	@python3 bench/latency_sharing.py $(GPU_LATENCY_ARGS)
+
+gpu-lending: ## On a GPU machine: lending's owner reclaim and the watchdog with real MPS clients
+	@python3 bench/lending_gpu.py $(GPU_LENDING_ARGS)
 
 gpu-node-stage: dev ## Stage binaries, images and this commit for `make gpu-node` on an offline GPU machine (.gpunode/)
 	@bash hack/gpu-node/stage.sh $(GPU_NODE_STAGE)
