@@ -380,7 +380,7 @@ def reclaim_run(gpu: Gpu, device: str, checkpoint_dir: Path, grace_s: float,
     borrower.hold(int(BORROWER_HOLD * 100 * share), gpu.free_mib())
     log(f"borrower holds {borrower.held_mib} MiB; the owner grows by "
         f"{OWNER_RATE * 100 * share:.0f} MiB/s towards {int(OWNER_TOP * 100 * share)} MiB")
-    want, top = owner.held_mib, int(OWNER_TOP * 100 * share)
+    want, top = owner.held_mib, int(OWNER_TOP * 100 * share) // CHUNK_MIB * CHUNK_MIB
     told = gone = None
     saved: float | None = None
     told_wall = 0.0
