@@ -475,6 +475,16 @@ def _wait(probe: Any, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def _answers(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
                extender_port: int | None, percentage: int | None) -> subprocess.Popen[bytes]:
     import yaml
@@ -501,6 +511,42 @@ def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
     log = (workdir / f"{name}.log").open("wb")
     return subprocess.Popen([str(bin_dir / "kube-scheduler"), f"--config={path}",
                              "--secure-port=0"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def serve_null(port: int, kubeconfig: str) -> None:
+    """The least an extender can do (`--cluster --null-extender`): filter passes the first
+    node it is asked about, bind POSTs the Binding as Carpool's extender does (through
+    `KubeCluster`). Against it, what the scheduler-extender protocol itself costs."""
+    from aiohttp import web
+
+    from carpool.extender.kube import KubeCluster, api_client
+
+    cluster = KubeCluster(api_client(kubeconfig))
+
+    def answer(body: dict[str, Any]) -> web.Response:
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def filter_(request: web.Request) -> web.Response:
+        names = orjson.loads(await request.read()).get("NodeNames") or []
+        return answer({"NodeNames": names[:1], "FailedNodes": {}, "Error": ""})
+
+    async def bind(request: web.Request) -> web.Response:
+        args = orjson.loads(await request.read())
+        try:
+            await cluster.bind_pod_async(args["PodNamespace"], args["PodName"], args["PodUID"],
+                                         args["Node"], {})
+        except Exception as exc:  # the scheduler retries, as with Carpool's
+            return answer({"Error": str(exc)})
+        return answer({"Error": ""})
+
+    async def livez(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/filter", filter_)
+    app.router.add_post("/bind", bind)
+    app.router.add_get("/livez", livez)
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
 
 
 def _bind_times(core: Any, namespace: str, selector: str, count: int,
@@ -626,10 +672,21 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
         _wait(extender_ready, 120, "the extender to see every node")
         toleration = {"key": taint["key"], "operator": "Equal", "value": node_run,
                       "effect": "NoSchedule"}
-        for label, with_extender in (("without extender", False), ("with extender", True)):
-            scheduler_name = f"bench-{'carpool' if with_extender else 'plain'}-{run}"
+        setups: list[tuple[str, int | None]] = [("without extender", None)]
+        if args.null_extender:
+            null_port = _free_port()
+            processes.append(subprocess.Popen(
+                [sys.executable, __file__, "--serve-null", "--port", str(null_port),
+                 "--kubeconfig", str(paths.kubeconfig)],
+                stdout=(workdir / "null-extender.log").open("wb"), stderr=subprocess.STDOUT))
+            _wait(lambda: _answers(null_port), 60, "the null extender to start")
+            setups.append(("null extender", null_port))
+        setups.append(("with extender", port))
+        for label, extender_port in setups:
+            scheduler_name = f"bench-{label.split()[0]}-{run}"
+            # (an extender is asked only about pods with a resource it manages)
             limits = ({"carpool.dev/gpu": "1", "carpool.dev/gpu-memory": "10"}
-                      if with_extender else {})
+                      if extender_port else {})
             pods = [{"apiVersion": "v1", "kind": "Pod",
                      "metadata": {"name": f"{scheduler_name}-{i:05d}",
                                   "labels": {"bench": scheduler_name}},
@@ -644,13 +701,13 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
             cpu_before = _cpu_seconds(processes[0].pid)
             api_before = _apiserver_binding_latency(api)
             processes.append(_scheduler(bin_dir, paths.kubeconfig, workdir, scheduler_name,
-                                        port if with_extender else None, args.percentage))
+                                        extender_port, args.percentage))
             times = _bind_times(core, namespace, f"bench={scheduler_name}", args.pods, 600)
             api_after = _apiserver_binding_latency(api)
             binds = api_after[1] - api_before[1]
             print(f"  API server: {binds:.0f} Binding POSTs, mean "
-                  f"{1000 * (api_after[0] - api_before[0]) / max(binds, 1):.1f} ms; extender "
-                  f"process CPU {_cpu_seconds(processes[0].pid) - cpu_before:.1f} s")
+                  f"{1000 * (api_after[0] - api_before[0]) / max(binds, 1):.1f} ms; Carpool "
+                  f"extender process CPU {_cpu_seconds(processes[0].pid) - cpu_before:.1f} s")
             rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
             results[label] = rate
             print(f"{label:<17} {len(times)} of {args.pods} pods bound; "
@@ -672,8 +729,10 @@ def _bench_cluster(args: argparse.Namespace, cluster: Any) -> int:
                                if line.startswith(("carpool_extender_requests_total",
                                                    "carpool_extender_watch_events{"))))
         if results.get("without extender"):
-            ratio = results["with extender"] / results["without extender"]
-            print(f"ratio with/without: {ratio:.2f}")
+            for label in results:
+                if label != "without extender":
+                    print(f"ratio {label}/without: "
+                          f"{results[label] / results['without extender']:.2f}")
     finally:
         for process in processes:
             process.terminate()
@@ -708,7 +767,7 @@ def sampled_replay(nodes: list[Any], sequence: list[Any], scorer: Any,
     the end.)"""
     from carpool.replay import simulation
 
-    cluster = simulation._Cluster(nodes)
+    cluster = simulation._Cluster(nodes, scorer)
     n = len(nodes)
     share = percentage or max(5, 50 - n // 125)
     wanted = n if share >= 100 else max(100, n * share // 100)
@@ -867,6 +926,11 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18181)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-null", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kubeconfig", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--null-extender", action="store_true",
+                        help="(--cluster) also a scheduler with an extender that does the "
+                             "least an extender can: the protocol's own cost")
     parser.add_argument("--cluster", action="store_true",
                         help="end to end on the local cluster: pods/s with vs without extender")
     parser.add_argument("--nodes", type=int,
@@ -902,6 +966,9 @@ def main() -> int:
         return bench_cold_passes(args)
     if args.sampling:
         return bench_sampling(args)
+    if args.serve_null:
+        serve_null(args.port, args.kubeconfig)
+        return 0
     if args.cluster:
         args.nodes = args.nodes or 1000
         return bench_cluster(args)
