@@ -10,7 +10,7 @@ of its width over the actual wait), and the replay's CPU seconds. Share 0 is the
 without any report.
 
     .venv/bin/python bench/progress_waits.py [--shares 0,0.25,0.5,1]
-        [--traces load:0:0.85,load:4:0.85,openb:0.004] [--against ../main]
+        [--traces load:0:0.85,load:4:0.85,openb:0.004] [--against ../main] [--scenarios N]
     .venv/bin/python bench/progress_waits.py --diagnose --shares 0.5 --traces load:5:0.85
 
 `--diagnose`: where the error at arrival comes from, per replay. At every cycle in which a
@@ -27,7 +27,9 @@ to every estimate would reach (the spread of the misses, not their bias).
 Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
 generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
 replay share 0 with another checkout's carpool (DIR's bench/ and src/ on this checkout's
-Python), to compare the replay without reports with that checkout's.
+Python), to compare the replay without reports with that checkout's. `--scenarios N`:
+Carpool with `AdmissionConfig.start_scenarios` N (0: each estimate from the one forward
+simulation with every run time as expected, no start scenarios).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,13 +59,16 @@ DEFAULT_TRACES = ("gen:0:80,load:0:0.85,load:1:0.85,load:3:0.85,load:4:0.85,load
 CLASSES = ("interactive", "short", "long", "batch")
 
 
-def replay(spec: str, share: float) -> dict[str, object]:
+def replay(spec: str, share: float, scenarios: int | None = None) -> dict[str, object]:
     trace = load(spec)
     seed = int(spec.split(":")[1]) if not spec.startswith("openb") else 0
+    config = AdmissionConfig(node_placer=extender_placer())
+    if scenarios is not None:
+        config = replace(config, start_scenarios=scenarios)
     started = time.process_time()
     outcome = queue_replay.replay(
         trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
-        queue_replay.carpool_policy(AdmissionConfig(node_placer=extender_placer())),
+        queue_replay.carpool_policy(config),
         "carpool", progress_share=share, progress_seed=seed)
     cpu = time.process_time() - started
     scores = queue_replay.score(outcome)
@@ -251,12 +257,12 @@ def summary(results: list[dict[str, object]]) -> list[str]:
     return lines
 
 
-def _run(task: tuple[str, float | None, Path | None]) -> dict[str, object]:
-    spec, share, against = task
+def _run(task: tuple[str, float | None, Path | None, int | None]) -> dict[str, object]:
+    spec, share, against, scenarios = task
     if share is None:
         assert against is not None
         return replay_in(against, spec)
-    return replay(spec, share)
+    return replay(spec, share, scenarios)
 
 
 def main() -> int:
@@ -270,6 +276,9 @@ def main() -> int:
                         help="where the error at arrival comes from (see above)")
     parser.add_argument("--workers", type=int, default=1,
                         help="replays run side by side in this many processes")
+    parser.add_argument("--scenarios", type=int, default=None, metavar="N",
+                        help="AdmissionConfig.start_scenarios (default: Carpool's); 0: every "
+                             "estimate from one simulation with every run time as expected")
     args = parser.parse_args()
     if args.workers < 1:
         parser.error("--workers must be at least 1")
@@ -279,8 +288,8 @@ def main() -> int:
             for share in shares:
                 print(json.dumps(diagnose(spec, share)), flush=True)
         return 0
-    tasks: list[tuple[str, float | None, Path | None]] = [
-        (spec, share, args.against) for spec in args.traces.split(",")
+    tasks: list[tuple[str, float | None, Path | None, int | None]] = [
+        (spec, share, args.against, args.scenarios) for spec in args.traces.split(",")
         for share in [*([None] if args.against else []), *shares]]
     with multiprocessing.Pool(args.workers) as pool:
         results = []

@@ -142,6 +142,7 @@ class ReconcilerConfig:
             aging_step_s=settings.aging_step_s,
             arrival_window_s=settings.arrival_window_s,
             keep_promises=settings.keep_promises,
+            start_scenarios=settings.start_scenarios,
             lending=(lending.LendingPolicy(settings.lending_observed_s,
                                            reclaim_within_s=settings.lending_reclaim_within_s,
                                            whole_gpus=settings.lending_whole_gpus)

@@ -57,6 +57,10 @@ class OperatorSettings:
     keep_promises: bool = setting(
         "CARPOOL_KEEP_PROMISES", True,
         "a job past its first estimated start ranks as due (true or false)")
+    start_scenarios: int = setting(
+        "CARPOOL_START_SCENARIOS", 9,
+        "forward simulations with drawn run times behind each reserved job's estimate "
+        "(0: one, every run time as expected)")
     write_workers: int = setting(
         "CARPOOL_WRITE_WORKERS", 16, "threads writing pods and statuses at once")
     wait_refresh_s: float = setting(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
+import statistics
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -109,7 +110,10 @@ from carpool.core.run_times import (
     expected_duration,
     learn_durations,
     remaining,
+    remaining_quantiles,
     run_time,
+    scenario_quantiles,
+    split_quantile,
 )
 from carpool.core.scoring import MAX_MEMO_ENTRIES, RequestScorer, Scorer
 from carpool.core.timeline import NodePlacer, Occupancy, Slot, Timeline, TimelineMemo, fluid_start
@@ -176,6 +180,9 @@ class AdmissionConfig:
     timeline_memo: TimelineMemo | None = field(default=None, compare=False)
     # lend running jobs' unused grants to preemptible MPS jobs (core.lending); None: off
     lending: LendingPolicy | None = None
+    # forward simulations with drawn run times whose median start is a reserved job's
+    # estimate (`_scenario_starts`); 0: the cycle's own simulation, every time as expected
+    start_scenarios: int = 9
 
     def __post_init__(self) -> None:
         if self.fair_share_half_life_s <= 0:
@@ -184,6 +191,8 @@ class AdmissionConfig:
             raise ValueError("aging step and reservation depth must not be negative")
         if self.max_preemptions_per_cycle < 0 or self.min_remaining_s <= 0:
             raise ValueError("preemption cap must not be negative; min remaining must be > 0")
+        if self.start_scenarios < 0:
+            raise ValueError("start_scenarios must not be negative")
 
 
 class WaitReason(enum.Enum):
@@ -729,12 +738,17 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
              if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
+    scenarios = _scenario_starts(cycle, walk)
+    simulated = (replace(w, estimated_start=scenarios[w.job_key],
+                         simulated_start=scenarios[w.job_key])
+                 if w.job_key in scenarios and w.simulated_start is not None else w
+                 for w in walk.waits)
     ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
         _range_stretch(by_key[w.job_key].job_class, loads, config),
         walk.start_spreads.get(w.job_key)), now,
         walk.told_after.get(w.job_key)), by_key, now, config)
-        for w in walk.waits), key=lambda w: (w.position, w.job_key))
+        for w in simulated), key=lambda w: (w.position, w.job_key))
     # positions among the jobs still queued after this cycle (refused jobs have none)
     queued = iter(range(1, len(ordered) + 1))
     waits = tuple(w if w.reason.refused else replace(w, position=next(queued))
@@ -842,6 +856,88 @@ def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
     return replace(wait, estimated_start_low=low, estimated_start_high=high)
 
 
+class _Reserved(NamedTuple):
+    """A slot `_reserve` found, as `Timeline.earliest` was asked for it."""
+
+    job: Job
+    duration: float
+    not_before: float
+    yielding: dict[str, float]
+    protected: dict[str, float]
+    max_victims: int | None
+
+
+def _scenario_starts(cycle: _Cycle, walk: _QueueDecisions) -> dict[str, float]:
+    """The estimated start of each job `_reserve` gave a slot: the median of its start over
+    `AdmissionConfig.start_scenarios` forward simulations, in each of which every running
+    job ends at a draw of its remaining time (`run_times.remaining_quantiles`) and every job
+    started or reserved runs a draw of its run time, the reservations made again in queue
+    order. Decisions stay with the cycle's own simulation (every time as expected); only
+    the estimates come from the scenarios.
+
+    A waiting job waits for the first of several running jobs to end. One simulation with
+    every end at its expectation puts that first end wherever the expectations happen to
+    fall: right on median over many jobs and scattered job by job. The scenarios' median
+    is that of the first end. Empty when no time has a spread (every scenario would be the
+    cycle's own simulation)."""
+    count = cycle.config.start_scenarios
+    if count <= 0 or not walk.reserved:
+        return {}
+    now = cycle.snapshot.now
+    config = cycle.config
+    fixed = {p.victim_key for p in cycle.preemptions} | cycle.leaving
+    ends: dict[str, list[float]] = {}  # per running job with a spread: its end per scenario
+    floor = math.nextafter(now, math.inf)
+    for holder in cycle.holders:
+        job = holder.job
+        if job.key in fixed:
+            continue
+        times = run_time(job, cycle.learned)
+        if job.progress is None and not times[0] < times[2]:
+            continue  # no spread: its end as the cycle planned it (`holder.end`)
+        ends[job.key] = [max(now + left, floor) for left in remaining_quantiles(
+            job, now, times, config.min_remaining_s, scenario_quantiles(job.key, count))]
+    jobs = {j.key: j for j in cycle.snapshot.jobs}
+    runs: dict[str, list[float]] = {}  # per job started or reserved: its run time per scenario
+    for key in [a.job_key for a in walk.admissions] + [r.job.key for r in walk.reserved]:
+        low, expected, high = run_time(jobs[key], cycle.learned)
+        duration = walk.durations[key]
+        runs[key] = [duration * split_quantile(low, expected, high, q) / expected
+                     for q in scenario_quantiles(key, count)]
+    if all(len(set(v)) == 1 for v in (*ends.values(), *runs.values())):
+        return {}
+    planned = {h.job.key: h.end for h in cycle.holders if h.job.key not in fixed}
+    memo = config.timeline_memo
+    if memo is None:  # the scenarios share what they ask of the placer
+        memo = TimelineMemo()
+        memo.bind(config.node_placer)
+    again = {r.job.key for r in walk.reserved}
+    admitted = {a.job_key for a in walk.admissions}
+    main = cycle.timeline
+    starts: dict[str, list[float]] = {}
+    for k in range(count):
+        timeline = Timeline(cycle.snapshot.nodes, now, config.node_placer, memo, bind=False)
+        for node in main.node_names:
+            for o in main.occupancies(node):
+                if o.job_key in again:
+                    continue
+                key = o.job_key
+                end = (ends[key][k] if key in ends else planned[key] if key in planned
+                       else now + runs[key][k] if key in admitted else o.end)
+                timeline.add(node, Occupancy(o.job_key, o.start, end, o.grants))
+        for r in walk.reserved:
+            found = timeline.earliest(r.job.request, r.duration, r.not_before, r.yielding,
+                                      r.protected, r.max_victims)
+            if found is None:
+                continue
+            for victim in found.displaces:
+                timeline.end_at(victim, found.start)
+            timeline.add(found.node, Occupancy(r.job.key, found.start,
+                                               found.start + runs[r.job.key][k], found.grants))
+            starts.setdefault(r.job.key, []).append(found.start)
+    return {key: statistics.median(found) for key, found in starts.items()}
+
+
 class _Parked(NamedTuple):
     """Why a job waits, from when it could start at the earliest, whether a start can be
     estimated at all, and how it may preempt once allowed to start: as a job within its
@@ -869,6 +965,7 @@ class _QueueDecisions:
         self.limit_reservations = 0  # of jobs waiting for their quota or budget
         self.latest_reserved = cycle.snapshot.now
         self.start_spreads: dict[str, _Spread] = {}  # waiting jobs behind a known spread
+        self.reserved: list[_Reserved] = []  # `_reserve`'s slots, in order (`_scenario_starts`)
         self.work_beyond_depth = 0.0
         self.ahead = 0  # jobs decided so far that wait for GPUs
         # per job whose estimate the forward simulation made: what its message says after
@@ -1520,11 +1617,13 @@ class _QueueDecisions:
         cycle = self.cycle
         used = self.limit_reservations if limits else self.reservations
         if used < cycle.config.reservation_depth:
-            found = cycle.timeline.earliest(job.request, duration, not_before,
-                                            *self._yielding(job, in_quota),
-                                            largest_plan(cycle.config.max_preemptions_per_cycle))
+            yielding, protected = self._yielding(job, in_quota)
+            most = largest_plan(cycle.config.max_preemptions_per_cycle)
+            found = cycle.timeline.earliest(job.request, duration, not_before, yielding,
+                                            protected, most)
             if found is None:
                 return None, False, ()
+            self.reserved.append(_Reserved(job, duration, not_before, yielding, protected, most))
             self._spread_behind(job, found, duration)
             for victim in found.displaces:
                 cycle.timeline.end_at(victim, found.start)

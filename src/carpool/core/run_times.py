@@ -3,6 +3,8 @@ kept for deleted jobs, and what a running job's own progress reports say is left
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import math
 import statistics
@@ -332,3 +334,74 @@ def remaining(job: Job, now: float, run_time: tuple[float, float, float],
     low = min(expected, max(0.0, found.low))
     high = min(limit_left, max(expected, found.high))
     return Remaining(expected, low, high, found.reported)
+
+
+# ---------------------------------------------------------------- start scenarios
+
+def scenario_quantiles(key: str, count: int) -> tuple[float, ...]:
+    """The quantiles a job's time is drawn at in `count` start scenarios: one in each of
+    `count` equal strata, (i + 0.5) / count, in an order fixed by the job's key (a hash, so
+    every cycle, process and run draws the same). Stratified, so each job's draws cover its
+    whole distribution with few scenarios; ordered by the key, so jobs that end early in one
+    scenario are not all the same jobs that end early in the next."""
+    return _scenario_quantiles(key, count)
+
+
+@functools.lru_cache(maxsize=65536)
+def _scenario_quantiles(key: str, count: int) -> tuple[float, ...]:
+    order = sorted(range(count), key=lambda i: hashlib.blake2b(
+        f"{key}/{i}".encode(), digest_size=8).digest())
+    return tuple((i + 0.5) / count for i in order)
+
+
+def split_quantile(low: float, middle: float, high: float, q: float) -> float:
+    """The q-quantile of a positive quantity log-normal around `middle` with the spreads
+    its P10 (`low`) and P90 (`high`) give below and above (a split normal in log space,
+    exact at all three)."""
+    if not low < high or middle <= 0:
+        return middle
+    z = _NORMAL.inv_cdf(q)
+    other = high if z >= 0 else max(low, 1e-9)
+    return middle * math.exp(z * abs(math.log(other / middle)) / Z80)
+
+
+def remaining_quantiles(job: Job, now: float, run_time: tuple[float, float, float],
+                        min_remaining_s: float, quantiles: Sequence[float]
+                        ) -> tuple[float, ...]:
+    """The `quantiles` of what a GPU-holding job still needs (`remaining`, whose P10 and P90
+    they meet for a job that reports): the job's ends in start scenarios.
+
+    A job that does not report, with a spread known: quantiles of its run time given that
+    it is longer than it has run (`learned_remaining`'s conditional log-normal, from its
+    start on), less the time run. A waiting job waits for the first of several running jobs
+    to end: planning each at its own expected end puts that first end wherever the
+    expectations happen to fall, while scenarios in which each end is drawn give the
+    distribution of the first one. Without a spread (or far past any run time its spread
+    makes likely) the point `remaining` gives, at every quantile."""
+    left = remaining(job, now, run_time, min_remaining_s)
+    started = job.started_at
+    elapsed = max(0.0, now - started) if started is not None else 0.0
+    limit_left = job.max_duration_s - elapsed if job.max_duration_s > 0 else math.inf
+    low_s, duration_s, high_s = run_time
+    if limit_left <= 0 or (not left.reported and not (low_s < high_s and duration_s > 0)):
+        return (left.expected,) * len(quantiles)
+    if left.reported:
+        return tuple(min(split_quantile(max(left.low, 1.0), max(left.expected, 1.0),
+                                        max(left.high, 1.0), q), limit_left)
+                     for q in quantiles)
+    mu = math.log(duration_s)
+    below = max(mu - math.log(low_s), 1e-6) / Z80
+    above = max(math.log(high_s) - mu, 1e-6) / Z80
+    if elapsed > 0:
+        x = math.log(elapsed)
+        ran = _NORMAL.cdf((x - mu) / (below if x < mu else above))
+    else:
+        ran = 0.0
+    if 1.0 - ran < 1e-12:
+        return (left.expected,) * len(quantiles)
+    drawn = []
+    for q in quantiles:
+        z = _NORMAL.inv_cdf(min(ran + q * (1.0 - ran), 1.0 - 1e-12))
+        value = math.exp(mu + z * (below if z < 0 else above)) - elapsed
+        drawn.append(min(max(value, 1.0), limit_left))
+    return tuple(drawn)

@@ -189,11 +189,13 @@ class Timeline:
     """
 
     def __init__(self, nodes: Mapping[str, NodeState], now: float, placer: NodePlacer,
-                 memo: TimelineMemo | None = None) -> None:
+                 memo: TimelineMemo | None = None, bind: bool = True) -> None:
+        """`bind`: start a cycle of `memo` (its placer, what it keeps); False for another
+        timeline of a cycle already bound (start scenarios share its fits)."""
         self.now = now
         self.placer = placer
         self.memo = memo
-        if memo is not None:
+        if memo is not None and bind:
             memo.bind(placer)
         # inventory + grants of things that are not jobs; what-if states are asked the same
         # questions again and again, so they keep their answers (DerivedState)

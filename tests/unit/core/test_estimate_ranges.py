@@ -184,7 +184,8 @@ def test_a_job_behind_a_silent_job_may_start_as_early_as_that_job_may_end() -> N
     that. The job waiting for its GPUs starts when the running one is expected to end
     (`run_times.learned_remaining`), and its range begins where that end's P10 is; the misses
     of started jobs (here all right on time) alone would begin it at the estimate. Its range
-    ends where the misses say: a silent job's late side is theirs."""
+    ends where the misses say: a silent job's late side is theirs. (The cycle's own
+    simulation, without start scenarios: `test_start_scenarios` has what they add.)"""
     grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
     running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
                       grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),),
@@ -198,7 +199,8 @@ def test_a_job_behind_a_silent_job_may_start_as_early_as_that_job_may_end() -> N
     snapshot = ClusterSnapshot(400.0, (running, waiting), quotas, {"n1": gpu_node()},
                                start_misses=on_time, learned={("a", "train"): history})
     result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer,
-                                                       class_calibration=False))
+                                                       class_calibration=False,
+                                                       start_scenarios=0))
     wait = next(w for w in result.waits if w.job_key == "b/next")
     left = learned_remaining(run_time(running, snapshot.learned), 400.0)
     assert wait.estimated_start == pytest.approx(400.0 + left.expected)
