@@ -45,7 +45,7 @@ test: ## Everything CI runs: lint, unit and integration tests (real API server a
 	@bash hack/timed.sh binaries bash hack/build-k8s.sh
 	@bash hack/timed.sh lint $(MAKE) --no-print-directory lint
 	@bash hack/timed.sh tests $(VENV)/bin/pytest tests
-	@bash hack/timed.sh real-node $(VENV)/bin/pytest e2e/test_real_node.py
+	@bash hack/timed.sh real-node $(VENV)/bin/pytest e2e/test_real_node.py e2e/test_lending_real_node.py
 	@bash hack/timed.sh chart $(VENV)/bin/pytest e2e/test_chart_install.py
 
 e2e: dev binaries ## Long end-to-end runs (real kubelet node, load and faults)
