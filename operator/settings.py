@@ -58,7 +58,7 @@ class OperatorSettings:
         "CARPOOL_KEEP_PROMISES", True,
         "a job past its first estimated start ranks as due (true or false)")
     start_scenarios: int = setting(
-        "CARPOOL_START_SCENARIOS", 9,
+        "CARPOOL_START_SCENARIOS", 0,
         "forward simulations with drawn run times behind each reserved job's estimate "
         "(0: one, every run time as expected)")
     write_workers: int = setting(

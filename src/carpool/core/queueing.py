@@ -181,8 +181,10 @@ class AdmissionConfig:
     # lend running jobs' unused grants to preemptible MPS jobs (core.lending); None: off
     lending: LendingPolicy | None = None
     # forward simulations with drawn run times whose median start is a reserved job's
-    # estimate (`_scenario_starts`); 0: the cycle's own simulation, every time as expected
-    start_scenarios: int = 9
+    # estimate (`_scenario_starts`); 0: the cycle's own simulation, every time as expected.
+    # Off by default: nine cost a cycle about 2.6x its CPU time for a few points of accuracy
+    # (docs/benchmarks.md, "Start scenarios").
+    start_scenarios: int = 0
 
     def __post_init__(self) -> None:
         if self.fair_share_half_life_s <= 0:

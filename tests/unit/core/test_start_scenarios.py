@@ -106,7 +106,7 @@ def test_a_job_waiting_for_the_first_of_several_ends_is_told_the_first_ones_medi
     their expectation all four end at 1,000 s. The first of four to end comes earlier: with
     each run time log-normal (sigma 0.5) given it passed 400 s, the first of four ends near
     its conditional 16th percentile; the scenarios' median lands there, not at 1,000 s."""
-    base = AdmissionConfig(node_placer=packing_placer, class_calibration=False)
+    base = AdmissionConfig(node_placer=packing_placer, class_calibration=False, start_scenarios=9)
     point_end, point = _two_gpu_scene(AdmissionConfig(
         node_placer=packing_placer, class_calibration=False, start_scenarios=0))
     assert point == pytest.approx(point_end)
