@@ -212,16 +212,21 @@ NO_PROFILES = Profiles({})
 
 
 def _high(values: list[float]) -> float | None:
-    """The TAIL_QUANTILE of `values` (nearest rank); None when there are none."""
+    """The TAIL_QUANTILE of `values`, interpolated between the two reports around it; None
+    when there are none. Interpolated rather than nearest rank: with fewer than ten reports
+    the nearest rank is the largest, and one outlier would then set a degree's P99 alone."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(TAIL_QUANTILE * len(ordered)) - 1)]
+    position = TAIL_QUANTILE * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def learn(samples: Iterable[Sample]) -> Profiles:
     """Profiles from job measures: per (model, template, degree) the median throughput and
-    the TAIL_QUANTILE P99 (nearest rank) of its samples; a (model, template) measured at fewer
+    the TAIL_QUANTILE P99 (interpolated) of its samples; a (model, template) measured at fewer
     than MIN_DEGREES degrees has none. Samples without a model or template, or with no
     throughput, say nothing."""
     groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
