@@ -31,9 +31,9 @@ binaries: ## Build (once, cached in ~/.cache/carpool) Kubernetes, etcd, KWOK, He
 proto: dev ## Regenerate the device-plugin gRPC stubs from the proto
 	@$(PY) -m carpool.deviceplugin.api.generate
 
-lint: dev ## ruff, mypy (strict), import-linter, proto drift
+lint: dev ## ruff, mypy (strict, the package and bench/), import-linter, proto drift
 	@echo "==> [lint] ruff"; $(VENV)/bin/ruff check .
-	@echo "==> [lint] mypy"; $(VENV)/bin/mypy
+	@echo "==> [lint] mypy"; $(VENV)/bin/mypy && $(VENV)/bin/mypy bench
 	@echo "==> [lint] import-linter"; $(VENV)/bin/lint-imports
 	@echo "==> [lint] proto stubs up to date"; $(PY) -m carpool.deviceplugin.api.generate --check
 

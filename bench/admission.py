@@ -158,7 +158,7 @@ LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 def component_rss_mib(pids: dict[str, int]) -> dict[str, float]:
     """Each process's resident and peak resident memory now, MiB (VmRSS, VmHWM)."""
-    out = {}
+    out: dict[str, float] = {}
     for name, pid in pids.items():
         with contextlib.suppress(OSError):
             out[name] = round(_rss_kib(pid, "VmRSS") / 1024)

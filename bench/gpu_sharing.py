@@ -343,7 +343,7 @@ async def plugin_allocations(backend: Any, pipe_dir: Path,
     answers = []
     try:
         async with grpc.aio.insecure_channel(f"unix://{server.socket}") as channel:
-            stub = api_pb2_grpc.DevicePluginStub(channel)
+            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
             devices = None
             async for listing in stub.ListAndWatch(api_pb2.Empty()):
                 devices = [d.ID for d in listing.devices]
@@ -467,7 +467,8 @@ def part_isolation(backend: Any, ceiling_pct: int) -> dict[str, Any]:
     """(e) What clients of an 8 GiB / 25 % MPS grant get when they keep or change the
     environment the plugin handed them, each alone on the GPU, under the plugin's own fenced
     MPS daemon; and the watchdog against the one that raised its memory limit."""
-    from carpool.deviceplugin.mps import MpsDaemon, ceiling_mib
+    from carpool.core.resources import mps_ceiling_mib as ceiling_mib
+    from carpool.deviceplugin.mps import MpsDaemon
 
     gpus = backend.inventory()
     gpu = gpus[0]

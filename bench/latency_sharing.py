@@ -62,7 +62,7 @@ def _torch_models(device: str, small: bool) -> dict[str, Any]:
     import torch
     from torch import nn
 
-    class Bottleneck(nn.Module):
+    class Bottleneck(nn.Module):  # type: ignore[misc]  # torch is untyped here
         def __init__(self, cin: int, mid: int, stride: int) -> None:
             super().__init__()
             cout = mid * 4
@@ -136,13 +136,12 @@ def worker_main(device: str, small: bool) -> int:
     import gc
 
     torch: Any = None
-    if device != "cuda":
-        try:
-            import torch
-        except ImportError:
-            torch = None
-    else:
-        import torch
+    try:
+        import torch as torch_module
+        torch = torch_module
+    except ImportError:
+        if device == "cuda":
+            raise
     if torch is not None:
         torch.set_num_threads(1)
         torch.backends.cudnn.benchmark = True
@@ -518,7 +517,7 @@ def summarize(services: list[Service], groups: list[list[Service]],
               rounds: list[dict[str, Measure]]) -> dict[str, Any]:
     """A service's objective is judged as an SLO is, on its P99 over everything it served in
     the run (all rounds pooled); the rounds' own counts and samples/s show the spread."""
-    per_round = []
+    per_round: list[dict[str, Any]] = []
     for one in rounds:
         broken = [s.name for s in services if one[s.name].p99_s > s.p99_target_s]
         samples = sum(one[s.name].req_per_s * s.batch for s in services)

@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from carpool.core import names
-from carpool.core.assignment import ANN_ASSIGNMENT, AssignedGpu, Assignment, encode_assignment
+from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
 from carpool.core.resources import Isolation
 from carpool.kube.errors import Conflict, NotFound
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube
@@ -126,7 +126,7 @@ class MemoryApi:
                                        datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
                 self._stamp(obj)
                 store[key] = obj
-                return obj
+                return dict(obj)
             obj = store.get(key)
             if obj is None:
                 raise NotFound(404, "NotFound")
@@ -260,7 +260,7 @@ def schedule(api: MemoryApi) -> int:
         job = api.objects[GPUJOBS].get(f"{pod['metadata']['namespace']}/"
                                        f"{pod['metadata']['ownerReferences'][0]['name']}")
         status = (job or {}).get("status") or {}
-        if not status.get("node"):
+        if job is None or not status.get("node"):
             continue
         isolation = Isolation.parse(str(job["spec"]["gpu"].get("isolation", "mps")))
         assignment = Assignment(status["node"], tuple(
@@ -269,7 +269,7 @@ def schedule(api: MemoryApi) -> int:
             isolation)
         pod = dict(pod, spec=dict(pod["spec"], nodeName=status["node"]))
         annotations = {**pod["metadata"].get("annotations", {}),
-                       ANN_ASSIGNMENT: encode_assignment(assignment)}
+                       names.ANN_ASSIGNMENT: encode_assignment(assignment)}
         pod["metadata"] = dict(pod["metadata"], annotations=annotations)
         pod["status"] = {"phase": "Running", "startTime": started, "containerStatuses": [
             {"state": {"running": {"startedAt": started}}}]}

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from carpool.replay import simulation
 from carpool_testbed import simulate
-from carpool_testbed.simulate import NODE_LIST, Outcome, Run, replay_all, traces_dir
+from carpool_testbed.simulate import Outcome, Run, replay_all
+from carpool_testbed.traces import NODE_LIST, traces_dir
 
 ALL_POLICIES, PEER_POLICIES = simulate.ALL_POLICIES, simulate.PEER_POLICIES
 

@@ -240,8 +240,8 @@ def summary(results: list[dict[str, object]]) -> list[str]:
         generated = [r for r in results if r["share"] == share
                      and not str(r["trace"]).startswith("openb")]
         errors = [r["eta_median_abs_rel_error"] for r in generated]
-        inter = [r["eta_median_abs_rel_error_by_class"].get("interactive")  # type: ignore[union-attr]
-                 for r in generated]
+        inter = [by_class.get("interactive") for r in generated
+                 if isinstance(by_class := r["eta_median_abs_rel_error_by_class"], dict)]
         cover = [r["eta_interval_coverage"] for r in generated]
         widths = [r["eta_range_median_rel_width"] for r in generated]
         fe = [e for e in errors if isinstance(e, float)]

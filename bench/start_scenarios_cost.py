@@ -33,7 +33,7 @@ from carpool.core.resources import (
     NodeInventory,
     Phase,
 )
-from carpool.core.run_times import Z80
+from carpool.core.run_times import Z80, LearnKey
 
 GIB = 1024
 NOW = 1_800_000_000.0
@@ -75,7 +75,7 @@ def snapshot(nodes: int, waiting: int, templates: int, seed: int) -> ClusterSnap
         jobs.append(Job(f"{project}/q{i}-run", project, rng.choice(list(JobClass)), request,
                         NOW - rng.uniform(0, 3600), rng.uniform(3600, 4 * 3600),
                         template=f"t{rng.randrange(templates)}"))
-    learned = {(p, f"t{t}"): DurationEstimate(
+    learned: dict[LearnKey, DurationEstimate] = {(p, f"t{t}"): DurationEstimate(
         2 * 3600.0, 1.0, 20, math.log(2 * 3600.0), 0.0, 0.1, 0.2, -0.5 * Z80, 0.5 * Z80)
         for p in PROJECTS for t in range(templates)}
     quotas = {p: ProjectQuota(p, frozenset({p}), guaranteed_gpus=nodes * 2, borrowing=True)
