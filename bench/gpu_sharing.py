@@ -414,6 +414,18 @@ def part_a(backend: Any) -> dict[str, Any]:
     return status
 
 
+class EventLog:
+    """The watchdog's cluster side, kept in memory: the Events it would post on pods."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def publish_status(self, node: str, status: Any) -> None: ...
+
+    async def pod_event(self, pod: Any, reason: str, message: str, warning: bool) -> None:
+        self.events.append(f"{reason}: {message}")
+
+
 def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str,
                   env: dict[str, str] | None = None, isolation: str = "timeslice",
                   grant_gib: int = 4, hold_gib: int = 6) -> dict[str, Any]:
@@ -422,15 +434,6 @@ def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str,
     from carpool.deviceplugin.agent import Watchdog
     from carpool.deviceplugin.plugin import PluginConfig, PluginState
     from carpool.deviceplugin.pods import StaticPodSource
-
-    class Writer:
-        def __init__(self) -> None:
-            self.events: list[str] = []
-
-        async def publish_status(self, node: str, status: Any) -> None: ...
-
-        async def pod_event(self, pod: Any, reason: str, message: str, warning: bool) -> None:
-            self.events.append(f"{reason}: {message}")
 
     env = env if env is not None else host_env(answers[0])
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), WORKER_FLAG, "hog",
@@ -444,7 +447,7 @@ def part_watchdog(backend: Any, answers: list[dict[str, Any]], gpu_uuid: str,
     pod = dataclasses.replace(pod, phase="Running")
     source = StaticPodSource([pod])
     state = PluginState(PluginConfig("bench-node", "mps"), backend, source)
-    writer = Writer()
+    writer = EventLog()
     dog = Watchdog(state, writer, pod_of=lambda p: pod.uid if p == pid else None)
     steps: list[list[str]] = []
     for _ in range(5):

@@ -50,6 +50,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpu_sharing import EventLog  # a sibling script: its directory is on sys.path when run
+
 MIB_PER_GIB = 1024
 WORKER_FLAG = "--worker"
 CHUNK_MIB = 256  # a worker grows and shrinks in blocks of this size
@@ -217,18 +219,6 @@ class Client:
             self.proc.wait(timeout=10)
 
 
-class Writer:
-    """The watchdog's cluster side: Events kept here."""
-
-    def __init__(self) -> None:
-        self.events: list[str] = []
-
-    async def publish_status(self, node: str, status: Any) -> None: ...
-
-    async def pod_event(self, pod: Any, reason: str, message: str, warning: bool) -> None:
-        self.events.append(f"{reason}: {message}")
-
-
 @dataclass
 class Gpu:
     """The GPU, its clients and the product's code that watches them."""
@@ -239,7 +229,7 @@ class Gpu:
     total_mib: int
     uuid: str
     clients: dict[str, Client] = field(default_factory=dict)
-    writer: Writer = field(default_factory=Writer)
+    writer: EventLog = field(default_factory=EventLog)
     watchdog: Any = None
     most_used_mib: int = 0
 
