@@ -26,7 +26,8 @@ Deviations from kwokctl's defaults, and why:
 - the kwok controller manages only nodes annotated `kwok.x-k8s.io/node: fake`, so a real kubelet
   can join the same cluster later without kwok taking its node over; more kwok workers.
 - Node and Pod lifecycles come from `hack/kwok/stages.yaml`: nodes Ready with the capacity they
-  were created with, liveness by Lease (status refreshed every 5 min); pods Running, Succeeded
+  were created with, liveness by Lease (renewed every 150 s, `KWOK_HEARTBEAT_FACTOR`; status
+  refreshed every 5 min); pods Running, Succeeded
   after the `carpool.dev/simulated-duration` annotation's seconds, removed when deleted.
 
 State lives in `$CARPOOL_CACHE/clusters/<name>` (`KWOK_WORKDIR=$CARPOOL_CACHE`, name from
@@ -391,6 +392,14 @@ KWOK_PARALLELISM: Final = {
     "podPlayStageParallelism": 16,
     "nodeLeaseParallelism": 16,
 }
+# kwokctl scales every heartbeat setting by this factor (its default, 5: node Leases of 200 s
+# renewed every 50 s, nodes NotReady 200 s after the last renewal, checked every 25 s). At 5,000
+# nodes the renewals alone were 97 writes/s, three quarters of an idle cluster's writes and
+# about half a core of API server and etcd on the 2-core machine. 15 keeps kubelet's ratios
+# (renew every quarter of the Lease, NotReady after one Lease) at 600 s Leases renewed every
+# 150 s: a dead kwok controller's nodes turn NotReady after 10 minutes instead of 3.3, and
+# nothing here waits for that.
+KWOK_HEARTBEAT_FACTOR: Final = 15
 PORT_OPTIONS: Final = (
     "etcdPort",
     "etcdPeerPort",
@@ -444,7 +453,8 @@ def _write_kwokctl_options(paths: ClusterPaths, ports: Mapping[str, int], pods: 
         {
             "apiVersion": "config.kwok.x-k8s.io/v1alpha1",
             "kind": "KwokctlConfiguration",
-            "options": {"bindAddress": BIND_ADDRESS, **ports, **(
+            "options": {"bindAddress": BIND_ADDRESS, "heartbeatFactor": KWOK_HEARTBEAT_FACTOR,
+                        **ports, **(
                 {"kubeApiserverCertSANs": [POD_API_ADDRESS, KUBERNETES_SERVICE_IP]}
                 if pods else {})},
         },
@@ -466,7 +476,8 @@ def _fingerprint(create_args: Sequence[str], scheduler_yaml: str) -> dict[str, s
         "binDir": str(Path(create_args[0]).parent),
         # The stages travel by content (below), so the checkout they come from does not matter.
         "cluster": digest(
-            json.dumps([*portable_args, BIND_ADDRESS, KWOK_PARALLELISM]).encode()
+            json.dumps([*portable_args, BIND_ADDRESS, KWOK_PARALLELISM,
+                        KWOK_HEARTBEAT_FACTOR]).encode()
         ).hexdigest(),
         "scheduler": digest(scheduler_yaml.encode()).hexdigest(),
         "stages": digest(stages_file().read_bytes()).hexdigest(),

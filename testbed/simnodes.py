@@ -30,7 +30,7 @@ from carpool.core.names import (
     LABEL_ZONE,
     RESOURCE_GPU,
 )
-from carpool.core.quantities import quantity_mib, quantity_milli
+from carpool.core.quantities import parse_quantity, quantity_mib, quantity_milli
 from carpool.core.timestamps import format_timestamp
 from carpool.deviceplugin.backends.fake import DEFAULT_CUDA, DEFAULT_DRIVER, FakeBackend
 from carpool.deviceplugin.devices import share_count
@@ -109,6 +109,9 @@ class SimNode:
     # False: KWOK leaves the node and its pods alone, for a stand-in kubelet that drives the
     # real device plugin (carpool_testbed.chaos.StandInKubelet) to run them instead.
     kwok: bool = True
+    # More extended resources the Node advertises (e.g. nvidia.com/gpu for a peer scheduler's
+    # pods in bench/peers.py), set in code only.
+    extra_resources: tuple[tuple[str, str], ...] = ()
 
     @property
     def gpu_count(self) -> int:
@@ -380,6 +383,9 @@ def node_labels(node: SimNode) -> dict[str, str]:
         "kubernetes.io/hostname": node.name,
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
+        # as a kubelet's Node has them; else the node lifecycle controller patches them in
+        "beta.kubernetes.io/os": "linux",
+        "beta.kubernetes.io/arch": "amd64",
         LABEL_SIMULATED: "true",
         LABEL_SHARING: node.sharing,
         LABEL_GPU_MODEL: gpu_model_label(node),
@@ -398,6 +404,7 @@ def node_resources(node: SimNode) -> dict[str, str]:
         "memory": f"{node.memory_mib}Mi",
         "pods": str(node.max_pods),
         RESOURCE_GPU: str(advertised_shares(node)),
+        **dict(node.extra_resources),
     }
 
 
@@ -463,17 +470,31 @@ def apply_node(api: Any, node: SimNode, now: datetime) -> None:
     kube = Api.of(api)
     # The status goes in with the Node itself: KWOK initialises a node's status the moment it
     # appears, and one it saw without capacity gets KWOK's defaults (cpu "1k"). On an existing
-    # Node the main endpoint ignores status, so it is applied through /status as well.
+    # Node the main endpoint ignores status, so it is applied through /status when the answer
+    # shows other resources (a new Node keeps what it was created with: one write fewer).
     status = node_status_manifest(node)
     applied = kube.apply(NODES.path(None, node.name),
                          {**node_manifest(node), "status": status["status"]}, FIELD_MANAGER)
-    kube.apply(NODES.path(None, node.name, "status"), status, FIELD_MANAGER)
+    if not resources_hold(applied, status["status"]):
+        kube.apply(NODES.path(None, node.name, "status"), status, FIELD_MANAGER)
     _drop_stale_taints(kube, node, applied)
     uid = (applied.get("metadata") or {}).get("uid")
     kube.apply(GPUNODES.path(None, node.name), gpunode_manifest(node, uid), FIELD_MANAGER)
     kube.apply(GPUNODES.path(None, node.name, "status"),
                {"apiVersion": API_VERSION, "kind": "GpuNode", "metadata": {"name": node.name},
                 "status": gpunode_status(node, now)}, FIELD_MANAGER)
+
+
+def resources_hold(node: Mapping[str, Any], wanted: Mapping[str, Mapping[str, str]]) -> bool:
+    """Whether the Node's status has each wanted capacity and allocatable quantity (by value:
+    the API server may write "262144Mi" as "256Gi")."""
+    have = node.get("status") or {}
+    for part, quantities in wanted.items():
+        current = have.get(part) or {}
+        for name, value in quantities.items():
+            if name not in current or parse_quantity(current[name]) != parse_quantity(value):
+                return False
+    return True
 
 
 def _taint_keys(taints: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:

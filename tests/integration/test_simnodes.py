@@ -122,6 +122,11 @@ def test_applying_again_updates_in_place(api: client.ApiClient, prefix: str) -> 
     assert status["datasets"] == ["laion"]
     assert status["heartbeat"] == "2026-11-29T19:05:00Z"
 
+    # an existing Node's resources change through /status (its main endpoint ignores status)
+    grown = [dataclasses.replace(n, extra_resources=(("nvidia.com/gpu", "4"),)) for n in nodes]
+    simnodes.apply_nodes(api, grown, later)
+    assert core.read_node(f"{prefix}-a100-0").status.allocatable["nvidia.com/gpu"] == "4"
+
     simnodes.beat(api, [f"{prefix}-a100-1"], NOW + timedelta(minutes=9))
     beaten = gpunode(api, f"{prefix}-a100-1")["status"]
     assert beaten["heartbeat"] == "2026-11-29T19:09:00Z" and len(beaten["gpus"]) == 4
