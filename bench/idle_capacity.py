@@ -56,7 +56,7 @@ def main() -> int:
     runs: list[tuple[int, str, QueueRun]] = []
     for turn, seed in enumerate(int(s) for s in args.seeds.split(",")):
         trace = job_traces.generate(shapes, args.jobs_per_trace, seed, 300.0,
-                                    busy_gpus=args.load * capacity)
+                                    busy_gpus=args.load * capacity, load_by_last_arrival=True)
         names = list(SETTINGS)
         names = names[turn % len(names):] + names[:turn % len(names)]  # alternate the order
         for name in names:

@@ -230,6 +230,10 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help="space generated arrivals so their work keeps this share of the "
                             "(scaled) cluster's GPUs busy on average, as asked (above 1: more "
                             "than the cluster holds); overrides --interarrival")
+    queue.add_argument("--load-by-last-arrival", action="store_true",
+                       help="with --load, count only the work that falls before the last "
+                            "arrival had every job started on arrival (the window the idle-"
+                            "capacity WORK column measures)")
     queue.add_argument("--write-trace", type=Path,
                        help="also write the replayed trace (openb columns) here")
     queue.add_argument("--limit", type=positive, help="replay only the first N jobs")
@@ -364,8 +368,12 @@ def run_queue(args: argparse.Namespace) -> int:
         parsed = _parse(args.trace, job_traces.parse_trace, trace_csv)
         if args.generate:
             busy = args.load * queue_replay.capacity_gpus(nodes) if args.load else None
-            trace_csv = job_traces.generate(parsed.rows, args.generate, args.seed,
-                                            args.interarrival, busy_gpus=busy)
+            try:
+                trace_csv = job_traces.generate(
+                    parsed.rows, args.generate, args.seed, args.interarrival, busy_gpus=busy,
+                    load_by_last_arrival=args.load_by_last_arrival)
+            except ValueError as error:
+                raise InputError(f"--load {args.load}: {error}") from None
             parsed = job_traces.parse_trace(trace_csv)
         if args.write_trace:
             try:

@@ -218,11 +218,16 @@ def annotate(rows: Sequence[TraceRow], seed: int, projects: int = 4) -> list[Tra
 
 
 def generate(shapes: Sequence[TraceRow], jobs: int, seed: int, mean_interarrival_s: float,
-             templates: int = 200, busy_gpus: float | None = None) -> str:
+             templates: int = 200, busy_gpus: float | None = None,
+             load_by_last_arrival: bool = False) -> str:
     """A synthetic trace in the openb pod columns (see the module docstring). With
     `busy_gpus`, arrivals are spaced so that the trace's work keeps that many GPUs busy on
     average over its arrivals (the offered load), whatever run times the seed drew;
-    `mean_interarrival_s` is then ignored."""
+    `mean_interarrival_s` is then ignored. With `load_by_last_arrival`, only the work that
+    would fall before the last arrival, had every job started on arrival, counts
+    (`offered_by_last_arrival`): run times are heavy-tailed, and a few long jobs can hold
+    most of a trace's work past its arrivals, where a measure taken while jobs arrive never
+    sees it."""
     if not shapes or jobs < 1 or templates < 1 or mean_interarrival_s <= 0:
         raise ValueError("need shapes, jobs >= 1, templates >= 1, interarrival > 0")
     if busy_gpus is not None and busy_gpus <= 0:
@@ -244,6 +249,10 @@ def generate(shapes: Sequence[TraceRow], jobs: int, seed: int, mean_interarrival
     if busy_gpus is not None and t > 0:
         work = sum(s.num_gpu * s.gpu_milli / MILLI_PER_GPU * run for _, _, s, _, run in drawn)
         scale = work / busy_gpus / t
+        if load_by_last_arrival:
+            scale = _scale_by_last_arrival(
+                [(a, s.num_gpu * s.gpu_milli / MILLI_PER_GPU, run) for _, _, s, a, run in drawn],
+                busy_gpus, scale)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(OPENB_COLUMNS)
@@ -253,3 +262,37 @@ def generate(shapes: Sequence[TraceRow], jobs: int, seed: int, mean_interarrival
                          shape.num_gpu, shape.gpu_milli, "|".join(sorted(shape.models)), shape.qos,
                          "Succeeded", at, at + round(runtime), at))
     return out.getvalue()
+
+
+def offered_by_last_arrival(jobs: Sequence[tuple[float, float, float]]) -> float:
+    """GPUs kept busy on average from the first arrival to the last by (arrival, GPUs, run
+    seconds) jobs, each started on arrival and counted only up to the last arrival."""
+    first = min(a for a, _, _ in jobs)
+    last = max(a for a, _, _ in jobs)
+    if last <= first:
+        return math.inf
+    return sum(gpus * min(run, last - a) for a, gpus, run in jobs) / (last - first)
+
+
+def _scale_by_last_arrival(jobs: Sequence[tuple[float, float, float]], busy_gpus: float,
+                           start: float) -> float:
+    """The factor on arrival times at which `offered_by_last_arrival` is `busy_gpus`. It
+    only falls as arrivals spread out (each job's counted part shrinks against a longer
+    window), so bisection finds it; `start` (the factor counting all of the work) is an upper
+    bound, since less of the work is counted."""
+    def offered(scale: float) -> float:
+        return offered_by_last_arrival([(a * scale, g, r) for a, g, r in jobs])
+
+    first = min(a for a, _, _ in jobs)
+    last = max(a for a, _, _ in jobs)
+    most = sum(g * (last - a) for a, g, _ in jobs) / (last - first) if last > first else 0.0
+    if most <= busy_gpus:  # arrivals packed ever closer never offer more than this
+        raise ValueError(f"{len(jobs)} jobs cannot keep {busy_gpus:g} GPUs busy up to their "
+                         f"last arrival (at most {most:.1f}): generate more jobs")
+    low, high = start, start
+    while offered(low) < busy_gpus:
+        low /= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if offered(mid) > busy_gpus else (low, mid)
+    return low

@@ -133,6 +133,8 @@ def test_idle_capacity_settings_add_their_columns(files: tuple[Path, Path]) -> N
     ({"args": ["--idle-timeout", "30"]}, "argument --idle-timeout: not a duration"),
     ({"args": ["--generate", "5", "--write-trace", "/proc/no/such/dir/t.csv"]},
      "cannot write /proc/no/such/dir/t.csv"),
+    ({"args": ["--generate", "2", "--load", "4", "--load-by-last-arrival"]},
+     "--load 4.0: 2 jobs cannot keep"),
 ])
 def test_bad_input_is_one_line_naming_it_and_exit_status_2(
         files: tuple[Path, Path], tmp_path: Path, change: dict[str, object],

@@ -227,3 +227,23 @@ def test_generated_arrivals_can_be_spaced_to_an_offered_load() -> None:
         assert work / (rows[-1].arrival - rows[0].arrival) == pytest.approx(8, rel=0.02)
     with pytest.raises(ValueError, match="offered load"):
         traces.generate(shapes, 10, 0, 60.0, busy_gpus=0)
+
+
+def test_offered_load_can_count_only_the_work_before_the_last_arrival() -> None:
+    """Long runs hold much of a trace's work past its last arrival; counted only up to it,
+    the load is what the cluster is offered while jobs arrive, so arrivals come closer."""
+    shapes = [traces.TraceRow("s", 0, 60, 1, 1000, frozenset(), "BE", 0, 0)]
+    for seed in (0, 1):
+        text = traces.generate(shapes, 300, seed, 60.0, busy_gpus=8)
+        windowed = traces.generate(shapes, 300, seed, 60.0, busy_gpus=8,
+                                   load_by_last_arrival=True)
+        rows = traces.parse_trace(windowed).rows
+        jobs = [(r.arrival, r.num_gpu * r.gpu_milli / 1000, r.runtime_s) for r in rows]
+        assert traces.offered_by_last_arrival(jobs) == pytest.approx(8, rel=0.02)
+        spans = [(r[-1].arrival - r[0].arrival)
+                 for r in (traces.parse_trace(t).rows for t in (text, windowed))]
+        assert spans[1] < spans[0]
+    assert traces.offered_by_last_arrival([(0, 1, 100), (10, 2, 5), (20, 1, 50)]) == \
+        pytest.approx((20 + 10 + 0) / 20)
+    with pytest.raises(ValueError, match="cannot keep 1000 GPUs busy"):
+        traces.generate(shapes, 10, 0, 60.0, busy_gpus=1000, load_by_last_arrival=True)
