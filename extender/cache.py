@@ -532,8 +532,9 @@ class ClusterCache:
 
     def _grants_on(self, node: str, keys: Iterable[str]) -> tuple[GpuGrant, ...]:
         """The grants of these pods' holds; with lending, each owner's split by its peak
-        (its lent part marked `lent`). The operator waits `observed_s` before it lends; the
-        extender trusts a peak at once, so its lent parts hold at least the operator's."""
+        (its lent part marked `lent`). The operator waits `observed_s` before it lends (or
+        keeps at least the template's calibrated size until then); the extender trusts a
+        peak at once, so its lent parts hold at least the operator's."""
         if self.lending is None:
             return tuple(g for k in keys for g in self._effective[k].grants)
         peaks = self._peaks.get(node, {})

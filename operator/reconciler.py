@@ -304,10 +304,11 @@ class Reconciler:
         profiles = interference.learn_from_gpujobs(state.objects.values())
         jobs = interference.with_limits(state.jobs, profiles)
         policy = self.config.admission.lending
+        sizes = right_sizing.calibrated_sizes(jobs)
         if policy is not None:  # what each running job may lend, from its measured peak
-            jobs = lending.with_lendable(jobs, policy, state.now)
+            jobs = lending.with_lendable(jobs, policy, state.now, sizes)
         # waiting preemptible jobs placed by their calibrated size, where their project says
-        jobs = right_sizing.with_calibrated(jobs, state.quotas)
+        jobs = right_sizing.with_calibrated(jobs, state.quotas, sizes)
         snapshot = ClusterSnapshot(now=state.now, jobs=tuple(jobs), quotas=state.quotas,
                                    nodes=nodes, retired=state.retired, learned=learned,
                                    start_misses=misses)

@@ -66,32 +66,57 @@ def may_borrow(request: GpuRequest, preemptible: bool, checkpoint_grace_s: float
 
 
 def lendable(grant: GpuGrant, peak_memory_mib: int | None, peak_cores_pct: int | None,
-             running_s: float, policy: LendingPolicy) -> tuple[int, int]:
+             running_s: float, policy: LendingPolicy, calibrated_mib: int | None = None,
+             calibrated_cores_pct: int | None = None) -> tuple[int, int]:
     """(memory MiB, cores %) of an owner's grant on one GPU it may lend: what lies above its
     measured peak times the headroom, once it ran `observed_s`; nothing for MIG grants,
-    exclusive ones unless the policy lends whole GPUs, or where that was not measured (None)."""
-    if (running_s < policy.observed_s or (grant.exclusive and not policy.whole_gpus)
+    exclusive ones unless the policy lends whole GPUs, or where that was not measured (None).
+
+    Before `observed_s`, an owner whose template's finished runs give a calibrated size
+    (`right_sizing.recommended`, headroom included) lends what lies above the larger of that
+    size and its own peak so far times the headroom: the runs before it stand for the peak
+    it has not reached yet, and its measured rise past them reclaims as any rise does."""
+    if ((grant.exclusive and not policy.whole_gpus)
             or grant.mig_instance or grant.lent or grant.borrowed):
         return 0, 0
+    early = running_s < policy.observed_s
     memory = cores = 0
     if peak_memory_mib is not None and grant.memory_mib > 0:
-        keep = math.ceil(peak_memory_mib * policy.headroom / MIB_PER_GIB) * MIB_PER_GIB
-        memory = max(0, grant.memory_mib - max(keep, MIB_PER_GIB))
+        keep = _kept(math.ceil(peak_memory_mib * policy.headroom / MIB_PER_GIB) * MIB_PER_GIB,
+                     calibrated_mib, early)
+        if keep is not None:
+            memory = max(0, grant.memory_mib - max(keep, MIB_PER_GIB))
     if peak_cores_pct is not None and grant.cores_pct > 0:
-        cores = max(0, grant.cores_pct - max(1, math.ceil(peak_cores_pct * policy.headroom)))
+        keep = _kept(math.ceil(peak_cores_pct * policy.headroom), calibrated_cores_pct, early)
+        if keep is not None:
+            cores = max(0, grant.cores_pct - max(1, keep))
     return memory, cores
 
 
-def with_lendable(jobs: Iterable[Job], policy: LendingPolicy, now: float) -> list[Job]:
+def _kept(measured: int, calibrated: int | None, early: bool) -> int | None:
+    """What an owner keeps of one resource: its measured peak with headroom once observed;
+    before, at least its calibrated size; None (lends nothing) before with no calibration."""
+    if not early:
+        return measured
+    return None if calibrated is None else max(measured, calibrated)
+
+
+def with_lendable(jobs: Iterable[Job], policy: LendingPolicy, now: float,
+                  calibrated_mib: Mapping[tuple[str, str], int] | None = None) -> list[Job]:
     """The jobs, each running owner with the part of its grant it may lend set from its
     measured peak GPU memory (`Job.peak_memory_mib`, the device plugin's measure; SM use is
-    not measured per process, so no cores are lent)."""
+    not measured per process, so no cores are lent) and, before it ran `observed_s`, its
+    (project, template)'s calibrated size from `calibrated_mib`."""
+    calibrated_mib = calibrated_mib or {}
     out = []
     for job in jobs:
         started = job.started_at
         if (job.phase is Phase.RUNNING and job.grants and started is not None
                 and not any(g.borrowed for g in job.grants)):
-            lent = [lendable(g, job.peak_memory_mib, None, now - started, policy)
+            # with a measured peak only: the extender, which trusts a peak at once, then
+            # lends at least as much (it keeps no more than the peak with headroom)
+            lent = [lendable(g, job.peak_memory_mib, None, now - started, policy,
+                             calibrated_mib.get((job.project, job.template)))
                     for g in job.grants]
             memory = min(m for m, _ in lent)
             if memory != job.lendable_mib:

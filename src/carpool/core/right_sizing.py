@@ -103,25 +103,29 @@ def pod_request(request: GpuRequest, grants: Sequence[GpuGrant]) -> GpuRequest:
     return replace(request, memory_mib=memory) if 0 < memory < request.memory_mib else request
 
 
-def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota]) -> list[Job]:
-    """The jobs, each waiting one with its request as `placement_request` places it, from
-    the peak GPU memory of the finished runs listed (Succeeded jobs of its project and
-    template; the device plugin's measure)."""
-    if not any(q.place_calibrated for q in quotas.values()):
-        return list(jobs)
+def calibrated_sizes(jobs: Iterable[Job]) -> dict[tuple[str, str], int]:
+    """The recommended memory per (project, template), from the peak GPU memory of the
+    finished runs listed (Succeeded jobs; the device plugin's measure), where enough ran."""
     peaks: dict[tuple[str, str], list[int]] = {}
     for job in jobs:
         if job.phase is Phase.SUCCEEDED and job.peak_memory_mib and job.template:
             peaks.setdefault((job.project, job.template), []).append(job.peak_memory_mib)
-    recommendations: dict[tuple[str, str], int | None] = {}
+    return {key: size for key, samples in peaks.items()
+            if (size := recommended_mib(samples)) is not None}
+
+
+def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota],
+                    sizes: Mapping[tuple[str, str], int] | None = None) -> list[Job]:
+    """The jobs, each waiting one with its request as `placement_request` places it, from
+    `sizes` (`calibrated_sizes` of the jobs when not given)."""
+    if not any(q.place_calibrated for q in quotas.values()):
+        return list(jobs)
+    sizes = calibrated_sizes(jobs) if sizes is None else sizes
     out = []
     for job in jobs:
-        key = (job.project, job.template)
-        if job.waiting and key in peaks:
-            if key not in recommendations:
-                recommendations[key] = recommended_mib(peaks[key])
-            request = placement_request(job, quotas.get(job.project), recommendations[key],
-                                        None)
+        size = sizes.get((job.project, job.template))
+        if job.waiting and size is not None:
+            request = placement_request(job, quotas.get(job.project), size, None)
             if request != job.request:
                 job = replace(job, request=request)
         out.append(job)

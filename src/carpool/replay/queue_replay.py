@@ -711,22 +711,25 @@ class Replay:
                 memory_peak = (peak_of(trace.request.memory_mib, share)
                                if trace.request.memory_mib else None)
                 cores_peak = peak_of(trace.request.cores_pct, share)
+                calibrated = self._calibration((job.project, job.template))
                 lent = [lending.lendable(g, memory_peak, cores_peak, state.now - run.start,
-                                         idle.lending) for g in job.grants]
+                                         idle.lending, None, calibrated) for g in job.grants]
                 memory = min(m for m, _ in lent)
                 cores = min(c for _, c in lent)
                 if (memory, cores) != (job.lendable_mib, job.lendable_cores_pct):
                     state.jobs[key] = replace(job, lendable_mib=memory, lendable_cores_pct=cores)
             elif idle.right_sizing and job.waiting:
-                learn = (job.project, job.template)
-                if learn not in self.calibrations:
-                    self.calibrations[learn] = right_sizing.recommended(
-                        self.peaks.get(learn, ()), 1)
                 request = right_sizing.placement_request(
                     replace(job, request=trace.request), self.quotas.get(job.project), None,
-                    self.calibrations[learn])
+                    self._calibration((job.project, job.template)))
                 if request != job.request:
                     state.jobs[key] = replace(job, request=request)
+
+    def _calibration(self, learn: tuple[str, str]) -> int | None:
+        """The recommended cores of a (project, template) from its finished runs' peaks."""
+        if learn not in self.calibrations:
+            self.calibrations[learn] = right_sizing.recommended(self.peaks.get(learn, ()), 1)
+        return self.calibrations[learn]
 
     def _report_progress(self) -> None:
         """The latest progress report of every running job that reports, as the node agent

@@ -14,6 +14,7 @@ from carpool.core.lending import (
     may_borrow,
     reclaims,
     split,
+    with_lendable,
 )
 from carpool.core.placement import NodeState, node_rejection
 from carpool.core.preemption import PreemptionCause
@@ -47,6 +48,33 @@ def test_an_owner_lends_what_lies_above_its_peak_and_headroom_once_observed() ->
     assert lendable(grant, 55 * GIB, 55, 900, POLICY) == (0, 0)  # peak + headroom > grant
     exclusive = GpuGrant("g0", 80 * GIB, 100, exclusive=True)
     assert lendable(exclusive, 1 * GIB, 1, 900, POLICY) == (0, 0)
+
+
+def test_before_its_peak_is_trusted_an_owner_lends_above_its_templates_calibrated_size(
+        ) -> None:
+    grant = owner_grant()
+    # 300 s in: the template's runs call for 30 GiB and 40 %, its own peak so far is lower
+    assert lendable(grant, 10 * GIB, 20, 300, POLICY, 30 * GIB, 40) == (30 * GIB, 20)
+    # its own peak so far with headroom above the calibration: that is kept
+    assert lendable(grant, 30 * GIB, 40, 300, POLICY, 30 * GIB, 40) == (24 * GIB, 12)
+    assert lendable(grant, 10 * GIB, 20, 300, POLICY, None, 40) == (0, 20)  # memory unknown
+    # once observed, its own measure alone counts
+    assert lendable(grant, 10 * GIB, 20, 900, POLICY, 30 * GIB, 40) == (48 * GIB, 36)
+
+
+def test_with_lendable_uses_the_calibrated_size_of_the_owners_template() -> None:
+    owner = gpu_job("a/o", "a", JobClass.LONG, memory_gib=60, exclusive=False,
+                    phase=Phase.RUNNING, attempts=1, node="n1", grants=(owner_grant(),),
+                    template="t", runs=(RunRecord(1, NOW - 60, None, 0.75, "n1"),),
+                    peak_memory_mib=5 * GIB)
+    [early] = with_lendable([owner], POLICY, NOW, {("a", "t"): 20 * GIB})
+    assert early.lendable_mib == 40 * GIB  # 60 s in: the template's 20 GiB kept
+    [unknown] = with_lendable([owner], POLICY, NOW, {("a", "other"): 20 * GIB})
+    assert unknown.lendable_mib == 0
+    # nothing measured yet: nothing lent (the extender would not see it lent either)
+    [unmeasured] = with_lendable([replace(owner, peak_memory_mib=None)], POLICY, NOW,
+                                 {("a", "t"): 20 * GIB})
+    assert unmeasured.lendable_mib == 0
 
 
 def test_only_preemptible_mps_jobs_that_leave_within_the_bound_borrow() -> None:

@@ -50,6 +50,17 @@ def test_a_preemptible_job_runs_in_an_owners_unused_share_once_its_peak_is_known
     assert scores["owner_wait_p99_s"] == 0
 
 
+def test_an_owner_of_a_calibrated_template_lends_from_its_start() -> None:
+    history = [mps(f"o{i}", i * 10, 100, 80, JobClass.LONG, False, "o") for i in range(3)]
+    owner = mps("o9", 1000, 7200, 80, JobClass.LONG, False, "o")
+    sweep = mps("sweep", 1100, 3000, 40, JobClass.BATCH, True)
+    uses = {f"o{i}": Usage(0.4) for i in range(3)} | {"o9": Usage(0.4), "sweep": Usage(1.0)}
+    outcome = run([*history, owner, sweep], uses, qr.IdleCapacity(lending=LENDING))
+    # three runs peaked at 32 %: 39 % kept with headroom, 41 % lent before 600 s of its own
+    assert outcome.records["p/sweep"].first_start == 1100
+    assert qr.score(outcome)["owner_reclaims"] == 0
+
+
 def test_an_owner_whose_use_rises_gets_its_share_back_within_the_grace() -> None:
     uses = {"owner": Usage(0.9, rise_at=0.25), "sweep": Usage(1.0)}  # rises at 1800 s
     outcome = run([OWNER, SWEEP], uses, qr.IdleCapacity(lending=LENDING))
