@@ -3,7 +3,9 @@ idle-session stop on and off, side by side on the same traces.
 
 Jobs use less than they ask and interactive sessions go idle (`carpool.replay.usage_traces`:
 peaks drawn per template from a Beta fitted to a published over-request figure, some rising
-late; sessions active for the first part of their run). For each trace, Carpool replays it
+late; sessions active for the first part of their run). Arrivals are spaced so that `--load`
+is the offered load up to the last arrival (`job_traces.generate`'s `load_by_last_arrival`),
+the window work is measured in. For each trace, Carpool replays it
 four ways in one batch (settings alternated across traces, so drift on a shared machine
 falls on all of them): as asked (`--over-requests`: measured, nothing acts on it); lending
 from shared grants and right-sizing (`--lending --right-sizing`); the same with whole-GPU
@@ -44,7 +46,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs-per-trace", type=int, default=500)
     parser.add_argument("--load", type=float, default=2.0,
-                        help="offered load as asked, in shares of the scaled cluster (2.0)")
+                        help="offered load as asked up to the last arrival, in shares of the "
+                             "scaled cluster (2.0)")
     parser.add_argument("--seeds", default="7,8", help="generated traces' seeds (7,8)")
     parser.add_argument("--scale", type=float, default=0.006)
     parser.add_argument("--workers", type=int, default=2)
