@@ -702,12 +702,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.delete_cluster:
         devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)
     else:
+        unfinalize_jobs(api, projects)  # the operator is gone: its finalizers would hold them
         for project in projects:
             core.delete_namespace(project)
             custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
                                                 names.PROJECTQUOTA_PLURAL, project)
         simnodes.delete_nodes(api, [n.name for n in nodes])
     return result
+
+
+def unfinalize_jobs(api: Any, namespaces: list[str]) -> None:
+    """Take the operator's finalizer off every GpuJob in these namespaces (once it has stopped),
+    so deleting the namespaces deletes them instead of leaving them, and their namespaces,
+    terminating for the next run's operator to meet."""
+    pool = api.rest_client.pool_manager
+    base = f"{api.configuration.host}/apis/{names.GROUP}/{names.VERSION}/namespaces"
+    headers = {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
+    custom = client.CustomObjectsApi(api)
+    keys = [(namespace, job["metadata"]["name"]) for namespace in namespaces
+            for job in custom.list_namespaced_custom_object(
+                names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL)["items"]
+            if job["metadata"].get("finalizers")]
+
+    def unfinalize(key: tuple[str, str]) -> None:
+        pool.request("PATCH", f"{base}/{key[0]}/{names.GPUJOB_PLURAL}/{key[1]}",
+                     body=b'{"metadata":{"finalizers":null}}', headers=headers, retries=False)
+
+    with ThreadPoolExecutor(max_workers=8) as workers:
+        list(workers.map(unfinalize, keys))
 
 
 def _operator_eta_scores(port: int) -> dict[str, float]:
