@@ -261,9 +261,10 @@ class Observer:
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
             placements = placements_from_status(status_now, exclusive)
-            obs = observe(obj, job_pods, totals, now, mig_slices,
-                          self.pod_gone_at(str(status_now.get("podUID") or "")),
-                          _gang_fraction(obj, placements, state.inventories))
+            gone_uid = str(status_now.get("podUID") or "")
+            obs = observe(obj, job_pods, totals, now, mig_slices, self.pod_gone_at(gone_uid),
+                          _gang_fraction(obj, placements, state.inventories),
+                          self.gone_pod(gone_uid))
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = job_status.changes(status, obs.status)
@@ -334,6 +335,11 @@ class Observer:
         state.start_delay_s = admission_to_start_s(
             obj.get("status") or {} for obj in state.objects.values())
         return state
+
+    def gone_pod(self, uid: str) -> PodView | None:
+        """The last state of the pod of `uid`, if the watch saw it deleted."""
+        seen = self.informers.gone_at(PODS, uid)
+        return view_pod(seen[1]) if seen is not None else None
 
     def pod_gone_at(self, uid: str) -> float | None:
         """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted: its

@@ -244,13 +244,17 @@ NOT_WAITING: dict[str, None] = dict.fromkeys(
 
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             now: float, mig_slices: Mapping[str, int] | None = None,
-            pod_gone_at: float | None = None, gang_fraction: float | None = None
-            ) -> Observation:
+            pod_gone_at: float | None = None, gang_fraction: float | None = None,
+            gone_pod: PodView | None = None) -> Observation:
     """Derive `job`'s phase and status from its pods (see the module docstring).
 
     `pod_gone_at`: when its current attempt's pod was seen deleted, if it is gone (its run
-    ends then, not at `now`, which may be a pass later). A gang's attempt is followed by its
-    rank 0 pod and billed for every worker's GPUs (`gang_fraction`)."""
+    ends then, not at `now`, which may be a pass later); `gone_pod`: that pod's last state as
+    the watch showed it. A pod that finished and was deleted before its job's status said so
+    (a status write lost to an API outage or an operator restart, then pod garbage
+    collection) ends the job as it finished: requeueing it would run a finished job again.
+    A gang's attempt is followed by its rank 0 pod and billed for every worker's GPUs
+    (`gang_fraction`)."""
     status: Obj = job.get("status") or {}
     isolation_text = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", ""))
     exclusive = isolation_text == "exclusive"
@@ -267,6 +271,10 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         return Observation(phase, attempts, {})
 
     current = next((p for p in pods if p.attempt == attempts), None)
+    gone = False
+    if (current is None and gone_pod is not None and gone_pod.terminal and attempts
+            and phase is not Phase.QUEUED and preempting != attempts):
+        current, gone = dataclasses.replace(gone_pod, attempt=attempts), True
     if current is None:
         if attempts == 0 or phase is Phase.QUEUED:
             unchanged = attempts == int(status.get("attempts", 0))
@@ -333,7 +341,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             patch["startTime"] = format_timestamp(current.started)
         events.append(("Normal" if new_phase is Phase.SUCCEEDED else "Warning",
                        new_phase.value, f"attempt {attempts} {outcome.lower()} on {current.node}"))
-        return Observation(new_phase, attempts, patch, tuple(events), current)
+        return Observation(new_phase, attempts, patch, tuple(events), None if gone else current)
 
     if current.deleting or preempting == attempts:
         new_phase = Phase.PREEMPTED

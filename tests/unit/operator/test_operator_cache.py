@@ -950,3 +950,38 @@ def test_a_job_read_again_with_the_same_grants_keeps_the_same_grants_tuple() -> 
     reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
     (after,) = reconciler.read(1_800_000_002.0).jobs
     assert after is not before and after.grants is before.grants
+
+
+def test_a_pod_that_succeeded_then_went_before_its_status_was_written_ends_its_job() -> None:
+    """An API outage or an operator restart loses the Succeeded status write, then the pod
+    is deleted (pod garbage collection): the watch's last state of it ends the job, never
+    a second attempt."""
+    kube = FakeKube()
+    cluster = _cluster(1)
+    cluster[GPUJOBS] = [_job("a")]
+    informers = _informers(kube, cluster, version=10)
+    reconciler = _reconciler(kube, informers)
+    reconciler.run_pass(1_800_000_000.0)
+    reconciler.wait_for_writes()
+    ((_, admitted),) = kube.statuses
+    job = _job("a", str(kube.version + 1), {**{k: v for k, v in admitted.items()
+                                               if v is not None}, "phase": "Running"})
+    job["metadata"]["finalizers"] = [names.FINALIZER]
+    pod = copy.deepcopy(kube.pods[0])
+    pod["metadata"]["resourceVersion"] = str(kube.version + 2)
+    pod["spec"] = {**pod["spec"], "nodeName": "n1"}
+    pod["status"] = {"phase": "Succeeded", "startTime": "2027-01-15T08:00:05Z"}
+    assert _watch_event(informers.by_kind[GPUJOBS], {"type": "MODIFIED", "object": job})
+    assert _watch_event(informers.by_kind[PODS], {"type": "ADDED", "object": pod})
+    gone = copy.deepcopy(pod)
+    gone["metadata"]["resourceVersion"] = str(kube.version + 3)
+    assert _watch_event(informers.by_kind[PODS], {"type": "DELETED", "object": gone})
+    for store in informers.by_kind.values():  # the watches show the first pass's writes
+        store.version = max(store.version, kube.version)
+    pods, statuses = len(kube.pods), len(kube.statuses)
+    result = reconciler.run_pass(1_800_000_100.0, catch_up_s=0.05)
+    reconciler.wait_for_writes()
+    assert not result.admissions and len(kube.pods) == pods
+    ((key, status),) = kube.statuses[statuses:]
+    assert key == "team/a" and status["phase"] == "Succeeded"
+    assert "Requeued" not in kube.events
