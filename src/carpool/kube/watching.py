@@ -45,6 +45,10 @@ def object_key(obj: Mapping[str, Any]) -> str:
     return f"{namespace}/{meta.get('name')}" if namespace else str(meta.get("name"))
 
 
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
+
+
 def version_of(obj: Mapping[str, Any]) -> int:
     text = str((obj.get("metadata") or {}).get("resourceVersion") or "")
     return int(text) if text.isdigit() else 0
@@ -239,20 +243,29 @@ class Store:
             return list(arrivals)[len(arrivals) - new:] if new > 0 else []
 
     def gone_at(self, uid: str) -> tuple[float, Obj] | None:
-        """When the watch showed the object of `uid` deleted (epoch seconds), with its last
-        state; None if it did not (a list that no longer holds an object says nothing of
-        when it went)."""
+        """When the watch showed the object of `uid` deleted (epoch seconds), or a fresh list
+        first lacked it (it went before then: the watch was down or restarted), with its
+        last state as this store held it; None if neither."""
         with self._cond:
             return self._gone.get(uid)
 
     def _replace(self, items: list[Obj], version: str) -> None:
         fresh = {object_key(obj): self._keep(obj) for obj in items}
         with self._cond:
+            listed = {_uid(obj) for obj in fresh.values()}
+            for old in self.items.values():
+                if (uid := _uid(old)) and uid not in listed and uid not in self._gone:
+                    self._forget(uid, time.time(), old)
             self.items = fresh
             self.version = max(self.version, int(version) if version.isdigit() else 0)
             self.synced = True
             self._cond.notify_all()
         self._changed()
+
+    def _forget(self, uid: str, at: float, last: Obj) -> None:
+        self._gone[uid] = (at, last)
+        if len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
 
     def _bookmark(self, version: str) -> None:
         with self._cond:
@@ -264,10 +277,8 @@ class Store:
             key = object_key(obj)
             if kind == "DELETED":
                 self.items.pop(key, None)
-                if uid := str((obj.get("metadata") or {}).get("uid") or ""):
-                    self._gone[uid] = (time.time(), self._keep(obj))
-                    if len(self._gone) > GONE_KEPT:
-                        self._gone.popitem(last=False)
+                if uid := _uid(obj):
+                    self._forget(uid, time.time(), self._keep(obj))
             else:
                 kept = self._keep(obj)
                 if self.arrivals is not None and kind == "ADDED" and key not in self.items:

@@ -171,6 +171,21 @@ def test_the_store_remembers_when_the_watch_saw_an_object_deleted() -> None:
     assert seen[1]["status"] == {"phase": "Running"}  # its last state, trimmed as stored
 
 
+def test_a_fresh_list_that_lacks_an_object_keeps_its_last_state_as_gone() -> None:
+    """A pod deleted while the watch was down (an API outage) or relisting shows no DELETED
+    event: the list that first lacks it records it gone, with the last state held."""
+    informer = Informers(FakeKube()).by_kind[PODS]  # type: ignore[arg-type]
+    pod = {"metadata": {"name": "a-1", "namespace": "team", "uid": "pod-a-1",
+                        "resourceVersion": "5"}, "status": {"phase": "Succeeded"}}
+    informer._replace([pod], "5")
+    assert informer.gone_at("pod-a-1") is None
+    before = time.time()
+    informer._replace([], "9")
+    seen = informer.gone_at("pod-a-1")
+    assert seen is not None and before <= seen[0] <= time.time()
+    assert seen[1]["status"] == {"phase": "Succeeded"}
+
+
 def test_a_cache_behind_our_own_write_is_waited_for_then_relisted() -> None:
     kube = FakeKube()
     informers = _informers(kube, _cluster(1), version=50)
