@@ -618,7 +618,7 @@ class Replay:
                 if stop.owner_reclaim:
                     stats.reclaims += 1
                     stats.reclaim_latencies.append(
-                        now + max(stop.grace_s, 1.0) - self.rose_at.get(job.node, now))
+                        now + max(stop.grace_s, 1.0) - self._reclaim_cause_at(job, now))
             state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
             heapq.heappush(events, (now + max(stop.grace_s, 1.0), LEAVE, job.key, job.attempts))
         for start in decisions.starts:
@@ -730,6 +730,15 @@ class Replay:
         if learn not in self.calibrations:
             self.calibrations[learn] = right_sizing.recommended(self.peaks.get(learn, ()), 1)
         return self.calibrations[learn]
+
+    def _reclaim_cause_at(self, borrower: Job, now: float) -> float:
+        """When the need that stops `borrower` arose: the latest rise of an owner's use on its
+        node if that came after the borrower started (a rise before it was already in the
+        lending it was placed by), else now (the lent part shrank for another reason, such as
+        an owner's calibrated size growing, and nothing waited before this cycle)."""
+        rose = self.rose_at.get(borrower.node)
+        started = borrower.runs[-1].start if borrower.runs else now
+        return rose if rose is not None and rose >= started else now
 
     def _report_progress(self) -> None:
         """The latest progress report of every running job that reports, as the node agent

@@ -4,6 +4,9 @@ their size ended by the watchdog and run again as asked."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from carpool.core.jobs import Job, RunRecord
 from carpool.core.lending import LendingPolicy
 from carpool.core.queueing import AdmissionConfig
 from carpool.core.resources import GpuRequest, Isolation, JobClass
@@ -69,6 +72,20 @@ def test_an_owner_whose_use_rises_gets_its_share_back_within_the_grace() -> None
     assert scores["owner_reclaims"] == 1
     assert scores["owner_reclaim_p99_s"] == 30.0  # its checkpoint grace
     assert RISE_FROM < 1
+
+
+def test_a_reclaim_is_timed_from_a_rise_after_the_borrower_started_else_from_its_decision(
+        ) -> None:
+    borrower = Job("p/sweep", "p", JobClass.BATCH, GpuRequest(1, 0, 40, Isolation.MPS), 0.0,
+                   3000.0, node="n1", runs=(RunRecord(1, 2000.0, None, 0.4, "n1"),))
+    replay = SimpleNamespace(rose_at={"n1": 2300.0})
+    assert qr.Replay._reclaim_cause_at(replay, borrower, 2330.0) == 2300.0
+    # a rise before it started was in the lending it was placed by: the need came now (an
+    # owner's calibrated size grew), and nothing waited before this cycle
+    replay.rose_at = {"n1": 760.0}
+    assert qr.Replay._reclaim_cause_at(replay, borrower, 2330.0) == 2330.0
+    replay.rose_at = {}
+    assert qr.Replay._reclaim_cause_at(replay, borrower, 2330.0) == 2330.0
 
 
 def test_a_right_sized_run_that_outgrows_its_size_runs_again_as_asked() -> None:
