@@ -57,6 +57,10 @@ def view_pod(pod: Obj) -> PodView:
                           and c.get("reason") == "Unschedulable"), None)
     if phase in ("Succeeded", "Failed") and finished is None:
         finished = parse_time(meta.get("deletionTimestamp")) or started
+    if finished is not None and started is not None and finished < started:
+        # a container that exits at once can be recorded as finished before it started (the
+        # runtime stamps its start after the process may already have ended): a run of 0 s
+        finished = started
     return PodView(
         name=meta.get("name", ""),
         namespace=meta.get("namespace", ""),

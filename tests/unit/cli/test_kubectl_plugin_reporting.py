@@ -56,6 +56,12 @@ def test_usage_report_clips_runs_to_the_window() -> None:
     assert (row.runs, row.jobs, row.share) == (2, 1, 1.0)
 
 
+def test_usage_report_counts_a_run_stamped_as_ending_before_it_started() -> None:
+    runs = [{"fraction": 1.0, "start": format_time(NOW - 600), "end": format_time(NOW - 601)}]
+    (row,) = reporting.usage_report([job(runs)], NOW - 3600, NOW).rows
+    assert (row.runs, row.gpu_hours) == (1, 0.0)
+
+
 def test_usage_report_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="by 'project' or 'job', not 'node'"):
         reporting.usage_report([], NOW - 1, NOW, by="node")

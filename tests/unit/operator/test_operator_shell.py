@@ -168,6 +168,17 @@ def test_finished_job_gets_gpu_hours_and_a_start_even_if_never_seen_running() ->
     assert done.status["gpuHours"] == pytest.approx(0.5)
 
 
+def test_a_container_stamped_as_finished_before_it_started_ran_no_time() -> None:
+    job = _job({"phase": "Admitted", "attempts": 1})
+    pod = view_pod(_pod(1, "Succeeded", started="2026-11-29T10:00:01Z",
+                        finished="2026-11-29T10:00:00Z"))
+    assert pod.finished == pod.started
+    done = observe(job, [pod], {UUID: 143771}, now=0)
+    (run,) = done.status["history"]
+    assert run["start"] == run["end"] == "2026-11-29T10:00:01Z"
+    assert done.status["gpuHours"] == 0
+
+
 def test_kubelet_deadline_reads_as_max_duration_exceeded() -> None:
     pod = _pod(1, "Failed", started="2026-11-29T10:00:00Z", finished="2026-11-29T11:00:00Z")
     pod["status"]["containerStatuses"] = []
