@@ -261,10 +261,10 @@ class Observer:
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
             placements = placements_from_status(status_now, exclusive)
-            gone_uid = str(status_now.get("podUID") or "")
-            obs = observe(obj, job_pods, totals, now, mig_slices, self.pod_gone_at(gone_uid),
-                          _gang_fraction(obj, placements, state.inventories),
-                          self.gone_pod(gone_uid))
+            gone = self.gone_pod(str(status_now.get("podUID") or ""))
+            gone_at, gone_pod = gone if gone is not None else (None, None)
+            obs = observe(obj, job_pods, totals, now, mig_slices, gone_at,
+                          _gang_fraction(obj, placements, state.inventories), gone_pod)
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = job_status.changes(status, obs.status)
@@ -336,20 +336,21 @@ class Observer:
             obj.get("status") or {} for obj in state.objects.values())
         return state
 
-    def gone_pod(self, uid: str) -> PodView | None:
-        """The last state of the pod of `uid`, if the watch saw it deleted."""
-        seen = self.informers.gone_at(PODS, uid)
-        return view_pod(seen[1]) if seen is not None else None
-
-    def pod_gone_at(self, uid: str) -> float | None:
-        """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted: its
-        containers' end as its last state shows it, else when the deletion was seen."""
+    def gone_pod(self, uid: str) -> tuple[float, PodView] | None:
+        """If the watch saw the pod of `uid` deleted: when it stopped holding its GPUs (its
+        containers' end as its last state shows it, else when the deletion was seen), and
+        that last state."""
         seen = self.informers.gone_at(PODS, uid)
         if seen is None:
             return None
         at, last = seen
-        finished = view_pod(last).finished
-        return min(at, finished) if finished else at
+        pod = view_pod(last)
+        return (min(at, pod.finished) if pod.finished else at), pod
+
+    def pod_gone_at(self, uid: str) -> float | None:
+        """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted."""
+        gone = self.gone_pod(uid)
+        return gone[0] if gone is not None else None
 
     def _observe_gang(self, state: PassState, job: Job, lead: PodView | None,
                       workers: Mapping[int, PodView],

@@ -516,12 +516,12 @@ def usage_report(jobs: Iterable[Obj], since: float, now: float, by: str = "proje
                 continue
             end = epoch_of(record.get("end"))
             end = now if end is None else end
-            if end < since or start > now:  # outside the window; a run shorter than the
-                continue                    # timestamps' one second still counts as a run
-            # (an end stamped before its start, as a runtime may for a container that exits
-            # at once, is a run of no time)
-            clipped_start = max(start, since)
-            clipped_end = max(clipped_start, min(end, now))
+            # outside the window; a run shorter than the timestamps' one second still counts
+            # as a run, and so does one whose end is stamped before its start (a runtime may
+            # do that for a container that exits at once): gpu_hours gives it no time
+            if end < since or start > now:
+                continue
+            clipped_start, clipped_end = max(start, since), min(end, now)
             fraction = _number(record.get("fraction")) or 0.0
             hours[key] = hours.get(key, 0.0) + gpu_hours(fraction, clipped_start, clipped_end)
             runs[key] = runs.get(key, 0) + 1
