@@ -69,7 +69,8 @@ class Sample:
 @dataclass(frozen=True)
 class Point:
     """A profile at one degree: the median throughput of the jobs' measures there and the
-    TAIL_QUANTILE of their P99s."""
+    TAIL_QUANTILE of their P99s, read from the non-decreasing curve nearest those tails
+    (`_non_decreasing`)."""
 
     degree: int
     throughput: float  # per job
@@ -224,9 +225,29 @@ def _high(values: list[float]) -> float | None:
     return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
+def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
+    """The non-decreasing sequence nearest `values` (least squares, each value counting as
+    often as its weight): wherever a value is under the one before it, the two and their
+    neighbours as far as needed are replaced by their weighted mean (pool adjacent violators).
+
+    A job's latency tail does not shrink as more jobs share its GPU; a degree measured lower
+    than the one before it was a quiet moment or the one before a loud one. Read as measured,
+    one noisy degree would cap a limit that the next degree's own reports allow."""
+    blocks: list[list[float]] = []  # [weighted mean, total weight, length]
+    for value, weight in zip(values, weights, strict=True):
+        blocks.append([value, float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            value2, weight2, count2 = blocks.pop()
+            value1, weight1, count1 = blocks[-1]
+            total = weight1 + weight2
+            blocks[-1] = [(value1 * weight1 + value2 * weight2) / total, total, count1 + count2]
+    return [value for value, _, count in blocks for _ in range(int(count))]
+
+
 def learn(samples: Iterable[Sample]) -> Profiles:
     """Profiles from job measures: per (model, template, degree) the median throughput and
-    the TAIL_QUANTILE P99 (interpolated) of its samples; a (model, template) measured at fewer
+    the TAIL_QUANTILE P99 (interpolated) of its samples, the tails made non-decreasing over
+    the degrees (each degree weighed by its reports); a (model, template) measured at fewer
     than MIN_DEGREES degrees has none. Samples without a model or template, or with no
     throughput, say nothing."""
     groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
@@ -239,13 +260,16 @@ def learn(samples: Iterable[Sample]) -> Profiles:
     for key, by_degree in groups.items():
         if len(by_degree) < MIN_DEGREES:
             continue
-        points = []
-        for degree in sorted(by_degree):
-            group = by_degree[degree]
-            tails = [s.p99_s for s in group if s.p99_s is not None]
-            points.append(Point(degree, statistics.median(s.throughput for s in group),
-                                _high(tails), len(group)))
-        profiles[key] = Profile(key[0], key[1], tuple(points))
+        degrees = sorted(by_degree)
+        tails = {d: _high([s.p99_s for s in by_degree[d] if s.p99_s is not None])
+                 for d in degrees}
+        measured = [d for d in degrees if tails[d] is not None]
+        smooth = dict(zip(measured, _non_decreasing(
+            [tails[d] or 0.0 for d in measured],
+            [sum(s.p99_s is not None for s in by_degree[d]) for d in measured]), strict=True))
+        profiles[key] = Profile(key[0], key[1], tuple(
+            Point(d, statistics.median(s.throughput for s in by_degree[d]), smooth.get(d),
+                  len(by_degree[d])) for d in degrees))
     return Profiles(profiles)
 
 

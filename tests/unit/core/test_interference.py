@@ -195,3 +195,29 @@ def test_profiles_are_learned_from_recorded_measures() -> None:
     profile = profiles.get("H200", "web@resnet:1")
     assert profile is not None and [p.degree for p in profile.points] == [1, 2]
     assert profile.throughput_at(2) == pytest.approx(190.0)
+
+
+def test_a_degree_measured_quieter_than_the_one_before_pools_with_it() -> None:
+    assert inf._non_decreasing([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert inf._non_decreasing([1.0, 3.0, 2.0], [1, 1, 3]) == [1.0, 2.25, 2.25]
+    assert inf._non_decreasing([5.0, 1.0, 1.0], [1, 1, 1]) == pytest.approx([7 / 3] * 3)
+    # a batch-1 ResNet's reports (ms) on an H100, one short run per degree, target 14.87 ms:
+    # degree 5's two loud reports put its tail over the target's headroom (13.4 ms) while
+    # degree 6, measured with more copies, is well under it
+    reports = {1: [7.1, 7.4, 8.0], 2: [7.9, 9.6], 3: [6.5, 9.2, 10.4],
+               4: [7.0, 7.4, 7.4, 7.5, 8.0, 8.3, 8.6, 9.8], 5: [7.4, 9.6, 10.3, 13.5, 14.1],
+               6: [7.3, 8.0, 8.6, 8.6, 10.8, 13.2]}
+    profile = inf.learn([inf.Sample("H100", "resnet-b1", d, 150.0 / d, ms / 1000)
+                         for d, values in reports.items() for ms in values]
+                        ).get("H100", "resnet-b1")
+    assert profile is not None
+    tails = [p.p99_s for p in profile.points]
+    assert tails == sorted(tails)  # never lower at a higher degree
+    assert inf._high([x / 1000 for x in reports[5]]) > 0.01487 * inf.P99_HEADROOM
+    assert profile.limit(Objectives(p99_latency_s=0.01487)) == 7  # 6 measured, one beyond
+    # a degree that many reports put over the target still caps the limit
+    loud = inf.learn([*(inf.Sample("H100", "resnet-b1", d, 150.0 / d, ms / 1000)
+                        for d, values in reports.items() for ms in values),
+                      *(inf.Sample("H100", "resnet-b1", 5, 30.0, 0.0146) for _ in range(6))]
+                     ).get("H100", "resnet-b1")
+    assert loud is not None and loud.limit(Objectives(p99_latency_s=0.01487)) == 4
