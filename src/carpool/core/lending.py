@@ -65,6 +65,18 @@ def may_borrow(request: GpuRequest, preemptible: bool, checkpoint_grace_s: float
             and checkpoint_grace_s <= policy.reclaim_within_s)
 
 
+def yields_to_owner(victim: Job, victim_level: int, preemptor_preemptible: bool,
+                    preemptor_level: int) -> bool:
+    """Whether a borrower makes way for a waiting job that may not borrow (an owner) of at
+    least its class, as for an owner's rise: lent capacity is lent until an owner's grant
+    is needed, and a borrower whose lender ended holds that grant's room against the next
+    owner. Preemption takes it only where its leaving lets the owner start (while its lender
+    runs, the lent part stays the lender's and frees nothing); the owner ranks at least as
+    high and never borrows, so the two cannot take turns."""
+    return (not preemptor_preemptible and victim_level >= preemptor_level
+            and any(g.borrowed for g in victim.grants))
+
+
 def lendable(grant: GpuGrant, peak_memory_mib: int | None, peak_cores_pct: int | None,
              running_s: float, policy: LendingPolicy, calibrated_mib: int | None = None,
              calibrated_cores_pct: int | None = None) -> tuple[int, int]:

@@ -16,6 +16,8 @@ Who may be preempted, and by whom:
   class (so borrowers never evict an owner, and preemption cannot ping-pong: the victim
   ranks lower than its preemptor, or is a borrower that the admission cycle considers only
   after every job within its limits).
+- A job running in lent GPU capacity makes way for a non-preemptible job of at least its
+  class that needs that room (`lending.yields_to_owner`), as it does for its owner's rise.
 
 A job held back only by its own project's guarantee may also preempt that project's own
 preemptible jobs of a strictly lower class (`quota_victims`), plus what it needs on a node.
@@ -34,6 +36,7 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from carpool.core import lending
 from carpool.core.fairshare import effective_level
 from carpool.core.gpuhours import gpu_hours
 from carpool.core.jobs import Job
@@ -90,7 +93,7 @@ def victim_cause(preemptor: Job, preemptor_in_quota: bool, victim: Job, now: flo
         return None
     return cause_between(preemptor.project, preemptor_in_quota,
                          effective_level(preemptor, now, aging_step_s), victim,
-                         effective_level(victim, now, aging_step_s))
+                         effective_level(victim, now, aging_step_s), preemptor.preemptible)
 
 
 def may_be_victim(victim: Job, now: float) -> bool:
@@ -102,9 +105,13 @@ def may_be_victim(victim: Job, now: float) -> bool:
 
 
 def cause_between(preemptor_project: str, preemptor_in_quota: bool, preemptor_level: int,
-                  victim: Job, victim_level: int) -> PreemptionCause | None:
+                  victim: Job, victim_level: int, preemptor_preemptible: bool
+                  ) -> PreemptionCause | None:
     """The rest of `victim_cause`, for a victim `may_be_victim` allows, from both jobs'
-    effective levels at that time (a search over many victims computes each once)."""
+    effective levels at that time (a search over many victims computes each once). A
+    borrower in lent capacity makes way for an owner (`lending.yields_to_owner`)."""
+    if lending.yields_to_owner(victim, victim_level, preemptor_preemptible, preemptor_level):
+        return PreemptionCause.OWNER_RECLAIM
     if victim.borrowed and preemptor_in_quota and victim.project != preemptor_project:
         return PreemptionCause.RECLAIM
     if victim_level > preemptor_level and (preemptor_in_quota or victim.borrowed):

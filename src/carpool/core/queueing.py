@@ -419,8 +419,8 @@ class _Cycle:
     victims_now: list[tuple[_Holder, int, float]] | None = None
     preemptions: list[Preemption] = field(default_factory=list)
     preempt_attempts: int = 0
-    preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
-    quota_preempt_fail: set[tuple[GpuRequest, int, bool, str]] = field(default_factory=set)
+    preempt_fail: set[tuple[GpuRequest, int, bool, str, bool]] = field(default_factory=set)
+    quota_preempt_fail: set[tuple[GpuRequest, int, bool, str, bool]] = field(default_factory=set)
     holders_by_project: dict[str, list[_Holder]] = field(default_factory=dict)
     # how much earlier and later than planned an occupancy may end (its P10, P90): every
     # running job's, and reservations behind one (`_Spread`)
@@ -586,6 +586,7 @@ def _preemption(cycle: _Cycle, job: Job, chosen: Candidate, node: str) -> Preemp
     cycle.leaving.add(victim.key)
     cycle.timeline.end_at(victim.key, now + leaving_s(victim))
     what = ("reclaims capacity borrowed by" if chosen.cause is PreemptionCause.RECLAIM
+            else "needs the lent capacity held by" if chosen.cause is PreemptionCause.OWNER_RECLAIM
             else f"({job.job_class.label}) outranks")
     return Preemption(
         victim.key, job.key, victim.node or node, chosen.cause, victim.checkpoint_grace_s,
@@ -656,7 +657,8 @@ def _victim_candidates(cycle: _Cycle, job: Job, in_quota: bool, gone: Set[str]
     own = effective_level(job, now, step)
     return [Candidate(h.job, cause, lost) for h, level, lost in cycle.victims_now
             if h.job.key not in gone and h.job.key != job.key
-            and (cause := cause_between(job.project, in_quota, own, h.job, level)) is not None]
+            and (cause := cause_between(job.project, in_quota, own, h.job, level,
+                                        job.preemptible)) is not None]
 
 
 def _try_preempt(cycle: _Cycle, job: Job, in_quota: bool, duration: float) -> list[Preemption]:
@@ -979,7 +981,7 @@ class _QueueDecisions:
         self._victim_times: list[float] = []  # their distinct times, in order
         self._victim_keys: set[str] = set()
         # `_yielding`'s answers, by what they depend on (see there); never changed once given
-        self._yielded: dict[tuple[str, bool, int, tuple[int, ...]],
+        self._yielded: dict[tuple[str, bool, bool, int, tuple[int, ...]],
                             tuple[dict[str, float], dict[str, float]]] = {}
         self._domains: dict[TopologyLevel, tuple[Domain, ...]] | None = None  # (gangs)
         self._gang_never: dict[tuple[tuple[GpuRequest, ...], TopologyNeed | None],
@@ -1492,7 +1494,8 @@ class _QueueDecisions:
         if not _worth_preempting(cycle, job, duration):
             return []
         attempt = (job.request, effective_level(job, cycle.snapshot.now,
-                                                cycle.config.aging_step_s), in_quota, job.project)
+                                                cycle.config.aging_step_s), in_quota, job.project,
+                   job.preemptible)
         if attempt in cycle.preempt_fail:
             return []
         cycle.preempt_attempts += 1
@@ -1514,7 +1517,8 @@ class _QueueDecisions:
         step = cycle.config.aging_step_s
         ledger = cycle.ledgers[job.project]
         excess_gpus, excess_memory = _excess(ledger, fraction, memory, [])
-        attempt = (job.request, effective_level(job, now, step), True, job.project)
+        attempt = (job.request, effective_level(job, now, step), True, job.project,
+                   job.preemptible)
         if attempt in cycle.quota_preempt_fail:
             return []
         own = [(Candidate(h.job, cause, lost_gpu_hours(h.job, h.fraction, now)), h.fraction,
@@ -1586,7 +1590,7 @@ class _QueueDecisions:
         # jobs that share those share it
         shared = None
         if job.key not in self._victim_keys:
-            shared = (job.project, in_quota, len(cycle.leaving),
+            shared = (job.project, in_quota, job.preemptible, len(cycle.leaving),
                       tuple(effective_level(job, at, step) for at in self._victim_times))
             found = self._yielded.get(shared)
             if found is not None:
@@ -1600,7 +1604,8 @@ class _QueueDecisions:
             own = levels.get(at)
             if own is None:
                 own = levels[at] = effective_level(job, at, step)
-            if cause_between(job.project, in_quota, own, victim, level) is not None:
+            if cause_between(job.project, in_quota, own, victim, level,
+                             job.preemptible) is not None:
                 yielding[victim.key] = keeps_s
                 if at > now:
                     protected[victim.key] = at

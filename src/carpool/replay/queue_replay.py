@@ -163,6 +163,7 @@ class Stop:
     job_key: str
     grace_s: float
     owner_reclaim: bool = False  # it ran in lent capacity its owner needs back
+    for_waiting: bool = False  # a waiting owner needs it (timed from the decision)
     ends: bool = False  # the job is done once off its GPUs (an expiry: idle session, maxDuration)
 
 
@@ -194,7 +195,9 @@ def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
         result = admission_cycle(state.snapshot(), config)
         return Decisions(
             tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
-            (*(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM)
+            (*(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM,
+                    (preemptor := state.jobs.get(p.preemptor_key)) is not None
+                    and preemptor.waiting)
                for p in result.preemptions),
              *(Stop(e.job_key, e.grace_s, ends=True) for e in result.expiries)),
             {w.job_key: Estimate(w.estimated_start, w.estimated_start_low,
@@ -618,7 +621,8 @@ class Replay:
                 if stop.owner_reclaim:
                     stats.reclaims += 1
                     stats.reclaim_latencies.append(
-                        now + max(stop.grace_s, 1.0) - self._reclaim_cause_at(job, now))
+                        now + max(stop.grace_s, 1.0)
+                        - (now if stop.for_waiting else self._reclaim_cause_at(job, now)))
             state.jobs[job.key] = replace(job, phase=Phase.PREEMPTED)
             heapq.heappush(events, (now + max(stop.grace_s, 1.0), LEAVE, job.key, job.attempts))
         for start in decisions.starts:

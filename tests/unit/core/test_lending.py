@@ -174,3 +174,31 @@ def test_a_lending_whole_gpu_stays_taken_for_new_owners_and_opens_to_borrowers()
     risen = NodeState(NODE, split((GpuGrant("g0", 80 * GIB, 100, exclusive=True),),
                                   8 * GIB, 0)).with_grants(borrowed.grants[-1:])
     assert reclaims(risen, {"b/sweep": (NOW, borrowed.grants[-1:])}) == ["b/sweep"]
+
+
+def test_a_borrower_whose_lender_ended_makes_way_for_a_waiting_owner() -> None:
+    quotas = {p: project_quota(p) for p in ("a", "b")}
+    config = AdmissionConfig(lending=POLICY)
+    _, borrower = _owner_and_borrower_jobs(36)  # its lender is gone: 50 GiB are free
+    borrower = replace(borrower, submitted_at=NOW - 60)
+    owner = gpu_job("a/eval", "a", JobClass.BATCH, memory_gib=60, exclusive=False,
+                    submitted=NOW)
+    result = admission_cycle(ClusterSnapshot(NOW, (borrower, owner), quotas,
+                                             {"n1": NodeState(NODE)}), config)
+    (stop,) = result.preemptions
+    assert (stop.victim_key, stop.preemptor_key, stop.cause) == (
+        "b/sweep", "a/eval", PreemptionCause.OWNER_RECLAIM)
+    assert stop.grace_s <= POLICY.reclaim_within_s
+    # a job that may borrow itself, or an owner of a lower class, leaves it be
+    for lent, waiting in ((borrower, replace(owner, preemptible=True)),
+                          (replace(borrower, job_class=JobClass.LONG), owner)):
+        result = admission_cycle(ClusterSnapshot(NOW, (lent, waiting), quotas,
+                                                 {"n1": NodeState(NODE)}), config)
+        assert not result.preemptions
+    # while its lender runs, the lent part stays the lender's: its leaving frees nothing
+    lender, _ = _owner_and_borrower_jobs(36)
+    small = gpu_job("a/eval", "a", JobClass.BATCH, memory_gib=25, exclusive=False,
+                    submitted=NOW)
+    result = admission_cycle(ClusterSnapshot(NOW, (lender, borrower, small), quotas,
+                                             {"n1": NodeState(NODE)}), config)
+    assert not result.preemptions
