@@ -337,6 +337,7 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
                  "message": f"attempt {attempts} {outcome.lower()} on {current.node}"}
         if current.node:
             patch["node"] = current.node
+        patch.update(_recorded_pod(status, current))
         if not status.get("startTime") and current.started:  # it ran between two passes
             patch["startTime"] = format_timestamp(current.started)
         events.append(("Normal" if new_phase is Phase.SUCCEEDED else "Warning",
@@ -350,7 +351,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     else:
         new_phase = Phase.ADMITTED
     history = _record(history, current, fraction, now, None)
-    patch = {"phase": new_phase.value, "attempts": attempts, "history": history}
+    patch = {"phase": new_phase.value, "attempts": attempts, "history": history,
+             **_recorded_pod(status, current)}
     if current.assignment is not None and not status.get("podAssignment"):
         # the assignment as first seen bound: a later change is not the extender's
         # (ownership.assignment_tampered)
@@ -367,6 +369,16 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         events.append(("Normal", "Started", f"attempt {attempts} running on {current.node} "
                        f"GPUs {','.join(str(g.get('index')) for g in gpus) or '-'}"))
     return Observation(new_phase, attempts, patch, tuple(events), current)
+
+
+def _recorded_pod(status: Mapping[str, Any], current: PodView) -> Obj:
+    """`podName` and `podUID` of the current attempt's pod where the status records another
+    (an adopted pod: the operator stopped before writing them). Once the job leaves the phase
+    it is adopted from, these are what links the pod to it (`core.ownership.attempt_link`);
+    without them the next pass would find the attempt's pod gone and run the job again."""
+    if not current.uid or status.get("podUID") == current.uid:
+        return {}
+    return {"podName": current.name, "podUID": current.uid}
 
 
 def placed_below_spec(job: Obj, pod: PodView) -> tuple[int, int] | None:

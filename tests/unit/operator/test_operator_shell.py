@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from carpool.core.lifecycle import (
 from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.timestamps import epoch_seconds
-from carpool.operator.observe import Observer, PassState
+from carpool.operator.observe import Observer, PassState, _attempt_pods
 from carpool.operator.pod_view import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool_testbed.builders import gpu_node
@@ -145,6 +146,32 @@ def test_a_pod_created_before_a_crash_is_adopted() -> None:
     job = _job({"phase": "Queued", "attempts": 0})
     obs = observe(job, [view_pod(_pod(1, "Pending"))], {}, now=0)
     assert obs.phase is Phase.ADMITTED and obs.attempts == 1
+
+
+def test_an_adopted_pod_stays_the_attempt_once_the_job_left_the_queue() -> None:
+    """The operator died between creating attempt 1's pod and writing its status; the next
+    one adopts the pod by name and writes Running. That status must still link the pod, or
+    the pass after takes the attempt as lost and runs a job that finished a second time."""
+    job = _job({"phase": "Queued", "attempts": 0})
+
+    def linked(pod: dict[str, Any]) -> list[Any]:
+        pod["metadata"].update(uid="p-1", ownerReferences=[{
+            "apiVersion": names.API_VERSION, "kind": "GpuJob", "name": "train", "uid": "u-1",
+            "controller": True}])
+        view = view_pod(pod)
+        return [replace(view, attempt=link.attempt) for view, link in _attempt_pods(
+            job, {view.uid: (view, "1")}, {f"team/{view.name}": view.uid})]
+
+    running = observe(job, linked(_pod(1, "Running", started="2026-11-29T10:00:00Z")),
+                      {UUID: 143771}, now=1_800_000_000)
+    assert running.phase is Phase.RUNNING
+    job["status"].update(running.status)
+    pods = linked(_pod(1, "Succeeded", started="2026-11-29T10:00:00Z",
+                       finished="2026-11-29T10:01:00Z"))
+    done = observe(job, pods, {UUID: 143771}, now=1_800_000_000)
+    assert done.phase is Phase.SUCCEEDED and done.attempts == 1, done.status.get("reason")
+    assert job["status"]["podUID"] == "p-1" and job["status"]["podName"] == "train-1"
+    assert "podUID" not in done.status  # recorded already
 
 
 def test_exclusive_assignments_hold_whole_gpus() -> None:
