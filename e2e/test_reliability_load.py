@@ -226,6 +226,19 @@ class FaultLog:
         log(f"fault {fault}: recovered in {recovered_s:.1f}s {note}")
 
 
+def rss_mib(pid: int | None) -> float | None:
+    """A process's resident memory from /proc, or None when it is not running."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def mark_gpu_unhealthy(api: Any, node: str) -> str:
     from kubernetes import client
 
@@ -489,6 +502,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
     loads: list[float] = []  # 1-minute load average at each progress line
     done_at = None
     progress: list[tuple[float, int]] = []
+    peak_rss: dict[str, float] = {}  # component -> its largest RSS (MiB) at a progress line
     shown = 0  # violations printed so far
     try:
         deadline = t0 + TIMEOUT_S
@@ -502,6 +516,12 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
                 log(f"list failed ({type(err).__name__}); retrying")
                 continue
             loads.append(os.getloadavg()[0])
+            for component, pid in [
+                    *((c, carpool.processes[c].pid) for c in ("operator", "extender")),
+                    *((c, chaos.component_pid(paths, c)) for c in ("kube-apiserver", "etcd"))]:
+                rss = rss_mib(pid)
+                if rss is not None:
+                    peak_rss[component] = max(peak_rss.get(component, 0.0), round(rss, 1))
             phases = {}
             for job in jobs:
                 phase = (job.get("status") or {}).get("phase", "New")
@@ -554,7 +574,7 @@ def test_load_with_churn_and_faults(load_cluster: devcluster.Cluster,
         "max_live_pods": sampler.max_live_pods,
         "peak_project_gpus": sampler.peak_project_gpus, "quota_gpus": PROJECTS,
         "peak_gpu_memory_share": sampler.peak_gpu_memory_share,
-        "watch_restarts": sampler.watch_restarts,
+        "watch_restarts": sampler.watch_restarts, "peak_rss_mib": peak_rss,
         "budget": {"project": BUDGETED, "gpu_hours": round(budget.gpu_hours, 5),
                    "period_s": BUDGET_PERIOD_S,
                    "peak_share_used": sampler.peak_budget_share.get(BUDGETED)},
