@@ -158,14 +158,22 @@ def split(grants: Sequence[GpuGrant], lent_memory_mib: int, lent_cores_pct: int
 
 def borrower_view(state: NodeState) -> NodeState:
     """The node as a borrower sees it: lent parts free, other borrowers' grants held, a
-    whole-GPU owner that lends no longer exclusive. The placement rules then fit a borrower
-    exactly as they fit anyone (`as_borrowed` marks what they grant)."""
+    whole-GPU owner that lends no longer exclusive, and every GPU that no owner lends from
+    closed. The placement rules then fit a borrower exactly as they fit anyone (`as_borrowed`
+    marks what they grant).
+
+    A GPU nobody lends is ordinary room, placed by the queue's order and reservations: a
+    borrower put there would take a free GPU that a waiting owner was promised, and hold
+    it until an owner preempts it (`yields_to_owner`)."""
     lending_gpus = {g.gpu_uuid for g in state.grants if g.lent}
     grants = tuple(replace(g, borrowed=False) if g.borrowed
                    else replace(g, exclusive=False) if g.exclusive and g.gpu_uuid in lending_gpus
                    else g
                    for g in state.grants if not g.lent)
-    return NodeState(state.inventory, grants, state.cpu_used_milli, state.memory_used_mib)
+    closed = tuple(GpuGrant(gpu.uuid, 0, 0, exclusive=True) for gpu in state.inventory.gpus
+                   if gpu.uuid not in lending_gpus)
+    return NodeState(state.inventory, grants + closed, state.cpu_used_milli,
+                     state.memory_used_mib)
 
 
 def as_borrowed(grants: Iterable[GpuGrant]) -> tuple[GpuGrant, ...]:

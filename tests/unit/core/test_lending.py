@@ -202,3 +202,17 @@ def test_a_borrower_whose_lender_ended_makes_way_for_a_waiting_owner() -> None:
     result = admission_cycle(ClusterSnapshot(NOW, (lender, borrower, small), quotas,
                                              {"n1": NodeState(NODE)}), config)
     assert not result.preemptions
+
+
+def test_a_gpu_no_owner_lends_from_is_closed_to_borrowers() -> None:
+    two = NodeInventory("n1", (Gpu(0, "g0", "H100", 80 * GIB), Gpu(1, "g1", "H100", 80 * GIB)))
+    request = GpuRequest(1, 30 * GIB, 20, Isolation.MPS)
+    lending_g0 = NodeState(two, split((owner_grant(),), 36 * GIB, 24))
+    view = borrower_view(lending_g0)
+    # g1 is free, but ordinary room: it goes by the queue's order and reservations
+    assert [f.gpu.uuid for f in view.free() if not f.exclusive_taken] == ["g0"]
+    assert node_rejection(view, request) is None  # in g0's lent part
+    assert node_rejection(view, GpuRequest(2, 10 * GIB, 10, Isolation.MPS)) is not None
+    # an owner that ended leaves its borrower as ordinary use; its GPU lends no more
+    left = NodeState(two, as_borrowed((GpuGrant("g0", 30 * GIB, 20),)))
+    assert node_rejection(borrower_view(left), request) is not None
