@@ -10,7 +10,8 @@ A pod is the attempt of a job only when two things hold:
   (`status.podUID`, with `podName` and `attempts`) right after creating it, and only Carpool
   can write a GpuJob's status. A pod of the job created before that write landed (an operator
   stopped between the two) is adopted by name, `<job>-<attempts + 1>`, while the job still
-  shows the phase it is admitted from.
+  shows the phase it is admitted from; the first status written for it then records its uid
+  (`lifecycle.observe`), which is what links it once the job shows another phase.
 
 Labels (`carpool.dev/job-name`, `managed`, `project`), the `carpool.dev/job` annotation and the
 name of a pod are hints: a tenant writes them on its own pods. Admission keeps tenants from
