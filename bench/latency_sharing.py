@@ -474,15 +474,18 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     # Carpool learns on: its services run where it put them and report, in the company they
     # found there (what the node agent records in a cluster), and it places again
     started = time.monotonic()
+    learning: list[list[dict[str, Any]]] = []  # per round, per GPU: who shared it and how
     for n in range(args.learn_rounds):
         requests = carpool_requests()
         groups = place(services, lambda s, known=requests: known[s.name], model, memory_mib,
                        args.gpus)
+        learning.append([])
         for group in groups:
-            for service, m in zip(group, pool.run([s.template for s in group],
-                                                  args.seconds), strict=True):
+            measures = pool.run([s.template for s in group], args.seconds)
+            for service, m in zip(group, measures, strict=True):
                 samples.append(Sample(model, service.template, len(group), m.req_per_s,
                                       m.p99_s))
+            learning[-1].append(_company(group, measures, requests, model))
         log(f"  learning {n + 1}/{args.learn_rounds}: {len(groups)} GPUs")
     learning_s = time.monotonic() - started
     requests = carpool_requests()
@@ -525,7 +528,18 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
                           "p99_target_ms": round(s.p99_target_s * 1000, 3),
                           "limit": dict(requests[s.name].sharing_limits),
                           "weight": dict(requests[s.name].sharing_weights)} for s in services],
+            "learning": learning,
             "policies": rows}
+
+
+def _company(group: list[Service], measures: list[Measure], requests: dict[str, Any],
+             model: str) -> dict[str, Any]:
+    """One learning GPU as recorded: each service's limit and weight then, and what it
+    served in that company (so a rule that reads company can be checked on a past run)."""
+    return {s.name: {"limit": requests[s.name].sharing_limit(model),
+                     "weight": requests[s.name].sharing_weight(model),
+                     "p99_ms": round(m.p99_s * 1000, 3), "req_per_s": round(m.req_per_s, 2)}
+            for s, m in zip(group, measures, strict=True)}
 
 
 def summarize(services: list[Service], groups: list[list[Service]],
@@ -547,6 +561,8 @@ def summarize(services: list[Service], groups: list[list[Service]],
     return {"gpus": len(groups), "served": len(services),
             "groups": [[s.name for s in g] for g in groups],
             "rounds": per_round,
+            "p99_vs_target": {s.name: round(pooled[s.name].p99_s / s.p99_target_s, 4)
+                              for s in services},
             "violations": len(broken), "broken": broken,
             "worst_p99_vs_target": max(pooled[s.name].p99_s / s.p99_target_s
                                        for s in services),
