@@ -233,15 +233,16 @@ def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
     A job's latency tail does not shrink as more jobs share its GPU; a degree measured lower
     than the one before it was a quiet moment or the one before a loud one. Read as measured,
     one noisy degree would cap a limit that the next degree's own reports allow."""
-    blocks: list[list[float]] = []  # [weighted mean, total weight, length]
+    blocks: list[tuple[float, int, int]] = []  # (weighted mean, total weight, values pooled)
     for value, weight in zip(values, weights, strict=True):
-        blocks.append([value, float(weight), 1])
+        blocks.append((value, weight, 1))
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             value2, weight2, count2 = blocks.pop()
-            value1, weight1, count1 = blocks[-1]
+            value1, weight1, count1 = blocks.pop()
             total = weight1 + weight2
-            blocks[-1] = [(value1 * weight1 + value2 * weight2) / total, total, count1 + count2]
-    return [value for value, _, count in blocks for _ in range(int(count))]
+            blocks.append(((value1 * weight1 + value2 * weight2) / total, total,
+                           count1 + count2))
+    return [value for value, _, count in blocks for _ in range(count)]
 
 
 def learn(samples: Iterable[Sample]) -> Profiles:
@@ -261,12 +262,11 @@ def learn(samples: Iterable[Sample]) -> Profiles:
         if len(by_degree) < MIN_DEGREES:
             continue
         degrees = sorted(by_degree)
-        tails = {d: _high([s.p99_s for s in by_degree[d] if s.p99_s is not None])
-                 for d in degrees}
-        measured = [d for d in degrees if tails[d] is not None]
+        reported = {d: [s.p99_s for s in by_degree[d] if s.p99_s is not None] for d in degrees}
+        measured = [d for d in degrees if reported[d]]
         smooth = dict(zip(measured, _non_decreasing(
-            [tails[d] or 0.0 for d in measured],
-            [sum(s.p99_s is not None for s in by_degree[d]) for d in measured]), strict=True))
+            [_high(reported[d]) or 0.0 for d in measured],
+            [len(reported[d]) for d in measured]), strict=True))
         profiles[key] = Profile(key[0], key[1], tuple(
             Point(d, statistics.median(s.throughput for s in by_degree[d]), smooth.get(d),
                   len(by_degree[d])) for d in degrees))
