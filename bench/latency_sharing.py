@@ -133,10 +133,28 @@ def _standin_models() -> dict[str, Any]:
             for m in MODELS for b in BATCHES}
 
 
-def worker_main(device: str, small: bool) -> int:
-    """Load every template once, warm it, say ready; then serve what each command says:
-    `{"template", "seconds", "start"}` (epoch seconds to begin, so a group starts together)
-    answers `{"result": {"requests", "seconds", "latencies_ms"}}`."""
+def _graphed(torch: Any, model: Any, data: Any) -> Any:
+    """`model(data)` captured once as a CUDA graph: a request replays it. Latency-sensitive
+    servers run this way so that a request's time is the GPU's, not the Python launcher's;
+    served eagerly, a batch-1 model's tail is mostly host jitter, which no placement can
+    change and which would drown the interference being measured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(data)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(data)
+    return graph.replay
+
+
+def worker_main(device: str, small: bool, graphs: bool) -> int:
+    """Load every template once (captured as a CUDA graph where `graphs`), warm it, say
+    ready; then serve what each command says: `{"template", "seconds", "start"}` (epoch
+    seconds to begin, so a group starts together) answers
+    `{"result": {"requests", "seconds", "latencies_ms"}}`."""
     import gc
 
     torch: Any = None
@@ -153,30 +171,31 @@ def worker_main(device: str, small: bool) -> int:
     else:
         models = _standin_models()
 
-    def forward_of(template: str) -> Any:
-        model, data = models[template]
-        if data is None:
-            return model
-        return lambda: model(data)
-
+    graphs = graphs and torch is not None and device == "cuda"
+    forwards: dict[str, Any] = {}
     sync = (torch.cuda.synchronize if torch is not None and device == "cuda"
             else (lambda: None))
     context = torch.inference_mode() if torch is not None else _nothing()
     with context:
-        for template in models:
-            forward = forward_of(template)
+        for template, (model, data) in models.items():
+            forward = model if data is None else (lambda m=model, d=data: m(d))
             for _ in range(5 if small else 20):
                 forward()
+            sync()
+            forwards[template] = _graphed(torch, model, data) if graphs else forward
+        for forward in forwards.values():
+            forward()
         sync()
         gc.collect()
         gc.freeze()
-        print(json.dumps({"ready": True, "engine": "torch" if torch is not None else "python"}),
-              flush=True)
+        engine = ("torch, CUDA graphs" if graphs else "torch" if torch is not None
+                  else "python")
+        print(json.dumps({"ready": True, "engine": engine}), flush=True)
         for line in sys.stdin:
             command = json.loads(line)
             if command.get("quit"):
                 break
-            forward = forward_of(command["template"])
+            forward = forwards[command["template"]]
             seconds = float(command["seconds"])
             time.sleep(max(0.0, float(command["start"]) - time.time()))
             gc.disable()
@@ -247,12 +266,13 @@ class Pool:
     engine: str = ""
 
     @classmethod
-    def start(cls, envs: list[dict[str, str]], device: str, small: bool) -> Pool:
+    def start(cls, envs: list[dict[str, str]], device: str, small: bool,
+              graphs: bool) -> Pool:
         pool = cls()
         for env in envs:
             pool.procs.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), WORKER_FLAG, device,
-                 "small" if small else "full"],
+                 "small" if small else "full", "graphs" if graphs else "eager"],
                 env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1))
         for proc in pool.procs:
             assert proc.stdout is not None
@@ -381,10 +401,12 @@ def allocate_envs(device: str, pipe_dir: Path
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
-        return worker_main(sys.argv[2], sys.argv[3] == "small")
+        return worker_main(sys.argv[2], sys.argv[3] == "small", sys.argv[4] == "graphs")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="tiny models (checks the logic)")
+    parser.add_argument("--eager", action="store_true",
+                        help="serve eagerly instead of replaying CUDA graphs (on cuda)")
     parser.add_argument("--gpus", type=int, default=3,
                         help="the cluster's GPUs, the same for every policy")
     parser.add_argument("--services", type=int, default=24,
@@ -424,7 +446,7 @@ def main() -> int:
         daemon = MpsDaemon(pipe_dir, log_dir, binary=gpu_sharing.find_mps_control())
         daemon.start()
     try:
-        pool = Pool.start(envs, args.device, args.small)
+        pool = Pool.start(envs, args.device, args.small, not args.eager)
         log(f"{POOL} serving processes ready ({pool.engine}, {args.device}), "
             f"{time.monotonic() - began:.0f}s in")
         try:
