@@ -468,7 +468,8 @@ def main() -> int:
 
 def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_type: Any,
         learn: Any) -> dict[str, Any]:
-    from carpool.core.interference import Sample, limited
+    from carpool.core.interference import Sample, limited, report_degree
+    from carpool.core.placement import counted_sharers
     from carpool.core.resources import GpuRequest
 
     model, memory_mib = gpu
@@ -504,8 +505,12 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
         learning.append([])
         for group in groups:
             measures = pool.run([s.template for s in group], args.seconds)
-            for service, m in zip(group, measures, strict=True):
-                samples.append(Sample(model, service.template, len(group), m.req_per_s,
+            weights = [requests[s.name].sharing_weight(model) for s in group]
+            for n, (service, m) in enumerate(zip(group, measures, strict=True)):
+                # as the node agent records it: the jobs on the GPU counted by weight
+                counted = counted_sharers(weights[n], [*weights[:n], *weights[n + 1:]])
+                samples.append(Sample(model, service.template,
+                                      report_degree(len(group), counted), m.req_per_s,
                                       m.p99_s))
             learning[-1].append(_company(group, measures, requests, model))
         log(f"  learning {n + 1}/{args.learn_rounds}: {len(groups)} GPUs")

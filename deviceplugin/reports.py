@@ -30,8 +30,9 @@ from typing import Any, Protocol
 
 from carpool.core import checkpointing as protocol
 from carpool.core import service_levels
-from carpool.core.assignment import AssignmentError, parse_assignment
+from carpool.core.assignment import AssignedGpu, AssignmentError, parse_assignment
 from carpool.core.names import ANN_ASSIGNMENT, ANN_JOB
+from carpool.core.placement import counted_sharers
 from carpool.deviceplugin.handshake import ServedPod
 
 log = logging.getLogger(__name__)
@@ -163,11 +164,12 @@ class ReportReader:
                 what = f"checkpoint {report.path!r} at {protocol.format_time(report.time)}"
             elif name == service_levels.SERVICE_FILE:
                 served = service_levels.parse_service(data, now)
-                model, sharing = self._where(pod, pods)
-                measure = service_levels.ServiceMeasure(served, attempt, model, sharing)
+                model, sharing, by_weight = self._where(pod, pods)
+                measure = service_levels.ServiceMeasure(served, attempt, model, sharing,
+                                                        by_weight)
                 status = service_levels.service_status(measure)
                 what = (f"service {served.requests} requests, {served.throughput:.1f}/s, "
-                        f"shared by {sharing}")
+                        f"shared by {sharing} ({by_weight:.2f} by weight)")
             else:
                 progress = protocol.parse_progress(data, now)
                 status = protocol.progress_status(progress, attempt)
@@ -191,16 +193,20 @@ class ReportReader:
         log.info("pod %s: recorded %s in GpuJob %s/%s", pod.key, what, *job)
         return f"{pod.key}: recorded {what}"
 
-    def _where(self, pod: ServedPod, pods: list[ServedPod]) -> tuple[str, int]:
-        """The model of the pod's (first) GPU and how many of this node's pods share it, the
-        pod included, from the assignments the extender wrote."""
+    def _where(self, pod: ServedPod, pods: list[ServedPod]) -> tuple[str, int, float]:
+        """The model of the pod's (first) GPU, how many of this node's pods share it (the
+        pod included), and that count with each neighbour counted by its sharing weight
+        over the pod's (`placement.counted_sharers`), from the assignments the extender
+        wrote."""
         mine = _gpus_of(pod)
         if not mine:
-            return "", 1
+            return "", 1, 1.0
         first = mine[0]
-        sharing = sum(1 for other in pods if first in _gpus_of(other)
-                      and other.phase not in ("Succeeded", "Failed"))
-        return self.gpu_models().get(first, ""), max(1, sharing)
+        others = [gpu.sharing_weight for other in pods
+                  if other.key != pod.key and other.phase not in ("Succeeded", "Failed")
+                  for gpu in _gpus_of(other) if gpu.uuid == first.uuid]
+        return (self.gpu_models().get(first.uuid, ""), 1 + len(others),
+                round(counted_sharers(first.sharing_weight, others), 3))
 
     def _forget(self, entry: os.DirEntry[str]) -> None:
         """Remove the directory of a pod gone from this node, once it has been quiet a while."""
@@ -231,12 +237,12 @@ def _job_of(pod: ServedPod) -> tuple[str, str] | None:
     return namespace, name
 
 
-def _gpus_of(pod: ServedPod) -> tuple[str, ...]:
-    """The GPU uuids the extender assigned to the pod (none if it has no readable assignment)."""
+def _gpus_of(pod: ServedPod) -> tuple[AssignedGpu, ...]:
+    """The GPUs the extender assigned to the pod (none if it has no readable assignment)."""
     text = pod.annotations.get(ANN_ASSIGNMENT, "")
     if not text:
         return ()
     try:
-        return tuple(g.uuid for g in parse_assignment(text).gpus)
+        return parse_assignment(text).gpus
     except AssignmentError:
         return ()

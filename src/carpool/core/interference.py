@@ -18,13 +18,15 @@ From a profile it takes each job's sharing limit, the most jobs its GPU may carr
 A template with measures at fewer than two degrees has no profile, and its jobs no limit:
 placement is then what it is without this module.
 
-A limit is measured in the company of copies of the job's own template; company lighter than
-that presses on the GPU less. So each job also gets a sharing weight: the share of its GPU's
-throughput it takes running alone (its throughput alone against the most its template's jobs
-together got from one GPU, in thousandths, at least MIN_WEIGHT), 1000 (`WHOLE_SHARER`) for a
-template with no profile. A GPU takes one more job only while that job's limit and the limit
-of every job already there allow it, each job counting its lighter neighbours in proportion to
-their weight and the others as one job each (`placement.sharing_rejection`).
+A limit is measured in the company of copies of the job's own template; lighter company
+presses on the GPU less, heavier company more. So each job also gets a sharing weight: the
+share of its GPU's throughput it takes running alone (its throughput alone against the most
+its template's jobs together got from one GPU, in thousandths, at least MIN_WEIGHT), 1000
+(`WHOLE_SHARER`) for a template with no profile. A GPU takes one more job only while that
+job's limit and the limit of every job already there allow it, each job counting every
+neighbour as the copies of itself the neighbour's weight makes (`placement.sharing_rejection`).
+A report counts at its GPU's degree so counted (`report_degree`): what a light service
+measured beside heavy ones extends its profile to the load it really shared.
 
 Everything here is pure.
 """
@@ -282,7 +284,18 @@ def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:
     meta, spec = gpujob.get("metadata") or {}, gpujob.get("spec") or {}
     report = measure.report
     return Sample(measure.gpu_model, job_template(str(meta.get("name", "")), first_image(spec)),
-                  measure.sharing, report.throughput, report.p99_s)
+                  report_degree(measure.sharing, measure.sharing_by_weight),
+                  report.throughput, report.p99_s)
+
+
+def report_degree(sharing: int, by_weight: float | None) -> int:
+    """The degree a report counts at in its template's profile: the jobs on its GPU counted
+    by weight (`placement.counted_sharers`), to the nearest whole job, where recorded; else
+    the jobs. A profile's degrees are copies of the template, so a report made beside heavier
+    jobs counts at the higher degree their load makes, and one beside lighter jobs lower."""
+    if by_weight is None:
+        return max(1, sharing)
+    return max(1, round(by_weight))
 
 
 def learn_from_gpujobs(gpujobs: Iterable[Mapping[str, Any]]) -> Profiles:

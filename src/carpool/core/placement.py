@@ -157,11 +157,10 @@ def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     throughput curve (`core.interference`): the request's own limit for the GPU's model, or
     the limit of a job already there; None if every limit allows it.
 
-    A limit was measured with company as heavy as the job itself (copies of its template), so
-    a job counts each lighter neighbour in proportion to its weight and each as heavy or
-    heavier as one whole job (`counted_sharers`): a heavy service keeps its measured limit
-    while light neighbours fill the GPU, and a light one is never judged more leniently than
-    by counting jobs."""
+    A limit was measured with copies of the job's own template, so a job counts each
+    neighbour as the copies of itself its weight makes (`counted_sharers`): a heavy service
+    keeps its measured limit while light neighbours fill the GPU, and a light one counts a
+    heavy neighbour as the several copies of itself it presses on the GPU like."""
     model = free.gpu.model
     degree = free.grants + 1
     own = request.sharing_limit(model)
@@ -180,21 +179,22 @@ def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     return None
 
 
-def counted_sharers(weight: int, others: list[int]) -> float:
-    """How many jobs a GPU carries as a job of `weight` counts them: itself, each neighbour at
-    least as heavy as one, each lighter one as the share of its weight."""
-    return 1 + sum(min(weight, w) for w in others) / max(1, weight)
+def counted_sharers(weight: int, others: list[int] | tuple[int, ...]) -> float:
+    """How many jobs a GPU carries as a job of `weight` counts them: itself, and each
+    neighbour as the copies of itself the neighbour's weight makes (the GPU's load in units
+    of this job's own). A profile's degree is this count with copies for company."""
+    return 1 + sum(others) / max(1, weight)
 
 
 def _within(limit: int, weight: int, others: list[int]) -> bool:
     """`counted_sharers(weight, others) <= limit`, in whole numbers."""
-    return sum(min(weight, w) for w in others) <= (limit - 1) * weight
+    return sum(others) <= (limit - 1) * weight
 
 
 def _as_counted(weight: int, others: list[int]) -> str:
-    """What the count comes to where lighter neighbours count in part (else nothing)."""
+    """What the count comes to where weights differ (else nothing)."""
     counted = counted_sharers(weight, others)
-    return "" if counted == len(others) + 1 else f"; counting lighter jobs in part: {counted:.2f}"
+    return "" if counted == len(others) + 1 else f"; counted by weight: {counted:.2f}"
 
 
 def node_rejection(node: NodeState, request: GpuRequest) -> str | None:

@@ -178,12 +178,15 @@ def encode_service(report: ServiceReport) -> str:
 @dataclass(frozen=True)
 class ServiceMeasure:
     """A job's latest report as its GpuJob records it, with where it ran: the GPU model and
-    how many jobs shared that GPU (itself included) when the node agent recorded it."""
+    how many jobs shared that GPU (itself included) when the node agent recorded it, also
+    counted by weight (each neighbour as the copies of this job its sharing weight makes,
+    `placement.counted_sharers`; None where not recorded)."""
 
     report: ServiceReport
     attempt: int
     gpu_model: str = ""
     sharing: int = 1
+    sharing_by_weight: float | None = None
 
 
 def service_status(measure: ServiceMeasure) -> dict[str, Any]:
@@ -198,7 +201,8 @@ def service_status(measure: ServiceMeasure) -> dict[str, Any]:
         "p99Ms": None if p99 is None else round(p99 * 1000, 3),
         "failureRate": round(report.failure_rate, 6),
         "latency": [list(c) for c in report.latency.counts],
-        "gpuModel": measure.gpu_model, "sharing": measure.sharing}}
+        "gpuModel": measure.gpu_model, "sharing": measure.sharing,
+        "sharingByWeight": measure.sharing_by_weight}}
 
 
 def measure_from_status(status: Mapping[str, Any]) -> ServiceMeasure | None:
@@ -215,7 +219,12 @@ def measure_from_status(status: Mapping[str, Any]) -> ServiceMeasure | None:
         sharing = _count(raw.get("sharing", 1), "sharing")
     except (ReportError, TypeError):
         return None
-    return ServiceMeasure(report, attempt, str(raw.get("gpuModel") or ""), max(1, sharing))
+    by_weight = raw.get("sharingByWeight")
+    if not isinstance(by_weight, int | float) or isinstance(by_weight, bool) \
+            or not math.isfinite(by_weight) or by_weight < 1:
+        by_weight = None
+    return ServiceMeasure(report, attempt, str(raw.get("gpuModel") or ""), max(1, sharing),
+                          None if by_weight is None else float(by_weight))
 
 
 # ---------------------------------------------------------------- aggregation

@@ -131,30 +131,47 @@ def test_a_sharing_weight_is_the_share_of_the_gpu_a_job_takes_alone() -> None:
     assert grant_for(h200().free()[0], weighed).sharing_weight == 454
 
 
-def test_a_job_counts_lighter_neighbours_in_part_and_heavier_ones_whole() -> None:
+def test_a_job_counts_each_neighbour_as_the_copies_of_itself_its_weight_makes() -> None:
     heavy = GpuRequest(1, GIB, 0, sharing_limits=(("H200", 2),), sharing_weights=(("H200", 1000),))
     light = GpuRequest(1, GIB, 0, sharing_limits=(("H200", 6),), sharing_weights=(("H200", 250),))
-    heavy_held, light_held = (grant_for(h200().free()[0], r) for r in (heavy, light))
+    batch = replace(light, sharing_limits=())  # as light, without an objective
+    heavy_held, light_held, batch_held = (grant_for(h200().free()[0], r)
+                                          for r in (heavy, light, batch))
     # the heavy service's limit of 2 was measured with a copy of itself: four light
     # neighbours press on it as much as that one (1 + 4 x 0.25 = 2), a fifth is too many
-    assert gpu_rejection(h200(heavy_held, *[light_held] * 3).free()[0], light) is None
-    why = gpu_rejection(h200(heavy_held, *[light_held] * 4).free()[0], light)
+    assert gpu_rejection(h200(heavy_held, *[batch_held] * 3).free()[0], batch) is None
+    why = gpu_rejection(h200(heavy_held, *[batch_held] * 4).free()[0], batch)
     assert why is not None and "objective of a job there" in why
-    assert "counting lighter jobs in part: 2.25" in why
-    assert gpu_rejection(h200(*[light_held] * 4).free()[0], heavy) is None
-    why = gpu_rejection(h200(*[light_held] * 5).free()[0], heavy)
+    assert "counted by weight: 2.25" in why
+    assert gpu_rejection(h200(*[batch_held] * 4).free()[0], heavy) is None
+    why = gpu_rejection(h200(*[batch_held] * 5).free()[0], heavy)
     assert why is not None and "this job's objective" in why
-    # a light job counts every neighbour as heavy as itself or heavier as one whole job, as
-    # without weights: never more company than its limit in jobs
-    light3 = replace(light, sharing_limits=(("H200", 3),))
+    # the light service's limit of 6 was measured with five copies of itself: one heavy
+    # neighbour presses on it like four of them, so beside it the light one takes one more
+    # light job only (1 + 4 + 1 = 6), where copies alone would take five
+    assert gpu_rejection(h200(heavy_held).free()[0], light) is None
+    assert gpu_rejection(h200(heavy_held, light_held).free()[0], light) is None
+    why = gpu_rejection(h200(heavy_held, light_held, light_held).free()[0], light)
+    assert why is not None and "this job's objective" in why
+    assert "counted by weight: 7.00" in why
+    assert gpu_rejection(h200(*[light_held] * 5).free()[0], light) is None
+    # a job without a profile weighs a whole GPU: it counts as that many copies
     unprofiled = GpuGrant("g0", GIB, 0)  # weighs WHOLE_SHARER
-    assert gpu_rejection(h200(unprofiled, unprofiled).free()[0], light3) is None
-    why = gpu_rejection(h200(*[unprofiled] * 3).free()[0], light3)
+    light8 = replace(light, sharing_limits=(("H200", 9),))
+    assert gpu_rejection(h200(unprofiled, unprofiled).free()[0], light8) is None
+    why = gpu_rejection(h200(*[unprofiled] * 3).free()[0], light8)
     assert why is not None and "sharing it by 4 would break this job's objective" in why
-    assert "counting lighter jobs in part" not in why
     # with weights alike, the count is the count of jobs
     assert gpu_rejection(h200(heavy_held).free()[0], heavy) is None
-    assert gpu_rejection(h200(heavy_held, heavy_held).free()[0], heavy) is not None
+    why = gpu_rejection(h200(heavy_held, heavy_held).free()[0], heavy)
+    assert why is not None and "counted by weight" not in why
+
+
+def test_a_report_counts_at_the_degree_its_company_weighs() -> None:
+    assert inf.report_degree(3, None) == 3  # recorded before weights: the jobs
+    assert inf.report_degree(3, 6.6) == 7  # a light job beside heavy ones
+    assert inf.report_degree(3, 1.4) == 1  # a heavy job beside light ones
+    assert inf.report_degree(0, None) == 1
 
 
 def test_a_job_blocked_only_by_sharing_waits_with_its_own_reason() -> None:

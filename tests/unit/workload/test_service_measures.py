@@ -16,6 +16,7 @@ import pytest
 from carpool import workload
 from carpool.core import service_levels as levels
 from carpool.core.checkpointing import ReportError
+from carpool.core.interference import sample_of
 from carpool.deviceplugin.handshake import ServedPod
 from carpool.deviceplugin.metrics import GpuMetrics
 from carpool.deviceplugin.reports import ReportReader, prepare
@@ -76,9 +77,11 @@ def test_service_reports_are_checked_strictly(text: bytes, words: str) -> None:
         levels.parse_service(text, NOW)
 
 
-def pod(name: str, uid: str, gpus: list[str]) -> ServedPod:
+def pod(name: str, uid: str, gpus: list[str], weight: int | None = None) -> ServedPod:
+    weighed = {} if weight is None else {"sharingWeight": weight}
     assignment = json.dumps({"node": "node-a", "gpus": [
-        {"uuid": u, "index": i, "memoryMiB": 1024, "cores": 25} for i, u in enumerate(gpus)]})
+        {"uuid": u, "index": i, "memoryMiB": 1024, "cores": 25, **weighed}
+        for i, u in enumerate(gpus)]})
     return ServedPod("lab", name, uid, "Running", False,
                      {"carpool.dev/job": f"lab/{name.rsplit('-', 1)[0]}",
                       "carpool.dev/assignment": assignment}, (("main", 1),))
@@ -112,7 +115,8 @@ def test_a_service_report_goes_from_the_job_through_the_agent_into_status_and_me
 
     statuses = Statuses()
     metrics = GpuMetrics("node-a")
-    pods = [pod("web-1", "uid-1", ["GPU-a"]), pod("other-1", "uid-2", ["GPU-a"]),
+    # the service weighs 250 (thousandths); its neighbour on GPU-a 750: three copies of it
+    pods = [pod("web-1", "uid-1", ["GPU-a"], 250), pod("other-1", "uid-2", ["GPU-a"], 750),
             pod("apart-1", "uid-3", ["GPU-b"])]
 
     async def listed() -> list[ServedPod]:
@@ -121,15 +125,21 @@ def test_a_service_report_goes_from_the_job_through_the_agent_into_status_and_me
                          gpu_models=lambda: {"GPU-a": "H200", "GPU-b": "H200"},
                          on_measures=metrics.observe_services)
     [line] = asyncio.run(agent.step())
-    assert "200 requests" in line and "shared by 2" in line
+    assert "200 requests" in line and "shared by 2 (4.00 by weight)" in line
     recorded = statuses.status[("lab", "web")]["service"]
     assert recorded["requests"] == 200 and recorded["failures"] == 1
     assert recorded["throughput"] == pytest.approx(19.9)
     assert recorded["failureRate"] == pytest.approx(0.005)
     assert 4.0 / levels.BUCKET_GROWTH <= recorded["p99Ms"] <= 4.0 * levels.BUCKET_GROWTH
-    assert (recorded["gpuModel"], recorded["sharing"]) == ("H200", 2)
+    assert (recorded["gpuModel"], recorded["sharing"], recorded["sharingByWeight"]) == \
+        ("H200", 2, 4.0)
     measure = levels.measure_from_status(statuses.status[("lab", "web")])
     assert measure is not None and measure.sharing == 2 and measure.report.requests == 200
+    assert measure.sharing_by_weight == 4.0
+    # its template's profile counts the report at the degree the company weighs
+    sample = sample_of({"metadata": {"name": "web"}, "spec": {},
+                        "status": statuses.status[("lab", "web")]})
+    assert sample is not None and sample.degree == 4
     labels = {"node": "node-a", "namespace": "lab", "job": "web", "model": "H200"}
     registry = metrics.registry
     assert registry.get_sample_value("carpool_service_throughput", labels) == \
