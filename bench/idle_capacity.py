@@ -35,11 +35,12 @@ from carpool.replay import job_traces, queue_replay
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces/openb/openb_pod_list_default.csv"
 NODES = ROOT / "traces/openb/openb_node_list_gpu_node.csv"
-# (lending, right-sizing, whole GPUs lend, idle sessions stopped)
-SETTINGS = {"as asked": (False, False, False, False),
-            "lend shared + right-size": (True, True, False, False),
-            "+ whole GPUs lend": (True, True, True, False),
-            "+ idle sessions stopped": (True, True, True, True)}
+# (lending, right-sizing, whole GPUs lend, idle sessions stopped, whole-GPU jobs shared)
+SETTINGS = {"as asked": (False, False, False, False, False),
+            "lend shared + right-size": (True, True, False, False, False),
+            "+ whole GPUs lend": (True, True, True, False, False),
+            "+ idle sessions stopped": (True, True, True, True, False),
+            "+ whole-GPU jobs shared": (True, True, True, True, True)}
 
 
 def main() -> int:
@@ -52,7 +53,10 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=0.006)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--idle-timeout", type=parse_duration, default="30m",
-                        help="the idle-session timeout of the last setting (30m)")
+                        help="the idle-session timeout of the last settings (30m)")
+    parser.add_argument("--settings", default=",".join(SETTINGS),
+                        help="the settings replayed, comma-separated names (all; \"as "
+                             "asked\" always)")
     args = parser.parse_args()
     nodes_csv, shapes = NODES.read_text(), job_traces.parse_trace(TRACE.read_text()).rows
     capacity = queue_replay.capacity_gpus(scaled_nodes(nodes_csv, args.scale))
@@ -60,14 +64,14 @@ def main() -> int:
     for turn, seed in enumerate(int(s) for s in args.seeds.split(",")):
         trace = job_traces.generate(shapes, args.jobs_per_trace, seed, 300.0,
                                     busy_gpus=args.load * capacity, load_by_last_arrival=True)
-        names = list(SETTINGS)
+        names = [n for n in SETTINGS if n == "as asked" or n in args.settings.split(",")]
         names = names[turn % len(names):] + names[:turn % len(names)]  # alternate the order
         for name in names:
-            lending, right, whole, stop = SETTINGS[name]
+            lending, right, whole, stop, share = SETTINGS[name]
             runs.append((seed, name, QueueRun(
                 nodes_csv, trace, args.scale, seed, 4, "carpool", None, over_requests=True,
                 lending=lending, right_sizing=right, lend_whole_gpus=whole,
-                idle_timeout_s=args.idle_timeout if stop else 0.0)))
+                idle_timeout_s=args.idle_timeout if stop else 0.0, share_whole_gpus=share)))
     started = time.perf_counter()
     done = 0
 
@@ -89,7 +93,7 @@ def main() -> int:
     gains: dict[str, list[float]] = {}
     for seed, settings in sorted(by_trace.items()):
         base = float(settings["as asked"]["work_gpu_hours_by_last_arrival"])  # type: ignore[arg-type]
-        for name in SETTINGS:
+        for name in (n for n in SETTINGS if n in settings):
             s = settings[name]
             work = float(s["work_gpu_hours_by_last_arrival"])  # type: ignore[arg-type]
             gains.setdefault(name, []).append(work / base)

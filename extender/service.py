@@ -336,13 +336,15 @@ class Extender:
         for shape in self.cache.job_shapes(demand.namespace, demand.owner):
             if problem and not grant_mismatch(shape, asked_for):  # a gang worker's shape
                 known, problem = shape, ""
+        isolation = known.isolation
         if problem and not calibrated_mismatch(known, asked_for, demand.planned):
             problem = ""  # placed by its calibrated size (core.right_sizing)
+            isolation = asked_for[0][1].isolation  # MPS, a whole-GPU job's share included
         if problem:
             return Mismatch(f"pod {demand.key} {problem}; not placed (Carpool places a job's "
                             f"pod only as its GpuJob asks)")
         ((container, asked),) = [(c.container, c.request) for c in demand.containers]
-        request = replace(asked, isolation=known.isolation, models=known.models,
+        request = replace(asked, isolation=isolation, models=known.models,
                           mig_slices=known.mig_slices, objectives=known.objectives,
                           sharing_limits=known.sharing_limits,
                           sharing_weights=known.sharing_weights)

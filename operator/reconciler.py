@@ -679,7 +679,7 @@ class Reconciler:
                     # placed by its calibrated size, or in lent capacity: these GPUs
                     pod["metadata"]["annotations"][names.ANN_PLANNED] = encode_assignment(
                         _planned(admission, obj, job, state)[0])
-                pods = [apply_platform_settings(pod, job.request.isolation,
+                pods = [apply_platform_settings(pod, request.isolation,
                                                 self.config.platform)]
             pod = pods[0]
             claim = build_checkpoint_claim(obj)
@@ -831,9 +831,12 @@ def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
              ) -> list[Assignment]:
     """Each worker's node and GPUs as the admission chose them (a one-pod job's: its own),
     in the assignment codec's shape (GPU indexes from the inventory, the GPU container's
-    name), for the extender."""
+    name, the pod's isolation: a whole-GPU job granted a share is an MPS client), for the
+    extender."""
     containers = ((obj.get("spec") or {}).get("template") or {}).get("spec", {}).get(
         "containers") or [{}]
+    isolation = (job.request.isolation if admission.workers
+                 else right_sizing.pod_request(job.request, admission.grants).isolation)
     container = str(containers[0].get("name") or "")
     out = []
     for worker in admission.workers or (WorkerPlacement(admission.node, admission.grants),):
@@ -844,7 +847,7 @@ def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
                         g.mig_instance, container, g.sharing_limit, g.sharing_weight,
                         borrowed=g.borrowed)
             for g in worker.grants),
-            job.request.isolation))
+            isolation))
     return out
 
 

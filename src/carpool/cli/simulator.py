@@ -64,6 +64,8 @@ class QueueRun:
     right_sizing: bool = False  # Carpool places preemptible jobs by calibrated size
     idle_timeout_s: float = 0.0  # every project's idleSessions.timeout (0: none)
     lend_whole_gpus: bool = False  # whole-GPU owners lend too (LendingPolicy.whole_gpus)
+    # with right_sizing, one-GPU whole-GPU jobs too, as MPS shares (rightSizing.shareWholeGpus)
+    share_whole_gpus: bool = False
 
     @property
     def idle(self) -> queue_replay.IdleCapacity | None:
@@ -73,7 +75,8 @@ class QueueRun:
         return queue_replay.IdleCapacity(
             self.seed, LendingPolicy(whole_gpus=self.lend_whole_gpus)
             if self.lending and carpool else None,
-            self.right_sizing and carpool, self.idle_timeout_s if carpool else 0.0)
+            self.right_sizing and carpool, self.idle_timeout_s if carpool else 0.0,
+            self.right_sizing and self.share_whole_gpus and carpool)
 
 
 def queue_policy(name: str, arrival_window_s: float = 3600.0,
@@ -270,6 +273,10 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
     queue.add_argument("--lend-whole-gpus", action="store_true",
                        help="with --lending, whole-GPU (exclusive) owners lend too; their "
                             "borrowers share the GPU's time (lending.wholeGpus)")
+    queue.add_argument("--share-whole-gpus", action="store_true",
+                       help="with --right-sizing, preemptible one-GPU whole-GPU jobs are "
+                            "placed as MPS shares of their calibrated size, and may borrow "
+                            "(rightSizing.shareWholeGpus)")
     queue.add_argument("--idle-timeout", type=_duration, default=0.0, metavar="DURATION",
                        help="Carpool stops interactive sessions idle this long, every "
                             "project's idleSessions.timeout, e.g. 30m (implies "
@@ -383,7 +390,7 @@ def run_queue(args: argparse.Namespace) -> int:
         runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
                          args.limit, args.quotas, args.arrival_window, args.progress_share,
                          args.over_requests, args.lending, args.right_sizing,
-                         args.idle_timeout, args.lend_whole_gpus)
+                         args.idle_timeout, args.lend_whole_gpus, args.share_whole_gpus)
                 for policy in args.policy]
         started = time.perf_counter()
         done = 0

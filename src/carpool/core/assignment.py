@@ -72,9 +72,11 @@ class Assignment:
                memory_total: Mapping[str, int] | None = None) -> tuple[GpuGrant, ...]:
         """The grants this assignment holds: `exclusive` (or the recorded isolation) makes
         every grant hold its whole GPU, with the GPU's total memory where `memory_total`
-        knows it."""
+        knows it. A recorded MPS isolation wins over `exclusive`: a whole-GPU job placed as
+        an MPS share of its calibrated size (`right_sizing.shared_whole_gpu`) holds that."""
         totals = memory_total or {}
-        if exclusive or self.isolation is Isolation.EXCLUSIVE:
+        if (self.isolation is Isolation.EXCLUSIVE
+                or (exclusive and self.isolation is not Isolation.MPS)):
             return tuple(GpuGrant(g.uuid, totals.get(g.uuid, g.memory_mib), 100, exclusive=True)
                          for g in self.gpus)
         return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance,

@@ -272,6 +272,9 @@ class ProjectQuota:
     # its waiting preemptible jobs are placed by their template's calibrated size
     # (core.right_sizing.placement_request; spec.rightSizing.placePreemptible)
     place_calibrated: bool = False
+    # with place_calibrated, its one-GPU whole-GPU preemptible jobs too, as MPS shares
+    # (core.right_sizing.shared_whole_gpu; spec.rightSizing.shareWholeGpus)
+    share_whole_gpus: bool = False
 
     def __post_init__(self) -> None:
         if not self.weight > 0:

@@ -313,9 +313,9 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
         if phase is Phase.QUEUED:  # requeued for it already; its failed pod stays
             return Observation(Phase.QUEUED, attempts, {})
         history = _record(history, current, fraction, now, OUTGREW_CALIBRATION)
+        asked = f"the {sizes[1]} GiB it asks for" if sizes[1] else "the whole GPU it asks for"
         message = (f"attempt {attempts} failed placed at {sizes[0]} GiB per GPU, its "
-                   f"template's calibrated size, below the {sizes[1]} GiB it asks for; "
-                   f"requeued as asked")
+                   f"template's calibrated size, below {asked}; requeued as asked")
         patch = {"phase": Phase.QUEUED.value, "attempts": attempts, "history": history,
                  "gpuHours": round(history_gpu_hours(history, now), 6),
                  "preemptingAttempt": None, "node": None, "gpus": None, "borrowed": None,
@@ -382,17 +382,22 @@ def _recorded_pod(status: Mapping[str, Any], current: PodView) -> Obj:
 
 
 def placed_below_spec(job: Obj, pod: PodView) -> tuple[int, int] | None:
-    """(GiB per GPU the pod was placed with, GiB its job's spec.gpu asks) where its limits
-    are below the spec: the operator placed it by its calibrated size (`core.right_sizing`);
-    None otherwise. Its MPS limit fenced it there, so a failure is taken to be outgrowing it."""
+    """(GiB per GPU the pod was placed with, GiB its job's spec.gpu asks; 0: a whole GPU)
+    where its limits are below the spec: the operator placed it by its calibrated size
+    (`core.right_sizing`), a whole-GPU job as an MPS share; None otherwise. Its MPS limit
+    fenced it there, so a failure is taken to be outgrowing it."""
     gpu = (job.get("spec") or {}).get("gpu") or {}
-    if str(gpu.get("isolation", Isolation.MPS.value)) != Isolation.MPS.value or not pod.limits:
+    isolation = str(gpu.get("isolation", Isolation.MPS.value))
+    if isolation not in (Isolation.MPS.value, Isolation.EXCLUSIVE.value) or not pod.limits:
         return None
     try:
         asked = gib_ceil(quantity_mib(gpu.get("memory", 0)))
     except ValueError:
         return None
     placed = pod.limits[0].memory_gib
+    if isolation == Isolation.EXCLUSIVE.value:  # placed as an MPS client: a share of it
+        shared = pod.assignment is not None and pod.assignment.isolation is Isolation.MPS
+        return (placed, 0) if shared and placed > 0 else None
     return (placed, asked) if 0 < placed < asked else None
 
 

@@ -172,14 +172,25 @@ def calibrated_mismatch(job: GpuRequest, pod: Sequence[tuple[str, GpuRequest]],
     an MPS job's count and isolation, GPU memory at most the spec's and exactly what the
     operator's planned assignment grants on each GPU, the spec's cores. The limits are the
     operator's (immutable once the pod exists); below the spec they only ever shrink the
-    pod's own fence."""
+    pod's own fence.
+
+    A one-GPU whole-GPU job may be placed as an MPS client of its calibrated size
+    (`right_sizing.shared_whole_gpu`): one GPU, MPS, a GPU memory limit, the cores its
+    planned assignment grants, and the planned assignment an MPS one."""
     if planned is None:
         return "no planned assignment of the operator's places it below its spec"
-    if job.isolation is not Isolation.MPS or len(pod) != 1:
-        return "only a one-container MPS job is placed by its calibrated size"
+    shared = job.isolation is Isolation.EXCLUSIVE and job.count == 1
+    if (job.isolation is not Isolation.MPS and not shared) or len(pod) != 1:
+        return "only a one-container MPS or one-GPU whole-GPU job is placed by its calibrated size"
     container, asked = pod[0]
     memory_gib = asked.memory_mib // MIB_PER_GIB
-    if (asked.count != job.count or asked.isolation is not job.isolation
+    if shared:
+        if (asked.count != 1 or asked.isolation is not Isolation.MPS or len(planned.gpus) != 1
+                or planned.isolation is not Isolation.MPS or memory_gib <= 0
+                or (job.memory_mib and memory_gib >= -(-job.memory_mib // MIB_PER_GIB))):
+            return (f"container {container!r} limits are not one GPU's MPS share of its "
+                    f"whole-GPU spec.gpu")
+    elif (asked.count != job.count or asked.isolation is not job.isolation
             or asked.cores_pct != job.cores_pct or len(planned.gpus) != job.count
             or not 0 < memory_gib < -(-job.memory_mib // MIB_PER_GIB)):
         return (f"container {container!r} limits are not its spec.gpu's at a lower GPU memory")

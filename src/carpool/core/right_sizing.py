@@ -67,13 +67,18 @@ def recommended_mib(peaks: Iterable[int]) -> int | None:
     return recommended(peaks, MIB_PER_GIB)
 
 
-def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | None
-               ) -> GpuRequest:
+def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | None,
+               whole_gpus: bool = False) -> GpuRequest:
     """`request` placed by its calibrated size: memory and cores lowered to the
     recommendations where they are below what it asks (never raised). The watchdog fences a
-    job that then outgrows it; it runs again as asked."""
+    job that then outgrows it; it runs again as asked.
+
+    With `whole_gpus`, a one-GPU exclusive request becomes an MPS share of its calibrated
+    size (`shared_whole_gpu`); other whole GPUs and MIG instances come in fixed sizes."""
+    if whole_gpus and (shared := shared_whole_gpu(request, memory_mib, cores_pct)):
+        return shared
     if request.isolation is not Isolation.MPS:
-        return request  # whole GPUs and MIG instances come in fixed sizes
+        return request
     memory = request.memory_mib if memory_mib is None else min(request.memory_mib, memory_mib)
     cores = request.cores_pct if cores_pct is None or request.cores_pct == 0 else min(
         request.cores_pct, cores_pct)
@@ -82,21 +87,47 @@ def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | Non
     return replace(request, memory_mib=memory, cores_pct=cores)
 
 
+def shared_whole_gpu(request: GpuRequest, memory_mib: int | None, cores_pct: int | None
+                     ) -> GpuRequest | None:
+    """A one-GPU exclusive request as an MPS client of its calibrated size: memory (whole
+    GiB; 0 where only cores were measured) and cores (0: no compute cap) from the
+    recommendations, or None where none is below a whole GPU (memory: below the GPU memory
+    the request names, if it names any). It then shares the GPU's SMs with other clients,
+    fenced by MPS at that memory and by the watchdog, and may borrow lent capacity."""
+    if request.isolation is not Isolation.EXCLUSIVE or request.count != 1:
+        return None
+    cores = cores_pct if cores_pct is not None and 0 < cores_pct < 100 else 0
+    memory = memory_mib if memory_mib is not None and memory_mib > 0 else 0
+    if request.memory_mib and memory >= request.memory_mib:
+        memory = 0
+    if not memory and not cores:
+        return None
+    return replace(request, isolation=Isolation.MPS, memory_mib=memory, cores_pct=cores)
+
+
 def placement_request(job: Job, quota: ProjectQuota | None, memory_mib: int | None,
                       cores_pct: int | None) -> GpuRequest:
     """What a job is placed by: its calibrated size (`calibrated`, from the recommendations
     given) where its project places preemptible jobs so, it is a waiting preemptible one-pod
-    job and no run of it outgrew that size; else what it asks."""
+    job and no run of it outgrew that size; else what it asks. A one-GPU whole-GPU job is
+    placed as an MPS share of that size only where its project also shares whole GPUs
+    (`ProjectQuota.share_whole_gpus`)."""
     if (quota is None or not quota.place_calibrated or not job.preemptible or job.workers
             or not job.waiting or job.calibration_outgrown):
         return job.request
-    return calibrated(job.request, memory_mib, cores_pct)
+    return calibrated(job.request, memory_mib, cores_pct, quota.share_whole_gpus)
 
 
 def pod_request(request: GpuRequest, grants: Sequence[GpuGrant]) -> GpuRequest:
     """What a one-pod job's pod asks for, from the grants its admission chose: its spec's
     request, or that request at the grants' lower memory where the admission placed it by
-    its calibrated size (`placement_request`)."""
+    its calibrated size (`placement_request`); a whole-GPU job granted a share of its GPU
+    (`shared_whole_gpu`) as the MPS client of that share."""
+    if (request.isolation is Isolation.EXCLUSIVE and request.count == 1 and len(grants) == 1
+            and not grants[0].exclusive and not grants[0].mig_instance
+            and grants[0].memory_mib > 0):
+        return replace(request, isolation=Isolation.MPS, memory_mib=grants[0].memory_mib,
+                       cores_pct=grants[0].cores_pct)
     if request.isolation is not Isolation.MPS or not grants:
         return request
     memory = max(g.memory_mib for g in grants)

@@ -403,7 +403,8 @@ class IdleCapacity:
     from `seed` (`usage_traces`); `lending` lends it within GPUs (`core.lending`, the
     carpool policy's `AdmissionConfig.lending` must match); `right_sizing` places
     preemptible jobs by the peaks their template's finished runs reached
-    (`core.right_sizing`), running them as asked once they outgrow that; `idle_timeout_s`
+    (`core.right_sizing`), running them as asked once they outgrow that, and with
+    `share_whole_gpus` one-GPU whole-GPU ones too, as MPS shares; `idle_timeout_s`
     is every project's `idleSessions.timeout` (0: none), applied by the operator's rule
     (`queueing.idle_expiry`) to the GPU activity the device plugin would have seen."""
 
@@ -411,6 +412,7 @@ class IdleCapacity:
     lending: lending.LendingPolicy | None = None
     right_sizing: bool = False
     idle_timeout_s: float = 0.0
+    share_whole_gpus: bool = False
 
 
 @dataclass
@@ -453,7 +455,8 @@ class Replay:
         self.trace = trace
         if idle is not None and (idle.idle_timeout_s > 0 or idle.right_sizing):
             quotas = {name: replace(q, idle_session_timeout_s=idle.idle_timeout_s,
-                                    place_calibrated=idle.right_sizing)
+                                    place_calibrated=idle.right_sizing,
+                                    share_whole_gpus=idle.share_whole_gpus)
                       for name, q in quotas.items()}
             self.quotas = quotas
         self.state = State(jobs[0].arrival if jobs else 0.0, nodes, quotas, trace)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from carpool.core.assignment import AssignedGpu, Assignment
+from carpool.core.decoding import quota_from_object
 from carpool.core.lifecycle import OUTGREW_CALIBRATION, PodView, observe
 from carpool.core.ownership import GpuLimits, calibrated_mismatch, grant_mismatch
 from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
@@ -98,3 +99,78 @@ def test_a_run_placed_below_its_spec_that_fails_runs_again_as_asked() -> None:
     assert observe(queued, [failed_pod(12)], {"g0": 80 * GIB}, NOW).status == {}
     # a run placed as asked that fails fails
     assert observe(job, [failed_pod(40)], {"g0": 80 * GIB}, NOW).phase is Phase.FAILED
+
+
+# --- whole-GPU jobs placed as MPS shares (spec.rightSizing.shareWholeGpus) -----------------
+
+SHARES = project_quota("a", place_calibrated=True, share_whole_gpus=True)
+
+
+def whole_sweep(**fields: object) -> object:
+    return gpu_job("a/whole-9", "a", JobClass.BATCH, memory_gib=40, exclusive=True,
+                   preemptible=True, template="whole", **fields)
+
+
+def test_a_whole_gpu_job_is_an_mps_share_of_its_calibrated_size_where_its_project_says(
+        ) -> None:
+    job = whole_sweep()
+    assert job.request.isolation is Isolation.EXCLUSIVE  # type: ignore[attr-defined]
+    shared = placement_request(job, SHARES, 12 * GIB, None)  # type: ignore[arg-type]
+    assert (shared.isolation, shared.count, shared.memory_mib, shared.cores_pct) == (
+        Isolation.MPS, 1, 12 * GIB, 0)
+    # the replay measures shares of the GPU (cores) only
+    by_cores = placement_request(job, SHARES, None, 40)  # type: ignore[arg-type]
+    assert (by_cores.isolation, by_cores.memory_mib, by_cores.cores_pct) == (
+        Isolation.MPS, 0, 40)
+    assert placement_request(job, SHARES, None, 100) == job.request  # type: ignore[arg-type]
+    # not below the GPU memory it names: it stays whole
+    assert placement_request(job, SHARES, 40 * GIB, None) == job.request  # type: ignore[arg-type]
+    assert placement_request(job, PLACES, 12 * GIB, None) == job.request  # type: ignore[arg-type]
+    for other in (replace(job, preemptible=False), replace(job, calibration_outgrown=True),  # type: ignore[type-var]
+                  replace(job, request=replace(job.request, count=2))):  # type: ignore[attr-defined]
+        assert placement_request(other, SHARES, 12 * GIB, None) == other.request
+
+
+def test_a_shared_whole_gpu_jobs_pod_is_the_mps_client_of_its_grant() -> None:
+    whole = GpuRequest(1, 0, 100, Isolation.EXCLUSIVE)
+    pod = pod_request(whole, (GpuGrant("g0", 12 * GIB, 0),))
+    assert (pod.isolation, pod.memory_mib, pod.cores_pct) == (Isolation.MPS, 12 * GIB, 0)
+    assert pod_request(whole, (GpuGrant("g0", 80 * GIB, 100, exclusive=True),)) == whole
+
+
+def test_the_extender_accepts_a_whole_gpu_jobs_share_only_as_the_operator_planned_it(
+        ) -> None:
+    spec = GpuRequest(1, 0, 100, Isolation.EXCLUSIVE)
+    pod = [("main", GpuRequest(1, 12 * GIB, 0, Isolation.MPS))]
+    assert grant_mismatch(spec, pod) != ""
+    assert calibrated_mismatch(spec, pod, planned(12)) == ""
+    assert "does not grant" in calibrated_mismatch(spec, pod, planned(16))
+    assert calibrated_mismatch(spec, pod, replace(planned(12), isolation=Isolation.EXCLUSIVE))
+    assert calibrated_mismatch(spec, [("main", replace(pod[0][1], memory_mib=0))], planned(0))
+    assert calibrated_mismatch(replace(spec, count=2), pod, planned(12)) != ""
+
+
+def test_a_shared_whole_gpu_job_holds_its_share_and_fails_back_to_a_whole_gpu() -> None:
+    # the assignment the extender recorded (MPS) wins over the whole-GPU spec
+    grants = planned(12).grants(exclusive=True)
+    assert [(g.memory_mib, g.exclusive) for g in grants] == [(12 * GIB, False)]
+    assert Assignment("n1", planned(12).gpus).grants(exclusive=True)[0].exclusive
+    job = {"metadata": {"name": "whole-9", "namespace": "a"},
+           "spec": {"gpu": {"isolation": "exclusive"}},
+           "status": {"phase": "Running", "attempts": 1}}
+    seen = observe(job, [failed_pod(12)], {"g0": 80 * GIB}, NOW)
+    assert seen.phase is Phase.QUEUED
+    assert seen.status["calibrationOutgrown"] is True
+    assert "below the whole GPU it asks for" in seen.status["message"]
+    # a whole-GPU run (its assignment exclusive) that fails fails
+    whole = replace(failed_pod(12), assignment=replace(planned(12),
+                                                       isolation=Isolation.EXCLUSIVE))
+    assert observe(job, [whole], {"g0": 80 * GIB}, NOW).phase is Phase.FAILED
+
+
+def test_the_projectquota_settings_decode() -> None:
+    quota = quota_from_object({"metadata": {"name": "a"}, "spec": {
+        "rightSizing": {"placePreemptible": True, "shareWholeGpus": True}}})
+    assert (quota.place_calibrated, quota.share_whole_gpus) == (True, True)
+    plain = quota_from_object({"metadata": {"name": "a"}, "spec": {}})
+    assert (plain.place_calibrated, plain.share_whole_gpus) == (False, False)

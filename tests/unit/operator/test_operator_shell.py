@@ -22,7 +22,8 @@ from carpool.core.lifecycle import (
     requeue_not_before,
 )
 from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
-from carpool.core.resources import Gpu, Isolation, JobClass, NodeInventory, Phase
+from carpool.core.resources import Gpu, GpuGrant, Isolation, JobClass, NodeInventory, Phase
+from carpool.core.right_sizing import pod_request
 from carpool.core.timestamps import epoch_seconds
 from carpool.operator.observe import Observer, PassState, _attempt_pods
 from carpool.operator.pod_view import view_pod
@@ -185,6 +186,22 @@ def test_exclusive_assignments_hold_whole_gpus() -> None:
     mig = Assignment("n1", (AssignedGpu(UUID, 0, 18000, 0, mig_instance="MIG-1"),))
     assert assignment_fraction(mig, {UUID: 143771}, mig_slices={"MIG-1": 2}) \
         == pytest.approx(2 / 7)
+
+
+def test_a_whole_gpu_job_placed_as_a_share_is_an_mps_pod_billed_by_its_share() -> None:
+    """rightSizing.shareWholeGpus: the admission granted a whole-GPU job 10 GiB of a GPU."""
+    job = _job(gpu={"count": 1, "isolation": "exclusive"})
+    spec = gpu_request_from_spec(job["spec"])
+    request = pod_request(spec, (GpuGrant(UUID, 10240, 0),))
+    pod = build_pod(job, request, attempt=1)
+    assert pod["metadata"]["annotations"][names.ANN_ISOLATION] == "mps"
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {
+        names.RESOURCE_GPU: "1", names.RESOURCE_GPU_MEMORY: "10"}
+    # the extender records MPS in the assignment: that wins over the whole-GPU spec
+    shared = Assignment("n1", (AssignedGpu(UUID, 0, 10240, 0),), Isolation.MPS)
+    (grant,) = grants_from_assignment(shared, exclusive=True)
+    assert not grant.exclusive and grant.memory_mib == 10240
+    assert assignment_fraction(shared, {UUID: 81920}, exclusive=True) == pytest.approx(0.125)
 
 
 def test_finished_job_gets_gpu_hours_and_a_start_even_if_never_seen_running() -> None:

@@ -148,3 +148,23 @@ def test_only_interactive_sessions_go_idle() -> None:
     assert session.idle_from is not None and 0.1 <= session.idle_from <= 0.5
     assert session.active_s(1000) == session.idle_from * 1000
     assert usage("s:p:nb", "s:p/nb-1").idle_from is None
+
+
+def whole(name: str, arrival: float, run_s: float, template: str) -> traces.TraceJob:
+    return traces.TraceJob(f"p/{name}", "p", JobClass.BATCH,
+                           GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), arrival, run_s, run_s,
+                           template, True)
+
+
+def test_whole_gpu_runs_of_a_calibrated_template_share_a_gpu_where_whole_gpus_are_shared(
+        ) -> None:
+    history = [whole(f"w{i}", i * 100, 50, "w") for i in range(3)]
+    late = [whole("w8", 1000, 3000, "w"), whole("w9", 1000, 3000, "w")]
+    uses = {f"w{i}": Usage(0.3) for i in (0, 1, 2, 8, 9)}
+    sized = run([*history, *late], uses, qr.IdleCapacity(right_sizing=True))
+    shared = run([*history, *late], uses,
+                 qr.IdleCapacity(right_sizing=True, share_whole_gpus=True))
+    assert sized.records["p/w9"].first_start == 4000  # one at a time on the one GPU
+    # placed at ceil(30 x 1.2) = 36 % of the GPU each: both at once
+    assert shared.records["p/w9"].first_start == 1000
+    assert qr.score(shared)["right_sized_runs_outgrown"] == 0
