@@ -308,7 +308,8 @@ class Reconciler:
         if policy is not None:  # what each running job may lend, from its measured peak
             jobs = lending.with_lendable(jobs, policy, state.now, sizes)
         # waiting preemptible jobs placed by their calibrated size, where their project says
-        jobs = right_sizing.with_calibrated(jobs, state.quotas, sizes)
+        jobs = right_sizing.with_calibrated(jobs, state.quotas, sizes, right_sizing.smallest_gpus(
+            g for n in nodes.values() for g in n.inventory.gpus))
         snapshot = ClusterSnapshot(now=state.now, jobs=tuple(jobs), quotas=state.quotas,
                                    nodes=nodes, retired=state.retired, learned=learned,
                                    start_misses=misses)

@@ -23,12 +23,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from carpool.core.jobs import Job, ProjectQuota
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, Phase
+from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, Phase
 
 MIN_SAMPLES = 3  # finished runs of a template before its peaks say anything
 PEAK_QUANTILE = 0.9
 HEADROOM = 1.2
 MIB_PER_GIB = 1024
+# a whole-GPU job is placed as a share only where its calibrated size leaves at least a
+# quarter of the GPU to others: nearer a whole GPU, it would give up the GPU for nothing
+SHARED_AT_MOST = 0.75
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,15 @@ def recommended_mib(peaks: Iterable[int]) -> int | None:
 
 
 def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | None,
-               whole_gpus: bool = False) -> GpuRequest:
+               whole_gpus: bool = False, gpu_memory_mib: int = 0) -> GpuRequest:
     """`request` placed by its calibrated size: memory and cores lowered to the
     recommendations where they are below what it asks (never raised). The watchdog fences a
     job that then outgrows it; it runs again as asked.
 
     With `whole_gpus`, a one-GPU exclusive request becomes an MPS share of its calibrated
     size (`shared_whole_gpu`); other whole GPUs and MIG instances come in fixed sizes."""
-    if whole_gpus and (shared := shared_whole_gpu(request, memory_mib, cores_pct)):
+    if whole_gpus and (shared := shared_whole_gpu(request, memory_mib, cores_pct,
+                                                  gpu_memory_mib)):
         return shared
     if request.isolation is not Isolation.MPS:
         return request
@@ -87,18 +91,21 @@ def calibrated(request: GpuRequest, memory_mib: int | None, cores_pct: int | Non
     return replace(request, memory_mib=memory, cores_pct=cores)
 
 
-def shared_whole_gpu(request: GpuRequest, memory_mib: int | None, cores_pct: int | None
-                     ) -> GpuRequest | None:
+def shared_whole_gpu(request: GpuRequest, memory_mib: int | None, cores_pct: int | None,
+                     gpu_memory_mib: int = 0) -> GpuRequest | None:
     """A one-GPU exclusive request as an MPS client of its calibrated size: memory (whole
     GiB; 0 where only cores were measured) and cores (0: no compute cap) from the
-    recommendations, or None where none is below a whole GPU (memory: below the GPU memory
-    the request names, if it names any). It then shares the GPU's SMs with other clients,
-    fenced by MPS at that memory and by the watchdog, and may borrow lent capacity."""
+    recommendations, each where it is at most SHARED_AT_MOST of the GPU (memory: of
+    `gpu_memory_mib`, the smallest GPU it may get, and below the GPU memory the request
+    names, if it names any); None where neither is. It then shares the GPU's SMs with other
+    clients, fenced by MPS at that memory and by the watchdog, and may borrow lent
+    capacity."""
     if request.isolation is not Isolation.EXCLUSIVE or request.count != 1:
         return None
-    cores = cores_pct if cores_pct is not None and 0 < cores_pct < 100 else 0
+    cores = cores_pct if cores_pct is not None and 0 < cores_pct <= 100 * SHARED_AT_MOST else 0
     memory = memory_mib if memory_mib is not None and memory_mib > 0 else 0
-    if request.memory_mib and memory >= request.memory_mib:
+    if memory > SHARED_AT_MOST * gpu_memory_mib or (request.memory_mib
+                                                    and memory >= request.memory_mib):
         memory = 0
     if not memory and not cores:
         return None
@@ -106,16 +113,17 @@ def shared_whole_gpu(request: GpuRequest, memory_mib: int | None, cores_pct: int
 
 
 def placement_request(job: Job, quota: ProjectQuota | None, memory_mib: int | None,
-                      cores_pct: int | None) -> GpuRequest:
+                      cores_pct: int | None, gpu_memory_mib: int = 0) -> GpuRequest:
     """What a job is placed by: its calibrated size (`calibrated`, from the recommendations
     given) where its project places preemptible jobs so, it is a waiting preemptible one-pod
     job and no run of it outgrew that size; else what it asks. A one-GPU whole-GPU job is
     placed as an MPS share of that size only where its project also shares whole GPUs
-    (`ProjectQuota.share_whole_gpus`)."""
+    (`ProjectQuota.share_whole_gpus`; `gpu_memory_mib`: the smallest GPU it may get)."""
     if (quota is None or not quota.place_calibrated or not job.preemptible or job.workers
             or not job.waiting or job.calibration_outgrown):
         return job.request
-    return calibrated(job.request, memory_mib, cores_pct, quota.share_whole_gpus)
+    return calibrated(job.request, memory_mib, cores_pct, quota.share_whole_gpus,
+                      gpu_memory_mib)
 
 
 def pod_request(request: GpuRequest, grants: Sequence[GpuGrant]) -> GpuRequest:
@@ -145,10 +153,25 @@ def calibrated_sizes(jobs: Iterable[Job]) -> dict[tuple[str, str], int]:
             if (size := recommended_mib(samples)) is not None}
 
 
+def smallest_gpus(gpus: Iterable[Gpu]) -> dict[str, int]:
+    """The smallest GPU memory (MiB) of each model among `gpus`."""
+    out: dict[str, int] = {}
+    for gpu in gpus:
+        out[gpu.model] = min(out.get(gpu.model, gpu.memory_total_mib), gpu.memory_total_mib)
+    return out
+
+
+def smallest_for(request: GpuRequest, smallest: Mapping[str, int]) -> int:
+    """The smallest GPU memory a job may get, from `smallest_gpus` (0: no GPU it may get)."""
+    return min((m for model, m in smallest.items() if request.allows_model(model)), default=0)
+
+
 def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota],
-                    sizes: Mapping[tuple[str, str], int] | None = None) -> list[Job]:
+                    sizes: Mapping[tuple[str, str], int] | None = None,
+                    smallest: Mapping[str, int] | None = None) -> list[Job]:
     """The jobs, each waiting one with its request as `placement_request` places it, from
-    `sizes` (`calibrated_sizes` of the jobs when not given)."""
+    `sizes` (`calibrated_sizes` of the jobs when not given) and the cluster's smallest GPU
+    of each model (`smallest_gpus`; none: no whole-GPU job is shared)."""
     if not any(q.place_calibrated for q in quotas.values()):
         return list(jobs)
     sizes = calibrated_sizes(jobs) if sizes is None else sizes
@@ -156,7 +179,8 @@ def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota],
     for job in jobs:
         size = sizes.get((job.project, job.template))
         if job.waiting and size is not None:
-            request = placement_request(job, quotas.get(job.project), size, None)
+            request = placement_request(job, quotas.get(job.project), size, None,
+                                        smallest_for(job.request, smallest or {}))
             if request != job.request:
                 job = replace(job, request=request)
         out.append(job)

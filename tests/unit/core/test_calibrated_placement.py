@@ -11,8 +11,13 @@ from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.decoding import quota_from_object
 from carpool.core.lifecycle import OUTGREW_CALIBRATION, PodView, observe
 from carpool.core.ownership import GpuLimits, calibrated_mismatch, grant_mismatch
-from carpool.core.resources import GpuGrant, GpuRequest, Isolation, JobClass, Phase
-from carpool.core.right_sizing import placement_request, pod_request, with_calibrated
+from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.right_sizing import (
+    placement_request,
+    pod_request,
+    smallest_gpus,
+    with_calibrated,
+)
 from carpool_testbed.builders import gpu_job, project_quota
 
 GIB = 1024
@@ -106,8 +111,8 @@ def test_a_run_placed_below_its_spec_that_fails_runs_again_as_asked() -> None:
 SHARES = project_quota("a", place_calibrated=True, share_whole_gpus=True)
 
 
-def whole_sweep(**fields: object) -> object:
-    return gpu_job("a/whole-9", "a", JobClass.BATCH, memory_gib=40, exclusive=True,
+def whole_sweep(key: str = "a/whole-9", **fields: object) -> object:
+    return gpu_job(key, "a", JobClass.BATCH, memory_gib=40, exclusive=True,
                    preemptible=True, template="whole", **fields)
 
 
@@ -115,20 +120,38 @@ def test_a_whole_gpu_job_is_an_mps_share_of_its_calibrated_size_where_its_projec
         ) -> None:
     job = whole_sweep()
     assert job.request.isolation is Isolation.EXCLUSIVE  # type: ignore[attr-defined]
-    shared = placement_request(job, SHARES, 12 * GIB, None)  # type: ignore[arg-type]
+    shared = placement_request(job, SHARES, 12 * GIB, None, 80 * GIB)  # type: ignore[arg-type]
     assert (shared.isolation, shared.count, shared.memory_mib, shared.cores_pct) == (
         Isolation.MPS, 1, 12 * GIB, 0)
     # the replay measures shares of the GPU (cores) only
     by_cores = placement_request(job, SHARES, None, 40)  # type: ignore[arg-type]
     assert (by_cores.isolation, by_cores.memory_mib, by_cores.cores_pct) == (
         Isolation.MPS, 0, 40)
-    assert placement_request(job, SHARES, None, 100) == job.request  # type: ignore[arg-type]
+    # near a whole GPU it would give up the GPU for nothing: it stays whole
+    assert placement_request(job, SHARES, None, 75).cores_pct == 75  # type: ignore[arg-type]
+    assert placement_request(job, SHARES, None, 76) == job.request  # type: ignore[arg-type]
+    assert placement_request(job, SHARES, 24 * GIB, None, 24 * GIB) == job.request  # type: ignore[arg-type]
+    assert placement_request(job, SHARES, 12 * GIB, None) == job.request  # type: ignore[arg-type]
     # not below the GPU memory it names: it stays whole
-    assert placement_request(job, SHARES, 40 * GIB, None) == job.request  # type: ignore[arg-type]
-    assert placement_request(job, PLACES, 12 * GIB, None) == job.request  # type: ignore[arg-type]
+    assert placement_request(job, SHARES, 40 * GIB, None, 80 * GIB) == job.request  # type: ignore[arg-type]
+    assert placement_request(job, PLACES, 12 * GIB, None, 80 * GIB) == job.request  # type: ignore[arg-type]
     for other in (replace(job, preemptible=False), replace(job, calibration_outgrown=True),  # type: ignore[type-var]
                   replace(job, request=replace(job.request, count=2))):  # type: ignore[attr-defined]
-        assert placement_request(other, SHARES, 12 * GIB, None) == other.request
+        assert placement_request(other, SHARES, 12 * GIB, None, 80 * GIB) == other.request
+
+
+def test_a_whole_gpu_job_is_shared_by_the_smallest_gpu_it_may_get() -> None:
+    gpus = [Gpu(0, "g0", "A100", 81920), Gpu(1, "g1", "A100", 40960), Gpu(2, "g2", "T4", 15360)]
+    smallest = smallest_gpus(gpus)
+    assert smallest == {"A100": 40960, "T4": 15360}
+    runs = [whole_sweep(f"a/whole-{i}", phase=Phase.SUCCEEDED, peak_memory_mib=20 * GIB)
+            for i in range(3)]
+    waiting = whole_sweep()
+    placed = with_calibrated([*runs, waiting], {"a": SHARES}, None, smallest)[-1]  # type: ignore[list-item]
+    assert placed.request == waiting.request  # 24 GiB is more than 3/4 of a T4
+    a100 = replace(waiting, request=replace(waiting.request, models=frozenset({"A100"})))  # type: ignore[type-var, attr-defined]
+    placed = with_calibrated([*runs, a100], {"a": SHARES}, None, smallest)[-1]  # type: ignore[list-item]
+    assert (placed.request.isolation, placed.request.memory_mib) == (Isolation.MPS, 24 * GIB)
 
 
 def test_a_shared_whole_gpu_jobs_pod_is_the_mps_client_of_its_grant() -> None:
