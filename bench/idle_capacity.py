@@ -6,18 +6,20 @@ peaks drawn per template from a Beta fitted to a published over-request figure, 
 late; sessions active for the first part of their run). Arrivals are spaced so that `--load`
 is the offered load up to the last arrival (`job_traces.generate`'s `load_by_last_arrival`),
 the window work is measured in. For each trace, Carpool replays it
-four ways in one batch (settings alternated across traces, so drift on a shared machine
-falls on all of them): as asked (`--over-requests`: measured, nothing acts on it); lending
-from shared grants and right-sizing (`--lending --right-sizing`); the same with whole-GPU
-owners lending too (`--lend-whole-gpus`); and all of that with idle sessions stopped
-(`--idle-timeout`). Printed per trace and setting: work done while the trace arrives
+up to five ways in one batch (settings alternated across traces, so drift on a shared machine
+falls on all of them; `--settings` picks some): as asked (`--over-requests`: measured,
+nothing acts on it); lending from shared grants and right-sizing (`--lending
+--right-sizing`); the same with whole-GPU owners lending too (`--lend-whole-gpus`); all of
+that with idle sessions stopped (`--idle-timeout`); and all of that with preemptible
+whole-GPU jobs placed as MPS shares of their calibrated size (`--share-whole-gpus`).
+Printed per trace and setting: work done while the trace arrives
 (GPU-hours of progress by the requests' shares, up to the last arrival; an idle session does
 none), the owners' (non-preemptible jobs') P50 and P99 waits, GPU-hours run in lent capacity,
 owner reclaims and the P99 time from an owner's rise to its borrower gone, right-sized runs
 the watchdog ended, sessions stopped as idle; and each setting's work against "as asked".
 
     .venv/bin/python bench/idle_capacity.py [--jobs-per-trace 500] [--load 2.0] [--seeds 7,8]
-        [--idle-timeout 30m]
+        [--idle-timeout 30m] [--settings "+ whole-GPU jobs shared"]
 """
 
 from __future__ import annotations
