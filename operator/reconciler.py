@@ -718,6 +718,9 @@ class Reconciler:
         gpus = job_status.grants_to_status(
             admission.workers[0].grants if admission.workers else admission.grants,
             state.inventories.get(admission.node))
+        if not admission.workers:  # a whole-GPU job granted a share holds only that share
+            gpus = job_status.shared_whole_gpu_status(
+                gpus, job.request, right_sizing.pod_request(job.request, admission.grants))
         patch = state.patches.setdefault(job.key, {})
         patch.update(state.initial.pop(job.key, {}))
         patch.update(job_status.admitted(obj.get("status") or {}, admission, gpus,

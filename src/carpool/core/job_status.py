@@ -24,7 +24,14 @@ from carpool.core.queueing import (
     Wait,
     WaitReason,
 )
-from carpool.core.resources import WHOLE_SHARER, GpuGrant, NodeInventory, Phase
+from carpool.core.resources import (
+    WHOLE_SHARER,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    NodeInventory,
+    Phase,
+)
 from carpool.core.timestamps import epoch_seconds, format_run_time, format_timestamp
 
 Obj = dict[str, Any]
@@ -159,6 +166,15 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
             entry["borrowed"] = True
         out.append(entry)
     return out
+
+
+def shared_whole_gpu_status(gpus: list[Obj], spec: GpuRequest, pod: GpuRequest) -> list[Obj]:
+    """A job's status.gpus, each marked `exclusive: false` where its spec asks for a whole
+    GPU and its pod is an MPS client of a share (`right_sizing.shared_whole_gpu`): until its
+    pod's assignment is seen, the share is what it holds (`lifecycle.grants_from_status`)."""
+    if spec.isolation is not Isolation.EXCLUSIVE or pod.isolation is not Isolation.MPS:
+        return gpus
+    return [{**entry, "exclusive": False} for entry in gpus]
 
 
 def hardware_fingerprint(inventory: NodeInventory | None, software: tuple[str, str],

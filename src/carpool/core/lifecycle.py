@@ -185,9 +185,13 @@ def grants_from_assignment(assignment: Assignment | None,
 
 def grants_from_status(gpus: object, exclusive: bool = False) -> tuple[GpuGrant, ...]:
     """The grants a job's `status.gpus` records (the assignment's GPUs, written by `observe`);
-    none when there are none or they cannot be read."""
+    none when there are none or they cannot be read. GPUs all marked `exclusive: false` are
+    a whole-GPU job's MPS share (`job_status.shared_whole_gpu_status`), held as such."""
     try:
-        return Assignment("", parse_gpus(gpus, "status.gpus")).grants(exclusive)
+        shared = bool(gpus) and isinstance(gpus, list) and all(
+            isinstance(g, Mapping) and g.get("exclusive") is False for g in gpus)
+        return Assignment("", parse_gpus(gpus, "status.gpus"),
+                          Isolation.MPS if shared else None).grants(exclusive)
     except AssignmentError:
         return ()
 

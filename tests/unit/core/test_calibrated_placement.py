@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.decoding import quota_from_object
-from carpool.core.lifecycle import OUTGREW_CALIBRATION, PodView, observe
+from carpool.core.job_status import shared_whole_gpu_status
+from carpool.core.lifecycle import OUTGREW_CALIBRATION, PodView, grants_from_status, observe
 from carpool.core.ownership import GpuLimits, calibrated_mismatch, grant_mismatch
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, JobClass, Phase
 from carpool.core.right_sizing import (
@@ -197,3 +198,16 @@ def test_the_projectquota_settings_decode() -> None:
     assert (quota.place_calibrated, quota.share_whole_gpus) == (True, True)
     plain = quota_from_object({"metadata": {"name": "a"}, "spec": {}})
     assert (plain.place_calibrated, plain.share_whole_gpus) == (False, False)
+
+
+def test_before_its_pod_is_bound_a_shared_whole_gpu_job_holds_its_share() -> None:
+    spec = GpuRequest(1, 0, 100, Isolation.EXCLUSIVE)
+    share = GpuRequest(1, 12 * GIB, 0, Isolation.MPS)
+    gpus = [{"uuid": "g0", "index": 0, "memoryMiB": 12 * GIB, "cores": 0}]
+    marked = shared_whole_gpu_status(gpus, spec, share)
+    assert marked == [{**gpus[0], "exclusive": False}]
+    (grant,) = grants_from_status(marked, exclusive=True)
+    assert (grant.memory_mib, grant.exclusive) == (12 * GIB, False)
+    assert grants_from_status(gpus, exclusive=True)[0].exclusive  # unmarked: the whole GPU
+    assert shared_whole_gpu_status(gpus, spec, spec) == gpus
+    assert shared_whole_gpu_status(gpus, share, share) == gpus
