@@ -13,14 +13,16 @@ over (`--learn-rounds`; both times are reported). Then each policy's GPUs are me
 logical GPU after the other on the one physical GPU (a logical GPU holds what the real one's
 memory holds, at most 8 services, the pool's size): its services serve requests back to back
 together for `--seconds`, from a pool of host processes each started with the environment the
-device plugin's Allocate answered (over its real gRPC socket) for an MPS pod of 10 GiB. Rounds
+device plugin's Allocate answered (over its real gRPC socket) for an MPS pod of 10 GiB; on the
+GPU each process serves every template from a CUDA graph (`--eager`: kernel by kernel). Rounds
 alternate the policies. Reported per policy: services served, the GPUs it would need to serve
 every arrival, services whose P99 over all they served (every round pooled, as an SLO is
 judged) broke their target, the worst P99 / target, the most services over target within one
-round, and the cluster's throughput (samples/s, median and range over rounds). Every policy
-has the same GPUs, so throughput compares directly, and no policy's last GPU is left part
-full. Services that broke their target running alone (fixed degree 1) in a round are named:
-that is the machine's noise floor.
+round, and the cluster's throughput, median and range over rounds, in two units: work (each
+service's requests/s over its template's alone, summed: 1.0 is one service running alone) and
+samples/s (which a batch-32 service dominates). Every policy has the same GPUs, so throughput
+compares directly, and no policy's last GPU is left part full. Services that broke their
+target running alone (fixed degree 1) in a round are named: that is the machine's noise floor.
 
 The targets are set from what the profiling run measured alone, the median of `--alone-runs`
 runs (`--targets`: factors of each template's P99 alone, cycled over the services), so they
