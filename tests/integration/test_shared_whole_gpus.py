@@ -37,7 +37,7 @@ def sweep(name: str, project: str, node: str, model: str, seconds: int | None
     # its GPU model named: a share is measured against the smallest GPU it may get
     spec: dict[str, Any] = {
         "project": project, "class": "batch", "preemptible": True,
-        "gpu": {"count": 1, "isolation": "exclusive", "models": [model]},
+        "gpu": {"count": 1, "memory": "80Gi", "isolation": "exclusive", "models": [model]},
         "checkpoint": {"gracePeriod": "5s"}, "estimatedDuration": "10m",
         "template": {"spec": {"nodeSelector": {"kubernetes.io/hostname": node},
                               "containers": [{"name": "main", "image": "lab/sweep:1"}]}}}
