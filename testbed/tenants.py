@@ -8,11 +8,15 @@ cluster-view role, as its user roles advise): it acts with `kubectl --as` and ru
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ import yaml
 
 from carpool.core import names
 from carpool_testbed import devcluster, simnodes
+from carpool_testbed.waiting import wait_for
 
 Obj = dict[str, Any]
 PLUGIN = Path(sys.executable).parent / "kubectl-carpool"
@@ -201,3 +206,45 @@ def can_create_gpujobs(world: World, who: Tenant, namespace: str) -> bool:
     return world.cluster.kubectl(
         "auth", "can-i", "create", "gpujobs.carpool.dev", f"--as={who.account}", "-n",
         namespace, check=False).stdout.strip() == "yes"
+
+
+@contextlib.contextmanager
+def peaks_reported(world: World, namespace: str, node: str, peak_mib: int) -> Iterator[None]:
+    """While the block runs, `node`'s device plugin as the operator reads it (its GpuNode
+    status, written every second): every pod of `namespace` on the node peaked at
+    `peak_mib`."""
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.is_set():
+            pods = json.loads(world.admin("get", "pods", "-n", namespace, "-o", "json"))["items"]
+            world.patch_status(["gpunode", node], {"pods": [
+                {"namespace": namespace, "name": p["metadata"]["name"], "gpuUuid": "x",
+                 "peakMemoryMiB": peak_mib}
+                for p in pods if p["spec"].get("nodeName") == node]})
+            stop.wait(1)
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reporter.join(timeout=10)
+
+
+def finish_runs(who: Tenant, namespace: str, jobs: list[Obj], peak_mib: int) -> None:
+    """`who` creates `jobs`, and each finishes with `peak_mib` recorded: the history its
+    template's calibrated size is learned from."""
+    for job in jobs:
+        who.kubectl("create", "-n", namespace, "-f", "-", stdin=yaml.safe_dump(job))
+    def finished(name: str) -> Obj | None:
+        status = who.status(namespace, name)
+        done = status.get("phase") == "Succeeded" and status.get("peakMemoryMiB")
+        return status if done else None
+
+    for job in jobs:
+        name = job["metadata"]["name"]
+        status = wait_for(f"{name} finished with its peak", functools.partial(finished, name),
+                          timeout=90, interval=0.5)
+        assert status["peakMemoryMiB"] == peak_mib, status

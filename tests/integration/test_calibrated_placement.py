@@ -14,7 +14,6 @@ asked, 40 GiB.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import pytest
@@ -55,29 +54,9 @@ def test_a_preemptible_job_runs_at_its_calibrated_size_and_again_as_asked_if_it_
     bob = tenant(world, team, "bob")
     wait_for("the GpuJob roles to aggregate into edit",
              lambda: tenants.can_create_gpujobs(world, bob, team))
-    stop = threading.Event()
-
-    def device_plugin_reports() -> None:
-        """The node's plugin: every pod on it peaked at 8 GiB."""
-        while not stop.is_set():
-            pods = json.loads(world.admin("get", "pods", "-n", team, "-o", "json"))["items"]
-            world.patch_status(["gpunode", node], {"pods": [
-                {"namespace": team, "name": p["metadata"]["name"], "gpuUuid": "x",
-                 "peakMemoryMiB": 8 * GIB}
-                for p in pods if p["spec"].get("nodeName") == node]})
-            stop.wait(1)
-
-    reporter = threading.Thread(target=device_plugin_reports, daemon=True)
-    reporter.start()
-    try:
-        for i in range(1, 4):
-            bob.kubectl("create", "-n", team, "-f", "-",
-                        stdin=yaml.safe_dump(sweep(f"sweep-{i}", project, node, 8)))
-        for i in range(1, 4):
-            done = wait_for(f"sweep-{i} finished with its peak", lambda i=i: (
-                s if (s := bob.status(team, f"sweep-{i}")).get("phase") == "Succeeded"
-                and s.get("peakMemoryMiB") else None), timeout=90, interval=0.5)
-            assert done["peakMemoryMiB"] == 8 * GIB, done
+    with tenants.peaks_reported(world, team, node, 8 * GIB):
+        tenants.finish_runs(bob, team, [sweep(f"sweep-{i}", project, node, 8)
+                                        for i in range(1, 4)], 8 * GIB)
         bob.kubectl("create", "-n", team, "-f", "-",
                     stdin=yaml.safe_dump(sweep("sweep-4", project, node, None)))
         running = wait_for("sweep-4 running", lambda: (
@@ -105,6 +84,3 @@ def test_a_preemptible_job_runs_at_its_calibrated_size_and_again_as_asked_if_it_
         events = json.loads(world.admin("get", "events", "-n", team, "-o", "json"))["items"]
         told = [e["message"] for e in events if e.get("reason") == "Requeued"]
         assert any("its template's calibrated size" in m for m in told), told
-    finally:
-        stop.set()
-        reporter.join(timeout=10)

@@ -15,7 +15,6 @@ OutgrewCalibration and runs as asked, on a whole GPU.
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
 import pytest
@@ -59,29 +58,9 @@ def test_a_whole_gpu_job_runs_as_an_mps_share_of_its_calibrated_size_and_again_w
     bob = tenant(world, team, "bob")
     wait_for("the GpuJob roles to aggregate into edit",
              lambda: tenants.can_create_gpujobs(world, bob, team))
-    stop = threading.Event()
-
-    def device_plugin_reports() -> None:
-        """The node's plugin: every pod on it peaked at 8 GiB."""
-        while not stop.is_set():
-            pods = json.loads(world.admin("get", "pods", "-n", team, "-o", "json"))["items"]
-            world.patch_status(["gpunode", node], {"pods": [
-                {"namespace": team, "name": p["metadata"]["name"], "gpuUuid": "x",
-                 "peakMemoryMiB": 8 * GIB}
-                for p in pods if p["spec"].get("nodeName") == node]})
-            stop.wait(1)
-
-    reporter = threading.Thread(target=device_plugin_reports, daemon=True)
-    reporter.start()
-    try:
-        for i in range(1, 4):
-            bob.kubectl("create", "-n", team, "-f", "-",
-                        stdin=yaml.safe_dump(sweep(f"sweep-{i}", project, node, model, 8)))
-        for i in range(1, 4):
-            done = wait_for(f"sweep-{i} finished with its peak", lambda i=i: (
-                s if (s := bob.status(team, f"sweep-{i}")).get("phase") == "Succeeded"
-                and s.get("peakMemoryMiB") else None), timeout=90, interval=0.5)
-            assert done["peakMemoryMiB"] == 8 * GIB, done
+    with tenants.peaks_reported(world, team, node, 8 * GIB):
+        tenants.finish_runs(bob, team, [sweep(f"sweep-{i}", project, node, model, 8)
+                                        for i in range(1, 4)], 8 * GIB)
         bob.kubectl("create", "-n", team, "-f", "-",
                     stdin=yaml.safe_dump(sweep("sweep-4", project, node, model, None)))
         running = wait_for("sweep-4 running", lambda: (
@@ -113,6 +92,3 @@ def test_a_whole_gpu_job_runs_as_an_mps_share_of_its_calibrated_size_and_again_w
         events = json.loads(world.admin("get", "events", "-n", team, "-o", "json"))["items"]
         told = [e["message"] for e in events if e.get("reason") == "Requeued"]
         assert any("below the whole GPU it asks for" in m for m in told), told
-    finally:
-        stop.set()
-        reporter.join(timeout=10)
