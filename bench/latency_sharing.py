@@ -9,7 +9,9 @@ here. A fixed degree d gives every service a sharing limit of d; Carpool gives e
 limit its template's interference profile allows for its objective and its weight as a sharer
 (`core.interference`), the profile learned from a short profiling run (each template alone and
 2..P at a time) and then from what its own services report where it placed them, a few times
-over (`--learn-rounds`; both times are reported). Then each policy's GPUs are measured, one
+over (`--learn-rounds`; both times are reported); a limit may lie between two degrees (a
+light neighbour counts as less than one copy), and a third row, "whole degrees", cuts each to
+the degree below, to show what that adds. Then each policy's GPUs are measured, one
 logical GPU after the other on the one physical GPU (a logical GPU holds what the real one's
 memory holds, at most 8 services, the pool's size): its services serve requests back to back
 together for `--seconds`, from a pool of host processes each started with the environment the
@@ -41,13 +43,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -526,6 +529,12 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
         fixed = GpuRequest(1, GRANT_MIB, 0, sharing_limits=((model, degree),))
         request_of[f"fixed {degree}"] = lambda s, r=fixed: r
     request_of["carpool"] = lambda s: requests[s.name]
+    # the same profiles with each limit cut to a whole degree: what limits between two degrees
+    # add (a light neighbour beside a job whose objective breaks at one more copy)
+    whole = {name: replace(r, sharing_limits=tuple((m, math.floor(x))
+                                                   for m, x in r.sharing_limits))
+             for name, r in requests.items()}
+    request_of["carpool, whole degrees"] = lambda s: whole[s.name]
     policies = {name: place(services, of, model, memory_mib, args.gpus)
                 for name, of in request_of.items()}
     needed = {name: len(place(services, of, model, memory_mib))
@@ -639,7 +648,7 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
               "noise, not sharing): "
               + "; ".join(f"round {n}: {', '.join(r['broken'])}"
                           for n, r in enumerate(alone, 1) if r["broken"]))
-    clean = [r for name, r in rows.items() if name != "carpool" and r["violations"] == 0]
+    clean = [r for name, r in rows.items() if name.startswith("fixed") and r["violations"] == 0]
     if clean:
         print()
         for unit, key in (("work", "work"), ("samples/s", "samples_per_s")):

@@ -667,7 +667,7 @@ def _sharing_findings(job: Obj, request: GpuRequest, reason: str, jobs: Iterable
         limits = profiles.limits(template, objectives)
         weights = dict(profiles.weights(template))
         text += ("; its template's profiles allow "
-                 + ", ".join(f"{n} job(s) per {model} (weighing {weights[model] / 1000:.2f} "
+                 + ", ".join(f"{n:g} job(s) per {model} (weighing {weights[model] / 1000:.2f} "
                              f"as a sharer)" for model, n in limits) if limits
                  else "; its template has no interference profile yet (no limit from it)")
     if blocking:

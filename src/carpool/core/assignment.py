@@ -14,10 +14,10 @@ the one codec for all of them: `encode_assignment` writes what the extender reco
 spec (immutable), so the device plugin, the operator and the reports read it from what
 Carpool wrote rather than from the pod's own annotations; it is left out of assignments made
 before it was recorded (readers then fall back to the node's mode). `migInstance`,
-`container` and `sharingLimit` (the most jobs the pod's job lets its GPU carry,
-`core.interference`) are left out when empty, `sharingWeight` (how heavy a sharer the job is,
-thousandths) when whole (1000); `cores` defaults to 0; keys this version does not know
-are ignored (a newer extender may add some).
+`container` and `sharingLimit` (the most jobs the pod's job lets its GPU carry, counted by
+weight, to the hundredth: `core.interference`) are left out when empty, `sharingWeight` (how
+heavy a sharer the job is, thousandths) when whole (1000); `cores` defaults to 0; keys this
+version does not know are ignored (a newer extender may add some).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class AssignedGpu:
     cores_pct: int
     mig_instance: str = ""
     container: str = ""
-    sharing_limit: int = 0  # the most jobs the holder lets this GPU carry (0: no limit)
+    sharing_limit: float = 0  # the most jobs the holder lets this GPU carry (0: no limit)
     sharing_weight: int = WHOLE_SHARER  # how heavy a sharer the holder is (core.interference)
     borrowed: bool = False  # in capacity another job lent (core.lending)
 
@@ -154,9 +154,17 @@ def _gpu(raw: object, where: str) -> AssignedGpu:
                        cores_pct=_count(raw, "cores", where, 0),
                        mig_instance=_text(raw, "migInstance", where),
                        container=_text(raw, "container", where),
-                       sharing_limit=_count(raw, "sharingLimit", where, 0),
+                       sharing_limit=_limit(raw, where),
                        sharing_weight=_weight(raw, where),
                        borrowed=_flag(raw, "borrowed", where))
+
+
+def _limit(raw: Mapping[str, object], where: str) -> float:
+    value = raw.get("sharingLimit", 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e6:
+        raise AssignmentError(f"{where}: sharingLimit must be a non-negative number, "
+                              f"got {value!r}")
+    return value
 
 
 def _weight(raw: Mapping[str, object], where: str) -> int:

@@ -9,8 +9,9 @@ From a profile it takes each job's sharing limit, the most jobs its GPU may carr
 
 - a job with objectives (`spec.objectives`): the largest degree at which the profile keeps
   its P99 under `p99Latency` (with `P99_HEADROOM`) and its slowdown against running alone
-  under `maxSlowdown`, every smaller degree included (1 when even running alone breaks them:
-  sharing only makes it worse);
+  under `maxSlowdown`, every smaller degree included, and on towards the next degree, to the
+  hundredth, as far as the curves between the two keep them (1 when even running alone
+  breaks them: sharing only makes it worse);
 - a job without: the knee of the measured throughput curve, the first degree from which one
   more job adds less than `KNEE_GAIN` to the GPU's total throughput (none while the curve
   still climbs at the highest degree measured, so Carpool goes on to measure the next).
@@ -150,9 +151,13 @@ class Profile:
                 return False
         return True
 
-    def limit(self, objectives: Objectives | None) -> int | None:
-        """The most jobs a GPU may carry with a job of this template on it; None: no limit
-        from this profile."""
+    def limit(self, objectives: Objectives | None) -> float | None:
+        """The most jobs a GPU may carry with a job of this template on it, counted as
+        `placement.counted_sharers` counts them; None: no limit from this profile.
+
+        With objectives, the limit lies where the profile's curves cross them, to the
+        hundredth (`_crossing`): neighbours lighter than the job count as less than one copy,
+        so a job whose objective breaks at two copies may still take a light neighbour."""
         if objectives is None:
             return self.knee()
         best = 0
@@ -161,9 +166,25 @@ class Profile:
             if kept is None:
                 break
             if not kept:
-                return max(1, best)
+                return self._crossing(objectives, best) if best else 1
             best = degree
         return max(1, best)
+
+    def _crossing(self, objectives: Objectives, kept: int) -> float:
+        """Where, between degree `kept` (kept) and the next (broken), the curves cross the
+        objectives: both are straight there (`_along`), rounded down to the hundredth."""
+        reach = 1.0
+        if objectives.p99_latency_s is not None:
+            low, high = self.p99_at(kept), self.p99_at(kept + 1)
+            goal = objectives.p99_latency_s * P99_HEADROOM
+            if low is not None and high is not None and high > goal:
+                reach = min(reach, (goal - low) / (high - low))
+        if objectives.max_slowdown is not None:
+            low, high = self.throughput_at(kept), self.throughput_at(kept + 1)
+            goal = self.alone() / objectives.max_slowdown
+            if high < goal <= low:
+                reach = min(reach, (low - goal) / (low - high))
+        return kept + math.floor(max(0.0, min(reach, 0.99)) * 100) / 100
 
 
 def _along(points: list[tuple[int, float]], degree: int) -> float:
@@ -191,7 +212,7 @@ class Profiles:
         return self.by_key.get((model, template))
 
     def limits(self, template: str, objectives: Objectives | None
-               ) -> tuple[tuple[str, int], ...]:
+               ) -> tuple[tuple[str, float], ...]:
         """A job's sharing limit per GPU model its template has a profile on, model order
         (`GpuRequest.sharing_limits`); empty: no limit anywhere."""
         out = []
@@ -308,7 +329,7 @@ def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuReques
     unchanged, where its template has none: placement is then exactly what it is without
     profiles)."""
     if not profiles.by_key:
-        limits: tuple[tuple[str, int], ...] = ()
+        limits: tuple[tuple[str, float], ...] = ()
         weights: tuple[tuple[str, int], ...] = ()
     else:
         limits = profiles.limits(template, request.objectives)

@@ -25,9 +25,9 @@ class GpuFree:
     exclusive_taken: bool
     grants: int
     free_mig: tuple[str, ...]  # unused MIG instance UUIDs
-    sharing_limit: int = 0  # the smallest limit of the jobs on it (0: none has one)
+    sharing_limit: float = 0  # the smallest limit of the jobs on it (0: none has one)
     # each job on it as (its sharing limit, 0: none; its sharing weight), for `sharing_rejection`
-    sharers: tuple[tuple[int, int], ...] = ()
+    sharers: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class NodeState:
                           self.memory_used_mib)
 
 
-def _sharing_limit(held: list[GpuGrant]) -> int:
+def _sharing_limit(held: list[GpuGrant]) -> float:
     """The smallest sharing limit of the grants on a GPU (0: none has one)."""
     limits = [g.sharing_limit for g in held if g.sharing_limit]
     return min(limits) if limits else 0
@@ -169,13 +169,13 @@ def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     if own and not _within(own, weight, weights):
         return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                 f"{degree} would break this job's objective (its profile on {model} allows "
-                f"{own}{_as_counted(weight, weights)})")
+                f"{own:g}{_as_counted(weight, weights)})")
     for n, (limit, held) in enumerate(free.sharers):
         others = [*weights[:n], *weights[n + 1:], weight]
         if limit and not _within(limit, held, others):
             return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                     f"{degree} would break the objective of a job there (its profile allows "
-                    f"{limit}{_as_counted(held, others)})")
+                    f"{limit:g}{_as_counted(held, others)})")
     return None
 
 
@@ -186,9 +186,10 @@ def counted_sharers(weight: int, others: list[int] | tuple[int, ...]) -> float:
     return 1 + sum(others) / max(1, weight)
 
 
-def _within(limit: int, weight: int, others: list[int]) -> bool:
-    """`counted_sharers(weight, others) <= limit`, in whole numbers."""
-    return sum(others) <= (limit - 1) * weight
+def _within(limit: float, weight: int, others: list[int]) -> bool:
+    """`counted_sharers(weight, others) <= limit`, in whole numbers (a limit is kept to the
+    hundredth)."""
+    return sum(others) * 100 <= (round(limit * 100) - 100) * weight
 
 
 def _as_counted(weight: int, others: list[int]) -> str:

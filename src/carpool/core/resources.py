@@ -110,9 +110,10 @@ class GpuRequest:
     # the pod template's nodeSelector: only nodes with every one of these labels can take it
     node_selector: frozenset[tuple[str, str]] = frozenset()
     objectives: Objectives | None = None  # None: no latency or slowdown promise
-    # the most jobs a GPU of each model may carry with this one on it (itself included), from
-    # its template's interference profile (`core.interference`); a model not listed: no limit
-    sharing_limits: tuple[tuple[str, int], ...] = ()
+    # the most jobs a GPU of each model may carry with this one on it (itself included, each
+    # counted by weight: `placement.counted_sharers`), from its template's interference profile
+    # (`core.interference`), to the hundredth; a model not listed: no limit
+    sharing_limits: tuple[tuple[str, float], ...] = ()
     # how heavy a sharer it is on a GPU of each model, in thousandths of the heaviest
     # (`core.interference`); a model not listed: WHOLE_SHARER
     sharing_weights: tuple[tuple[str, int], ...] = ()
@@ -128,7 +129,7 @@ class GpuRequest:
     def allows_model(self, model: str) -> bool:
         return not self.models or model in self.models
 
-    def sharing_limit(self, model: str) -> int:
+    def sharing_limit(self, model: str) -> float:
         """The most jobs a GPU of `model` may carry with this one on it; 0: no limit."""
         for name, limit in self.sharing_limits:
             if name == model:
@@ -192,7 +193,7 @@ class GpuGrant:
     cores_pct: int  # compute actually reserved (100 for exclusive)
     exclusive: bool = False
     mig_instance: str = ""  # MIG instance UUID when isolation is MIG
-    sharing_limit: int = 0  # the most jobs the holder lets its GPU carry (0: no limit)
+    sharing_limit: float = 0  # the most jobs the holder lets its GPU carry (0: no limit)
     sharing_weight: int = WHOLE_SHARER  # how heavy a sharer it is (`GpuRequest.sharing_weights`)
     # lending (core.lending): `lent` marks the part of an owner's grant it has left unused,
     # which borrowers may use; `borrowed` marks a borrower's grant sitting in such a part

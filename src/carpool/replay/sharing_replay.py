@@ -157,7 +157,7 @@ class _Replay:
         self.profiles = learn(s for kept in self.recent.values() for s in kept)
         self.stale = False
 
-    def limits(self, job: TraceJob) -> tuple[tuple[str, int], ...]:
+    def limits(self, job: TraceJob) -> tuple[tuple[str, float], ...]:
         if self.fixed is not None:
             return ((MODEL, self.fixed),)
         objectives = (Objectives(p99_latency_s=job.p99_target_s)

@@ -420,4 +420,6 @@ def test_why_explains_a_wait_for_sharing_that_would_break_an_objective() -> None
     [sharing] = lines_with(out, "sharing ")
     assert "BLOCKING" in sharing and "P99 latency under 10 ms" in sharing
     # 100 req/s each alone and at 2 and 3: alone it takes a third of what three got
-    assert "profiles allow 2 job(s) per H200 (weighing 0.33 as a sharer)" in sharing
+    # P99s of about 8 ms at 2 and 12 at 3 (read from histogram buckets): the 9 ms the
+    # headroom leaves is crossed a fifth to a quarter of the way
+    assert "profiles allow 2.2 job(s) per H200 (weighing 0.33 as a sharer)" in sharing

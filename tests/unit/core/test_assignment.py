@@ -29,7 +29,8 @@ names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_si
 counts = st.integers(min_value=0, max_value=2**40)
 gpus = st.builds(AssignedGpu, uuid=names, index=counts, memory_mib=counts, cores_pct=counts,
                  mig_instance=st.just("") | names, container=st.just("") | names,
-                 sharing_limit=st.integers(0, 16), sharing_weight=st.integers(1, 1000))
+                 sharing_limit=st.integers(0, 16) | st.integers(100, 1600).map(lambda n: n / 100),
+                 sharing_weight=st.integers(1, 1000))
 assignments = st.builds(Assignment, node=names, gpus=st.lists(gpus, min_size=1, max_size=8)
                         .map(tuple))
 
@@ -83,6 +84,12 @@ def test_cores_default_to_zero_and_unknown_keys_are_ignored() -> None:
      "sharingWeight must be between 1 and 1000, got 0"),
     ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingWeight": 1.5}]}',
      "sharingWeight must be a non-negative integer"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingLimit": -1}]}',
+     "sharingLimit must be a non-negative number, got -1"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingLimit": NaN}]}',
+     "sharingLimit must be a non-negative number, got nan"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingLimit": "2"}]}',
+     "sharingLimit must be a non-negative number, got '2'"),
     ("[" * 100 + "]" * 100, "nests deeper"),
     ('{"node": "' + "n" * 70_000 + '"}', "bytes, more than"),
 ])
