@@ -334,14 +334,16 @@ def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, mode
     the work's unit are set from them)."""
     from carpool.core.interference import Sample
 
-    samples, alone = [], {}
+    samples: list[Sample] = []
+    alone = {}
     for template in templates:
         for degree in range(1, degrees + 1):
             runs = [pool.run([template] * degree, seconds)
                     for _ in range(alone_runs if degree == 1 else 1)]
             measures = [m for run in runs for m in run]
-            for m in measures:
-                samples.append(Sample(model, template, degree, m.req_per_s, m.p99_s))
+            for n, run in enumerate(runs):  # the copies of one run shared one company
+                samples.extend(Sample(model, template, degree, m.req_per_s, m.p99_s,
+                                      f"profile {template} x{degree} #{n}") for m in run)
             if degree == 1:
                 alone[template] = (statistics.median(m.p99_s for m in measures),
                                    statistics.median(m.req_per_s for m in measures))
@@ -506,12 +508,12 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     # found there (what the node agent records in a cluster), and it places again
     started = time.monotonic()
     learning: list[list[dict[str, Any]]] = []  # per round, per GPU: who shared it and how
-    for n in range(args.learn_rounds):
+    for learned in range(args.learn_rounds):
         requests = carpool_requests()
         groups = place(services, lambda s, known=requests: known[s.name], model, memory_mib,
                        args.gpus)
         learning.append([])
-        for group in groups:
+        for index, group in enumerate(groups):
             measures = pool.run([s.template for s in group], args.seconds)
             weights = [requests[s.name].sharing_weight(model) for s in group]
             for n, (service, m) in enumerate(zip(group, measures, strict=True)):
@@ -519,9 +521,9 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
                 counted = counted_sharers(weights[n], [*weights[:n], *weights[n + 1:]])
                 samples.append(Sample(model, service.template,
                                       report_degree(len(group), counted), m.req_per_s,
-                                      m.p99_s))
+                                      m.p99_s, f"learning {learned} GPU {index}"))
             learning[-1].append(_company(group, measures, requests, model))
-        log(f"  learning {n + 1}/{args.learn_rounds}: {len(groups)} GPUs")
+        log(f"  learning {learned + 1}/{args.learn_rounds}: {len(groups)} GPUs")
     learning_s = time.monotonic() - started
     requests = carpool_requests()
     request_of: dict[str, Any] = {}
@@ -563,7 +565,8 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
             "learning_s": round(learning_s, 1),
             "profile": [{"template": s.template, "degree": s.degree,
                          "req_per_s": round(s.throughput, 2),
-                         "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3)}
+                         "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3),
+                         "company": s.company}
                         for s in samples],
             "services": [{"name": s.name, "template": s.template,
                           "p99_target_ms": round(s.p99_target_s * 1000, 3),

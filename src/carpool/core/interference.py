@@ -50,8 +50,9 @@ KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total th
 MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
 MIN_DEGREES = 2  # measured degrees before a template has a profile
 EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be judged at
-# A degree's P99 is a high quantile of the reports there: the jobs reported it in whatever
-# company shared their GPUs, and an objective must hold in the worse company, not the typical.
+# A degree's P99 is a high quantile of the companies reported there (`_tails`): the jobs
+# reported it in whatever company shared their GPUs, and an objective must hold in the worse
+# company, not the typical.
 TAIL_QUANTILE = 0.9
 # Reports are noisy: a degree keeps a P99 objective only with its P99 this far under the target.
 P99_HEADROOM = 0.9
@@ -67,6 +68,9 @@ class Sample:
     degree: int
     throughput: float  # the job's own successful requests per second
     p99_s: float | None
+    # the GPU and minute the report was made in: reports with the same one saw one company
+    # and count once for a degree's tail (`learn`); empty: a company of its own
+    company: str = ""
 
 
 @dataclass(frozen=True)
@@ -268,12 +272,29 @@ def _non_decreasing(values: list[float], weights: list[int]) -> list[float]:
     return [value for value, _, count in blocks for _ in range(count)]
 
 
+def _tails(samples: list[Sample]) -> list[float]:
+    """The P99s a degree's tail is read from: one per company the reports were made in (the
+    median of that company's), each report without one on its own. Copies sharing a GPU
+    report one company several times over; counted once each, a degree measured with copies
+    does not outvote the few reports made beside heavier jobs at the same degree."""
+    by_company: dict[str, list[float]] = {}
+    alone: list[float] = []
+    for s in samples:
+        if s.p99_s is None:
+            continue
+        if s.company:
+            by_company.setdefault(s.company, []).append(s.p99_s)
+        else:
+            alone.append(s.p99_s)
+    return [*alone, *(statistics.median(v) for v in by_company.values())]
+
+
 def learn(samples: Iterable[Sample]) -> Profiles:
     """Profiles from job measures: per (model, template, degree) the median throughput and
-    the TAIL_QUANTILE P99 (interpolated) of its samples, the tails made non-decreasing over
-    the degrees (each degree weighed by its reports); a (model, template) measured at fewer
-    than MIN_DEGREES degrees has none. Samples without a model or template, or with no
-    throughput, say nothing."""
+    the TAIL_QUANTILE P99 (interpolated) of its companies' P99s (`_tails`), the tails made
+    non-decreasing over the degrees (each degree weighed by its companies); a (model,
+    template) measured at fewer than MIN_DEGREES degrees has none. Samples without a model or
+    template, or with no throughput, say nothing."""
     groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
     for s in samples:
         if not s.model or not s.template or s.degree < 1 or not math.isfinite(s.throughput) \
@@ -285,7 +306,7 @@ def learn(samples: Iterable[Sample]) -> Profiles:
         if len(by_degree) < MIN_DEGREES:
             continue
         degrees = sorted(by_degree)
-        reported = {d: [s.p99_s for s in by_degree[d] if s.p99_s is not None] for d in degrees}
+        reported = {d: _tails(by_degree[d]) for d in degrees}
         measured = [d for d in degrees if reported[d]]
         smooth = dict(zip(measured, _non_decreasing(
             [_high(reported[d]) or 0.0 for d in measured],
@@ -304,9 +325,13 @@ def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:
         return None
     meta, spec = gpujob.get("metadata") or {}, gpujob.get("spec") or {}
     report = measure.report
+    gpus = (gpujob.get("status") or {}).get("gpus")
+    first = gpus[0] if isinstance(gpus, list) and gpus and isinstance(gpus[0], Mapping) else {}
+    uuid = first.get("uuid")
     return Sample(measure.gpu_model, job_template(str(meta.get("name", "")), first_image(spec)),
                   report_degree(measure.sharing, measure.sharing_by_weight),
-                  report.throughput, report.p99_s)
+                  report.throughput, report.p99_s,
+                  f"{uuid}@{int(report.time // 60)}" if isinstance(uuid, str) and uuid else "")
 
 
 def report_degree(sharing: int, by_weight: float | None) -> int:

@@ -192,6 +192,37 @@ def test_a_limit_between_two_degrees_takes_a_light_neighbour_but_not_a_copy() ->
                          light) is not None
 
 
+def test_copies_reporting_from_one_gpu_count_once_against_a_report_in_heavier_company() -> None:
+    # a batch-1 encoder profiled with five copies on one GPU (about 0.63 ms each), then one
+    # of its services reporting 1.44 ms at the same counted degree beside batch-32 jobs
+    copies = [inf.Sample("H100", "encoder-b1", 5, 1700.0, p, "profile x5")
+              for p in (0.00061, 0.00062, 0.00063, 0.00064, 0.00065)]
+    alone = [inf.Sample("H100", "encoder-b1", 1, 3700.0, 0.00027, "profile x1")]
+    beside_heavy = inf.Sample("H100", "encoder-b1", 5, 900.0, 0.00144, "learning GPU 1")
+    profile = inf.learn([*alone, *copies, beside_heavy]).get("H100", "encoder-b1")
+    assert profile is not None
+    # two companies at degree 5: their 90th percentile lies 90 % of the way to the heavy one
+    assert profile.p99_at(5) == pytest.approx(0.00063 + 0.9 * (0.00144 - 0.00063))
+    assert profile.limit(Objectives(p99_latency_s=0.00136)) < 5
+    # as six reports of their own, the copies outvote it and the limit passes 5
+    outvoted = inf.learn([replace(s, company="") for s in (*alone, *copies, beside_heavy)]
+                         ).get("H100", "encoder-b1")
+    assert outvoted is not None and outvoted.limit(Objectives(p99_latency_s=0.00136)) > 5
+
+
+def test_a_gpujobs_report_names_its_gpu_and_minute_as_its_company() -> None:
+    report = levels.ServiceReport(600.0, 10.0, 100, 0,
+                                          levels.Histogram.of([0.002] * 100))
+    status = {"gpus": [{"uuid": "GPU-1"}], **levels.service_status(
+        levels.ServiceMeasure(report, 1, "H100", 2))}
+    gpujob = {"metadata": {"name": "web-1"}, "spec": {}, "status": status}
+    sample = inf.sample_of(gpujob)
+    assert sample is not None and sample.company == "GPU-1@10"
+    del status["gpus"]
+    sample = inf.sample_of(gpujob)
+    assert sample is not None and sample.company == ""
+
+
 def test_a_report_counts_at_the_degree_its_company_weighs() -> None:
     assert inf.report_degree(3, None) == 3  # recorded before weights: the jobs
     assert inf.report_degree(3, 6.6) == 7  # a light job beside heavy ones
