@@ -6,12 +6,14 @@ peaks drawn per template from a Beta fitted to a published over-request figure, 
 late; sessions active for the first part of their run). Arrivals are spaced so that `--load`
 is the offered load up to the last arrival (`job_traces.generate`'s `load_by_last_arrival`),
 the window work is measured in. For each trace, Carpool replays it
-up to five ways in one batch (settings alternated across traces, so drift on a shared machine
+up to six ways in one batch (settings alternated across traces, so drift on a shared machine
 falls on all of them; `--settings` picks some): as asked (`--over-requests`: measured,
 nothing acts on it); lending from shared grants and right-sizing (`--lending
 --right-sizing`); the same with whole-GPU owners lending too (`--lend-whole-gpus`); all of
-that with idle sessions stopped (`--idle-timeout`); and all of that with preemptible
-whole-GPU jobs placed as MPS shares of their calibrated size (`--share-whole-gpus`).
+that with idle sessions stopped (`--idle-timeout`); all of that with preemptible
+whole-GPU jobs placed as MPS shares of their calibrated size (`--share-whole-gpus`); and
+all but that with idle sessions also stopped sooner while jobs wait that their GPUs could
+serve (`--idle-yield-after`, every project's `idleSessions.yieldAfter`).
 Printed per trace and setting: work done while the trace arrives
 (GPU-hours of progress by the requests' shares, up to the last arrival; an idle session does
 none), the owners' (non-preemptible jobs') P50 and P99 waits, GPU-hours run in lent capacity,
@@ -19,7 +21,7 @@ owner reclaims and the P99 time from an owner's rise to its borrower gone, right
 the watchdog ended, sessions stopped as idle; and each setting's work against "as asked".
 
     .venv/bin/python bench/idle_capacity.py [--jobs-per-trace 500] [--load 2.0] [--seeds 7,8]
-        [--idle-timeout 30m] [--settings "+ whole-GPU jobs shared"]
+        [--idle-timeout 30m] [--idle-yield-after 10m] [--settings "+ idle sessions yield"]
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from carpool.replay import job_traces, queue_replay
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces/openb/openb_pod_list_default.csv"
 NODES = ROOT / "traces/openb/openb_node_list_gpu_node.csv"
-# (lending, right-sizing, whole GPUs lend, idle sessions stopped, whole-GPU jobs shared)
-SETTINGS = {"as asked": (False, False, False, False, False),
-            "lend shared + right-size": (True, True, False, False, False),
-            "+ whole GPUs lend": (True, True, True, False, False),
-            "+ idle sessions stopped": (True, True, True, True, False),
-            "+ whole-GPU jobs shared": (True, True, True, True, True)}
+# (lending, right-sizing, whole GPUs lend, idle sessions stopped, whole-GPU jobs shared,
+#  idle sessions yield while jobs wait)
+SETTINGS = {"as asked": (False, False, False, False, False, False),
+            "lend shared + right-size": (True, True, False, False, False, False),
+            "+ whole GPUs lend": (True, True, True, False, False, False),
+            "+ idle sessions stopped": (True, True, True, True, False, False),
+            "+ whole-GPU jobs shared": (True, True, True, True, True, False),
+            "+ idle sessions yield": (True, True, True, True, False, True)}
 
 
 def main() -> int:
@@ -56,6 +60,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--idle-timeout", type=parse_duration, default="30m",
                         help="the idle-session timeout of the last settings (30m)")
+    parser.add_argument("--idle-yield-after", type=parse_duration, default="10m",
+                        help="the idleSessions.yieldAfter of the last setting (10m)")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help="the settings replayed, comma-separated names (all; \"as "
                              "asked\" always)")
@@ -69,11 +75,12 @@ def main() -> int:
         names = [n for n in SETTINGS if n == "as asked" or n in args.settings.split(",")]
         names = names[turn % len(names):] + names[:turn % len(names)]  # alternate the order
         for name in names:
-            lending, right, whole, stop, share = SETTINGS[name]
+            lending, right, whole, stop, share, yields = SETTINGS[name]
             runs.append((seed, name, QueueRun(
                 nodes_csv, trace, args.scale, seed, 4, "carpool", None, over_requests=True,
                 lending=lending, right_sizing=right, lend_whole_gpus=whole,
-                idle_timeout_s=args.idle_timeout if stop else 0.0, share_whole_gpus=share)))
+                idle_timeout_s=args.idle_timeout if stop else 0.0, share_whole_gpus=share,
+                idle_yield_after_s=args.idle_yield_after if yields else 0.0)))
     started = time.perf_counter()
     done = 0
 

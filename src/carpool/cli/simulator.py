@@ -66,17 +66,20 @@ class QueueRun:
     lend_whole_gpus: bool = False  # whole-GPU owners lend too (LendingPolicy.whole_gpus)
     # with right_sizing, one-GPU whole-GPU jobs too, as MPS shares (rightSizing.shareWholeGpus)
     share_whole_gpus: bool = False
+    idle_yield_after_s: float = 0.0  # every project's idleSessions.yieldAfter (0: none)
 
     @property
     def idle(self) -> queue_replay.IdleCapacity | None:
-        if not (self.over_requests or self.lending or self.right_sizing or self.idle_timeout_s):
+        if not (self.over_requests or self.lending or self.right_sizing or self.idle_timeout_s
+                or self.idle_yield_after_s):
             return None
         carpool = self.policy == "carpool"
         return queue_replay.IdleCapacity(
             self.seed, LendingPolicy(whole_gpus=self.lend_whole_gpus)
             if self.lending and carpool else None,
             self.right_sizing and carpool, self.idle_timeout_s if carpool else 0.0,
-            self.right_sizing and self.share_whole_gpus and carpool)
+            self.right_sizing and self.share_whole_gpus and carpool,
+            self.idle_yield_after_s if carpool else 0.0)
 
 
 def queue_policy(name: str, arrival_window_s: float = 3600.0,
@@ -281,6 +284,11 @@ def add_queue_parser(kinds: Any, trace: Path | None = None,
                        help="Carpool stops interactive sessions idle this long, every "
                             "project's idleSessions.timeout, e.g. 30m (implies "
                             "--over-requests, which makes sessions go idle; default: never)")
+    queue.add_argument("--idle-yield-after", type=_duration, default=0.0, metavar="DURATION",
+                       help="Carpool stops interactive sessions idle this long while jobs "
+                            "wait that their GPUs could serve, every project's "
+                            "idleSessions.yieldAfter, e.g. 5m (implies --over-requests; "
+                            "default: only the timeout)")
     queue.add_argument("-o", "--output", choices=("table", "json"), default="table",
                        help="table (default) or one JSON object per policy, one a line")
     queue.set_defaults(run=run_queue, prog=queue.prog)
@@ -390,7 +398,8 @@ def run_queue(args: argparse.Namespace) -> int:
         runs = [QueueRun(nodes_csv, trace_csv, args.scale, args.seed, args.projects, policy,
                          args.limit, args.quotas, args.arrival_window, args.progress_share,
                          args.over_requests, args.lending, args.right_sizing,
-                         args.idle_timeout, args.lend_whole_gpus, args.share_whole_gpus)
+                         args.idle_timeout, args.lend_whole_gpus, args.share_whole_gpus,
+                         args.idle_yield_after)
                 for policy in args.policy]
         started = time.perf_counter()
         done = 0

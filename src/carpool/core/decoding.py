@@ -277,6 +277,7 @@ def quota_from_object(obj: Mapping[str, Any]) -> ProjectQuota:
         weight=float(spec.get("weight", 1.0)),
         class_limits=class_limits_from_spec(spec),
         idle_session_timeout_s=_seconds(spec, "idleSessions.timeout", 0.0),
+        idle_session_yield_after_s=_seconds(spec, "idleSessions.yieldAfter", 0.0),
         place_calibrated=bool((spec.get("rightSizing") or {}).get("placePreemptible", False)),
         share_whole_gpus=bool((spec.get("rightSizing") or {}).get("shareWholeGpus", False)),
     )

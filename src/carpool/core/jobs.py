@@ -269,6 +269,9 @@ class ProjectQuota:
     class_limits: tuple[ClassLimit, ...] = ()
     # an interactive job whose GPUs see no work this long is stopped (0: never)
     idle_session_timeout_s: float = 0.0
+    # ... and this long while a job waits that its GPUs could serve (0: only the timeout;
+    # core.queueing.idle_expiry; spec.idleSessions.yieldAfter)
+    idle_session_yield_after_s: float = 0.0
     # its waiting preemptible jobs are placed by their template's calibrated size
     # (core.right_sizing.placement_request; spec.rightSizing.placePreemptible)
     place_calibrated: bool = False

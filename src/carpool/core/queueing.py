@@ -37,7 +37,7 @@ import enum
 import heapq
 import math
 import statistics
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -310,24 +310,53 @@ class Expiry:
                              f"{self.max_duration_s:.0f}s; stopped")
 
 
-def idle_expiry(job: Job, quota: ProjectQuota | None, now: float) -> Expiry | None:
+def idle_expiry(job: Job, quota: ProjectQuota | None, now: float,
+                wanted: bool = False) -> Expiry | None:
     """An interactive job whose GPUs its project's `idleSessions.timeout` has seen do no
-    work, stopped with its grace to checkpoint (billing ends with its pod). Only where its
-    node's device plugin measures per-process GPU activity (`Job.last_gpu_activity`): a job
-    is never stopped for a silence nobody measured."""
-    if (quota is None or quota.idle_session_timeout_s <= 0
-            or job.job_class is not JobClass.INTERACTIVE or job.phase is not Phase.RUNNING
+    work, stopped with its grace to checkpoint (billing ends with its pod); and, where the
+    project sets `idleSessions.yieldAfter`, one idle that long while its GPUs are `wanted`
+    (a job waits that could use them: `idle_gpus_wanted`). A session left open costs
+    nobody anything while nothing waits; while others queue, the GPUs it holds idle are
+    what they wait for. Only where its node's device plugin measures per-process GPU
+    activity (`Job.last_gpu_activity`): a job is never stopped for a silence nobody
+    measured."""
+    if (quota is None or job.job_class is not JobClass.INTERACTIVE
+            or job.phase is not Phase.RUNNING
             or job.last_gpu_activity is None or (started := job.started_at) is None):
         return None
     idle_s = now - max(started, job.last_gpu_activity)
-    if idle_s < quota.idle_session_timeout_s:
+    timeout, yield_after = quota.idle_session_timeout_s, quota.idle_session_yield_after_s
+    if timeout > 0 and idle_s >= timeout:
+        limit, field_name, why = timeout, "timeout", ""
+    elif wanted and 0 < yield_after <= idle_s:
+        limit, field_name, why = yield_after, "yieldAfter", " while jobs wait for its GPUs"
+    else:
         return None
     note = (f"its GPUs did no work for {format_duration(idle_s)}; project {quota.name} "
-            f"stops interactive sessions idle for {format_duration(quota.idle_session_timeout_s)}"
-            f" (spec.idleSessions.timeout); stopped with {job.checkpoint_grace_s:.0f}s to "
+            f"stops interactive sessions idle for {format_duration(limit)}{why}"
+            f" (spec.idleSessions.{field_name}); stopped with {job.checkpoint_grace_s:.0f}s to "
             f"checkpoint, its GPU time billed until its pod is gone")
     return Expiry(job.key, now - started, job.max_duration_s, job.checkpoint_grace_s,
                   IDLE_TIMEOUT, note)
+
+
+def idle_gpus_wanted(models: Iterable[str], waiting: Iterable[Job]) -> bool:
+    """Whether a waiting job may run on a GPU of one of `models` (a session's GPUs), so
+    that stopping an idle session there could serve it (`idle_expiry`'s yieldAfter)."""
+    held = set(models)
+    return any(any(job.request.allows_model(m) for m in held) for job in waiting)
+
+
+def _idle_wanted(job: Job, snapshot: ClusterSnapshot, waiting: Sequence[Job]) -> bool:
+    """`idle_gpus_wanted` for a running session whose project sets a yieldAfter (else
+    False, unasked)."""
+    quota = snapshot.quotas.get(job.project)
+    node = snapshot.nodes.get(job.node)
+    if (quota is None or quota.idle_session_yield_after_s <= 0 or node is None
+            or job.job_class is not JobClass.INTERACTIVE or not waiting):
+        return False
+    held = {g.gpu_uuid for g in job.grants}
+    return idle_gpus_wanted((g.model for g in node.inventory.gpus if g.uuid in held), waiting)
 
 
 @dataclass(frozen=True)
@@ -704,11 +733,12 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
         if h.job.phase is Phase.RUNNING and h.job.max_duration_s > 0
         and (started := h.job.started_at) is not None and now - started >= h.job.max_duration_s)
     past_max = {e.job_key for e in expiries}
+    waiting = [j for j in snapshot.jobs if j.waiting]
     expiries += tuple(
         idle for h in cycle.holders if h.job.key not in past_max
-        and (idle := idle_expiry(h.job, snapshot.quotas.get(h.job.project), now)) is not None)
+        and (idle := idle_expiry(h.job, snapshot.quotas.get(h.job.project), now,
+                                 _idle_wanted(h.job, snapshot, waiting))) is not None)
 
-    waiting = [j for j in snapshot.jobs if j.waiting]
     durations = {j.key: expected_duration(j, cycle.learned) for j in waiting}
     expected_gpu_hours = {
         j.key: job_nominal_fraction(j, cycle.reference_mib) * durations[j.key] / 3600.0

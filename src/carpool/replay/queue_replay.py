@@ -405,14 +405,16 @@ class IdleCapacity:
     preemptible jobs by the peaks their template's finished runs reached
     (`core.right_sizing`), running them as asked once they outgrow that, and with
     `share_whole_gpus` one-GPU whole-GPU ones too, as MPS shares; `idle_timeout_s`
-    is every project's `idleSessions.timeout` (0: none), applied by the operator's rule
-    (`queueing.idle_expiry`) to the GPU activity the device plugin would have seen."""
+    is every project's `idleSessions.timeout` (0: none) and `idle_yield_after_s` its
+    `idleSessions.yieldAfter`, applied by the operator's rule (`queueing.idle_expiry`) to
+    the GPU activity the device plugin would have seen."""
 
     seed: int = 0
     lending: lending.LendingPolicy | None = None
     right_sizing: bool = False
     idle_timeout_s: float = 0.0
     share_whole_gpus: bool = False
+    idle_yield_after_s: float = 0.0  # every project's idleSessions.yieldAfter (0: none)
 
 
 @dataclass
@@ -453,8 +455,10 @@ class Replay:
         self.learning_rate = learning_rate
         self.observe = observe
         self.trace = trace
-        if idle is not None and (idle.idle_timeout_s > 0 or idle.right_sizing):
+        if idle is not None and (idle.idle_timeout_s > 0 or idle.right_sizing
+                                 or idle.idle_yield_after_s > 0):
             quotas = {name: replace(q, idle_session_timeout_s=idle.idle_timeout_s,
+                                    idle_session_yield_after_s=idle.idle_yield_after_s,
                                     place_calibrated=idle.right_sizing,
                                     share_whole_gpus=idle.share_whole_gpus)
                       for name, q in quotas.items()}
@@ -679,10 +683,12 @@ class Replay:
         rise = use.rise_after(done, run_s)
         if rise is not None and rise < remaining:
             heapq.heappush(self.events, (now + rise, RISE, job.key, job.attempts))
-        timeout = self.idle.idle_timeout_s if self.idle is not None else 0.0
-        idle_due = max(0.0, use.active_s(run_s) - done) + timeout
-        if timeout > 0 and use.idle_from is not None and idle_due < remaining:
-            heapq.heappush(self.events, (now + idle_due, IDLE_DUE, job.key, job.attempts))
+        idle = self.idle
+        for limit in ((idle.idle_timeout_s, idle.idle_yield_after_s) if idle is not None
+                      else ()):
+            idle_due = max(0.0, use.active_s(run_s) - done) + limit
+            if limit > 0 and use.idle_from is not None and idle_due < remaining:
+                heapq.heappush(self.events, (now + idle_due, IDLE_DUE, job.key, job.attempts))
         asked = self.trace[job.key].request.cores_pct
         if job.request.cores_pct < asked:  # placed by its calibrated size
             if peak_of(asked, use.used(done, run_s)) > job.request.cores_pct:

@@ -371,6 +371,17 @@ def test_the_cycle_stops_an_idle_session_and_keeps_a_busy_one() -> None:
     assert [(e.job_key, e.reason) for e in result.expiries] == [("a/idle", "IdleTimeout")]
 
 
+def test_the_cycle_stops_a_session_idle_past_yield_after_only_while_a_job_waits() -> None:
+    now = 5 * HOUR
+    idle = replace(run_on(job("a/idle", cls=JobClass.INTERACTIVE), [0], started=now - HOUR),
+                   last_gpu_activity=now - 900)
+    yielding = quotas("a", "b", idle_session_timeout_s=1800.0, idle_session_yield_after_s=600.0)
+    assert not cycle([idle], now=now, quota_map=yielding).expiries
+    waiting = job("b/next", "b")
+    result = cycle([idle, waiting], now=now, quota_map=yielding)
+    assert [(e.job_key, e.reason) for e in result.expiries] == [("a/idle", "IdleTimeout")]
+
+
 def test_a_memo_reads_a_running_jobs_share_anew_when_its_node_changes() -> None:
     """What a cycle derives from a running job and its node is kept by the memo while both
     are the same objects: a node whose GPUs changed under the same job is read anew."""

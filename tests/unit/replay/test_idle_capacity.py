@@ -131,6 +131,20 @@ def test_an_idle_session_is_stopped_by_the_operators_rule_and_its_gpu_goes_to_wo
     assert [(s, e) for s, e, _ in stopped.idle.work_runs] == [(0, 2000), (3830, 6830)]
 
 
+def test_an_idle_session_yields_sooner_while_a_job_waits_for_its_gpu() -> None:
+    session = traces.TraceJob("p/notebook", "p", JobClass.INTERACTIVE,
+                              GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 20_000, 7200,
+                              "notebook", False)
+    batch = mps("sweep", 100, 3000, 60, JobClass.BATCH, True)
+    uses = {"notebook": Usage(0.5, idle_from=0.1), "sweep": Usage(1.0)}  # active 2000 s
+    both = qr.IdleCapacity(idle_timeout_s=1800, idle_yield_after_s=600)
+    assert run([session, batch], uses, both).records["p/sweep"].first_start == 2000 + 600 + 30
+    # alone, nothing waits for its GPU: the session sits until the timeout
+    alone = run([session], uses, both)
+    assert qr.score(alone)["idle_sessions_stopped"] == 1
+    assert alone.span_s == 2000 + 1800 + 30
+
+
 def test_a_whole_gpu_owner_lends_its_unused_share_where_whole_gpus_lend() -> None:
     owner = traces.TraceJob("p/train", "p", JobClass.LONG,
                             GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 7200, 7200,
