@@ -21,7 +21,7 @@ owner reclaims and the P99 time from an owner's rise to its borrower gone, right
 the watchdog ended, sessions stopped as idle; and each setting's work against "as asked".
 
     .venv/bin/python bench/idle_capacity.py [--jobs-per-trace 500] [--load 2.0] [--seeds 7,8]
-        [--idle-timeout 30m] [--idle-yield-after 10m] [--settings "+ idle sessions yield"]
+        [--idle-timeout 30m] [--idle-yield-after 5m] [--settings "+ idle sessions yield"]
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--idle-timeout", type=parse_duration, default="30m",
                         help="the idle-session timeout of the last settings (30m)")
-    parser.add_argument("--idle-yield-after", type=parse_duration, default="10m",
-                        help="the idleSessions.yieldAfter of the last setting (10m)")
+    parser.add_argument("--idle-yield-after", type=parse_duration, default="5m",
+                        help="the idleSessions.yieldAfter of the last setting (5m)")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help="the settings replayed, comma-separated names (all; \"as "
                              "asked\" always)")
