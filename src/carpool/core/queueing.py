@@ -814,6 +814,9 @@ def _overdue_ahead(starts: Mapping[str, float], waits: list[Wait],
     such a job, so short waits keep the simulation's start."""
     if aging_step_s <= 0 or capacity_gpus <= 0:
         return dict(starts)
+    # the jobs still waiting: one admitted this cycle runs now, its work already simulated
+    still = {wait.job_key for wait in waits}
+    ranked = [(key, job) for key, job in ranked if job.key in still]
     places = {job.key: place for place, (_, job) in enumerate(ranked)}
     asked: dict[int, float] = {}
     for wait in waits:

@@ -103,3 +103,22 @@ def test_the_sweep_gives_the_scan(jobs: list[tuple[int, int, int]],
     assert swept.keys() == scanned.keys()
     for place, pushed in scanned.items():
         assert swept[place] == pytest.approx(pushed)
+
+
+def test_an_older_job_started_in_the_same_cycle_pushes_nothing() -> None:
+    # a/run holds n1 for 2 h more; b/batch, older and overdue in 1.5 h, asks one GPU and is
+    # backfilled now on n2, where c/int's two do not fit: its hour runs there, not ahead of
+    # c/int, which starts when a/run ends
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    running = gpu_job("a/run", cls=JobClass.INTERACTIVE, count=2, estimate=3 * HOUR,
+                      phase=Phase.RUNNING, node="n1", grants=grants, attempts=1,
+                      runs=(RunRecord(1, NOW - HOUR, None, 2.0),))
+    interactive = gpu_job("c/int", "c", JobClass.INTERACTIVE, count=2, submitted=NOW)
+    batch = gpu_job("b/batch", "b", JobClass.BATCH, submitted=NOW - 2.5 * HOUR,
+                    estimate=HOUR)
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "abc"}
+    snapshot = ClusterSnapshot(NOW, (running, interactive, batch), quotas,
+                               {"n1": gpu_node(), "n2": gpu_node("n2", gpus=1)})
+    result = admission_cycle(snapshot, AdmissionConfig(node_placer=packing_placer))
+    assert [a.job_key for a in result.admissions] == ["b/batch"]
+    assert result.wait_for("c/int").estimated_start == pytest.approx(NOW + 2 * HOUR)
