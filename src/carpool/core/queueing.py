@@ -321,10 +321,9 @@ def idle_expiry(job: Job, quota: ProjectQuota | None, now: float,
     activity (`Job.last_gpu_activity`): a job is never stopped for a silence nobody
     measured."""
     if (quota is None or job.job_class is not JobClass.INTERACTIVE
-            or job.phase is not Phase.RUNNING
-            or job.last_gpu_activity is None or (started := job.started_at) is None):
+            or job.phase is not Phase.RUNNING or (started := job.started_at) is None
+            or (idle_s := _idle_for(job, now)) is None):
         return None
-    idle_s = now - max(started, job.last_gpu_activity)
     timeout, yield_after = quota.idle_session_timeout_s, quota.idle_session_yield_after_s
     if timeout > 0 and idle_s >= timeout:
         limit, field_name, why = timeout, "timeout", ""
@@ -340,6 +339,13 @@ def idle_expiry(job: Job, quota: ProjectQuota | None, now: float,
                   IDLE_TIMEOUT, note)
 
 
+def _idle_for(job: Job, now: float) -> float | None:
+    """How long a running job's GPUs have done no work, measured (None: never measured)."""
+    if job.last_gpu_activity is None or (started := job.started_at) is None:
+        return None
+    return now - max(started, job.last_gpu_activity)
+
+
 def idle_gpus_wanted(models: Iterable[str], waiting: Iterable[Job]) -> bool:
     """Whether a waiting job may run on a GPU of one of `models` (a session's GPUs), so
     that stopping an idle session there could serve it (`idle_expiry`'s yieldAfter)."""
@@ -347,13 +353,16 @@ def idle_gpus_wanted(models: Iterable[str], waiting: Iterable[Job]) -> bool:
     return any(any(job.request.allows_model(m) for m in held) for job in waiting)
 
 
-def _idle_wanted(job: Job, snapshot: ClusterSnapshot, waiting: Sequence[Job]) -> bool:
-    """`idle_gpus_wanted` for a running session whose project sets a yieldAfter (else
-    False, unasked)."""
+def _idle_wanted(job: Job, snapshot: ClusterSnapshot, waiting: Sequence[Job],
+                 now: float) -> bool:
+    """`idle_gpus_wanted` for a running session idle past its project's yieldAfter (else
+    False, unasked: the queue is looked through only for a session that could yield)."""
     quota = snapshot.quotas.get(job.project)
     node = snapshot.nodes.get(job.node)
     if (quota is None or quota.idle_session_yield_after_s <= 0 or node is None
-            or job.job_class is not JobClass.INTERACTIVE or not waiting):
+            or job.job_class is not JobClass.INTERACTIVE or not waiting
+            or (idle_s := _idle_for(job, now)) is None
+            or idle_s < quota.idle_session_yield_after_s):
         return False
     held = {g.gpu_uuid for g in job.grants}
     return idle_gpus_wanted((g.model for g in node.inventory.gpus if g.uuid in held), waiting)
@@ -737,7 +746,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
     expiries += tuple(
         idle for h in cycle.holders if h.job.key not in past_max
         and (idle := idle_expiry(h.job, snapshot.quotas.get(h.job.project), now,
-                                 _idle_wanted(h.job, snapshot, waiting))) is not None)
+                                 _idle_wanted(h.job, snapshot, waiting, now))) is not None)
 
     durations = {j.key: expected_duration(j, cycle.learned) for j in waiting}
     expected_gpu_hours = {

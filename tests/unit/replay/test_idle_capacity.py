@@ -112,12 +112,18 @@ def test_a_rise_counts_at_its_own_instant_whatever_the_float_rounding() -> None:
     assert use.used(at - start, run_s) == 0.9
 
 
-def test_an_idle_session_is_stopped_by_the_operators_rule_and_its_gpu_goes_to_work() -> None:
+def _notebook_and_sweep() -> tuple[traces.TraceJob, traces.TraceJob, dict[str, Usage]]:
+    """A notebook session (active its first 2000 s, then idle) and a sweep arriving at 100 s
+    for its one GPU."""
     session = traces.TraceJob("p/notebook", "p", JobClass.INTERACTIVE,
                               GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 20_000, 7200,
                               "notebook", False)
     batch = mps("sweep", 100, 3000, 60, JobClass.BATCH, True)
-    uses = {"notebook": Usage(0.5, idle_from=0.1), "sweep": Usage(1.0)}  # active 2000 s
+    return session, batch, {"notebook": Usage(0.5, idle_from=0.1), "sweep": Usage(1.0)}
+
+
+def test_an_idle_session_is_stopped_by_the_operators_rule_and_its_gpu_goes_to_work() -> None:
+    session, batch, uses = _notebook_and_sweep()
     kept = run([session, batch], uses, qr.IdleCapacity())
     stopped = run([session, batch], uses, qr.IdleCapacity(idle_timeout_s=1800))
     assert kept.records["p/sweep"].first_start == 20_000
@@ -132,11 +138,7 @@ def test_an_idle_session_is_stopped_by_the_operators_rule_and_its_gpu_goes_to_wo
 
 
 def test_an_idle_session_yields_sooner_while_a_job_waits_for_its_gpu() -> None:
-    session = traces.TraceJob("p/notebook", "p", JobClass.INTERACTIVE,
-                              GpuRequest(1, 0, 100, Isolation.EXCLUSIVE), 0, 20_000, 7200,
-                              "notebook", False)
-    batch = mps("sweep", 100, 3000, 60, JobClass.BATCH, True)
-    uses = {"notebook": Usage(0.5, idle_from=0.1), "sweep": Usage(1.0)}  # active 2000 s
+    session, batch, uses = _notebook_and_sweep()
     both = qr.IdleCapacity(idle_timeout_s=1800, idle_yield_after_s=600)
     assert run([session, batch], uses, both).records["p/sweep"].first_start == 2000 + 600 + 30
     # alone, nothing waits for its GPU: the session sits until the timeout
