@@ -204,17 +204,57 @@ def worker_main(device: str, small: bool, graphs: bool) -> int:
             seconds = float(command["seconds"])
             time.sleep(max(0.0, float(command["start"]) - time.time()))
             gc.disable()
-            latencies = []
-            end = time.perf_counter() + seconds
-            while (now := time.perf_counter()) < end:
-                forward()
-                sync()
-                latencies.append(time.perf_counter() - now)
+            if command.get("rate"):
+                served, latencies = _serve_arrivals(forward, sync, seconds,
+                                                    float(command["rate"]), command["seed"])
+            else:
+                latencies = []
+                end = time.perf_counter() + seconds
+                while (now := time.perf_counter()) < end:
+                    forward()
+                    sync()
+                    latencies.append(time.perf_counter() - now)
+                served = len(latencies)
             gc.enable()
-            print(json.dumps({"result": {"requests": len(latencies), "seconds": seconds,
+            print(json.dumps({"result": {"requests": served, "seconds": seconds,
                                          "latencies_ms": [round(x * 1000, 4)
                                                           for x in latencies]}}), flush=True)
     return 0
+
+
+def _serve_arrivals(forward: Any, sync: Any, seconds: float, rate: float,
+                    seed: int) -> tuple[int, list[float]]:
+    """Serve requests arriving as a Poisson stream of `rate` per second for `seconds`, one at
+    a time in arrival order, as a service's server does: a request's latency runs from its
+    arrival, its wait in the queue included. Requests still queued when the time is up count
+    with the time they had waited by then (a lower bound), so a server that cannot keep up
+    shows it in its tail; the served count is the throughput."""
+    import random
+
+    arrival_gap = random.Random(seed).expovariate
+    begin = time.perf_counter()
+    end = begin + seconds
+    arrival = begin + arrival_gap(rate)
+    latencies: list[float] = []
+    served = 0
+    while arrival < end:
+        now = time.perf_counter()
+        if now < arrival:
+            if arrival - now > 0.0005:
+                time.sleep(arrival - now - 0.0003)
+            while time.perf_counter() < arrival:
+                pass
+        elif now >= end:
+            break
+        forward()
+        sync()
+        latencies.append(time.perf_counter() - arrival)
+        served += 1
+        arrival += arrival_gap(rate)
+    while arrival < end:  # the backlog when the time ran out
+        latencies.append(end - arrival)
+        arrival += arrival_gap(rate)
+    return served, latencies
 
 
 class _nothing:
@@ -270,6 +310,9 @@ class Pool:
 
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     engine: str = ""
+    # a template's offered requests/s where its services serve arriving requests; a template
+    # not here is served back to back (a closed loop: as fast as the GPU lets it)
+    rates: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def start(cls, envs: list[dict[str, str]], device: str, small: bool,
@@ -295,10 +338,12 @@ class Pool:
             raise ValueError(f"{len(templates)} services on one GPU, the pool has "
                              f"{len(self.procs)} workers")
         start = time.time() + 0.2
-        for proc, template in zip(self.procs, templates, strict=False):
+        for slot, (proc, template) in enumerate(zip(self.procs, templates, strict=False)):
             assert proc.stdin is not None
-            proc.stdin.write(json.dumps({"template": template, "seconds": seconds,
-                                         "start": start}) + "\n")
+            command = {"template": template, "seconds": seconds, "start": start}
+            if template in self.rates:  # one stream per slot and template, whatever the call
+                command.update(rate=self.rates[template], seed=f"{template}/{slot}")
+            proc.stdin.write(json.dumps(command) + "\n")
             proc.stdin.flush()
         out = []
         for proc in self.procs[:len(templates)]:
@@ -431,6 +476,10 @@ def main() -> int:
     parser.add_argument("--learn-rounds", type=int, default=3,
                         help="Carpool places, its services report, it learns: this often "
                              "before the measured rounds")
+    parser.add_argument("--load", type=float, default=0.0,
+                        help="each service is offered this share of what its template serves "
+                             "alone back to back, as a Poisson stream of requests (0: every "
+                             "service serves back to back, as fast as its GPU lets it)")
     parser.add_argument("--targets", default="2,3,5",
                         help="P99 targets as factors of each template's P99 alone, cycled")
     parser.add_argument("--json", type=Path, help="also write all results here")
@@ -487,9 +536,16 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     memory_mib = min(memory_mib, POOL * GRANT_MIB)
     templates = arrivals(args.services)
     kinds = sorted(set(templates), key=templates.index)
+    started = time.monotonic()
+    capacity = {}
+    if args.load > 0:
+        for template in kinds:
+            capacity[template] = pool.run([template], args.profile_seconds)[0].req_per_s
+            pool.rates[template] = args.load * capacity[template]
+        log("offered loads: " + ", ".join(f"{t} {pool.rates[t]:.0f} req/s of "
+                                          f"{capacity[t]:.0f}" for t in kinds))
     log(f"profiling {len(kinds)} templates at 1..{args.profile_degrees} "
         f"({args.profile_seconds:g}s each)")
-    started = time.monotonic()
     samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model,
                              args.alone_runs)
     profiling_s = time.monotonic() - started
@@ -563,6 +619,8 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
         rows[name]["gpus_for_all"] = needed[name]
     return {"model": model, "profiling_s": round(profiling_s, 1),
             "learning_s": round(learning_s, 1),
+            "offered_per_s": {t: round(r, 2) for t, r in pool.rates.items()},
+            "capacity_per_s": {t: round(r, 2) for t, r in capacity.items()},
             "profile": [{"template": s.template, "degree": s.degree,
                          "req_per_s": round(s.throughput, 2),
                          "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3),
@@ -627,8 +685,10 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
     rows = report["policies"]
     print()
     mode = args.device + (", small models" if args.small else "")
+    offered = (f"each offered {args.load:.0%} of its template's rate alone as Poisson "
+               "arrivals" if args.load > 0 else "each serving back to back")
     print(f"Latency objectives on a cluster of {args.gpus} {model} ({mode}; one physical "
-          f"GPU measured in turn), {args.services} services arriving, "
+          f"GPU measured in turn), {args.services} services arriving ({offered}), "
           f"{args.rounds} rounds x {args.seconds:g}s per GPU; "
           f"profiling {report['profiling_s']:g}s and learning {report['learning_s']:g}s; "
           f"{report['seconds_total']:g}s in all")
