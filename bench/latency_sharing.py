@@ -30,6 +30,11 @@ The targets are set from what the profiling run measured alone, the median of `-
 runs (`--targets`: factors of each template's P99 alone, cycled over the services), so they
 mean the same on any GPU.
 
+With `--load F` a service serves requests that arrive instead of back to back: each is
+offered F of what its template serves alone back to back (measured first), as a Poisson
+stream, and a request's latency includes its wait in the queue; work is then 1.0 for a service
+served all it was offered.
+
   python3 bench/latency_sharing.py                       # on the GPU machine (CUDA, MPS)
   python3 bench/latency_sharing.py --device cpu --small  # the logic, anywhere (no GPU)
 
