@@ -53,11 +53,13 @@ class Lane:
 
 @dataclass
 class _QueuedStatus:
-    """A background status write: its patch, its task in the lane, set once it has landed."""
+    """A background status write: its patch, its task in the lane, whether it has left (its
+    patch read, under the writer's lock), set once it has landed."""
 
     patch: Obj
     landed: threading.Event = field(default_factory=threading.Event)
     task: cf.Future[None] | None = None
+    left: bool = False
 
 
 def job_key(obj: Obj) -> str:
@@ -168,17 +170,22 @@ class Writer:
 
     def statuses_later(self, patches: dict[str, Obj]) -> None:
         """Write these statuses in the background: the next pass reads and decides meanwhile.
-        At most one write per job is in flight, so a job's writes land in order; a job whose
-        write is still in flight is left to a later pass (which derives its patch again from
-        the pods). A queued write holds only its patch and compares it with the newest status
-        the watch shows when it goes out (a backlog of thousands must not keep as many old
-        copies of jobs alive)."""
+        At most one write per job is in flight, so a job's writes land in order: a job whose
+        write is still queued has the newer patch folded into it (a backlog must not send a
+        pass's old estimate after a newer pass derived another), and a job whose write has
+        left is left to a later pass (which derives its patch again from the pods). A queued
+        write holds only its patch and compares it with the newest status the watch shows
+        when it goes out (a backlog of thousands must not keep as many old copies of jobs
+        alive)."""
         for key, patch in patches.items():
             queued = _QueuedStatus(patch)
 
             def write(key: str = key, queued: _QueuedStatus = queued) -> None:
                 try:
-                    self.status_now(key, self._latest(key), queued.patch, background=True)
+                    with self._queued_lock:
+                        queued.left = True
+                        latest_patch = queued.patch
+                    self.status_now(key, self._latest(key), latest_patch, background=True)
                 except Exception:
                     log.exception("writing the status of %s failed; next pass retries", key)
                 finally:
@@ -188,7 +195,10 @@ class Writer:
                     queued.landed.set()
 
             with self._queued_lock:
-                if key in self._queued:
+                waiting = self._queued.get(key)
+                if waiting is not None:
+                    if not waiting.left:
+                        waiting.patch = {**waiting.patch, **patch}
                     continue
                 self._queued[key] = queued
                 queued.task = self.statuses.submit(write)

@@ -67,3 +67,39 @@ def test_draining_a_lane_waits_for_what_was_submitted() -> None:
     lane.drain()
     assert ran.is_set()
     lane.submit(lambda: None).result(5)  # a drained lane takes work again
+
+
+def test_a_queued_status_write_goes_out_with_the_newest_patch_a_pass_derived() -> None:
+    kube = Statuses()
+    writer = _writer(kube)
+    release = threading.Event()
+    for _ in range(writer.statuses.workers):  # the lane's threads busy with slow writes
+        writer.statuses.pool.submit(release.wait)
+    writer.statuses_later({"team/job": {"reason": "Capacity", "estimatedStart": "08:00"}})
+    writer.statuses_later({"team/job": {"estimatedStart": "09:00", "queuePosition": 3}})
+    release.set()
+    writer.drain()
+    ((key, patch),) = kube.written
+    assert key == "team/job"
+    assert patch["estimatedStart"] == "09:00" and patch["queuePosition"] == 3
+    assert patch["reason"] == "Capacity"  # what only the older patch said goes out too
+
+
+def test_a_status_write_that_has_left_keeps_its_patch_and_the_next_pass_writes_again() -> None:
+    kube = Statuses()
+    writer = _writer(kube)
+    inside, release = threading.Event(), threading.Event()
+    real = kube.patch_job_status
+
+    def slow(namespace: str, name: str, status: dict[str, Any]) -> str:
+        inside.set()
+        release.wait(5)
+        return real(namespace, name, status)
+
+    kube.patch_job_status = slow  # type: ignore[method-assign]
+    writer.statuses_later({"team/job": {"estimatedStart": "08:00"}})
+    assert inside.wait(5)
+    writer.statuses_later({"team/job": {"estimatedStart": "09:00"}})  # left to a later pass
+    release.set()
+    writer.drain()
+    assert [p["estimatedStart"] for _, p in kube.written] == ["08:00"]
