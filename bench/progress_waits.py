@@ -22,7 +22,10 @@ arriving job's estimate by what its forward-simulated start rests on: the expect
 running job that reports, of one that does not, or neither (a reservation ahead of it, a
 calibrated or aged start), and where its first start fell against its 80 % range, by the
 same and by whether it waited over a day. Also the lowest median error any one factor applied
-to every estimate would reach (the spread of the misses, not their bias).
+to every estimate would reach (the spread of the misses, not their bias), and per class the
+error at arrival split by who started between a job's arrival and its start (jobs ranked
+ahead of it then; jobs ranked behind it or submitted after it, which passed it, by their
+class against its own; runs started again after a preemption).
 
 Trace specs as in bench/eta_calibration.py: `gen:SEED:INTERARRIVAL`, `load:SEED:LOAD` (5,000
 generated jobs on openb's nodes at --scale 0.006), `openb:SCALE`. `--against DIR`: also
@@ -35,6 +38,7 @@ simulation with every run time as expected, no start scenarios).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing
@@ -50,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eta_calibration import load
 
-from carpool.core.queueing import AdmissionConfig, extender_placer
+from carpool.core.queueing import AdmissionConfig, CycleResult, extender_placer
 from carpool.core.run_times import learn_durations, remaining, run_time
 from carpool.replay import queue_replay
 
@@ -128,10 +132,22 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
             rests_on[key] = ("a reporting job's end" if any(near)
                              else "a silent job's end" if near else "neither")
 
+    queued_at_arrival: dict[str, tuple[int, dict[str, int]]] = {}  # position, the queue's
+    started: list[tuple[float, str]] = []
+
+    def seen(state: queue_replay.State, result: CycleResult) -> None:
+        now = state.now
+        started.extend((now, a.job_key) for a in result.admissions)
+        positions = {w.job_key: w.position for w in result.waits if w.position}
+        for wait in result.waits:
+            job = state.jobs[wait.job_key]
+            if job.submitted_at == now and not job.runs and wait.position:
+                queued_at_arrival[wait.job_key] = (wait.position, positions)
+
     trace_by_key = {j.key: j for j in trace.jobs}
     replayed = queue_replay.Replay(
         trace.jobs, trace.nodes, queue_replay.open_quotas(trace.jobs),
-        queue_replay.carpool_policy(config), "carpool", observe=observe,
+        queue_replay.carpool_policy(config, seen), "carpool", observe=observe,
         progress_share=share, progress_seed=seed)
     while replayed.step():
         pass
@@ -154,6 +170,7 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
             for group in (rests_on[key], span):
                 counts = ranges.setdefault(group, {"before": 0, "inside": 0, "after": 0})
                 counts[where] += 1
+    passed = _passed_by(outcome, queued_at_arrival, started)
     best = min((statistics.median(abs(w - c * e) / w for w, e in waits), c)
                for c in (0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2)) \
         if waits else None
@@ -171,8 +188,68 @@ def diagnose(spec: str, share: float) -> dict[str, object]:
                      "median_signed_error": _median(found)}
             for source, found in sorted(misses.items())},
         "first_start_against_the_range": ranges,
+        "by_class_and_who_started_first": passed,
         "best_single_factor": None if best is None else {"factor": best[1],
                                                          "median_abs_error": best[0]}}
+
+
+PASSERS = ("behind", "later")  # started before the job though ranked behind it at its
+# arrival, or submitted after it
+
+
+def _passed_by(outcome: queue_replay.Outcome,
+               queued_at_arrival: dict[str, tuple[int, dict[str, int]]],
+               started: list[tuple[float, str]]) -> dict[str, dict[str, object]]:
+    """Per class, the error at arrival (median |relative|, signed: + started later than
+    estimated) of the jobs that waited at least a minute, split by who started between the
+    job's arrival and its own start: jobs ranked ahead of it then, jobs ranked behind it
+    then or submitted after it (each by its class against the job's: higher, same, lower),
+    runs started again after a preemption. For each kind: how many jobs met it, their error,
+    and how many such starts a job met (median); and the error of the jobs no job passed."""
+    by_class: dict[str, dict[str, object]] = {}
+    rows: dict[str, list[tuple[float, set[str], dict[str, int]]]] = {}
+    starts = sorted(started)
+    times = [t for t, _ in starts]
+    for key, record in outcome.records.items():
+        estimate, start = record.arrival_estimate, record.first_start
+        if estimate is None or start is None or key not in queued_at_arrival:
+            continue
+        wait = start - record.arrival
+        if wait < queue_replay.MIN_WAIT_S:
+            continue
+        job = outcome.trace[key]
+        place, queue = queued_at_arrival[key]
+        kinds: dict[str, int] = {}
+        for index in range(bisect.bisect_right(times, record.arrival),
+                           bisect.bisect_left(times, start)):
+            other = outcome.trace[starts[index][1]]
+            if other.key == key:
+                continue
+            relation = ("higher" if other.job_class < job.job_class else
+                        "same" if other.job_class == job.job_class else "lower")
+            source = ("later" if other.arrival > record.arrival else
+                      "ahead" if queue.get(other.key, place) < place else
+                      "behind" if other.key in queue else "restarted")
+            kinds[f"{source}, {relation}"] = kinds.get(f"{source}, {relation}", 0) + 1
+        passers = {k for k in kinds if k.split(",")[0] in PASSERS}
+        rows.setdefault(job.job_class.label, []).append(
+            ((start - estimate.start) / wait, passers, kinds))
+    for label, found in sorted(rows.items()):
+        summary: dict[str, object] = {
+            "jobs": len(found), "median_abs_error": _median([abs(e) for e, _, _ in found]),
+            "median_signed_error": _median([e for e, _, _ in found])}
+        alone = [e for e, passers, _ in found if not passers]
+        summary["nobody passed"] = {"jobs": len(alone),
+                                    "median_abs_error": _median([abs(e) for e in alone]),
+                                    "median_signed_error": _median(alone)}
+        for kind in sorted({k for _, _, kinds in found for k in kinds}):
+            met = [(e, kinds[kind]) for e, _, kinds in found if kind in kinds]
+            summary[kind] = {"jobs": len(met),
+                             "median_abs_error": _median([abs(e) for e, _ in met]),
+                             "median_signed_error": _median([e for e, _ in met]),
+                             "median_starts": _median([float(n) for _, n in met])}
+        by_class[label] = summary
+    return by_class
 
 
 def _median(values: list[float]) -> float | None:

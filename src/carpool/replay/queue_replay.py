@@ -52,7 +52,7 @@ from carpool.core.jobs import (
 )
 from carpool.core.placement import NodeState
 from carpool.core.preemption import PreemptionCause
-from carpool.core.queueing import AdmissionConfig, admission_cycle
+from carpool.core.queueing import AdmissionConfig, CycleResult, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, JobClass, NodeInventory, Phase
 from carpool.core.run_times import DURATION_LEARNING_RATE, LearnKey, fold_finished
 from carpool.core.timeline import NodePlacer, Occupancy, Timeline, TimelineMemo
@@ -185,14 +185,18 @@ class Decisions:
 Policy = Callable[[State], Decisions]
 
 
-def carpool_policy(config: AdmissionConfig | None = None) -> Policy:
-    """The operator's admission cycle, unchanged (node states memoised across cycles)."""
+def carpool_policy(config: AdmissionConfig | None = None,
+                   seen: Callable[[State, CycleResult], None] | None = None) -> Policy:
+    """The operator's admission cycle, unchanged (node states memoised across cycles);
+    `seen` is shown each cycle's whole result (queue positions, reasons), for diagnoses."""
     config = config if config is not None else AdmissionConfig()
     if config.timeline_memo is None:
         config = replace(config, timeline_memo=TimelineMemo())
 
     def decide(state: State) -> Decisions:
         result = admission_cycle(state.snapshot(), config)
+        if seen is not None:
+            seen(state, result)
         return Decisions(
             tuple(Start(a.job_key, a.node, a.grants, a.borrowed) for a in result.admissions),
             (*(Stop(p.victim_key, p.grace_s, p.cause is PreemptionCause.OWNER_RECLAIM,
