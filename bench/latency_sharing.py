@@ -393,7 +393,8 @@ def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, mode
             measures = [m for run in runs for m in run]
             for n, run in enumerate(runs):  # the copies of one run shared one company
                 samples.extend(Sample(model, template, degree, m.req_per_s, m.p99_s,
-                                      f"profile {template} x{degree} #{n}") for m in run)
+                                      f"profile {template} x{degree} #{n}",
+                                      (template,) * (degree - 1)) for m in run)
             if degree == 1:
                 alone[template] = (statistics.median(m.p99_s for m in measures),
                                    statistics.median(m.req_per_s for m in measures))
@@ -558,9 +559,12 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     services = [Service(f"{t}#{n}", t, alone[t][0] * factors[n % len(factors)], alone[t][1])
                 for n, t in enumerate(templates)]
 
-    def carpool_requests() -> dict[str, Any]:
-        """Each service's request with the limit and weight its template's profile gives."""
-        profiles = learn(samples)
+    def carpool_requests(by_weight_only: bool = False) -> dict[str, Any]:
+        """Each service's request with the limit, weight and pairs its template's profile
+        gives (`by_weight_only`: learned from the same reports as if none named its company,
+        every neighbour counted by weight)."""
+        profiles = learn([replace(s, neighbours=()) for s in samples] if by_weight_only
+                         else samples)
         return {s.name: limited(GpuRequest(1, GRANT_MIB, 0,
                                            objectives=objectives_type(s.p99_target_s)),
                                 s.template, profiles) for s in services}
@@ -582,7 +586,9 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
                 counted = counted_sharers(weights[n], [*weights[:n], *weights[n + 1:]])
                 samples.append(Sample(model, service.template,
                                       report_degree(len(group), counted), m.req_per_s,
-                                      m.p99_s, f"learning {learned} GPU {index}"))
+                                      m.p99_s, f"learning {learned} GPU {index}",
+                                      tuple(sorted(s.template for k, s in enumerate(group)
+                                                   if k != n))))
             learning[-1].append(_company(group, measures, requests, model))
         log(f"  learning {learned + 1}/{args.learn_rounds}: {len(groups)} GPUs")
     learning_s = time.monotonic() - started
@@ -598,6 +604,9 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
                                                    for m, x in r.sharing_limits))
              for name, r in requests.items()}
     request_of["carpool, whole degrees"] = lambda s: whole[s.name]
+    # the same reports learned as if none named its company: every neighbour counted by weight
+    weighed = carpool_requests(by_weight_only=True)
+    request_of["carpool, by weight only"] = lambda s: weighed[s.name]
     policies = {name: place(services, of, model, memory_mib, args.gpus)
                 for name, of in request_of.items()}
     needed = {name: len(place(services, of, model, memory_mib))
@@ -629,12 +638,15 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
             "profile": [{"template": s.template, "degree": s.degree,
                          "req_per_s": round(s.throughput, 2),
                          "p99_ms": None if s.p99_s is None else round(s.p99_s * 1000, 3),
-                         "company": s.company}
+                         "company": s.company, "neighbours": list(s.neighbours)}
                         for s in samples],
             "services": [{"name": s.name, "template": s.template,
                           "p99_target_ms": round(s.p99_target_s * 1000, 3),
                           "limit": dict(requests[s.name].sharing_limits),
-                          "weight": dict(requests[s.name].sharing_weights)} for s in services],
+                          "weight": dict(requests[s.name].sharing_weights),
+                          "felt_by": {m: dict(f) for m, f in requests[s.name].sharing_felt_by},
+                          "limit_by_weight_only": dict(weighed[s.name].sharing_limits)}
+                         for s in services],
             "learning": learning,
             "policies": rows}
 

@@ -164,9 +164,9 @@ class ReportReader:
                 what = f"checkpoint {report.path!r} at {protocol.format_time(report.time)}"
             elif name == service_levels.SERVICE_FILE:
                 served = service_levels.parse_service(data, now)
-                model, sharing, by_weight = self._where(pod, pods)
+                model, sharing, by_weight, neighbours = self._where(pod, pods)
                 measure = service_levels.ServiceMeasure(served, attempt, model, sharing,
-                                                        by_weight)
+                                                        by_weight, neighbours)
                 status = service_levels.service_status(measure)
                 what = (f"service {served.requests} requests, {served.throughput:.1f}/s, "
                         f"shared by {sharing} ({by_weight:.2f} by weight)")
@@ -193,20 +193,23 @@ class ReportReader:
         log.info("pod %s: recorded %s in GpuJob %s/%s", pod.key, what, *job)
         return f"{pod.key}: recorded {what}"
 
-    def _where(self, pod: ServedPod, pods: list[ServedPod]) -> tuple[str, int, float]:
+    def _where(self, pod: ServedPod, pods: list[ServedPod]
+               ) -> tuple[str, int, float, tuple[str, ...]]:
         """The model of the pod's (first) GPU, how many of this node's pods share it (the
-        pod included), and that count with each neighbour counted by its sharing weight
-        over the pod's (`placement.counted_sharers`), from the assignments the extender
-        wrote."""
+        pod included), that count with each neighbour counted by its sharing weight over the
+        pod's (`placement.counted_sharers`), and the neighbours' templates, from the
+        assignments the extender wrote."""
         mine = _gpus_of(pod)
         if not mine:
-            return "", 1, 1.0
+            return "", 1, 1.0, ()
         first = mine[0]
-        others = [gpu.sharing_weight for other in pods
+        others = [gpu for other in pods
                   if other.key != pod.key and other.phase not in ("Succeeded", "Failed")
                   for gpu in _gpus_of(other) if gpu.uuid == first.uuid]
         return (self.gpu_models().get(first.uuid, ""), 1 + len(others),
-                round(counted_sharers(first.sharing_weight, others), 3))
+                round(counted_sharers(first.sharing_weight,
+                                      [gpu.sharing_weight for gpu in others]), 3),
+                tuple(sorted(gpu.sharing_template for gpu in others)))
 
     def _forget(self, entry: os.DirEntry[str]) -> None:
         """Remove the directory of a pod gone from this node, once it has been quiet a while."""

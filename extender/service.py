@@ -140,9 +140,8 @@ def assignment_of(node: NodeState, demand: PodDemand, placement: Placement) -> A
     gpus = []
     for container, grants in zip(demand.containers, placement.per_container, strict=True):
         for grant in grants:
-            gpus.append(AssignedGpu(grant.gpu_uuid, index[grant.gpu_uuid], grant.memory_mib,
-                                    grant.cores_pct, grant.mig_instance, container.container,
-                                    grant.sharing_limit, grant.sharing_weight))
+            gpus.append(AssignedGpu.of(replace(grant, borrowed=False),
+                                       index[grant.gpu_uuid], container.container))
     isolation = demand.containers[0].request.isolation if demand.containers else None
     return Assignment(node.name, tuple(gpus), isolation)
 
@@ -347,7 +346,9 @@ class Extender:
         request = replace(asked, isolation=isolation, models=known.models,
                           mig_slices=known.mig_slices, objectives=known.objectives,
                           sharing_limits=known.sharing_limits,
-                          sharing_weights=known.sharing_weights)
+                          sharing_weights=known.sharing_weights,
+                          sharing_template=known.sharing_template,
+                          sharing_felt_by=known.sharing_felt_by)
         return replace(demand, containers=(ContainerDemand(container, request),))
 
     def _policy(self, demand: PodDemand) -> str:

@@ -53,8 +53,8 @@ def type_of(schema: Mapping[str, Any]) -> str:
         return "quantity"
     if schema.get("format") == "date-time":
         return "date-time"
-    if kind == "object" and isinstance(schema.get("additionalProperties"), Mapping):
-        return "map[string]string"
+    if kind == "object" and isinstance(values := schema.get("additionalProperties"), Mapping):
+        return f"map[string]{values.get('type', 'string')}"
     return kind
 
 

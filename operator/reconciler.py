@@ -847,10 +847,7 @@ def _planned(admission: Admission, obj: Obj, job: Job, state: PassState
         inventory = state.inventories.get(worker.node)
         index = {g.uuid: g.index for g in inventory.gpus} if inventory else {}
         out.append(Assignment(worker.node, tuple(
-            AssignedGpu(g.gpu_uuid, index.get(g.gpu_uuid, 0), g.memory_mib, g.cores_pct,
-                        g.mig_instance, container, g.sharing_limit, g.sharing_weight,
-                        borrowed=g.borrowed)
-            for g in worker.grants),
+            AssignedGpu.of(g, index.get(g.gpu_uuid, 0), container) for g in worker.grants),
             isolation))
     return out
 

@@ -87,3 +87,55 @@ def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.Worl
     why = alice.carpool("why", "web-12", "-n", team)
     [sharing] = [line for line in why.splitlines() if line.lstrip().startswith("sharing")]
     assert "BLOCKING" in sharing and "P99 latency under 10 ms" in sharing, why
+
+
+def test_a_light_service_keeps_off_a_gpu_whose_neighbour_hurt_it_more_than_its_weight_says(
+        world: tenants.World) -> None:
+    """Seeded as the node agent records them: "web" (image "server") among copies of itself
+    as above, and once beside a "batch" job (image "cruncher") at 25 ms, its P99 with 2.77
+    copies; "batch" alone and among copies (50, 45, 40 req/s: it weighs 417, 0.94 of a web
+    job). By weight alone a web job with a 10 ms promise (limit 2.04) would join a batch job
+    (1 + 0.94); the pair says the batch job counts as 1.77 copies of it, so it waits."""
+    model = world.name("m")
+    world.node("n", model)
+    seed = world.namespace("seed")
+    world.project("seed", [seed])
+    reports = [(f"web-{d}", "server", t, p, d, ()) for d, (t, p) in MEASURED.items()]
+    reports += [(f"batch-{d}", "cruncher", t, 0.050, d, ())
+                for d, t in {1: 50.0, 2: 45.0, 3: 40.0}.items()]
+    reports.append(("web-4", "server", 180.0, 0.025, 2, ("batch@cruncher",)))
+    for name, image, throughput, p99, degree, neighbours in reports:
+        world.admin("create", "-n", seed, "-f", "-", stdin=yaml.safe_dump(
+            gpujob(name, world.name("seed"), f"{model}-absent", image)))
+        report = service_levels.ServiceReport(0.0, 10.0, int(throughput * 10), 0,
+                                              service_levels.Histogram.of([p99] * 100))
+        world.patch_status(["gpujob", name, "-n", seed], service_levels.service_status(
+            service_levels.ServiceMeasure(report, 1, model, degree, neighbours=neighbours)))
+
+    team = world.namespace("team")
+    world.apply_cluster_scoped(user_roles(world))
+    project = world.project("team", [team])
+    alice = tenant(world, team, "alice")
+    wait_for("the GpuJob roles to aggregate into edit",
+             lambda: tenants.can_create_gpujobs(world, alice, team))
+
+    def submit(name: str, image: str, **spec: Any) -> None:
+        alice.kubectl("create", "-n", team, "-f", "-",
+                      stdin=yaml.safe_dump(gpujob(name, project, model, image, **spec)))
+
+    submit("batch-10", "cruncher")
+    wait_for("batch-10 running", lambda: (
+        alice.status(team, "batch-10").get("phase") == "Running" or None),
+        timeout=60, interval=0.5)
+    pod = json.loads(world.admin("get", "pod", "batch-10-1", "-n", team, "-o", "json"))
+    [gpu] = json.loads(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])["gpus"]
+    # what the extender recorded: the batch job's template and how a web job counts it
+    assert gpu["sharingTemplate"] == "batch@cruncher" and gpu["sharingWeight"] == 417
+    assert gpu["sharingPairs"] == {"web@server": 1.77}
+
+    submit("web-20", "server", objectives={"p99Latency": "10ms"})
+    waiting = wait_for("web-20 waiting for sharing", lambda: (
+        s if (s := alice.status(team, "web-20")).get("reason") == "SharingWouldBreakObjective"
+        else None), timeout=60, interval=0.5)
+    assert "would break this job's objective" in waiting["message"], waiting
+    assert "counted by measured pairs and weight: 2.77" in waiting["message"], waiting

@@ -16,8 +16,11 @@ Carpool wrote rather than from the pod's own annotations; it is left out of assi
 before it was recorded (readers then fall back to the node's mode). `migInstance`,
 `container` and `sharingLimit` (the most jobs the pod's job lets its GPU carry, counted by
 weight, to the hundredth: `core.interference`) are left out when empty, `sharingWeight` (how
-heavy a sharer the job is, thousandths) when whole (1000); `cores` defaults to 0; keys this
-version does not know are ignored (a newer extender may add some).
+heavy a sharer the job is, thousandths) when whole (1000); so are `sharingTemplate` (the job's
+template, where a measured pair may concern it) and `sharingPairs` (for each template measured
+beside it, the copies of a job of that template the holder counts as to it: `Sharer.felt_by`);
+`cores` defaults to 0; keys this version does not know are ignored (a newer extender may add
+some).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 from carpool.core.annotations import load_annotation_json
 from carpool.core.names import ANN_ASSIGNMENT
-from carpool.core.resources import WHOLE_SHARER, GpuGrant, Isolation
+from carpool.core.resources import MAX_DEGREE, MAX_PAIRS, WHOLE_SHARER, FeltBy, GpuGrant, Isolation
 
 # How long a bound pod counts as "in flight" (assigned, not yet handed over by the device
 # plugin, not running) when nothing else ends it. The extender keeps a second pod with the same
@@ -39,6 +42,7 @@ from carpool.core.resources import WHOLE_SHARER, GpuGrant, Isolation
 # to admit the first, and the plugin then handed the two each other's GPUs. The plugin uses the
 # same value to rank a stale candidate last.
 HAND_OVER_STALE_S = 600.0
+MAX_TEMPLATE_CHARS = 512  # a job template's name (`jobs.job_template`: its name's stem and image)
 
 
 class AssignmentError(ValueError):
@@ -58,6 +62,15 @@ class AssignedGpu:
     sharing_limit: float = 0  # the most jobs the holder lets this GPU carry (0: no limit)
     sharing_weight: int = WHOLE_SHARER  # how heavy a sharer the holder is (core.interference)
     borrowed: bool = False  # in capacity another job lent (core.lending)
+    sharing_template: str = ""  # the holder's template and the pairs learned about it
+    sharing_pairs: FeltBy = ()  # (`resources.Sharer`)
+
+    @classmethod
+    def of(cls, grant: GpuGrant, index: int, container: str = "") -> AssignedGpu:
+        """The entry recording `grant` on the GPU of `index`."""
+        return cls(grant.gpu_uuid, index, grant.memory_mib, grant.cores_pct,
+                   grant.mig_instance, container, grant.sharing_limit, grant.sharing_weight,
+                   grant.borrowed, grant.sharing_template, grant.sharing_felt_by)
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,8 @@ class Assignment:
                          for g in self.gpus)
         return tuple(GpuGrant(g.uuid, g.memory_mib, g.cores_pct, mig_instance=g.mig_instance,
                               sharing_limit=g.sharing_limit, sharing_weight=g.sharing_weight,
-                              borrowed=g.borrowed)
+                              sharing_template=g.sharing_template,
+                              sharing_felt_by=g.sharing_pairs, borrowed=g.borrowed)
                      for g in self.gpus)
 
 
@@ -108,6 +122,10 @@ def gpu_entry(gpu: AssignedGpu) -> dict[str, object]:
         entry["sharingWeight"] = gpu.sharing_weight
     if gpu.borrowed:
         entry["borrowed"] = True
+    if gpu.sharing_template:
+        entry["sharingTemplate"] = gpu.sharing_template
+    if gpu.sharing_pairs:
+        entry["sharingPairs"] = dict(gpu.sharing_pairs)
     return entry
 
 
@@ -156,7 +174,10 @@ def _gpu(raw: object, where: str) -> AssignedGpu:
                        container=_text(raw, "container", where),
                        sharing_limit=_limit(raw, where),
                        sharing_weight=_weight(raw, where),
-                       borrowed=_flag(raw, "borrowed", where))
+                       borrowed=_flag(raw, "borrowed", where),
+                       sharing_template=_template(raw.get("sharingTemplate", ""),
+                                                  f"{where}: sharingTemplate"),
+                       sharing_pairs=_pairs(raw, where))
 
 
 def _limit(raw: Mapping[str, object], where: str) -> float:
@@ -165,6 +186,29 @@ def _limit(raw: Mapping[str, object], where: str) -> float:
         raise AssignmentError(f"{where}: sharingLimit must be a non-negative number, "
                               f"got {value!r}")
     return value
+
+
+def _template(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_TEMPLATE_CHARS:
+        raise AssignmentError(f"{where} must be a string of at most {MAX_TEMPLATE_CHARS} "
+                              f"characters, got {value!r:.80}")
+    return value
+
+
+def _pairs(raw: Mapping[str, object], where: str) -> FeltBy:
+    value = raw.get("sharingPairs", {})
+    if not isinstance(value, dict) or len(value) > MAX_PAIRS:
+        raise AssignmentError(f"{where}: sharingPairs must be an object of at most {MAX_PAIRS} "
+                              f"templates, got {value!r:.80}")
+    pairs = []
+    for template, count in sorted(value.items()):
+        name = _template(template, f"{where}: sharingPairs key")
+        if not name or isinstance(count, bool) or not isinstance(count, int | float) \
+                or not 0 < count <= MAX_DEGREE:
+            raise AssignmentError(f"{where}: sharingPairs[{name!r:.80}] must be a number of "
+                                  f"copies above 0 and at most {MAX_DEGREE}, got {count!r}")
+        pairs.append((name, float(count)))
+    return tuple(pairs)
 
 
 def _weight(raw: Mapping[str, object], where: str) -> int:

@@ -29,6 +29,16 @@ neighbour as the copies of itself the neighbour's weight makes (`placement.shari
 A report counts at its GPU's degree so counted (`report_degree`): what a light service
 measured beside heavy ones extends its profile to the load it really shared.
 
+Weights say how much load a neighbour adds, not how much a job suffers from it: a light
+service beside one heavy job's long kernels can wait as if beside many copies of itself. So
+where reports name their neighbours' templates (the node agent records them from the
+assignments), a template's curve is learned from its reports among copies, and each report
+beside other templates teaches pairs instead: the copies of itself its company made (where
+its P99 reaches on the curve), shared among those neighbours by weight, the worse company
+kept (`learn`). A job then counts a neighbour as the pair measured, else by weight
+(`resources.Sharer`), each job carrying, per GPU model, how every template measured beside
+it counted it (`Profiles.felt_by`).
+
 Everything here is pure.
 """
 
@@ -44,10 +54,16 @@ from typing import Any
 from carpool.core import service_levels
 from carpool.core.decoding import first_image
 from carpool.core.jobs import Job, job_template
-from carpool.core.resources import WHOLE_SHARER, GpuRequest, Objectives
+from carpool.core.resources import (
+    MAX_DEGREE,
+    MAX_PAIRS,
+    WHOLE_SHARER,
+    FeltBy,
+    GpuRequest,
+    Objectives,
+)
 
 KNEE_GAIN = 0.10  # one more job must add at least a tenth to the GPU's total throughput
-MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for
 MIN_DEGREES = 2  # measured degrees before a template has a profile
 EXTRAPOLATE = 1  # degrees beyond the highest measured that an objective may be judged at
 # A degree's P99 is a high quantile of the companies reported there (`_tails`): the jobs
@@ -57,6 +73,7 @@ TAIL_QUANTILE = 0.9
 # Reports are noisy: a degree keeps a P99 objective only with its P99 this far under the target.
 P99_HEADROOM = 0.9
 MIN_WEIGHT = 50  # a sharing weight's floor (thousandths): no job is free company
+MIN_PAIR_COUNT = 0.05  # the least a neighbour counts as, in copies: no job is free company
 
 
 @dataclass(frozen=True)
@@ -71,6 +88,15 @@ class Sample:
     # the GPU and minute the report was made in: reports with the same one saw one company
     # and count once for a degree's tail (`learn`); empty: a company of its own
     company: str = ""
+    # the templates of the other jobs on its GPU, where the report names them (empty: not
+    # named, or alone); a report beside other templates teaches pairs (`learn`)
+    neighbours: tuple[str, ...] = ()
+
+    @property
+    def among_copies(self) -> bool:
+        """Made alone, beside copies of its own template, or in a company it does not name:
+        a point of its template's own curve (`learn`)."""
+        return all(n == self.template for n in self.neighbours)
 
 
 @dataclass(frozen=True)
@@ -97,6 +123,9 @@ class Profile:
     model: str
     template: str
     points: tuple[Point, ...]  # by degree, at least MIN_DEGREES of them
+    # per neighbour template measured beside it: the copies of this template one such
+    # neighbour counts as (`learn`; `resources.Sharer`), template order
+    pairs: tuple[tuple[str, float], ...] = ()
 
     def point(self, degree: int) -> Point | None:
         return next((p for p in self.points if p.degree == degree), None)
@@ -174,6 +203,23 @@ class Profile:
             best = degree
         return max(1, best)
 
+    def degree_of_p99(self, p99_s: float) -> float | None:
+        """The degree, counted in copies, at which this profile's P99 reaches `p99_s`:
+        along its curve, on past the last measured degree as the last two go (MAX_DEGREE
+        where they stop rising); None without a P99 curve."""
+        known = [(p.degree, p.p99_s) for p in self.points if p.p99_s is not None]
+        if len(known) < 2:
+            return None
+        if p99_s <= known[0][1]:
+            return float(known[0][0])
+        for (d0, v0), (d1, v1) in pairwise(known):
+            if v0 < p99_s <= v1:
+                return d0 + (d1 - d0) * (p99_s - v0) / (v1 - v0)
+        (d0, v0), (d1, v1) = known[-2], known[-1]
+        if v1 <= v0:
+            return float(MAX_DEGREE)
+        return min(float(MAX_DEGREE), d1 + (d1 - d0) * (p99_s - v1) / (v1 - v0))
+
     def _crossing(self, objectives: Objectives, kept: int) -> float:
         """Where, between degree `kept` (kept) and the next (broken), the curves cross the
         objectives: both are straight there (`_along`), rounded down to the hundredth."""
@@ -235,6 +281,19 @@ class Profiles:
                      for (model, name), profile in sorted(self.by_key.items())
                      if name == template)
 
+    def felt_by(self, template: str) -> tuple[tuple[str, FeltBy], ...]:
+        """Per GPU model, the pairs learned about a job of `template`: each template whose
+        profile measured one beside it, and the copies of itself it counted the job as
+        (`GpuRequest.sharing_felt_by`), model and template order; at most MAX_PAIRS a model,
+        the heaviest kept."""
+        by_model: dict[str, list[tuple[str, float]]] = {}
+        for (model, victim), profile in sorted(self.by_key.items()):
+            for neighbour, felt in profile.pairs:
+                if neighbour == template:
+                    by_model.setdefault(model, []).append((victim, felt))
+        return tuple((model, tuple(sorted(sorted(pairs, key=lambda p: -p[1])[:MAX_PAIRS])))
+                     for model, pairs in sorted(by_model.items()))
+
 
 NO_PROFILES = Profiles({})
 
@@ -290,31 +349,80 @@ def _tails(samples: list[Sample]) -> list[float]:
 
 
 def learn(samples: Iterable[Sample]) -> Profiles:
-    """Profiles from job measures: per (model, template, degree) the median throughput and
-    the TAIL_QUANTILE P99 (interpolated) of its companies' P99s (`_tails`), the tails made
-    non-decreasing over the degrees (each degree weighed by its companies); a (model,
-    template) measured at fewer than MIN_DEGREES degrees has none. Samples without a model or
-    template, or with no throughput, say nothing."""
-    groups: dict[tuple[str, str], dict[int, list[Sample]]] = {}
+    """Profiles from job measures: per (model, template) a curve and the pairs.
+
+    The curve: per degree the median throughput and the TAIL_QUANTILE P99 (interpolated) of
+    its companies' P99s (`_tails`), the tails made non-decreasing over the degrees (each
+    degree weighed by its companies), from the reports made among copies (`among_copies`);
+    a (model, template) measured so at fewer than MIN_DEGREES degrees reads its curve from
+    all its reports, each at its recorded degree, and learns no pairs.
+
+    The pairs: a report made beside other templates counts its company as the copies its
+    P99 reaches on the curve (`Profile.degree_of_p99`); what lies beyond itself and its own
+    copies is shared among the other neighbours by weight, and a pair's count is the
+    TAIL_QUANTILE over its companies (the worse company, as for a degree's P99). Samples
+    without a model or template, or with no throughput, say nothing."""
+    groups: dict[tuple[str, str], list[Sample]] = {}
     for s in samples:
         if not s.model or not s.template or s.degree < 1 or not math.isfinite(s.throughput) \
                 or s.throughput <= 0:
             continue
-        groups.setdefault((s.model, s.template), {}).setdefault(s.degree, []).append(s)
+        groups.setdefault((s.model, s.template), []).append(s)
     profiles: dict[tuple[str, str], Profile] = {}
-    for key, by_degree in groups.items():
-        if len(by_degree) < MIN_DEGREES:
-            continue
-        degrees = sorted(by_degree)
-        reported = {d: _tails(by_degree[d]) for d in degrees}
-        measured = [d for d in degrees if reported[d]]
-        smooth = dict(zip(measured, _non_decreasing(
-            [_high(reported[d]) or 0.0 for d in measured],
-            [len(reported[d]) for d in measured]), strict=True))
-        profiles[key] = Profile(key[0], key[1], tuple(
-            Point(d, statistics.median(s.throughput for s in by_degree[d]), smooth.get(d),
-                  len(by_degree[d])) for d in degrees))
+    paired: dict[tuple[str, str], list[Sample]] = {}
+    for key, group in groups.items():
+        own = [s for s in group if s.among_copies]
+        if len({s.degree for s in own}) >= MIN_DEGREES:
+            profiles[key] = _curve(key, own)
+            paired[key] = [s for s in group if not s.among_copies]
+        elif len({s.degree for s in group}) >= MIN_DEGREES:
+            profiles[key] = _curve(key, group)
+    weights = {key: profile.weight() for key, profile in profiles.items()}
+    for key, reports in paired.items():
+        pairs = _pairs(profiles[key], reports, weights)
+        if pairs:
+            profiles[key] = replace(profiles[key], pairs=pairs)
     return Profiles(profiles)
+
+
+def _curve(key: tuple[str, str], samples: list[Sample]) -> Profile:
+    by_degree: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_degree.setdefault(s.degree, []).append(s)
+    degrees = sorted(by_degree)
+    reported = {d: _tails(by_degree[d]) for d in degrees}
+    measured = [d for d in degrees if reported[d]]
+    smooth = dict(zip(measured, _non_decreasing(
+        [_high(reported[d]) or 0.0 for d in measured],
+        [len(reported[d]) for d in measured]), strict=True))
+    return Profile(key[0], key[1], tuple(
+        Point(d, statistics.median(s.throughput for s in by_degree[d]), smooth.get(d),
+              len(by_degree[d])) for d in degrees))
+
+
+def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, str], int]
+           ) -> tuple[tuple[str, float], ...]:
+    """What each neighbour template counted as beside `profile`'s template (`learn`)."""
+    own_weight = max(1, weights.get((profile.model, profile.template), WHOLE_SHARER))
+    by_pair: dict[str, dict[str, list[float]]] = {}  # neighbour -> company -> counts
+    for n, s in enumerate(reports):
+        if s.p99_s is None:
+            continue
+        reached = profile.degree_of_p99(s.p99_s)
+        if reached is None:
+            continue
+        others = [t for t in s.neighbours if t != s.template]
+        copies = len(s.neighbours) - len(others)
+        by_weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight for t in others}
+        beyond = max(0.0, reached - 1 - copies)
+        share = beyond / sum(by_weight.values())
+        company = s.company or f"#{n}"
+        for template in set(others) - {""}:  # a neighbour its assignment does not name
+            by_pair.setdefault(template, {}).setdefault(company, []).append(
+                max(MIN_PAIR_COUNT, share * by_weight[template]))
+    return tuple((template, round(_high([statistics.median(v) for v in companies.values()])
+                                  or 0.0, 2))
+                 for template, companies in sorted(by_pair.items()))
 
 
 def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:
@@ -331,7 +439,8 @@ def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:
     return Sample(measure.gpu_model, job_template(str(meta.get("name", "")), first_image(spec)),
                   report_degree(measure.sharing, measure.sharing_by_weight),
                   report.throughput, report.p99_s,
-                  f"{uuid}@{int(report.time // 60)}" if isinstance(uuid, str) and uuid else "")
+                  f"{uuid}@{int(report.time // 60)}" if isinstance(uuid, str) and uuid else "",
+                  measure.neighbours)
 
 
 def report_degree(sharing: int, by_weight: float | None) -> int:
@@ -356,12 +465,20 @@ def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuReques
     if not profiles.by_key:
         limits: tuple[tuple[str, float], ...] = ()
         weights: tuple[tuple[str, int], ...] = ()
+        felt_by: tuple[tuple[str, FeltBy], ...] = ()
     else:
         limits = profiles.limits(template, request.objectives)
         weights = profiles.weights(template)
-    if limits == request.sharing_limits and weights == request.sharing_weights:
+        felt_by = profiles.felt_by(template)
+    # its template goes with it where a pair may concern it: as the one measured, or the one
+    # measured beside
+    named = template if limits or felt_by else ""
+    if (limits, weights, felt_by, named) == (request.sharing_limits, request.sharing_weights,
+                                             request.sharing_felt_by,
+                                             request.sharing_template):
         return request
-    return replace(request, sharing_limits=limits, sharing_weights=weights)
+    return replace(request, sharing_limits=limits, sharing_weights=weights,
+                   sharing_felt_by=felt_by, sharing_template=named)
 
 
 def with_limits(jobs: Iterable[Job], profiles: Profiles) -> list[Job]:

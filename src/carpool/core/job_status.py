@@ -164,6 +164,10 @@ def grants_to_status(grants: tuple[GpuGrant, ...], inventory: NodeInventory | No
             entry["sharingWeight"] = grant.sharing_weight
         if grant.borrowed:
             entry["borrowed"] = True
+        if grant.sharing_template:
+            entry["sharingTemplate"] = grant.sharing_template
+        if grant.sharing_felt_by:
+            entry["sharingPairs"] = dict(grant.sharing_felt_by)
         out.append(entry)
     return out
 

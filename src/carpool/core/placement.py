@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
-from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, NodeInventory
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    NodeInventory,
+    Sharer,
+)
 
 TEMPERATURE_MARGIN_C = 5.0
 
@@ -26,8 +34,7 @@ class GpuFree:
     grants: int
     free_mig: tuple[str, ...]  # unused MIG instance UUIDs
     sharing_limit: float = 0  # the smallest limit of the jobs on it (0: none has one)
-    # each job on it as (its sharing limit, 0: none; its sharing weight), for `sharing_rejection`
-    sharers: tuple[tuple[float, int], ...] = ()
+    sharers: tuple[Sharer, ...] = ()  # each job on it, for `sharing_rejection`
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,7 @@ class NodeState:
                     grants=sum(1 for g in held if not g.lent),  # jobs on it (core.lending)
                     free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
                     sharing_limit=_sharing_limit(held) if held else 0,
-                    sharers=tuple((g.sharing_limit, g.sharing_weight)
-                                  for g in held if not g.lent),
+                    sharers=tuple(g.sharer for g in held if not g.lent),
                 )
             )
         return out
@@ -158,44 +164,53 @@ def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     the limit of a job already there; None if every limit allows it.
 
     A limit was measured with copies of the job's own template, so a job counts each
-    neighbour as the copies of itself its weight makes (`counted_sharers`): a heavy service
-    keeps its measured limit while light neighbours fill the GPU, and a light one counts a
-    heavy neighbour as the several copies of itself it presses on the GPU like."""
+    neighbour as the copies of itself the neighbour makes (`Sharer.counted_by`): as the pair
+    was measured where it was (a light service may suffer from one heavy neighbour as from
+    several copies of itself), else by weight (a heavy service keeps its measured limit while
+    light neighbours fill the GPU)."""
     model = free.gpu.model
     degree = free.grants + 1
-    own = request.sharing_limit(model)
-    weight = request.sharing_weight(model)
-    weights = [w for _, w in free.sharers]
-    if own and not _within(own, weight, weights):
+    newcomer = request.sharer(model)
+    if newcomer.limit and not _within(newcomer, free.sharers):
         return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                 f"{degree} would break this job's objective (its profile on {model} allows "
-                f"{own:g}{_as_counted(weight, weights)})")
-    for n, (limit, held) in enumerate(free.sharers):
-        others = [*weights[:n], *weights[n + 1:], weight]
-        if limit and not _within(limit, held, others):
+                f"{newcomer.limit:g}{_as_counted(newcomer, free.sharers)})")
+    for n, held in enumerate(free.sharers):
+        others = (*free.sharers[:n], *free.sharers[n + 1:], newcomer)
+        if held.limit and not _within(held, others):
             return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                     f"{degree} would break the objective of a job there (its profile allows "
-                    f"{limit:g}{_as_counted(held, others)})")
+                    f"{held.limit:g}{_as_counted(held, others)})")
     return None
 
 
 def counted_sharers(weight: int, others: list[int] | tuple[int, ...]) -> float:
-    """How many jobs a GPU carries as a job of `weight` counts them: itself, and each
-    neighbour as the copies of itself the neighbour's weight makes (the GPU's load in units
-    of this job's own). A profile's degree is this count with copies for company."""
+    """How many jobs a GPU carries as a job of `weight` counts them by weight: itself, and
+    each neighbour as the copies of itself the neighbour's weight makes (the GPU's load in
+    units of this job's own). A profile's degree is this count with copies for company."""
     return 1 + sum(others) / max(1, weight)
 
 
-def _within(limit: float, weight: int, others: list[int]) -> bool:
-    """`counted_sharers(weight, others) <= limit`, in whole numbers (a limit is kept to the
-    hundredth)."""
-    return sum(others) * 100 <= (round(limit * 100) - 100) * weight
+def counted_company(job: Sharer, neighbours: Iterable[Sharer]) -> float:
+    """How many jobs a GPU carries as `job` counts them (`Sharer.counted_by`): itself and
+    each neighbour."""
+    return float(1 + sum(other.counted_by(job) for other in neighbours))
 
 
-def _as_counted(weight: int, others: list[int]) -> str:
-    """What the count comes to where weights differ (else nothing)."""
-    counted = counted_sharers(weight, others)
-    return "" if counted == len(others) + 1 else f"; counted by weight: {counted:.2f}"
+def _within(job: Sharer, neighbours: Iterable[Sharer]) -> bool:
+    """`counted_company(job, neighbours) <= job.limit`, in whole numbers (a limit is kept to
+    the hundredth, a pair's count too)."""
+    counted = sum((other.counted_by(job) for other in neighbours), Fraction(0))
+    return counted * 100 <= round(job.limit * 100) - 100
+
+
+def _as_counted(job: Sharer, neighbours: tuple[Sharer, ...]) -> str:
+    """What the count comes to where it is not one per job (else nothing)."""
+    counted = counted_company(job, neighbours)
+    if abs(counted - (len(neighbours) + 1)) < 1e-9:
+        return ""
+    paired = any(other.pair_count(job) is not None for other in neighbours)
+    return f"; counted by {'measured pairs and ' if paired else ''}weight: {counted:.2f}"
 
 
 def node_rejection(node: NodeState, request: GpuRequest) -> str | None:
@@ -254,6 +269,7 @@ def grant_for(free: GpuFree, request: GpuRequest) -> GpuGrant:
                          key=lambda m: (m.memory_mib, m.slices, m.uuid))
         chosen = fitting[0]
         return GpuGrant(gpu.uuid, chosen.memory_mib, 0, mig_instance=chosen.uuid)
+    sharer = request.sharer(gpu.model)
     return GpuGrant(gpu.uuid, request.memory_mib, request.cores_pct,
-                    sharing_limit=request.sharing_limit(gpu.model),
-                    sharing_weight=request.sharing_weight(gpu.model))
+                    sharing_limit=sharer.limit, sharing_weight=sharer.weight,
+                    sharing_template=sharer.template, sharing_felt_by=sharer.felt_by)

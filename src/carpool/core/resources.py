@@ -7,7 +7,9 @@ SMs throughout the core; user-facing units (GiB, quantities) are converted at th
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 
 class JobClass(enum.IntEnum):
@@ -73,6 +75,42 @@ MIG_SLICES_PER_GPU = 7
 # A sharer's weight (thousandths) when it is as heavy as any: the weight of a job whose template
 # has no interference profile, and the most any job weighs (`core.interference`).
 WHOLE_SHARER = 1000
+# Pairs learned for one job: (template, copies of a job of that template this job counts as
+# beside it); see `Sharer.felt_by`.
+FeltBy = tuple[tuple[str, float], ...]
+MAX_DEGREE = 16  # the largest sharing degree a limit is worked out for (`core.interference`)
+MAX_PAIRS = 32  # pairs a job carries per GPU model (`core.interference`): the heaviest
+
+
+@dataclass(frozen=True)
+class Sharer:
+    """A job on a GPU as the sharing rule sees it (`placement.sharing_rejection`): its limit
+    (the most jobs its GPU may carry, counted in copies of itself; 0: none), its weight (how
+    heavy a sharer it is, thousandths), its template, and what pairs taught about it: for
+    each template measured beside it, the copies of a job of that template it counts as to
+    that job (`core.interference`). A pair not learned counts by weight."""
+
+    limit: float = 0
+    weight: int = WHOLE_SHARER
+    template: str = ""
+    felt_by: FeltBy = ()
+
+    def pair_count(self, other: Sharer) -> float | None:
+        """The copies of `other` this job counts as where the pair was measured, else None."""
+        if other.template:
+            for template, felt in self.felt_by:
+                if template == other.template:
+                    return felt
+        return None
+
+    def counted_by(self, other: Sharer) -> Fraction:
+        """What this job counts as to `other`, in copies of `other`, exactly: the pair's
+        measured count (to the hundredth, up) where there is one, else this job's weight over
+        `other`'s."""
+        felt = self.pair_count(other)
+        if felt is not None:
+            return Fraction(math.ceil(felt * 100 - 1e-9), 100)
+        return Fraction(self.weight, max(1, other.weight))
 
 
 def mps_ceiling_mib(memory_total_mib: int, ceiling_pct: int) -> int:
@@ -117,6 +155,9 @@ class GpuRequest:
     # how heavy a sharer it is on a GPU of each model, in thousandths of the heaviest
     # (`core.interference`); a model not listed: WHOLE_SHARER
     sharing_weights: tuple[tuple[str, int], ...] = ()
+    # its template, and per model the pairs learned about it (`Sharer.felt_by`)
+    sharing_template: str = ""
+    sharing_felt_by: tuple[tuple[str, FeltBy], ...] = ()
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -142,6 +183,12 @@ class GpuRequest:
             if name == model:
                 return weight
         return WHOLE_SHARER
+
+    def sharer(self, model: str) -> Sharer:
+        """This job as a sharer of a GPU of `model`."""
+        felt_by = next((felt for name, felt in self.sharing_felt_by if name == model), ())
+        return Sharer(self.sharing_limit(model), self.sharing_weight(model),
+                      self.sharing_template, felt_by)
 
 
 @dataclass(frozen=True)
@@ -195,10 +242,18 @@ class GpuGrant:
     mig_instance: str = ""  # MIG instance UUID when isolation is MIG
     sharing_limit: float = 0  # the most jobs the holder lets its GPU carry (0: no limit)
     sharing_weight: int = WHOLE_SHARER  # how heavy a sharer it is (`GpuRequest.sharing_weights`)
+    sharing_template: str = ""  # the holder's template, and the pairs learned about it
+    sharing_felt_by: FeltBy = ()  # on this GPU's model (`Sharer.felt_by`)
     # lending (core.lending): `lent` marks the part of an owner's grant it has left unused,
     # which borrowers may use; `borrowed` marks a borrower's grant sitting in such a part
     lent: bool = False
     borrowed: bool = False
+
+    @property
+    def sharer(self) -> Sharer:
+        """The holder as a sharer of its GPU."""
+        return Sharer(self.sharing_limit, self.sharing_weight, self.sharing_template,
+                      self.sharing_felt_by)
 
 
 @dataclass(frozen=True)

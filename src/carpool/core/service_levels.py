@@ -180,13 +180,16 @@ class ServiceMeasure:
     """A job's latest report as its GpuJob records it, with where it ran: the GPU model and
     how many jobs shared that GPU (itself included) when the node agent recorded it, also
     counted by weight (each neighbour as the copies of this job its sharing weight makes,
-    `placement.counted_sharers`; None where not recorded)."""
+    `placement.counted_sharers`; None where not recorded), and the neighbours' templates as
+    their assignments name them ("" for one that names none; empty when alone or not
+    recorded), from which pairs are learned (`core.interference`)."""
 
     report: ServiceReport
     attempt: int
     gpu_model: str = ""
     sharing: int = 1
     sharing_by_weight: float | None = None
+    neighbours: tuple[str, ...] = ()
 
 
 def service_status(measure: ServiceMeasure) -> dict[str, Any]:
@@ -202,7 +205,8 @@ def service_status(measure: ServiceMeasure) -> dict[str, Any]:
         "failureRate": round(report.failure_rate, 6),
         "latency": [list(c) for c in report.latency.counts],
         "gpuModel": measure.gpu_model, "sharing": measure.sharing,
-        "sharingByWeight": measure.sharing_by_weight}}
+        "sharingByWeight": measure.sharing_by_weight,
+        "sharingNeighbours": list(measure.neighbours)}}
 
 
 def measure_from_status(status: Mapping[str, Any]) -> ServiceMeasure | None:
@@ -223,8 +227,12 @@ def measure_from_status(status: Mapping[str, Any]) -> ServiceMeasure | None:
     if not isinstance(by_weight, int | float) or isinstance(by_weight, bool) \
             or not math.isfinite(by_weight) or by_weight < 1:
         by_weight = None
+    neighbours = raw.get("sharingNeighbours")
+    if not isinstance(neighbours, list) or len(neighbours) >= max(1, sharing) \
+            or not all(isinstance(n, str) for n in neighbours):
+        neighbours = []  # not recorded, or not as the node agent records it
     return ServiceMeasure(report, attempt, str(raw.get("gpuModel") or ""), max(1, sharing),
-                          None if by_weight is None else float(by_weight))
+                          None if by_weight is None else float(by_weight), tuple(neighbours))
 
 
 # ---------------------------------------------------------------- aggregation

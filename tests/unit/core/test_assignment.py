@@ -30,7 +30,9 @@ counts = st.integers(min_value=0, max_value=2**40)
 gpus = st.builds(AssignedGpu, uuid=names, index=counts, memory_mib=counts, cores_pct=counts,
                  mig_instance=st.just("") | names, container=st.just("") | names,
                  sharing_limit=st.integers(0, 16) | st.integers(100, 1600).map(lambda n: n / 100),
-                 sharing_weight=st.integers(1, 1000))
+                 sharing_weight=st.integers(1, 1000), sharing_template=st.just("") | names,
+                 sharing_pairs=st.dictionaries(names, st.integers(1, 1600).map(
+                     lambda n: n / 100), max_size=4).map(lambda d: tuple(sorted(d.items()))))
 assignments = st.builds(Assignment, node=names, gpus=st.lists(gpus, min_size=1, max_size=8)
                         .map(tuple))
 
@@ -45,6 +47,7 @@ def test_empty_optional_fields_are_left_out(assignment: Assignment) -> None:
     for entry in json.loads(encode_assignment(assignment))["gpus"]:
         assert entry.get("migInstance", "x") and entry.get("container", "x")
         assert entry.get("sharingLimit", 1) and entry.get("sharingWeight", 1) != 1000
+        assert entry.get("sharingTemplate", "x") and entry.get("sharingPairs", {"x": 1})
 
 
 def test_the_written_form_is_compact_and_stable() -> None:
@@ -90,6 +93,22 @@ def test_cores_default_to_zero_and_unknown_keys_are_ignored() -> None:
      "sharingLimit must be a non-negative number, got nan"),
     ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingLimit": "2"}]}',
      "sharingLimit must be a non-negative number, got '2'"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingTemplate": 1}]}',
+     "sharingTemplate must be a string of at most 512 characters, got 1"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingTemplate": "'
+     + "t" * 513 + '"}]}', "sharingTemplate must be a string of at most 512"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingPairs": []}]}',
+     "sharingPairs must be an object of at most 32 templates"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, "sharingPairs": {'
+     + ", ".join(f'"t{n}": 1' for n in range(33)) + '}}]}', "at most 32 templates"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, '
+     '"sharingPairs": {"web": 0}}]}', r"sharingPairs\['web'\] must be a number of copies above 0"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, '
+     '"sharingPairs": {"web": 17}}]}', "at most 16, got 17"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, '
+     '"sharingPairs": {"web": "2"}}]}', "got '2'"),
+    ('{"node": "n", "gpus": [{"uuid": "A", "index": 0, "memoryMiB": 1, '
+     '"sharingPairs": {"": 2}}]}', r"sharingPairs\[''\]"),
     ("[" * 100 + "]" * 100, "nests deeper"),
     ('{"node": "' + "n" * 70_000 + '"}', "bytes, more than"),
 ])

@@ -90,4 +90,4 @@ def test_the_cycle_on_a_mixed_cluster_decides_as_pinned() -> None:
     assert {w.reason.value for w in result.waits} == {
         "BehindHigherRanked", "Quota", "Capacity", "Preempting"}
     # every field of every decision, messages and estimated starts included
-    assert _digest(result) == "18f6d35b5d6beb23"
+    assert _digest(result) == "aee7383d1deb9743"

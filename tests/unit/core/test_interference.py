@@ -294,3 +294,77 @@ def test_a_degree_measured_quieter_than_the_one_before_pools_with_it() -> None:
                       *(inf.Sample("H100", "resnet-b1", 5, 30.0, 0.0146) for _ in range(6))]
                      ).get("H100", "resnet-b1")
     assert loud is not None and loud.limit(Objectives(p99_latency_s=0.01487)) == 4.93
+
+
+# a batch-1 ResNet offered a third of its rate alone, with copies (H100, ms): its P99 barely
+# rises; beside one batch-32 job it rises as with many copies
+LIGHT = {1: (300.0, 0.0027), 2: (290.0, 0.0030), 3: (283.0, 0.0035), 4: (291.0, 0.0038),
+         5: (296.0, 0.0045), 6: (297.0, 0.0047)}
+HEAVY = {1: (106.0, 0.0098), 2: (107.0, 0.0150), 3: (108.0, 0.030), 4: (98.0, 0.20)}
+
+
+def paired(light_p99: float, heavy_p99: float = 0.011, company: str = "gpu-0@1"
+           ) -> list[inf.Sample]:
+    """A light and a heavy service reporting from one GPU, each naming the other."""
+    return [inf.Sample("H100", "light", 2, 290.0, light_p99, company, ("heavy",)),
+            inf.Sample("H100", "heavy", 2, 106.0, heavy_p99, company, ("light",))]
+
+
+def test_a_report_beside_another_template_teaches_the_pair_not_its_own_curve() -> None:
+    copies = [*samples(LIGHT, "light", "H100"), *samples(HEAVY, "heavy", "H100")]
+    profiles = inf.learn([*copies, *paired(0.0070), *paired(0.0080, company="gpu-1@1")])
+    light, heavy = profiles.get("H100", "light"), profiles.get("H100", "heavy")
+    assert light is not None and heavy is not None
+    # its own curve is its copies' alone: 6 copies keep a 5.35 ms target (4.82 with headroom),
+    # and along the last two degrees the curve crosses it 57 % of the way to 7
+    two = light.point(2)
+    assert two is not None and two.p99_s == pytest.approx(0.0030)
+    assert light.limit(Objectives(0.00535)) == 6.57
+    # 7-8 ms is beyond six copies: along the last two degrees (0.2 ms a copy) 17.5-22.5 copies,
+    # capped at MAX_DEGREE; the heavy one counts as what lies beyond the light one itself
+    assert light.degree_of_p99(0.0070) == inf.MAX_DEGREE
+    assert light.degree_of_p99(0.0046) == pytest.approx(5.5)
+    assert light.degree_of_p99(0.0010) == 1
+    assert dict(light.pairs) == {"heavy": inf.MAX_DEGREE - 1}
+    # the heavy one beside the light one: 11 ms is 1.23 copies of itself, 0.23 beyond it
+    assert dict(heavy.pairs) == {"light": pytest.approx(0.23, abs=0.01)}
+    # what each job carries: how every template measured beside it counts it
+    assert profiles.felt_by("heavy") == (("H100", (("light", 15.0),)),)
+    assert profiles.felt_by("light") == (("H100", (("heavy", pytest.approx(0.23, abs=0.01)),)),)
+    # the same reports named no company: counted by weight into the light one's own curve, they
+    # lift it at their degree, and its limit falls (what pairs keep apart)
+    unnamed = inf.learn([*copies, *(replace(s, neighbours=()) for s in
+                                    [*paired(0.0070), *paired(0.0080, company="gpu-1@1")])])
+    light_unnamed = unnamed.get("H100", "light")
+    assert light_unnamed is not None and light_unnamed.pairs == ()
+    assert light_unnamed.limit(Objectives(0.00535)) < 2
+
+
+def test_a_measured_pair_keeps_a_light_service_from_a_heavy_one_and_with_its_like() -> None:
+    copies = [*samples(LIGHT, "light", "H100"), *samples(HEAVY, "heavy", "H100")]
+    profiles = inf.learn([*copies, *paired(0.0070)])
+    light = inf.limited(GpuRequest(1, GIB, 0, objectives=Objectives(0.00535)), "light",
+                        profiles)
+    heavy = inf.limited(GpuRequest(1, GIB, 0, objectives=Objectives(0.049)), "heavy", profiles)
+    assert light.sharing_template == "light" and heavy.sharing_template == "heavy"
+    # measured on H100s; the test's GPU is an H200 of the builder: the same pairs there
+    light, heavy = (replace(r, sharing_limits=tuple(("H200", x) for _, x in r.sharing_limits),
+                            sharing_weights=tuple(("H200", x) for _, x in r.sharing_weights),
+                            sharing_felt_by=tuple(("H200", x) for _, x in r.sharing_felt_by))
+                    for r in (light, heavy))
+    light_held, heavy_held = (grant_for(h200().free()[0], r) for r in (light, heavy))
+    assert heavy_held.sharing_template == "heavy" and heavy_held.sharing_felt_by
+    # beside the heavy one the light service counts 15 copies: over its limit of 6, either way
+    why = gpu_rejection(h200(heavy_held).free()[0], light)
+    assert why is not None and "this job's objective" in why
+    assert "counted by measured pairs and weight: 16.00" in why
+    why = gpu_rejection(h200(light_held).free()[0], heavy)
+    assert why is not None and "objective of a job there" in why
+    # by weight alone it would have counted the heavy one as under two copies, and taken it
+    unpaired = replace(heavy_held, sharing_felt_by=())
+    assert gpu_rejection(h200(unpaired).free()[0], light) is None
+    # copies of itself count one each: five of them are fine
+    assert gpu_rejection(h200(*[light_held] * 5).free()[0], light) is None
+    # the heavy one counts the light one as 0.23 of a copy, as measured (by weight: 0.62)
+    assert gpu_rejection(h200(heavy_held, heavy_held).free()[0], replace(
+        light, sharing_limits=())) is None

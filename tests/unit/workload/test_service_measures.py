@@ -77,8 +77,11 @@ def test_service_reports_are_checked_strictly(text: bytes, words: str) -> None:
         levels.parse_service(text, NOW)
 
 
-def pod(name: str, uid: str, gpus: list[str], weight: int | None = None) -> ServedPod:
+def pod(name: str, uid: str, gpus: list[str], weight: int | None = None,
+        template: str = "") -> ServedPod:
     weighed = {} if weight is None else {"sharingWeight": weight}
+    if template:
+        weighed["sharingTemplate"] = template
     assignment = json.dumps({"node": "node-a", "gpus": [
         {"uuid": u, "index": i, "memoryMiB": 1024, "cores": 25, **weighed}
         for i, u in enumerate(gpus)]})
@@ -116,8 +119,9 @@ def test_a_service_report_goes_from_the_job_through_the_agent_into_status_and_me
     statuses = Statuses()
     metrics = GpuMetrics("node-a")
     # the service weighs 250 (thousandths); its neighbour on GPU-a 750: three copies of it
-    pods = [pod("web-1", "uid-1", ["GPU-a"], 250), pod("other-1", "uid-2", ["GPU-a"], 750),
-            pod("apart-1", "uid-3", ["GPU-b"])]
+    pods = [pod("web-1", "uid-1", ["GPU-a"], 250, "web"),
+            pod("other-1", "uid-2", ["GPU-a"], 750, "other"),
+            pod("apart-1", "uid-3", ["GPU-b"], template="apart")]
 
     async def listed() -> list[ServedPod]:
         return pods
@@ -136,10 +140,13 @@ def test_a_service_report_goes_from_the_job_through_the_agent_into_status_and_me
     measure = levels.measure_from_status(statuses.status[("lab", "web")])
     assert measure is not None and measure.sharing == 2 and measure.report.requests == 200
     assert measure.sharing_by_weight == 4.0
+    # the neighbour's template, as its assignment names it (for learning the pair)
+    assert recorded["sharingNeighbours"] == ["other"] and measure.neighbours == ("other",)
     # its template's profile counts the report at the degree the company weighs
     sample = sample_of({"metadata": {"name": "web"}, "spec": {},
                         "status": statuses.status[("lab", "web")]})
     assert sample is not None and sample.degree == 4
+    assert sample.neighbours == ("other",) and not sample.among_copies
     labels = {"node": "node-a", "namespace": "lab", "job": "web", "model": "H200"}
     registry = metrics.registry
     assert registry.get_sample_value("carpool_service_throughput", labels) == \
