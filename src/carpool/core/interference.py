@@ -48,6 +48,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from itertools import pairwise
 from typing import Any
 
@@ -286,13 +287,20 @@ class Profiles:
         profile measured one beside it, and the copies of itself it counted the job as
         (`GpuRequest.sharing_felt_by`), model and template order; at most MAX_PAIRS a model,
         the heaviest kept."""
-        by_model: dict[str, list[tuple[str, float]]] = {}
+        return self._felt_by_template.get(template, ())
+
+    @cached_property
+    def _felt_by_template(self) -> dict[str, tuple[tuple[str, FeltBy], ...]]:
+        """`felt_by` of every template measured beside another, worked out once (a pass asks
+        for every job's)."""
+        found: dict[str, dict[str, list[tuple[str, float]]]] = {}
         for (model, victim), profile in sorted(self.by_key.items()):
             for neighbour, felt in profile.pairs:
-                if neighbour == template:
-                    by_model.setdefault(model, []).append((victim, felt))
-        return tuple((model, tuple(sorted(sorted(pairs, key=lambda p: -p[1])[:MAX_PAIRS])))
-                     for model, pairs in sorted(by_model.items()))
+                found.setdefault(neighbour, {}).setdefault(model, []).append((victim, felt))
+        return {template: tuple(
+            (model, tuple(sorted(sorted(pairs, key=lambda p: -p[1])[:MAX_PAIRS])))
+            for model, pairs in sorted(by_model.items()))
+            for template, by_model in found.items()}
 
 
 NO_PROFILES = Profiles({})
