@@ -11,7 +11,11 @@ limit its template's interference profile allows for its objective and its weigh
 2..P at a time) and then from what its own services report where it placed them, a few times
 over (`--learn-rounds`; both times are reported); a limit may lie between two degrees (a
 light neighbour counts as less than one copy), and a third row, "whole degrees", cuts each to
-the degree below, to show what that adds. Then each policy's GPUs are measured, one
+the degree below, to show what that adds. Each report names its neighbours' templates, as the
+node agent records them, so Carpool also learns pairs (how many copies of a service each
+neighbour template counts as); a fourth row, "by weight only", learns from the same reports
+as if none named its company, every neighbour counted by weight. Then each policy's GPUs are
+measured, one
 logical GPU after the other on the one physical GPU (a logical GPU holds what the real one's
 memory holds, at most 8 services, the pool's size): its services serve requests back to back
 together for `--seconds`, from a pool of host processes each started with the environment the
