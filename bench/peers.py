@@ -395,7 +395,7 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             requests_before = admission._api_requests(api)
             tracker = WorkloadTracker(cluster.api())
             tracker.thread.start()
-            deadline = time.monotonic() + args.timeout
+            deadline = time.monotonic() + (args.kueue_timeout or args.timeout)
             last, last_change = -1, time.monotonic()
             while time.monotonic() < deadline:
                 if process.poll() is not None:
@@ -423,13 +423,15 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
                 bound = admission.bound_when_settled(api, projects,
                                                      "batch.kubernetes.io/job-name",
                                                      args.then_schedule)
+        system = "kueue" if qps == KUEUE_SHIPPED_QPS else f"kueue-qps{qps}"
+        result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after,
+                           job_gpus(args.jobs, gangs), gpus)
+        result.update(partial_starts(bound, gangs), log=str(log), rss_mib=rss)
+        # shown before the cleanup, which takes minutes with tens of thousands of Jobs
+        print(json.dumps(result), file=sys.stderr)
         cleanup_kueue(cluster, projects, flavor, [n.name for n in nodes])
     finally:
         admission._signal_scheduler(paused, signal.SIGCONT)
-    system = "kueue" if qps == KUEUE_SHIPPED_QPS else f"kueue-qps{qps}"
-    result = summarize(system, admitted, t0, window, cpu, requests_before, requests_after,
-                       job_gpus(args.jobs, gangs), gpus)
-    result.update(partial_starts(bound, gangs), log=str(log), rss_mib=rss)
     return result
 
 
@@ -536,7 +538,10 @@ def run_carpool(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
     return summarize("carpool", raw["admitted_at"], raw["t0"], outcome["window_s"],
                      raw["cpu_seconds"], raw["requests_before"], raw["requests_after"],
                      job_gpus(args.jobs, gangs), outcome["gpus"]) | partial_starts(
-        raw["bound"], gangs) | {"log": outcome["log"], "rss_mib": raw["rss_mib"]}
+        raw["bound"], gangs) | {"log": outcome["log"], "rss_mib": raw["rss_mib"],
+                                "jobs": args.jobs, "passes": outcome["passes"],
+                                "pass_p50_s": outcome["pass_p50_s"],
+                                "pass_max_s": outcome["pass_max_s"]}
 
 
 def median_row(rows: list[dict[str, Any]], key: str) -> float:
@@ -581,6 +586,10 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         lines.append("")
         lines.append(f"{r['system']}: writes per admission by resource: "
                      + ", ".join(f"{k} {v}" for k, v in r["writes"].items()))
+        if "passes" in r:  # the operator's passes: admission, ETA refresh, status writes
+            lines.append(f"{r['system']}: {r['jobs'] - r['admitted']} jobs still waiting at "
+                         f"the end; {r['passes']} reconcile passes, p50 {r['pass_p50_s']:.1f} s, "
+                         f"longest {r['pass_max_s']:.1f} s")
         lines.append(f"{r['system']}: RSS at the end of the round, MiB (now / peak): " + ", ".join(
             f"{k} {v} / {r['rss_mib'].get(k + ' peak', v)}" for k, v in r["rss_mib"].items()
             if not k.endswith(" peak") and not k.startswith("bench")))
@@ -604,7 +613,12 @@ def main() -> None:
                         help="Kueue's client burst (as shipped: 100)")
     parser.add_argument("--kueue-tuned-qps", type=int, default=0, metavar="N",
                         help="each round also runs Kueue with client QPS N (burst 2N)")
-    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="a round's window at most, seconds (Carpool's: until all that "
+                             "fits is admitted and nothing more comes for 20 s)")
+    parser.add_argument("--kueue-timeout", type=float, default=0, metavar="S",
+                        help="Kueue's rounds' window instead (default: --timeout): its "
+                             "rate over a long queue, without waiting for it to admit all")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--gang-share", type=float, default=0.0,
                         help="this share of the jobs are gangs of 2-16 workers in one rack "
@@ -637,7 +651,8 @@ def main() -> None:
             else:
                 result = run_kueue(args, cluster, home, round_no, args.kueue_tuned_qps,
                                    2 * args.kueue_tuned_qps)
-            print(json.dumps(result), file=sys.stderr)
+            if system == "carpool":
+                print(json.dumps(result), file=sys.stderr)
             results.append(result)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/peers.py " + " ".join(sys.argv[1:])
     print(report(results, command))
