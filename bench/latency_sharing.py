@@ -493,7 +493,13 @@ def main() -> int:
     parser.add_argument("--targets", default="2,3,5",
                         help="P99 targets as factors of each template's P99 alone, cycled")
     parser.add_argument("--json", type=Path, help="also write all results here")
+    parser.add_argument("--judge", type=Path, metavar="RUN_JSON",
+                        help="no GPU: replay the sharing rule on a past run's --json, learned "
+                             "with pairs and by weight only, on every GPU of its fixed degrees")
     args = parser.parse_args()
+    if args.judge:
+        print_judged(judge(json.loads(args.judge.read_text())), args.judge)
+        return 0
     began = time.monotonic()
     from carpool.core.interference import learn
     from carpool.core.resources import Objectives
@@ -743,6 +749,64 @@ def print_report(report: dict[str, Any], model: str, args: argparse.Namespace) -
                   f"{rows['carpool']['violations'] == 0}; on the same GPUs it delivers "
                   f"{carpool / best:.0%} of the best fixed degree that breaks none (>= 90 %: "
                   f"{carpool >= 0.9 * best}); more than fixed 1 and 3: {beats}")
+
+def judge(run: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The sharing rule, learned from a past run's profiling and learning reports (with
+    pairs, and by weight only), judged on every service of every GPU of the run's fixed
+    degrees 2 and up, companies the learning never placed: whether its limit, counted as the
+    rule counts, takes that company (accepted) against whether it kept its target there."""
+    from carpool.core.interference import Sample, learn, limited
+    from carpool.core.placement import within_limit
+    from carpool.core.resources import GpuRequest, Objectives
+
+    model = run["model"]
+    services = {s["name"]: s for s in run["services"]}
+    samples = []
+    for s in run["profile"]:
+        if s["company"].startswith("profile"):
+            p99 = None if s["p99_ms"] is None else s["p99_ms"] / 1000
+            samples.append(Sample(model, s["template"], s["degree"], s["req_per_s"], p99,
+                                  s["company"], (s["template"],) * (s["degree"] - 1)))
+    for n, gpus in enumerate(run["learning"]):
+        for index, group in enumerate(gpus):
+            for name, measured in group.items():
+                samples.append(Sample(
+                    model, services[name]["template"], len(group), measured["req_per_s"],
+                    measured["p99_ms"] / 1000, f"learning {n} GPU {index}",
+                    tuple(sorted(services[o]["template"] for o in group if o != name))))
+    out = {}
+    for rule, learned in (("pairs", samples),
+                          ("by weight only", [replace(s, neighbours=()) for s in samples])):
+        profiles = learn(learned)
+        sharers = {name: limited(GpuRequest(1, GRANT_MIB, 0, objectives=Objectives(
+            s["p99_target_ms"] / 1000)), s["template"], profiles).sharer(model)
+                   for name, s in services.items()}
+        counts = {"accepted, kept": 0, "accepted, broke": 0, "refused, kept": 0,
+                  "refused, broke": 0}
+        for policy, row in run["policies"].items():
+            if not policy.startswith("fixed") or policy == "fixed 1":
+                continue
+            for group in row["groups"]:
+                for name in group:
+                    me = sharers[name]
+                    accepted = not me.limit or within_limit(
+                        me, [sharers[o] for o in group if o != name])
+                    kept = row["p99_vs_target"][name] <= 1.0
+                    counts[f"{'accepted' if accepted else 'refused'}, "
+                           f"{'kept' if kept else 'broke'}"] += 1
+        out[rule] = counts
+    return out
+
+
+def print_judged(judged: dict[str, dict[str, int]], path: Path) -> None:
+    print(f"The sharing rule on the fixed degrees' GPUs of {path}:")
+    print()
+    print("| rule | accepted: kept / broke | refused: kept / broke |")
+    print("|---|---:|---:|")
+    for rule, c in judged.items():
+        print(f"| {rule} | {c['accepted, kept']} / {c['accepted, broke']} | "
+              f"{c['refused, kept']} / {c['refused, broke']} |")
+
 
 if __name__ == "__main__":
     sys.exit(main())

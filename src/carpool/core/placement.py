@@ -171,13 +171,13 @@ def sharing_rejection(free: GpuFree, request: GpuRequest) -> str | None:
     model = free.gpu.model
     degree = free.grants + 1
     newcomer = request.sharer(model)
-    if newcomer.limit and not _within(newcomer, free.sharers):
+    if newcomer.limit and not within_limit(newcomer, free.sharers):
         return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                 f"{degree} would break this job's objective (its profile on {model} allows "
                 f"{newcomer.limit:g}{_as_counted(newcomer, free.sharers)})")
     for n, held in enumerate(free.sharers):
         others = (*free.sharers[:n], *free.sharers[n + 1:], newcomer)
-        if held.limit and not _within(held, others):
+        if held.limit and not within_limit(held, others):
             return (f"GPU {free.gpu.index} runs {free.grants} job(s); {SHARING_WOULD_BREAK} "
                     f"{degree} would break the objective of a job there (its profile allows "
                     f"{held.limit:g}{_as_counted(held, others)})")
@@ -197,7 +197,7 @@ def counted_company(job: Sharer, neighbours: Iterable[Sharer]) -> float:
     return float(1 + sum(other.counted_by(job) for other in neighbours))
 
 
-def _within(job: Sharer, neighbours: Iterable[Sharer]) -> bool:
+def within_limit(job: Sharer, neighbours: Iterable[Sharer]) -> bool:
     """`counted_company(job, neighbours) <= job.limit`, in whole numbers (a limit is kept to
     the hundredth, a pair's count too)."""
     counted = sum((other.counted_by(job) for other in neighbours), Fraction(0))
