@@ -755,8 +755,8 @@ def judge(run: dict[str, Any]) -> dict[str, dict[str, int]]:
     pairs, and by weight only), judged on every service of every GPU of the run's fixed
     degrees 2 and up, companies the learning never placed: whether its limit, counted as the
     rule counts, takes that company (accepted) against whether it kept its target there."""
-    from carpool.core.interference import Sample, learn, limited
-    from carpool.core.placement import within_limit
+    from carpool.core.interference import Sample, learn, limited, report_degree
+    from carpool.core.placement import counted_sharers, within_limit
     from carpool.core.resources import GpuRequest, Objectives
 
     model = run["model"]
@@ -770,10 +770,14 @@ def judge(run: dict[str, Any]) -> dict[str, dict[str, int]]:
     for n, gpus in enumerate(run["learning"]):
         for index, group in enumerate(gpus):
             for name, measured in group.items():
+                others = [o for o in group if o != name]
+                counted = counted_sharers(measured["weight"],
+                                          [group[o]["weight"] for o in others])
                 samples.append(Sample(
-                    model, services[name]["template"], len(group), measured["req_per_s"],
-                    measured["p99_ms"] / 1000, f"learning {n} GPU {index}",
-                    tuple(sorted(services[o]["template"] for o in group if o != name))))
+                    model, services[name]["template"], report_degree(len(group), counted),
+                    measured["req_per_s"], measured["p99_ms"] / 1000,
+                    f"learning {n} GPU {index}",
+                    tuple(sorted(services[o]["template"] for o in others))))
     out = {}
     for rule, learned in (("pairs", samples),
                           ("by weight only", [replace(s, neighbours=()) for s in samples])):

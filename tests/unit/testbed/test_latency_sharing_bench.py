@@ -52,3 +52,31 @@ def test_the_same_seed_gives_the_same_arrivals(bench: ModuleType) -> None:
     runs = [bench._serve_arrivals(lambda: None, lambda: None, 0.2, 300.0, "same")[0]
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_judging_a_past_run_counts_what_each_rule_accepts_and_what_broke(
+        bench: ModuleType) -> None:
+    profile = [{"template": t, "degree": d, "req_per_s": rate, "p99_ms": p99,
+                "company": f"profile {t} x{d} #0"}
+               for t, curve in (("light", {1: (300, 2.7), 2: (290, 3.0), 3: (283, 3.5)}),
+                                ("heavy", {1: (106, 9.8), 2: (107, 15.0), 3: (108, 30.0)}))
+               for d, (rate, p99) in curve.items()]
+    services = [{"name": "l1", "template": "light", "p99_target_ms": 5.35},
+                {"name": "l2", "template": "light", "p99_target_ms": 5.35},
+                {"name": "h1", "template": "heavy", "p99_target_ms": 49.0}]
+    # learning put a light and a heavy service together: the light one waited 7 ms
+    learning = [[{"l1": {"req_per_s": 290, "p99_ms": 7.0, "weight": 340},
+                  "h1": {"req_per_s": 106, "p99_ms": 11.0, "weight": 327}}]]
+    policies = {"fixed 2": {"groups": [["l1", "h1"], ["l2"]],
+                            "p99_vs_target": {"l1": 1.4, "h1": 0.2, "l2": 0.5}},
+                "fixed 3": {"groups": [["l1", "l2"], ["h1"]],
+                            "p99_vs_target": {"l1": 0.6, "l2": 0.6, "h1": 0.2}}}
+    judged = bench.judge({"model": "H100", "profile": profile, "services": services,
+                          "learning": learning, "policies": policies})
+    # with pairs the light service refuses the heavy one's company, where it broke, and takes
+    # a copy of itself, where it kept its target; by weight only the report beside the heavy
+    # one lifted its own curve, and it refuses the copy too
+    assert judged["pairs"] == {"accepted, kept": 5, "accepted, broke": 0,
+                               "refused, kept": 0, "refused, broke": 1}
+    assert judged["by weight only"] == {"accepted, kept": 3, "accepted, broke": 0,
+                                        "refused, kept": 2, "refused, broke": 1}
