@@ -8,6 +8,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from carpool.core.jobs import DurationEstimate, Job, RetiredUsage, StartMiss
 from carpool.core.resources import JobClass
@@ -38,32 +39,68 @@ def arrival_work(job: Job, fraction: float, learned: Mapping[LearnKey, DurationE
 
 
 def higher_class_load(now: float, window_s: float, capacity_gpus: float,
-                      arrivals: Iterable[tuple[float, int, float]]) -> dict[int, float]:
+                      arrivals: Iterable[Arrival]) -> dict[int, float]:
     """Per class level c: rho_c, the share of capacity that jobs of the classes above c take
     if they keep arriving at their recent rate (`wait_stretch` turns it into how much longer
     a class-c wait becomes).
 
-    `arrivals` are (submitted at, class level, GPU-seconds). The latest `RATE_ARRIVALS`
-    arrivals of classes above c within `window_s` bring W GPU-seconds since the earliest of
-    them, T seconds ago: rho_c = W / (T x capacity), capped at `MAX_HIGHER_LOAD`; no entry
-    while fewer than `MIN_HIGHER_ARRIVALS` arrived above c. Measured over a number of
-    arrivals rather than a fixed span, the rate follows a surge within seconds and fades as
-    time passes without arrivals.
+    `arrivals` are (submitted at, class level, GPU-seconds, project). The latest
+    `RATE_ARRIVALS` arrivals of classes above c within `window_s` bring W GPU-seconds since
+    the earliest of them, T seconds ago: rho_c = W / (T x capacity), capped at
+    `MAX_HIGHER_LOAD`; no entry while fewer than `MIN_HIGHER_ARRIVALS` arrived above c.
+    Measured over a number of arrivals rather than a fixed span, the rate follows a surge
+    within seconds and fades as time passes without arrivals.
     """
-    if window_s <= 0 or capacity_gpus <= 0:
-        return {}
-    recent = sorted(((submitted, level, work) for submitted, level, work in arrivals
-                     if now - window_s <= submitted <= now), reverse=True)
+    recent = recent_arrivals(now, window_s, arrivals)
     load: dict[int, float] = {}
     for level in range(int(JobClass.SHORT), len(JobClass)):
-        above = [(submitted, work) for submitted, lvl, work in recent
-                 if lvl < level][:RATE_ARRIVALS]
-        if len(above) < MIN_HIGHER_ARRIVALS:
-            continue
-        span = max(now - above[-1][0], 1.0)
-        load[level] = min(MAX_HIGHER_LOAD,
-                          sum(work for _, work in above) / (span * capacity_gpus))
+        found = overtaking_load(now, capacity_gpus, recent, level, frozenset())
+        if found is not None:
+            load[level] = found
     return load
+
+
+class Arrival(NamedTuple):
+    """A job's arrival as the arrival rates count it."""
+
+    submitted: float
+    level: int  # its class
+    work: float  # GPU-seconds (`arrival_work`)
+    project: str = ""
+
+
+def recent_arrivals(now: float, window_s: float, arrivals: Iterable[Arrival]
+                    ) -> list[Arrival]:
+    """The arrivals within `window_s` before `now`, latest first (what `overtaking_load`
+    counts)."""
+    if window_s <= 0:
+        return []
+    return sorted((a for a in (Arrival(*arrival) for arrival in arrivals)
+                   if now - window_s <= a.submitted <= now),
+                  reverse=True)
+
+
+def overtaking_load(now: float, capacity_gpus: float, recent: Sequence[Arrival], level: int,
+                    lighter: frozenset[str]) -> float | None:
+    """rho, the share of capacity that the jobs which may overtake a waiting job of class
+    `level` take if they keep arriving at their recent rate: those of the classes above it,
+    and those of its own class from the projects in `lighter` (projects whose weighted usage
+    is below the job's, so fair share ranks their new jobs ahead of it; fairshare). Counted
+    as `higher_class_load` counts (the latest `RATE_ARRIVALS` of them in `recent`, latest
+    first; None while fewer than `MIN_HIGHER_ARRIVALS`).
+
+    Same-class arrivals count because they pass too: on a replayed trace at 85 % load, 34 of
+    the 48 interactive jobs that started after their range had been passed by other
+    interactive jobs (against 125 of the 294 inside it), and no class is above theirs to
+    stretch their ranges."""
+    if capacity_gpus <= 0:
+        return None
+    above = [a for a in recent
+             if a.level < level or (a.level == level and a.project in lighter)][:RATE_ARRIVALS]
+    if len(above) < MIN_HIGHER_ARRIVALS:
+        return None
+    span = max(now - above[-1].submitted, 1.0)
+    return min(MAX_HIGHER_LOAD, sum(a.work for a in above) / (span * capacity_gpus))
 
 
 def wait_stretch(overtaking: float, passing_when_due: float) -> float:

@@ -368,8 +368,8 @@ class ClusterSnapshot:
     learned: Mapping[tuple[str, JobClass | str], DurationEstimate] = field(default_factory=dict)
     # how the estimates of started jobs no longer in `jobs` missed (estimate_ranges.recent_misses)
     start_misses: tuple[StartMiss, ...] = ()
-    # (submitted at, class level, GPU-seconds) of recent arrivals no longer in `jobs`
-    recent_arrivals: tuple[tuple[float, int, float], ...] = ()
+    # (submitted at, class level, GPU-seconds, project) of recent arrivals no longer in `jobs`
+    recent_arrivals: tuple[tuple[float, int, float, str], ...] = ()
 
     def __post_init__(self) -> None:
         keys = [j.key for j in self.jobs]

@@ -48,10 +48,12 @@ from carpool.core.durations import format_duration
 from carpool.core.estimate_ranges import (
     MIN_RANGE_SAMPLES,
     RATE_ARRIVALS,
+    Arrival,
     arrival_work,
     calibrated_start,
     class_misses,
-    higher_class_load,
+    overtaking_load,
+    recent_arrivals,
     start_range,
     started_misses,
     wait_misses,
@@ -166,8 +168,8 @@ class AdmissionConfig:
     max_preemption_attempts_per_cycle: int = 32  # victim searches per cycle, at most
     preempt_after_wait_s: float = 0.0  # preempt only if the job would otherwise wait longer
     min_remaining_s: float = 60.0  # a job past its expected end is given this much more
-    # higher-class arrivals within this window widen the end of lower classes' ranges (eta.
-    # higher_class_load, wait_stretch); 0: off
+    # arrivals within this window that may pass a job widen the end of its range (estimate_
+    # ranges.overtaking_load, wait_stretch); 0: off
     arrival_window_s: float = 3600.0
     # scale simulated starts by how their class's recent ones missed, up to the next aging
     # step (estimate_ranges.calibrated_start); off: the forward simulation's start as it is
@@ -779,9 +781,13 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
 
     recent = started_misses(snapshot.jobs, snapshot.start_misses)
     misses = wait_misses(recent)
-    loads = (higher_class_load(now, config.arrival_window_s, cycle.capacity_gpus,
-                               _counted_arrivals(cycle, config.arrival_window_s))
-             if len(misses) >= MIN_RANGE_SAMPLES else {})  # no ranges to widen yet
+    stretches = _RangeStretches(
+        now, cycle.capacity_gpus, config,
+        recent_arrivals(now, config.arrival_window_s,
+                        _counted_arrivals(cycle, config.arrival_window_s))
+        if len(misses) >= MIN_RANGE_SAMPLES else [],  # no ranges to widen yet
+        {key.key: key.share for key, _ in ranked},
+        {name: decayed.get(name, 0.0) / weights.get(name, 1.0) for name in snapshot.quotas})
     by_class = class_misses(recent, waiting, now) if config.class_calibration else {}
     by_key = {j.key: j for j in waiting}
     scenarios = _scenario_starts(cycle, walk)
@@ -793,7 +799,7 @@ def admission_cycle(snapshot: ClusterSnapshot, config: AdmissionConfig | None = 
                  for w in walk.waits)
     ordered = sorted((_due_told(_told(_with_range(
         _calibrated(w, by_key, now, by_class, config), now, misses,
-        _range_stretch(by_key[w.job_key].job_class, loads, config),
+        stretches.of(by_key[w.job_key]),
         walk.start_spreads.get(w.job_key)), now,
         walk.told_after.get(w.job_key)), by_key, now, config)
         for w in simulated), key=lambda w: (w.position, w.job_key))
@@ -917,22 +923,23 @@ def overdue_pushed(queue: list[Queued], asked: Mapping[int, float], now: float,
     return found
 
 
-def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[tuple[float, int, float]]:
-    """What `estimate_ranges.higher_class_load` may count: the snapshot's arrivals of jobs gone, and
-    of the jobs present within the window the latest `RATE_ARRIVALS` of each class above
-    batch (no class is below batch, and no class counts more of those above it), so the
-    work they bring is computed for those only."""
+def _counted_arrivals(cycle: _Cycle, window_s: float) -> list[Arrival]:
+    """What `estimate_ranges.overtaking_load` may count: the snapshot's arrivals of jobs gone,
+    and of the jobs present within the window the latest `RATE_ARRIVALS` of each class and
+    project (no job counts more of those, above its class or of its class from lighter
+    projects), so the work they bring is computed for those only."""
     snapshot = cycle.snapshot
-    by_level: dict[int, list[Job]] = {}
+    by_group: dict[tuple[int, str], list[Job]] = {}
     for job in snapshot.jobs:
-        if job.job_class < JobClass.BATCH and snapshot.now - job.submitted_at <= window_s:
-            by_level.setdefault(int(job.job_class), []).append(job)
-    latest = (job for jobs in by_level.values()
+        if snapshot.now - job.submitted_at <= window_s:
+            by_group.setdefault((int(job.job_class), job.project), []).append(job)
+    latest = (job for jobs in by_group.values()
               for job in heapq.nlargest(RATE_ARRIVALS, jobs,
                                         key=lambda j: (j.submitted_at, j.key)))
-    return [*snapshot.recent_arrivals, *(
-        (job.submitted_at, int(job.job_class),
-         arrival_work(job, job_nominal_fraction(job, cycle.reference_mib), cycle.learned))
+    return [*(Arrival(*arrival) for arrival in snapshot.recent_arrivals), *(
+        Arrival(job.submitted_at, int(job.job_class),
+                arrival_work(job, job_nominal_fraction(job, cycle.reference_mib), cycle.learned),
+                job.project)
         for job in latest)]
 
 
@@ -980,21 +987,52 @@ def _due_told(wait: Wait, jobs: Mapping[str, Job], now: float, config: Admission
     return replace(wait, message=f"{wait.message}; {DUE_NOTE}")
 
 
-def _range_stretch(job_class: JobClass, loads: Mapping[int, float],
-                   config: AdmissionConfig) -> float:
-    """How much a class's wait stretches if higher classes keep arriving
-    (`estimate_ranges.wait_stretch`): all classes above it may overtake it until its promised
-    start, and with promises kept only those above the level it is then due at
-    (`fairshare.due_level`) after it."""
-    level = int(job_class)
-    when_due = due_level(level) if config.keep_promises else level
-    return wait_stretch(loads.get(level, 0.0), loads.get(when_due, 0.0))
+class _RangeStretches:
+    """How much each waiting job's wait stretches if the work that may pass it keeps arriving
+    (`estimate_ranges.wait_stretch`): until its promised start, the classes above it and its
+    own class's jobs of projects lighter than its place in the queue (`overtaking_load`);
+    with promises kept, after it only the classes above the level it is then due at
+    (`fairshare.due_level`; no job of its class passes a due job). Memoised by class and
+    set of lighter projects: a cycle has few of each."""
+
+    def __init__(self, now: float, capacity_gpus: float, config: AdmissionConfig,
+                 recent: list[Arrival], shares: Mapping[str, float],
+                 project_shares: Mapping[str, float]) -> None:
+        self.now, self.capacity_gpus, self.config = now, capacity_gpus, config
+        self.recent, self.shares = recent, shares
+        self.by_share = sorted((used, name) for name, used in project_shares.items())
+        self.loads: dict[tuple[int, frozenset[str]], float] = {}
+        self.lighter: dict[tuple[int, str], frozenset[str]] = {}
+
+    def load(self, level: int, lighter: frozenset[str]) -> float:
+        found = self.loads.get((level, lighter))
+        if found is None:
+            found = overtaking_load(self.now, self.capacity_gpus, self.recent, level,
+                                    lighter) or 0.0
+            self.loads[(level, lighter)] = found
+        return found
+
+    def of(self, job: Job) -> float:
+        if not self.recent:
+            return 1.0
+        level = int(job.job_class)
+        # the projects used less than the job's place in the queue: a prefix by usage
+        prefix = bisect.bisect_left(self.by_share, (self.shares.get(job.key, 0.0), ""))
+        lighter = self.lighter.get((prefix, job.project))
+        if lighter is None:
+            lighter = frozenset(name for _, name in self.by_share[:prefix]
+                                if name != job.project)
+            self.lighter[(prefix, job.project)] = lighter
+        when_due = due_level(level) if self.config.keep_promises else level
+        passing = (self.load(when_due, frozenset()) if self.config.keep_promises
+                   else self.load(level, lighter))
+        return wait_stretch(self.load(level, lighter), passing)
 
 
 def _with_range(wait: Wait, now: float, misses: list[float], stretch: float,
                 spread: _Spread | None = None) -> Wait:
     """The wait with its 80 % range (`estimate_ranges.start_range`), whose end reaches at least the
-    estimated wait stretched by `stretch` (`_range_stretch`): the estimate is the
+    estimated wait stretched by `stretch` (`_RangeStretches`): the estimate is the
     queue as it stands, the range's end what it becomes if higher classes keep arriving as
     they lately have (a surge the misses of started jobs show only a wait later). A job
     whose start is the end of a running job, or of a reservation behind one (`spread`,

@@ -142,7 +142,7 @@ class State:
     retired: dict[str, RetiredUsage] = field(default_factory=dict)
     learned: dict[LearnKey, DurationEstimate] = field(default_factory=dict)
     start_misses: tuple[StartMiss, ...] = ()  # of finished jobs (estimate_ranges.recent_misses)
-    arrivals: deque[tuple[float, int, float]] = field(default_factory=deque)
+    arrivals: deque[tuple[float, int, float, str]] = field(default_factory=deque)
 
     def snapshot(self) -> ClusterSnapshot:
         return ClusterSnapshot(self.now, tuple(self.jobs.values()), self.quotas, self.nodes,
@@ -566,7 +566,8 @@ class Replay:
             if record is not None:
                 state.start_misses = recent_misses((*state.start_misses, record))
             state.arrivals.append((job.submitted_at, int(job.job_class), arrival_work(
-                job, nominal_fraction(job.request, self.reference), state.learned)))
+                job, nominal_fraction(job.request, self.reference), state.learned),
+                job.project))
             while state.arrivals and state.arrivals[0][0] < now - ARRIVALS_KEPT_S:
                 state.arrivals.popleft()
         elif kind == RISE:

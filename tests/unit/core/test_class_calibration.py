@@ -133,7 +133,7 @@ def test_the_operator_decodes_the_first_simulated_start() -> None:
 
 
 def _batch_wait(window_s: float, *present: Job,
-                arrivals: tuple[tuple[float, int, float], ...] = (),
+                arrivals: tuple[tuple[float, int, float, str], ...] = (),
                 keep_promises: bool = True) -> Wait:
     """c/batch's wait behind a/run, which holds both GPUs of n1 until 3600; 20 batch jobs
     that started on time make its range the estimate itself."""
@@ -157,7 +157,7 @@ def test_higher_class_arrivals_widen_the_range_not_the_estimate() -> None:
     # ten interactive jobs just arrived with work far beyond the 2 GPUs: if such arrivals go
     # on, the batch job's 1800 s wait stretches by 1 / (1 - 0.8) = 5; the estimate and its
     # message stay the queue's, the range ends at the stretched start
-    surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR)
+    surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR, "d")
                   for i in range(MIN_HIGHER_ARRIVALS))
     # (interactive work may pass a due job too, so promises change nothing here)
     widened, off = _batch_wait(600.0, arrivals=surge), _batch_wait(0.0, arrivals=surge)
@@ -187,3 +187,42 @@ def test_arrivals_of_jobs_still_present_count_too() -> None:
     assert _batch_wait(600.0, *batch_done).estimated_start_high == HOUR
     # an hour later the same ten are outside the window
     assert _batch_wait(500.0, *done).estimated_start_high == HOUR
+
+
+def _interactive_wait(project: str, arrivals: tuple[tuple[float, int, float, str], ...]
+                      ) -> Wait:
+    """An interactive job of `project` waiting behind a/run, which holds both GPUs of n1
+    until 3600 (project a has used them since 0; c and d have used nothing)."""
+    grants = tuple(GpuGrant(f"n1-g{i}", 80 * GIB, 100, exclusive=True) for i in (0, 1))
+    running = gpu_job("a/run", count=2, estimate=HOUR, phase=Phase.RUNNING, node="n1",
+                      grants=grants, attempts=1, runs=(RunRecord(1, 0.0, None, 2.0),))
+    waiting = gpu_job(f"{project}/notebook", project, JobClass.INTERACTIVE, count=2,
+                      submitted=1000)
+    quotas = {p: ProjectQuota(p, frozenset({p})) for p in "acd"}
+    on_time = tuple(StartMiss(float(i), JobClass.INTERACTIVE, 0.0, None)
+                    for i in range(MIN_RANGE_SAMPLES))
+    snapshot = ClusterSnapshot(1800.0, (running, waiting), quotas, {"n1": gpu_node()},
+                               start_misses=on_time, recent_arrivals=arrivals)
+    config = AdmissionConfig(node_placer=packing_placer)
+    found = admission_cycle(snapshot, config).wait_for(waiting.key)
+    assert found is not None and found.estimated_start == HOUR
+    return found
+
+
+def test_same_class_arrivals_of_lighter_projects_widen_the_range() -> None:
+    # ten interactive jobs of project d (which has used nothing) came and went in the last
+    # ten minutes with work far beyond the 2 GPUs: fair share ranks d's next ones ahead of an
+    # interactive job of project a (which holds the GPUs), until a's job is promised its
+    # start; a due interactive job no interactive arrival passes, so its 1800 s wait stretches
+    # by 1 + 0.8 / (1 - 0)
+    surge = tuple((1200.0 + i, int(JobClass.INTERACTIVE), 10 * HOUR, "d")
+                  for i in range(MIN_HIGHER_ARRIVALS))
+    assert _interactive_wait("a", surge).estimated_start_high == pytest.approx(
+        1800 + 1.8 * 1800)
+    # a's own arrivals rank behind its job, and d's pass no job of c, which has used as
+    # little: no interactive range stretches (nothing arrives above interactive)
+    own = tuple((*arrival[:3], "a") for arrival in surge)
+    assert _interactive_wait("a", own).estimated_start_high == HOUR
+    assert _interactive_wait("c", surge).estimated_start_high == HOUR
+    assert _interactive_wait("c", surge[1:]).estimated_start_high == HOUR  # too few anyway
+    assert _interactive_wait("a", surge[1:]).estimated_start_high == HOUR

@@ -14,7 +14,10 @@ from carpool.core.estimate_ranges import (
     MIN_RANGE_SAMPLES,
     RATE_ARRIVALS,
     RECENT_MISSES,
+    Arrival,
     higher_class_load,
+    overtaking_load,
+    recent_arrivals,
     start_range,
     started_misses,
     wait_miss,
@@ -106,6 +109,32 @@ def test_higher_class_arrivals_load_lower_classes_only() -> None:
     flooded = higher_class_load(3600.0, 3600.0, 4.0, flood)
     assert JobClass.SHORT not in flooded
     assert flooded[JobClass.LONG] == pytest.approx(MAX_HIGHER_LOAD)  # capped
+
+
+def test_a_class_is_overtaken_by_its_own_arrivals_from_lighter_projects() -> None:
+    # 20 interactive arrivals of project b, 360 GPU-seconds each over the last hour on 4
+    # GPUs: rho = 0.5 for an interactive job of a project heavier than b, none for others
+    arrivals = [Arrival(3420.0 - 180.0 * i, int(JobClass.INTERACTIVE), 360.0, "b")
+                for i in range(20)]
+    recent = recent_arrivals(3600.0, 7200.0, arrivals)
+    interactive = int(JobClass.INTERACTIVE)
+    assert overtaking_load(3600.0, 4.0, recent, interactive,
+                           frozenset({"b", "c"})) == pytest.approx(0.5)
+    assert overtaking_load(3600.0, 4.0, recent, interactive, frozenset({"c"})) is None
+    assert overtaking_load(3600.0, 4.0, recent, interactive, frozenset()) is None
+    # a lower class counts them whatever the projects: they are above it
+    assert overtaking_load(3600.0, 4.0, recent, int(JobClass.SHORT),
+                           frozenset()) == pytest.approx(0.5)
+    # the latest RATE_ARRIVALS of those that may overtake: ten batch arrivals of b are not
+    # counted for a short job, and push the older interactive ones out for a batch job of a
+    # project heavier than b
+    batch = [Arrival(3590.0 + i, int(JobClass.BATCH), 0.0, "b") for i in range(10)]
+    recent = recent_arrivals(3600.0, 7200.0, [*arrivals, *batch])
+    assert overtaking_load(3600.0, 4.0, recent, int(JobClass.SHORT),
+                           frozenset({"b"})) == pytest.approx(0.5)
+    assert overtaking_load(3600.0, 4.0, recent, int(JobClass.BATCH), frozenset({"b"})) == (
+        pytest.approx(10 * 360.0 / ((3600.0 - 1800.0) * 4.0)))
+    assert recent_arrivals(3600.0, 0.0, arrivals) == []  # off
 
 
 def test_a_wait_stretches_by_what_overtakes_it_then_by_what_passes_it_when_due() -> None:
