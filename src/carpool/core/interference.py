@@ -34,8 +34,9 @@ service beside one heavy job's long kernels can wait as if beside many copies of
 where reports name their neighbours' templates (the node agent records them from the
 assignments), a template's curve is learned from its reports among copies, and each report
 beside other templates teaches pairs instead: the copies of itself its company made (where
-its P99 reaches on the curve), shared among those neighbours by weight, the worse company
-kept (`learn`). A job then counts a neighbour as the pair measured, else by weight
+its P99 reaches on the curve), first from companies of one other template, then from the
+rest, where templates so measured count as measured and what is left is shared among the
+others by weight, the worse company kept (`learn`). A job then counts a neighbour as the pair measured, else by weight
 (`resources.Sharer`), each job carrying, per GPU model, how every template measured beside
 it counted it (`Profiles.felt_by`).
 
@@ -367,8 +368,8 @@ def learn(samples: Iterable[Sample]) -> Profiles:
 
     The pairs: a report made beside other templates counts its company as the copies its
     P99 reaches on the curve (`Profile.degree_of_p99`); what lies beyond itself and its own
-    copies is shared among the other neighbours by weight, and a pair's count is the
-    TAIL_QUANTILE over its companies (the worse company, as for a degree's P99). Samples
+    copies goes to the other neighbours (`_pairs`), and a pair's count is the TAIL_QUANTILE
+    over its companies (the worse company, as for a degree's P99). Samples
     without a model or template, or with no throughput, say nothing."""
     groups: dict[tuple[str, str], list[Sample]] = {}
     for s in samples:
@@ -410,27 +411,38 @@ def _curve(key: tuple[str, str], samples: list[Sample]) -> Profile:
 
 def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, str], int]
            ) -> tuple[tuple[str, float], ...]:
-    """What each neighbour template counted as beside `profile`'s template (`learn`)."""
+    """What each neighbour template counted as beside `profile`'s template (`learn`): first
+    from the companies of one other template, then from the rest, where the templates
+    already measured so count as measured and what is left goes to the others by weight (a
+    light neighbour that sat beside a heavy one does not take the heavy one's blame)."""
     own_weight = max(1, weights.get((profile.model, profile.template), WHOLE_SHARER))
-    by_pair: dict[str, dict[str, list[float]]] = {}  # neighbour -> company -> counts
+    reached = []
     for n, s in enumerate(reports):
-        if s.p99_s is None:
-            continue
-        reached = profile.degree_of_p99(s.p99_s)
-        if reached is None:
-            continue
-        others = [t for t in s.neighbours if t != s.template]
-        copies = len(s.neighbours) - len(others)
-        by_weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight for t in others}
-        beyond = max(0.0, reached - 1 - copies)
-        share = beyond / sum(by_weight.values())
-        company = s.company or f"#{n}"
-        for template in set(others) - {""}:  # a neighbour its assignment does not name
-            by_pair.setdefault(template, {}).setdefault(company, []).append(
-                max(MIN_PAIR_COUNT, share * by_weight[template]))
-    return tuple((template, round(_high([statistics.median(v) for v in companies.values()])
-                                  or 0.0, 2))
-                 for template, companies in sorted(by_pair.items()))
+        degree = None if s.p99_s is None else profile.degree_of_p99(s.p99_s)
+        if degree is not None:
+            reached.append((s.company or f"#{n}", s, degree))
+
+    def counted(known: Mapping[str, float], alike: bool) -> dict[str, float]:
+        by_pair: dict[str, dict[str, list[float]]] = {}  # neighbour -> company -> counts
+        for company, s, degree in reached:
+            others = [t for t in s.neighbours if t != s.template]
+            unknown = [t for t in others if t not in known]
+            if alike != (len(set(others)) == 1) or not unknown:
+                continue
+            beyond = max(0.0, degree - 1 - (len(s.neighbours) - len(others))
+                         - sum(known[t] for t in others if t in known))
+            weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight
+                      for t in unknown}
+            total = sum(weight[t] for t in unknown)
+            for template in set(unknown) - {""}:  # a neighbour its assignment does not name
+                by_pair.setdefault(template, {}).setdefault(company, []).append(
+                    max(MIN_PAIR_COUNT, beyond * weight[template] / total))
+        return {template: round(_high([statistics.median(v) for v in companies.values()])
+                                or 0.0, 2)
+                for template, companies in by_pair.items()}
+
+    alone = counted({}, alike=True)
+    return tuple(sorted({**counted(alone, alike=False), **alone}.items()))
 
 
 def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:

@@ -368,3 +368,22 @@ def test_a_measured_pair_keeps_a_light_service_from_a_heavy_one_and_with_its_lik
     # the heavy one counts the light one as 0.23 of a copy, as measured (by weight: 0.62)
     assert gpu_rejection(h200(heavy_held, heavy_held).free()[0], replace(
         light, sharing_limits=())) is None
+
+
+def test_a_company_of_several_templates_blames_only_what_was_not_measured_alone() -> None:
+    copies = [*samples(LIGHT, "light", "H100"), *samples(HEAVY, "heavy", "H100"),
+              *samples(LIGHT, "other-light", "H100")]
+    # beside the heavy one alone the light service reached 3.5 ms: 3 copies of itself, so
+    # the heavy one counts as 2; beside both the heavy one and another light template it
+    # reached 3.8 ms, 4 copies: what lies beyond the heavy one's 2 is the other light one's
+    reports = [inf.Sample("H100", "light", 2, 290.0, 0.0035, "gpu-0@1", ("heavy",)),
+               inf.Sample("H100", "light", 3, 290.0, 0.0038, "gpu-1@1",
+                          ("heavy", "other-light"))]
+    light = inf.learn([*copies, *reports]).get("H100", "light")
+    assert light is not None
+    assert dict(light.pairs) == {"heavy": 2.0, "other-light": 1.0}
+    # shared by weight alone, the second GPU would have blamed the light neighbour for part
+    # of the heavy one's delay (the heavy one weighs 270 of the light one's 168)
+    only_mixed = inf.learn([*copies, reports[1]]).get("H100", "light")
+    assert only_mixed is not None
+    assert dict(only_mixed.pairs)["other-light"] == pytest.approx(1.15, abs=0.01)
