@@ -36,9 +36,9 @@ assignments), a template's curve is learned from its reports among copies, and e
 beside other templates teaches pairs instead: the copies of itself its company made (where
 its P99 reaches on the curve), first from companies of one other template, then from the
 rest, where templates so measured count as measured and what is left is shared among the
-others by weight, the worse company kept (`learn`). A job then counts a neighbour as the pair measured, else by weight
-(`resources.Sharer`), each job carrying, per GPU model, how every template measured beside
-it counted it (`Profiles.felt_by`).
+others by weight, the worse company kept (`learn`). A job then counts a neighbour as the
+pair measured, else by weight (`resources.Sharer`), each job carrying, per GPU model, how
+every template measured beside it counted it (`Profiles.felt_by`).
 
 Everything here is pure.
 """
@@ -369,8 +369,8 @@ def learn(samples: Iterable[Sample]) -> Profiles:
     The pairs: a report made beside other templates counts its company as the copies its
     P99 reaches on the curve (`Profile.degree_of_p99`); what lies beyond itself and its own
     copies goes to the other neighbours (`_pairs`), and a pair's count is the TAIL_QUANTILE
-    over its companies (the worse company, as for a degree's P99). Samples
-    without a model or template, or with no throughput, say nothing."""
+    over its companies (the worse company, as for a degree's P99). Samples without a model
+    or template, or with no throughput, say nothing."""
     groups: dict[tuple[str, str], list[Sample]] = {}
     for s in samples:
         if not s.model or not s.template or s.degree < 1 or not math.isfinite(s.throughput) \
@@ -395,6 +395,7 @@ def learn(samples: Iterable[Sample]) -> Profiles:
 
 
 def _curve(key: tuple[str, str], samples: list[Sample]) -> Profile:
+    """One template's curve on one model from `samples`, each at its degree (`learn`)."""
     by_degree: dict[int, list[Sample]] = {}
     for s in samples:
         by_degree.setdefault(s.degree, []).append(s)
