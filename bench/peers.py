@@ -529,7 +529,8 @@ def run_carpool(args: argparse.Namespace, round_no: int) -> dict[str, Any]:
         "--jobs", str(args.jobs), "--nodes", str(args.nodes), "--projects",
         str(args.projects), "--cluster", args.cluster, "--extender-port",
         str(args.extender_port), "--create-first", "--pause-scheduler", "--hold-scheduler",
-        "--exclusive", "--stop-when-admitted", "--timeout", str(args.timeout),
+        "--exclusive", "--stop-when-admitted", "--idle-stop", str(args.idle_stop),
+        "--timeout", str(args.timeout),
         "--seed", str(args.seed), "--gang-share", str(args.gang_share),
         "--then-schedule", str(args.then_schedule), "--none-preemptible"])
     outcome = admission.run(carpool_args)
@@ -615,7 +616,9 @@ def main() -> None:
                         help="each round also runs Kueue with client QPS N (burst 2N)")
     parser.add_argument("--timeout", type=float, default=300,
                         help="a round's window at most, seconds (Carpool's: until all that "
-                             "fits is admitted and nothing more comes for 20 s)")
+                             "fits is admitted and nothing more comes for --idle-stop s)")
+    parser.add_argument("--idle-stop", type=float, default=20.0, metavar="S",
+                        help="Carpool's round ends once no job was admitted for S seconds")
     parser.add_argument("--kueue-timeout", type=float, default=0, metavar="S",
                         help="Kueue's rounds' window instead (default: --timeout): its "
                              "rate over a long queue, without waiting for it to admit all")
