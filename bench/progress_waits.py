@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import json
 import math
 import multiprocessing
@@ -205,9 +206,12 @@ def _passed_by(outcome: queue_replay.Outcome,
     job's arrival and its own start: jobs ranked ahead of it then, jobs ranked behind it
     then or submitted after it (each by its class against the job's: higher, same, lower),
     runs started again after a preemption. For each kind: how many jobs met it, their error,
-    and how many such starts a job met (median); and the error of the jobs no job passed."""
+    and how many such starts a job met (median); the error of the jobs no job passed; and
+    where first starts fell against their 80 % range, all and those passed by their own
+    class."""
     by_class: dict[str, dict[str, object]] = {}
     rows: dict[str, list[tuple[float, set[str], dict[str, int]]]] = {}
+    ranged: dict[str, dict[str, int]] = collections.defaultdict(dict)
     starts = sorted(started)
     times = [t for t, _ in starts]
     for key, record in outcome.records.items():
@@ -232,6 +236,14 @@ def _passed_by(outcome: queue_replay.Outcome,
                       "behind" if other.key in queue else "restarted")
             kinds[f"{source}, {relation}"] = kinds.get(f"{source}, {relation}", 0) + 1
         passers = {k for k in kinds if k.split(",")[0] in PASSERS}
+        where = ("no range" if estimate.low is None or estimate.high is None else
+                 "before" if start < estimate.low else "after" if start > estimate.high
+                 else "inside")
+        own = any(k.endswith(", same") for k in passers)
+        ranged[job.job_class.label][where] = ranged[job.job_class.label].get(where, 0) + 1
+        if own:
+            key_own = f"{where}, passed by its own class"
+            ranged[job.job_class.label][key_own] = ranged[job.job_class.label].get(key_own, 0) + 1
         rows.setdefault(job.job_class.label, []).append(
             ((start - estimate.start) / wait, passers, kinds))
     for label, found in sorted(rows.items()):
@@ -248,6 +260,7 @@ def _passed_by(outcome: queue_replay.Outcome,
                              "median_abs_error": _median([abs(e) for e, _ in met]),
                              "median_signed_error": _median([e for e, _ in met]),
                              "median_starts": _median([float(n) for _, n in met])}
+        summary["first start against the range"] = ranged[label]
         by_class[label] = summary
     return by_class
 
