@@ -149,6 +149,10 @@ class Job:
     # a run placed by its calibrated size failed: it is placed as asked from now on
     # (core.right_sizing.placement_request; status.calibrationOutgrown)
     calibration_outgrown: bool = False
+    # placed by its calibrated size: the least it may be granted where no piece holds that
+    # size, its template's measured peak without the headroom (core.right_sizing.
+    # placement_floor; core.queueing places it into such a piece, granted the piece)
+    placement_floor: GpuRequest | None = None
     # per GPU, the part of its grant it may lend (core.lending.lendable, from what was measured)
     lendable_mib: int = 0
     lendable_cores_pct: int = 0

@@ -79,6 +79,7 @@ from carpool.core.jobs import ClusterSnapshot, DurationEstimate, Job, ProjectQuo
 from carpool.core.lending import LendingPolicy
 from carpool.core.placement import (
     SHARING_WOULD_BREAK,
+    GpuFree,
     NodeState,
     gpu_verdicts,
     rejection_by_conditions,
@@ -403,6 +404,19 @@ class CycleResult:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _widened(grant: GpuGrant, free: GpuFree, request: GpuRequest) -> GpuGrant:
+    """A grant at a job's placement floor grown into the rest of its GPU's free piece, up
+    to the job's calibrated `request` (memory in whole GiB): the more of its measured peak's
+    headroom it gets, the less likely the watchdog ends it."""
+    memory, cores = grant.memory_mib, grant.cores_pct
+    if 0 < memory < request.memory_mib:
+        gib = lending.MIB_PER_GIB
+        memory = max(memory, min(request.memory_mib, free.memory_mib // gib * gib))
+    if 0 < cores < request.cores_pct:
+        cores = max(cores, min(request.cores_pct, free.cores_pct))
+    return replace(grant, memory_mib=memory, cores_pct=cores)
 
 
 def _memory_of(request: GpuRequest, grants: tuple[GpuGrant, ...], reference_mib: int) -> int:
@@ -1514,7 +1528,9 @@ class _QueueDecisions:
             if slot is None:
                 cycle.now_fail[request] = duration
         if slot is None and job.not_before <= cycle.snapshot.now:
-            slot = self._lent_slot(job)
+            slot = self._lent_slot(job, request)
+        if slot is None and job.placement_floor is not None:
+            slot = self._piece_slot(job, job.placement_floor, duration)
         if slot is not None:
             fraction = grants_fraction(slot.grants, cycle.snapshot.nodes[slot.node].inventory,
                                        request.isolation)
@@ -1522,11 +1538,34 @@ class _QueueDecisions:
         return (None, nominal_fraction(request, cycle.reference_mib),
                 _memory_of(request, (), cycle.reference_mib))
 
-    def _lent_slot(self, job: Job) -> Slot | None:
-        """The best node whose lent capacity holds the job, if it may borrow (`lending`)."""
+    def _piece_slot(self, job: Job, floor: GpuRequest, duration: float) -> Slot | None:
+        """Where no GPU holds a job placed by its calibrated size: the best piece, free or
+        lent, that holds its `Job.placement_floor`, granted that piece up to its calibrated
+        size (`_widened`). The tightest fitting GPU is the node placer's; a piece smaller than
+        every waiting job's calibrated size is otherwise left idle until a neighbour ends."""
+        cycle = self.cycle
+        now = cycle.snapshot.now
+        slot = None
+        if duration < cycle.now_fail.get(floor, math.inf):
+            slot = cycle.timeline.best_now(floor, duration)
+            if slot is None:
+                cycle.now_fail[floor] = duration
+        if slot is not None:
+            state = cycle.timeline.state_during(slot.node, now, now + duration)
+        elif job.not_before <= now and (slot := self._lent_slot(job, floor)) is not None:
+            state = lending.borrower_view(
+                cycle.timeline.state_during(slot.node, now, math.nextafter(now, math.inf)))
+        else:
+            return None
+        free = {f.gpu.uuid: f for f in state.free()}
+        return replace(slot, grants=tuple(_widened(g, free[g.gpu_uuid], job.request)
+                                          for g in slot.grants))
+
+    def _lent_slot(self, job: Job, request: GpuRequest) -> Slot | None:
+        """The best node whose lent capacity holds `request` (the job's, or its placement
+        floor), if the job may borrow (`lending`)."""
         cycle = self.cycle
         policy = cycle.config.lending
-        request = job.request
         if policy is None or request in cycle.borrow_fail or not lending.may_borrow(
                 request, job.preemptible, job.checkpoint_grace_s, policy):
             return None

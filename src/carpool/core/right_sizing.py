@@ -126,6 +126,29 @@ def placement_request(job: Job, quota: ProjectQuota | None, memory_mib: int | No
                       gpu_memory_mib)
 
 
+def placement_floor(placed: GpuRequest, asked: GpuRequest) -> GpuRequest | None:
+    """The least a job placed by its calibrated size (`placed`, from `placement_request`)
+    may be granted where no piece of a GPU holds that size: each lowered amount at the peak
+    its recommendation was made from, without the fifth of headroom (rounded up: memory in
+    whole GiB, cores in whole per cent); None where it is placed as asked. The headroom
+    covers runs that peak above their template's 90th percentile; a run given less is fenced
+    by the watchdog as any calibrated run is, and runs again as asked."""
+    if placed == asked or placed.isolation is not Isolation.MPS:
+        return None
+    memory, cores = placed.memory_mib, placed.cores_pct
+    if memory > 0 and (asked.isolation is not Isolation.MPS or memory < asked.memory_mib):
+        memory = _without_headroom(memory, MIB_PER_GIB)
+    if cores > 0 and (asked.isolation is not Isolation.MPS or cores < asked.cores_pct):
+        cores = _without_headroom(cores, 1)
+    floor = replace(placed, memory_mib=memory, cores_pct=cores)
+    return None if floor == placed else floor
+
+
+def _without_headroom(size: int, step: int) -> int:
+    """The peak a recommended `size` was made from (`recommended`), in whole `step`s, up."""
+    return max(step, math.ceil(size / HEADROOM / step) * step)
+
+
 def pod_request(request: GpuRequest, grants: Sequence[GpuGrant]) -> GpuRequest:
     """What a one-pod job's pod asks for, from the grants its admission chose: its spec's
     request, or that request at the grants' lower memory where the admission placed it by
@@ -182,7 +205,8 @@ def with_calibrated(jobs: Sequence[Job], quotas: Mapping[str, ProjectQuota],
             request = placement_request(job, quotas.get(job.project), size, None,
                                         smallest_for(job.request, smallest or {}))
             if request != job.request:
-                job = replace(job, request=request)
+                job = replace(job, request=request,
+                              placement_floor=placement_floor(request, job.request))
         out.append(job)
     return out
 

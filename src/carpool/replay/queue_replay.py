@@ -591,7 +591,7 @@ class Replay:
             self.idle_stats.outgrown += 1
             state.jobs[key] = replace(self._close_run(job, now, lost=True), grants=(), node="",
                                       phase=Phase.QUEUED, request=trace[key].request,
-                                      calibration_outgrown=True,
+                                      calibration_outgrown=True, placement_floor=None,
                                       lendable_mib=0, lendable_cores_pct=0)
         else:  # LEAVE: a preempted job is off its GPUs and queued again
             job = state.jobs.get(key)
@@ -695,10 +695,13 @@ class Replay:
             if limit > 0 and use.idle_from is not None and idle_due < remaining:
                 heapq.heappush(self.events, (now + idle_due, IDLE_DUE, job.key, job.attempts))
         asked = self.trace[job.key].request.cores_pct
-        if job.request.cores_pct < asked:  # placed by its calibrated size
-            if peak_of(asked, use.used(done, run_s)) > job.request.cores_pct:
+        # what MPS fences it at: its grant (a piece at its placement floor may be smaller
+        # than its calibrated request)
+        fence = min((g.cores_pct for g in job.grants), default=job.request.cores_pct)
+        if fence < asked:  # placed by its calibrated size
+            if peak_of(asked, use.used(done, run_s)) > fence:
                 at = min(OUTGROW_S, remaining)
-            elif rise is not None and peak_of(asked, use.peak) > job.request.cores_pct:
+            elif rise is not None and peak_of(asked, use.peak) > fence:
                 at = rise
             else:
                 return
@@ -741,7 +744,8 @@ class Replay:
                     replace(job, request=trace.request), self.quotas.get(job.project), None,
                     self._calibration((job.project, job.template)))
                 if request != job.request:
-                    state.jobs[key] = replace(job, request=request)
+                    state.jobs[key] = replace(job, request=request, placement_floor=(
+                        right_sizing.placement_floor(request, trace.request)))
 
     def _calibration(self, learn: tuple[str, str]) -> int | None:
         """The recommended cores of a (project, template) from its finished runs' peaks."""

@@ -1,7 +1,8 @@
 """Preemptible jobs placed by their template's calibrated size where their project says so
-(`core.right_sizing.placement_request`), the extender's check of a pod placed below its spec
-(`core.ownership.calibrated_mismatch`), and the fence: a run so placed that fails runs again
-as asked (`core.lifecycle.observe`)."""
+(`core.right_sizing.placement_request`), into a smaller piece down to their template's peak
+where no GPU holds that size (`placement_floor`), the extender's check of a pod placed below
+its spec (`core.ownership.calibrated_mismatch`), and the fence: a run so placed that fails
+runs again as asked (`core.lifecycle.observe`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,22 @@ from dataclasses import replace
 from carpool.core.assignment import AssignedGpu, Assignment
 from carpool.core.decoding import quota_from_object
 from carpool.core.job_status import shared_whole_gpu_status
+from carpool.core.jobs import ClusterSnapshot, RunRecord
 from carpool.core.lifecycle import OUTGREW_CALIBRATION, PodView, grants_from_status, observe
 from carpool.core.ownership import GpuLimits, calibrated_mismatch, grant_mismatch
-from carpool.core.resources import Gpu, GpuGrant, GpuRequest, Isolation, JobClass, Phase
+from carpool.core.placement import NodeState
+from carpool.core.queueing import admission_cycle
+from carpool.core.resources import (
+    Gpu,
+    GpuGrant,
+    GpuRequest,
+    Isolation,
+    JobClass,
+    NodeInventory,
+    Phase,
+)
 from carpool.core.right_sizing import (
+    placement_floor,
     placement_request,
     pod_request,
     smallest_gpus,
@@ -53,6 +66,47 @@ def test_the_calibration_comes_from_the_templates_finished_runs() -> None:
     assert placed[-1].request.memory_mib == 12 * GIB  # 10 GiB x 1.2, in whole GiB
     assert with_calibrated(jobs, {"a": project_quota("a")}) == jobs  # type: ignore[arg-type]
     assert with_calibrated(jobs[1:], {"a": PLACES})[-1] == jobs[-1]  # two runs say nothing
+
+
+def test_the_placement_floor_is_the_peak_the_calibration_was_made_from() -> None:
+    asked = GpuRequest(1, 40 * GIB, 0, Isolation.MPS)
+    placed = replace(asked, memory_mib=12 * GIB)  # a 10 GiB peak with a fifth more
+    floor = placement_floor(placed, asked)
+    assert floor is not None and (floor.memory_mib, floor.cores_pct) == (10 * GIB, 0)
+    assert placement_floor(asked, asked) is None  # placed as asked: no floor
+    by_cores = GpuRequest(1, 0, 81, Isolation.MPS)  # the replay's shares: cores
+    floor = placement_floor(replace(by_cores, cores_pct=54), by_cores)
+    assert floor is not None and floor.cores_pct == 45
+    whole = GpuRequest(1, 0, 100, Isolation.EXCLUSIVE)
+    floor = placement_floor(GpuRequest(1, 24 * GIB, 0, Isolation.MPS), whole)
+    assert floor is not None and floor.memory_mib == 20 * GIB
+    assert placement_floor(GpuRequest(1, GIB, 0, Isolation.MPS), asked) is None  # 1 GiB least
+    jobs = [finished(1, 8), finished(2, 9), finished(3, 10), sweep()]
+    placed_job = with_calibrated(jobs, {"a": PLACES})[-1]  # type: ignore[arg-type]
+    assert placed_job.placement_floor is not None
+    assert placed_job.placement_floor.memory_mib == 10 * GIB
+
+
+def _cycle_with_piece(piece_gib: int) -> tuple[GpuGrant, ...]:
+    """The grants of the calibrated sweep (12 GiB, floor 10 GiB) admitted beside an owner
+    that leaves `piece_gib` of an 80 GiB GPU free; () if it waits."""
+    node = NodeInventory("n1", (Gpu(0, "g0", "H100", 80 * GIB),))
+    owner = gpu_job("a/train", "a", JobClass.LONG, memory_gib=80 - piece_gib, exclusive=False,
+                    phase=Phase.RUNNING, attempts=1, node="n1",
+                    grants=(GpuGrant("g0", (80 - piece_gib) * GIB, 0),),
+                    runs=(RunRecord(1, NOW - 60, None, 1.0, "n1"),))
+    jobs = with_calibrated([finished(1, 8), finished(2, 9), finished(3, 10), owner,  # type: ignore[list-item]
+                            sweep(submitted=NOW - 30)], {"a": PLACES})
+    result = admission_cycle(ClusterSnapshot(NOW, tuple(jobs), {"a": PLACES},
+                                             {"n1": NodeState(node)}))
+    return next((a.grants for a in result.admissions if a.job_key == "a/sweep-9"), ())
+
+
+def test_where_no_gpu_holds_its_calibrated_size_it_takes_a_piece_that_holds_its_peak() -> None:
+    assert [g.memory_mib // GIB for g in _cycle_with_piece(20)] == [12]  # its calibrated size
+    assert [g.memory_mib // GIB for g in _cycle_with_piece(11)] == [11]  # the whole piece
+    assert [g.memory_mib // GIB for g in _cycle_with_piece(10)] == [10]  # its peak
+    assert _cycle_with_piece(9) == ()  # below its template's peak: it waits
 
 
 def test_the_pod_asks_for_what_its_admission_granted_below_the_spec() -> None:
