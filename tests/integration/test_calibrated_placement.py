@@ -13,6 +13,8 @@ again with reason OutgrewCalibration and runs as asked.
   then at 40 again.
 - with `shareWholeGpus` too, sweeps asking for a whole GPU: the fourth runs as an MPS client
   of 10 GiB (at most three quarters of the node's 80 GiB GPU), then on the whole GPU.
+- with a job of bob's holding all but 9 GiB of the GPU, the fourth sweep takes that piece:
+  it holds the template's measured peak (8 GiB), though not its calibrated 10 GiB.
 """
 
 from __future__ import annotations
@@ -52,11 +54,10 @@ def sweep(name: str, project: str, node: str, gpu: dict[str, Any], seconds: int 
 Obj = dict[str, Any]
 
 
-def calibrated_then_failed(world: tenants.World, right_sizing: dict[str, bool],
-                           gpu: Callable[[str], Obj]
-                           ) -> tuple[tenants.Tenant, str, Obj, Obj, Obj]:
-    """bob's fourth sweep placed at its calibrated 10 GiB, then failed and running again:
-    bob, his namespace, the pod of the calibrated run, the status then, the status after."""
+def bobs_sweeps(world: tenants.World, right_sizing: dict[str, bool]
+                ) -> tuple[tenants.Tenant, str, str, str, str]:
+    """bob, with `edit` in his namespace of a project with `right_sizing`, and a node of
+    one GPU: bob, his namespace, the project, the node, its GPU model."""
     model = world.name("m")
     node = world.node("gpu", model)
     team = world.namespace("sweeps")
@@ -67,6 +68,15 @@ def calibrated_then_failed(world: tenants.World, right_sizing: dict[str, bool],
     bob = tenant(world, team, "bob")
     wait_for("the GpuJob roles to aggregate into edit",
              lambda: tenants.can_create_gpujobs(world, bob, team))
+    return bob, team, project, node, model
+
+
+def calibrated_then_failed(world: tenants.World, right_sizing: dict[str, bool],
+                           gpu: Callable[[str], Obj]
+                           ) -> tuple[tenants.Tenant, str, Obj, Obj, Obj]:
+    """bob's fourth sweep placed at its calibrated 10 GiB, then failed and running again:
+    bob, his namespace, the pod of the calibrated run, the status then, the status after."""
+    bob, team, project, node, model = bobs_sweeps(world, right_sizing)
     ask = gpu(model)
     with tenants.peaks_reported(world, team, node, 8 * GIB):
         tenants.finish_runs(bob, team, [sweep(f"sweep-{i}", project, node, ask, 8)
@@ -124,3 +134,29 @@ def test_a_whole_gpu_job_runs_as_an_mps_share_of_its_calibrated_size_and_again_w
     assert pod["metadata"]["annotations"][names.ANN_ISOLATION] == "exclusive"
     told = requeued_messages(world, team)
     assert any("below the whole GPU it asks for" in m for m in told), told
+
+
+def test_a_preemptible_job_takes_a_smaller_piece_that_holds_its_measured_peak(
+        world: tenants.World) -> None:
+    bob, team, project, node, _ = bobs_sweeps(world, {"placePreemptible": True})
+    with tenants.peaks_reported(world, team, node, 8 * GIB):
+        tenants.finish_runs(bob, team, [sweep(f"sweep-{i}", project, node, MPS_40, 8)
+                                        for i in range(1, 4)], 8 * GIB)
+        # a long run of bob's holds 71 GiB of the 80: 9 GiB are left, under the calibrated 10
+        holder = sweep("holder", project, node, {"count": 1, "memory": "71Gi",
+                                                 "isolation": "mps"}, None)
+        holder["spec"].update({"preemptible": False, "class": "long"})
+        holder["spec"]["template"]["spec"]["containers"][0]["image"] = "lab/holder:1"
+        bob.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump(holder))
+        wait_for("the holder running", lambda: (
+            bob.status(team, "holder").get("phase") == "Running" or None),
+            timeout=60, interval=0.5)
+        bob.kubectl("create", "-n", team, "-f", "-",
+                    stdin=yaml.safe_dump(sweep("sweep-4", project, node, MPS_40, None)))
+        running = wait_for("sweep-4 running in the piece", lambda: (
+            s if (s := bob.status(team, "sweep-4")).get("phase") == "Running" else None),
+            timeout=60, interval=0.5)
+    assert running["gpus"][0]["memoryMiB"] == 9 * GIB, running
+    pod = json.loads(bob.kubectl("get", "pod", "-n", team, running["podName"], "-o", "json"))
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert limits[names.RESOURCE_GPU_MEMORY] == "9", limits
