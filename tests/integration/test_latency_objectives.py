@@ -15,6 +15,7 @@ SharingWouldBreakObjective, and `kubectl carpool why` says so.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,20 +40,26 @@ def gpujob(name: str, project: str, model: str, image: str, **spec: Any) -> dict
                      "template": {"spec": {"containers": [{"name": "main", "image": image}]}}}}
 
 
-def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.World) -> None:
+Report = tuple[str, str, float, float, int, tuple[str, ...]]  # name, image, req/s, P99, ...
+
+
+def seeded_world(world: tenants.World, reports: list[Report]
+                 ) -> tuple[str, str, str, tenants.Tenant, Callable[..., None]]:
+    """A node of one GPU of a fresh model; `reports` (name, image, req/s, P99, degree,
+    neighbours' templates) recorded as the node agent does in jobs that never run here;
+    alice with `edit` in her project's namespace. The model, the node, her namespace, alice,
+    and how she submits a job (name, image, spec fields)."""
     model = world.name("m")
     node = world.node("n", model)
     seed = world.namespace("seed")
     world.project("seed", [seed])
-    for degree, (throughput, p99) in MEASURED.items():
-        name = f"web-{degree}"
+    for name, image, throughput, p99, degree, neighbours in reports:
         world.admin("create", "-n", seed, "-f", "-", stdin=yaml.safe_dump(
-            gpujob(name, world.name("seed"), f"{model}-absent", "server")))
+            gpujob(name, world.name("seed"), f"{model}-absent", image)))
         report = service_levels.ServiceReport(0.0, 10.0, int(throughput * 10), 0,
                                               service_levels.Histogram.of([p99] * 100))
         world.patch_status(["gpujob", name, "-n", seed], service_levels.service_status(
-            service_levels.ServiceMeasure(report, 1, model, degree)))
-
+            service_levels.ServiceMeasure(report, 1, model, degree, neighbours=neighbours)))
     team = world.namespace("team")
     world.apply_cluster_scoped(user_roles(world))
     project = world.project("team", [team])
@@ -63,6 +70,14 @@ def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.Worl
     def submit(name: str, image: str, **spec: Any) -> None:
         alice.kubectl("create", "-n", team, "-f", "-",
                       stdin=yaml.safe_dump(gpujob(name, project, model, image, **spec)))
+    return model, node, team, alice, submit
+
+
+WEB: list[Report] = [(f"web-{d}", "server", t, p, d, ()) for d, (t, p) in MEASURED.items()]
+
+
+def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.World) -> None:
+    _, node, team, alice, submit = seeded_world(world, WEB)
 
     promise = {"objectives": {"p99Latency": "10ms"}}
     for name in ("web-10", "web-11"):
@@ -97,32 +112,10 @@ def test_a_light_service_keeps_off_a_gpu_whose_neighbour_hurt_it_more_than_its_w
     histograms, 25 ms is 25.5 and the web curve 8.0 and 32.1 ms at 2 and 3: the batch job
     made 2.73 copies of web, counting as 1.73. By weight alone a web job with a 10 ms promise
     (limit 2.04) would join a batch job (1 + 0.94); by the pair it waits."""
-    model = world.name("m")
-    world.node("n", model)
-    seed = world.namespace("seed")
-    world.project("seed", [seed])
-    reports = [(f"web-{d}", "server", t, p, d, ()) for d, (t, p) in MEASURED.items()]
-    reports += [(f"batch-{d}", "cruncher", t, 0.050, d, ())
-                for d, t in {1: 50.0, 2: 45.0, 3: 40.0}.items()]
-    reports.append(("web-4", "server", 180.0, 0.025, 2, ("batch@cruncher",)))
-    for name, image, throughput, p99, degree, neighbours in reports:
-        world.admin("create", "-n", seed, "-f", "-", stdin=yaml.safe_dump(
-            gpujob(name, world.name("seed"), f"{model}-absent", image)))
-        report = service_levels.ServiceReport(0.0, 10.0, int(throughput * 10), 0,
-                                              service_levels.Histogram.of([p99] * 100))
-        world.patch_status(["gpujob", name, "-n", seed], service_levels.service_status(
-            service_levels.ServiceMeasure(report, 1, model, degree, neighbours=neighbours)))
-
-    team = world.namespace("team")
-    world.apply_cluster_scoped(user_roles(world))
-    project = world.project("team", [team])
-    alice = tenant(world, team, "alice")
-    wait_for("the GpuJob roles to aggregate into edit",
-             lambda: tenants.can_create_gpujobs(world, alice, team))
-
-    def submit(name: str, image: str, **spec: Any) -> None:
-        alice.kubectl("create", "-n", team, "-f", "-",
-                      stdin=yaml.safe_dump(gpujob(name, project, model, image, **spec)))
+    batch: list[Report] = [(f"batch-{d}", "cruncher", t, 0.050, d, ())
+                           for d, t in {1: 50.0, 2: 45.0, 3: 40.0}.items()]
+    beside = ("web-4", "server", 180.0, 0.025, 2, ("batch@cruncher",))
+    _, _, team, alice, submit = seeded_world(world, [*WEB, *batch, beside])
 
     submit("batch-10", "cruncher")
     wait_for("batch-10 running", lambda: (
