@@ -3,18 +3,21 @@
 A lab's cluster of `--gpus` GPUs serves inference services (a ResNet-50-shaped conv net and a
 transformer encoder, each at batch sizes 1, 8 and 32) that arrive one after another, more of
 them than the cluster can hold, each with a P99 target. Every policy places them online, in
-arrival order, first fit, with the placement core's own sharing rule (`placement.gpu_rejection`
-over logical GPUs); a service that fits on none of the cluster's GPUs waits and is not served
-here. A fixed degree d gives every service a sharing limit of d; Carpool gives each service the
-limit its template's interference profile allows for its objective and its weight as a sharer
-(`core.interference`), the profile learned from a short profiling run (each template alone and
-2..P at a time) and then from what its own services report where it placed them, a few times
-over (`--learn-rounds`; both times are reported); a limit may lie between two degrees (a
-light neighbour counts as less than one copy), and a third row, "whole degrees", cuts each to
-the degree below, to show what that adds. Each report names its neighbours' templates, as the
-node agent records them, so Carpool also learns pairs (how many copies of a service each
-neighbour template counts as); a fourth row, "by weight only", learns from the same reports
-as if none named its company, every neighbour counted by weight. Then each policy's GPUs are
+arrival order, with the placement core's own sharing rule (`placement.gpu_rejection` over
+logical GPUs of one node); a service that fits on none of the cluster's GPUs waits and is not
+served here. A fixed degree d gives every service a sharing limit of d and packs first fit;
+Carpool gives each service the limit its template's interference profile allows for its
+objective and its weight as a sharer (`core.interference`) and takes the GPU its extender
+would (`gpu_choice.choose_gpus`: where the service uses up the least of the sharing budgets),
+the profile learned from a short profiling run (each template alone and 2..P at a time, and
+each pair of templates once) and then from what its own services report where it placed them,
+a few times over (`--learn-rounds`; both times are reported). A limit may lie between two
+degrees (a light neighbour counts as less than one copy); the row "whole degrees" cuts each
+to the degree below, to show what that adds. Each report names its neighbours' templates, as
+the node agent records them, so Carpool also learns pairs (how many copies of a service each
+neighbour template counts as); the row "by weight only" learns from the same reports as if
+none named its company, every neighbour counted by weight, and the row "first fit" places
+Carpool's limits first fit, to show what the GPU choice adds. Then each policy's GPUs are
 measured, one
 logical GPU after the other on the one physical GPU (a logical GPU holds what the real one's
 memory holds, at most 8 services, the pool's size): its services serve requests back to back
@@ -408,31 +411,63 @@ def profile(pool: Pool, templates: list[str], degrees: int, seconds: float, mode
     return samples, alone
 
 
+def profile_pairs(pool: Pool, templates: list[str], seconds: float, model: str) -> list[Any]:
+    """Each template beside one job of each other template, once: what a new template's
+    profiling run adds where the cluster already serves others, so that pairs are known
+    before any placement has tried them (`core.interference` learns them from reports that
+    name their neighbours)."""
+    from carpool.core.interference import Sample
+
+    samples = []
+    for n, first in enumerate(templates):
+        for second in templates[n + 1:]:
+            measures = pool.run([first, second], seconds)
+            for template, other, m in ((first, second, measures[0]),
+                                       (second, first, measures[1])):
+                samples.append(Sample(model, template, 2, m.req_per_s, m.p99_s,
+                                      f"pair {first}+{second}", (other,)))
+            log(f"    {first} + {second}: P99 {measures[0].p99_s * 1000:.2f} / "
+                f"{measures[1].p99_s * 1000:.2f} ms")
+    return samples
+
+
 def place(services: list[Service], request_of: Any, model: str, memory_mib: int,
-          gpus: int | None = None) -> list[list[Service]]:
-    """Online first fit in arrival order over `gpus` logical GPUs like the real one (`model`,
-    `memory_mib`; None: as many as it takes), by the placement core's rule (`gpu_rejection`:
-    memory, each service's sharing limit and weight and those of the services there);
-    `request_of` gives a service's one-GPU request. A service no GPU takes is left out (it
-    waits); the groups are the GPUs in use."""
+          gpus: int | None = None, first_fit: bool = True) -> list[list[Service]]:
+    """Online placement in arrival order over `gpus` logical GPUs like the real one (`model`,
+    `memory_mib`; None: as many as it takes), one node of them, by the placement core's rule
+    (`gpu_rejection`: memory, each service's sharing limit and weight and those of the
+    services there); `request_of` gives a service's one-GPU request. `first_fit`: the
+    lowest-numbered GPU that accepts (the fixed degrees, as a sharing-by-count plugin packs);
+    else the GPU the extender and the operator choose (`gpu_choice.choose_gpus`). A service no
+    GPU takes is left out (it waits); the groups are the GPUs in use, in the order first used."""
+    from carpool.core.derived import DerivedState
+    from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
     from carpool.core.placement import NodeState, gpu_rejection, grant_for
     from carpool.core.resources import Gpu, NodeInventory
+    from carpool.core.scoring import RequestScorer, Scorer
 
     count = len(services) if gpus is None else gpus
     state = NodeState(NodeInventory("bench", tuple(
         Gpu(i, f"gpu-{i}", model, memory_mib) for i in range(count))))
-    groups: list[list[Service]] = []
+    on: dict[int, list[Service]] = {}
+    scorer = Scorer()
     for service in services:
         request = request_of(service)
-        for index, free in enumerate(state.free()):
-            if gpu_rejection(free, request) is not None:
-                continue
-            if index == len(groups):
-                groups.append([])
-            groups[index].append(service)
-            state = state.with_grants([grant_for(free, request)])
-            break
-    return groups
+        if first_fit:
+            frees = state.free()
+            index = next((i for i, free in enumerate(frees)
+                          if gpu_rejection(free, request) is None), None)
+            grants = () if index is None else (grant_for(frees[index], request),)
+        else:
+            derived = DerivedState.of(state)
+            choice = choose_gpus(derived, RequestScorer(request, scorer))
+            index = None if isinstance(choice, NoFit) else choice[1][0]
+            grants = () if isinstance(choice, NoFit) else grants_for(derived, request, choice[1])
+        if index is None:
+            continue
+        on.setdefault(index, []).append(service)
+        state = state.with_grants(grants)
+    return list(on.values())
 
 
 def allocate_envs(device: str, pipe_dir: Path
@@ -483,6 +518,9 @@ def main() -> int:
                         help="the profiling run measures each template at 1..this degree")
     parser.add_argument("--alone-runs", type=int, default=3,
                         help="runs of each template alone; their median P99 sets its targets")
+    parser.add_argument("--profile-pairs", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="the profiling run also measures each pair of templates once")
     parser.add_argument("--learn-rounds", type=int, default=3,
                         help="Carpool places, its services report, it learns: this often "
                              "before the measured rounds")
@@ -564,6 +602,9 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
         f"({args.profile_seconds:g}s each)")
     samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model,
                              args.alone_runs)
+    if args.profile_pairs:
+        log(f"profiling {len(kinds) * (len(kinds) - 1) // 2} pairs of templates")
+        samples.extend(profile_pairs(pool, kinds, args.profile_seconds, model))
     profiling_s = time.monotonic() - started
     factors = [float(x) for x in args.targets.split(",")]
     services = [Service(f"{t}#{n}", t, alone[t][0] * factors[n % len(factors)], alone[t][1])
@@ -586,7 +627,7 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     for learned in range(args.learn_rounds):
         requests = carpool_requests()
         groups = place(services, lambda s, known=requests: known[s.name], model, memory_mib,
-                       args.gpus)
+                       args.gpus, first_fit=False)
         learning.append([])
         for index, group in enumerate(groups):
             measures = pool.run([s.template for s in group], args.seconds)
@@ -608,6 +649,8 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
         fixed = GpuRequest(1, GRANT_MIB, 0, sharing_limits=((model, degree),))
         request_of[f"fixed {degree}"] = lambda s, r=fixed: r
     request_of["carpool"] = lambda s: requests[s.name]
+    # the same limits placed first fit: what choosing the GPU by sharing cost adds
+    request_of["carpool, first fit"] = lambda s: requests[s.name]
     # the same profiles with each limit cut to a whole degree: what limits between two degrees
     # add (a light neighbour beside a job whose objective breaks at one more copy)
     whole = {name: replace(r, sharing_limits=tuple((m, math.floor(x))
@@ -617,9 +660,12 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     # the same reports learned as if none named its company: every neighbour counted by weight
     weighed = carpool_requests(by_weight_only=True)
     request_of["carpool, by weight only"] = lambda s: weighed[s.name]
-    policies = {name: place(services, of, model, memory_mib, args.gpus)
+    chosen = {name: name.startswith("carpool") and name != "carpool, first fit"
+              for name in request_of}
+    policies = {name: place(services, of, model, memory_mib, args.gpus,
+                            first_fit=not chosen[name])
                 for name, of in request_of.items()}
-    needed = {name: len(place(services, of, model, memory_mib))
+    needed = {name: len(place(services, of, model, memory_mib, first_fit=not chosen[name]))
               for name, of in request_of.items()}
     for name, groups in policies.items():
         log(f"  {name}: {sum(map(len, groups))} served on {len(groups)} GPUs (all "

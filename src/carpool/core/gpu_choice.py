@@ -4,7 +4,10 @@ the extender pins.
 
 The rule: the scorer's plan (`Scorer.plan`: GPUs taken one at a time by the same score as
 nodes) among the GPUs the filter's rules accept (`placement.gpu_rejection`), each planned
-slot given to the coolest, then lowest-numbered, accepted GPU behind it. The scorer sees a
+slot given to the coolest, then lowest-numbered, accepted GPU behind it. A request with
+sharing limits (`core.interference`) plans only among the accepted GPUs where it uses up the
+least of the sharing budgets (`placement.sharing_cost`), shared GPUs before untouched
+ones, so latency-sensitive services gather with company they tolerate. The scorer sees a
 GPU as a slot (model, idle compute, free memory); the filter also knows MIG instances, MPS
 ceilings and over-booked GPUs, so the two can disagree on a GPU, and the filter's rules win.
 Which MIG instance of a chosen GPU is used is `placement.grant_for`'s (the smallest that fits).
@@ -15,7 +18,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from carpool.core.derived import DerivedState
-from carpool.core.placement import NodeState, gpu_rejection, gpu_verdicts, grant_for, node_rejection
+from carpool.core.placement import (
+    NodeState,
+    gpu_rejection,
+    gpu_verdicts,
+    grant_for,
+    node_rejection,
+    sharing_cost,
+)
 from carpool.core.resources import GpuGrant, GpuRequest
 from carpool.core.scoring import GpusBySlot, PlanNotOnNode, RequestScorer, gpus_for, slot_fits
 
@@ -62,8 +72,8 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
     them (kube-scheduler enforces those: the node stays usable, ranked last with score 0, as
     it is in the too-few case). Fast path: the scorer's memoised plan over every GPU it sees,
     kept when the GPUs it maps to are all accepted (checked only on the state's
-    `doubtful_gpus`, and on every GPU for a request with sharing limits: elsewhere a fitting
-    slot is an accepted GPU). Then the plain plan is the
+    `doubtful_gpus`: elsewhere a fitting slot is an accepted GPU) and the request has no
+    sharing limits (those compare every accepted GPU's sharing cost). Then the plain plan is the
     same one: each greedy step picks the best candidate slot, and the fast path's pick is
     among the plain path's candidates, a subset of its own (tests/unit/core/test_gpu_choice.py).
     """
@@ -80,7 +90,8 @@ def choose_gpus(state: DerivedState, scorer: RequestScorer) -> GpuChoice | NoFit
             if not request.sharing_limits and (not doubtful or doubtful.isdisjoint(scored[1])):
                 return scored
             frees = state.frees_by_index
-            if all(gpu_rejection(frees[i], request) is None for i in scored[1]):
+            if not request.sharing_limits and all(
+                    gpu_rejection(frees[i], request) is None for i in scored[1]):
                 return scored
     return choose_gpus_plainly(state, scorer)
 
@@ -92,6 +103,8 @@ def choose_gpus_plainly(state: DerivedState, scorer: RequestScorer) -> GpuChoice
     if isinstance(verdicts, str) or verdicts.count(None) < request.count:
         return NoFit(state, request)
     accepted = {f.gpu.index for f, v in zip(state.frees, verdicts, strict=True) if v is None}
+    if request.sharing_limits:
+        accepted = least_sharing_cost(state, request, accepted)
     demand = scorer.demand
     # every accepted GPU is usable, not held exclusively and (for an exclusive request)
     # untouched, so it has a slot in the scorer's view
@@ -116,6 +129,18 @@ def choose_gpus_plainly(state: DerivedState, scorer: RequestScorer) -> GpuChoice
     indices, temperature = gpus_for(state, among, plan.slots)
     score = scorer.combine(state, plan.score, temperature) if in_view and host_fits else 0.0
     return score, indices
+
+
+def least_sharing_cost(state: DerivedState, request: GpuRequest, accepted: set[int]
+                       ) -> set[int]:
+    """The accepted GPUs a request with sharing limits chooses among: shared GPUs before
+    untouched ones (a job shares where its limits allow rather than take a GPU of its own),
+    and of those the `request.count` whose sharing budgets it uses up least
+    (`placement.sharing_cost`), with every GPU that ranks as the last of them."""
+    frees = state.frees_by_index
+    rank = {i: (frees[i].grants == 0, sharing_cost(frees[i], request)) for i in accepted}
+    bar = sorted(rank.values())[request.count - 1]
+    return {i for i, key in rank.items() if key <= bar}
 
 
 def grants_for(state: DerivedState, request: GpuRequest, indices: tuple[int, ...]

@@ -204,6 +204,28 @@ def within_limit(job: Sharer, neighbours: Iterable[Sharer]) -> bool:
     return counted * 100 <= round(job.limit * 100) - 100
 
 
+def sharing_cost(free: GpuFree, request: GpuRequest) -> Fraction:
+    """How much of the sharing budgets on this GPU one more job uses up, for choosing among
+    the shared GPUs that accept it (`gpu_choice.choose_gpus`): each job's budget is the
+    neighbours its limit allows (limit - 1, in copies of itself), and the cost sums the share
+    of each budget the newcomer takes (of every job there) and that its new neighbours take
+    (of its own). A light service thus joins light company, where it and they lose little,
+    and keeps away from a heavy job that would use up its budget (0 on an untouched GPU)."""
+    newcomer = request.sharer(free.gpu.model)
+    cost = Fraction(0)
+    for held in free.sharers:
+        if held.limit:
+            cost += newcomer.counted_by(held) / _budget(held)
+        if newcomer.limit:
+            cost += held.counted_by(newcomer) / _budget(newcomer)
+    return cost
+
+
+def _budget(job: Sharer) -> Fraction:
+    """The neighbours a job's limit allows, in copies of itself (at least a hundredth)."""
+    return max(Fraction(round(job.limit * 100) - 100, 100), Fraction(1, 100))
+
+
 def _as_counted(job: Sharer, neighbours: tuple[Sharer, ...]) -> str:
     """What the count comes to where it is not one per job (else nothing)."""
     counted = counted_company(job, neighbours)

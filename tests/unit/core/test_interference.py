@@ -13,7 +13,13 @@ from carpool.core import service_levels as levels
 from carpool.core.derived import DerivedState
 from carpool.core.gpu_choice import NoFit, choose_gpus
 from carpool.core.jobs import ClusterSnapshot, Job, RunRecord
-from carpool.core.placement import NodeState, gpu_rejection, grant_for, node_rejection
+from carpool.core.placement import (
+    NodeState,
+    gpu_rejection,
+    grant_for,
+    node_rejection,
+    sharing_cost,
+)
 from carpool.core.queueing import AdmissionConfig, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, NodeInventory, Objectives, Phase
 from carpool.core.scoring import RequestScorer, Scorer
@@ -387,3 +393,38 @@ def test_a_company_of_several_templates_blames_only_what_was_not_measured_alone(
     only_mixed = inf.learn([*copies, reports[1]]).get("H100", "light")
     assert only_mixed is not None
     assert dict(only_mixed.pairs)["other-light"] == pytest.approx(1.15, abs=0.01)
+
+
+def test_a_limited_job_chooses_the_gpu_where_it_uses_up_the_least_sharing_budget() -> None:
+    """Among GPUs that all accept it, a light service joins its like rather than a heavy job
+    that would take most of its budget, and takes an untouched GPU only where no shared one
+    accepts it; the choice is the placement core's, so the filter, the extender's bind and
+    the operator's timeline pin the same GPU."""
+    def service(template: str, limit: float, weight: int, felt: tuple[tuple[str, float], ...]
+                ) -> GpuRequest:
+        return GpuRequest(1, GIB, 0, sharing_limits=(("H200", limit),),
+                          sharing_weights=(("H200", weight),), sharing_template=template,
+                          sharing_felt_by=(("H200", felt),))
+
+    # the heavy job counts as 3 copies of the light one, the light one as 0.2 of the heavy
+    light = service("light", 6, 200, (("heavy", 0.2),))
+    heavy = service("heavy", 3, 800, (("light", 3.0),))
+    gpus = tuple(Gpu(i, f"g{i}", "H200", 140 * GIB) for i in range(3))
+    empty = NodeState(NodeInventory("n1", gpus))
+    frees = empty.free()
+    state = empty.with_grants([grant_for(frees[0], heavy), grant_for(frees[1], light)])
+    frees = state.free()
+    # light on the heavy one's GPU: 0.2 of the heavy one's 2 neighbours, 3 of its own 5
+    assert [float(sharing_cost(f, light)) for f in frees] == [pytest.approx(0.7), 0.4, 0]
+    assert [float(sharing_cost(f, heavy)) for f in frees] == [1.0, pytest.approx(0.7), 0]
+    # every GPU accepts both; the memory scorer alone would take GPU 0 (equal slots)
+    assert all(gpu_rejection(f, r) is None for f in frees for r in (light, heavy))
+    assert choose_gpus(DerivedState.of(state), RequestScorer(light, Scorer()))[1] == (1,)
+    assert choose_gpus(DerivedState.of(state), RequestScorer(heavy, Scorer()))[1] == (1,)
+    # a job without limits keeps the scorer's choice
+    plain = GpuRequest(1, GIB, 0)
+    assert choose_gpus(DerivedState.of(state), RequestScorer(plain, Scorer()))[1] == (0,)
+    # where no shared GPU takes it (the heavy one allows 0.1 of a neighbour), an untouched one does
+    tight = service("heavy", 1.1, 800, (("light", 3.0),))
+    crowded = empty.with_grants([grant_for(empty.free()[0], tight)])
+    assert choose_gpus(DerivedState.of(crowded), RequestScorer(light, Scorer()))[1] == (1,)
