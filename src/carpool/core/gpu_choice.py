@@ -5,9 +5,9 @@ the extender pins.
 The rule: the scorer's plan (`Scorer.plan`: GPUs taken one at a time by the same score as
 nodes) among the GPUs the filter's rules accept (`placement.gpu_rejection`), each planned
 slot given to the coolest, then lowest-numbered, accepted GPU behind it. A request with
-sharing limits (`core.interference`) plans only among the accepted GPUs where it uses up the
-least of the sharing budgets (`placement.sharing_cost`), shared GPUs before untouched
-ones, so latency-sensitive services gather with company they tolerate. The scorer sees a
+sharing limits (`core.interference`) plans only among the accepted GPUs whose company is most
+like its own copies (`placement.sharing_cost`), so light services gather with light ones and
+heavy with heavy, and sharing limits fill with company that costs each job least. The scorer sees a
 GPU as a slot (model, idle compute, free memory); the filter also knows MIG instances, MPS
 ceilings and over-booked GPUs, so the two can disagree on a GPU, and the filter's rules win.
 Which MIG instance of a chosen GPU is used is `placement.grant_for`'s (the smallest that fits).
@@ -133,12 +133,12 @@ def choose_gpus_plainly(state: DerivedState, scorer: RequestScorer) -> GpuChoice
 
 def least_sharing_cost(state: DerivedState, request: GpuRequest, accepted: set[int]
                        ) -> set[int]:
-    """The accepted GPUs a request with sharing limits chooses among: shared GPUs before
-    untouched ones (a job shares where its limits allow rather than take a GPU of its own),
-    and of those the `request.count` whose sharing budgets it uses up least
-    (`placement.sharing_cost`), with every GPU that ranks as the last of them."""
+    """The accepted GPUs a request with sharing limits chooses among: the `request.count`
+    whose company is most like its own copies (`placement.sharing_cost`; an untouched GPU
+    counts as alike, and a shared GPU as alike goes first), with every GPU that ranks as
+    the last of them."""
     frees = state.frees_by_index
-    rank = {i: (frees[i].grants == 0, sharing_cost(frees[i], request)) for i in accepted}
+    rank = {i: (sharing_cost(frees[i], request), not frees[i].sharers) for i in accepted}
     bar = sorted(rank.values())[request.count - 1]
     return {i for i, key in rank.items() if key <= bar}
 

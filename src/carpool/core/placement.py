@@ -204,26 +204,24 @@ def within_limit(job: Sharer, neighbours: Iterable[Sharer]) -> bool:
     return counted * 100 <= round(job.limit * 100) - 100
 
 
+ALIKE = Fraction(1)  # a company that counts as copies of itself (`sharing_cost`)
+
+
 def sharing_cost(free: GpuFree, request: GpuRequest) -> Fraction:
-    """How much of the sharing budgets on this GPU one more job uses up, for choosing among
-    the shared GPUs that accept it (`gpu_choice.choose_gpus`): each job's budget is the
-    neighbours its limit allows (limit - 1, in copies of itself), and the cost sums the share
-    of each budget the newcomer takes (of every job there) and that its new neighbours take
-    (of its own). A light service thus joins light company, where it and they lose little,
-    and keeps away from a heavy job that would use up its budget (0 on an untouched GPU)."""
+    """How unlike its own copies the company on this GPU is to one more job, for choosing
+    among the GPUs that accept it (`gpu_choice.choose_gpus`): the mean, over the newcomer
+    and each job there, both ways, of the copies of one the other counts as
+    (`Sharer.counted_by`). `ALIKE` (1) is company like copies of itself, and what an
+    untouched GPU costs: a light service joins light company, heavy jobs gather with heavy
+    ones, and a job whose only shared choices press on it (or it on them) harder than its
+    own copies would takes a GPU of its own while one is left, instead of using up a
+    budget that lighter company would have filled."""
+    if not free.sharers:
+        return ALIKE
     newcomer = request.sharer(free.gpu.model)
-    cost = Fraction(0)
-    for held in free.sharers:
-        if held.limit:
-            cost += newcomer.counted_by(held) / _budget(held)
-        if newcomer.limit:
-            cost += held.counted_by(newcomer) / _budget(newcomer)
-    return cost
-
-
-def _budget(job: Sharer) -> Fraction:
-    """The neighbours a job's limit allows, in copies of itself (at least a hundredth)."""
-    return max(Fraction(round(job.limit * 100) - 100, 100), Fraction(1, 100))
+    counted = sum((newcomer.counted_by(held) + held.counted_by(newcomer)
+                   for held in free.sharers), Fraction(0))
+    return counted / (2 * len(free.sharers))
 
 
 def _as_counted(job: Sharer, neighbours: tuple[Sharer, ...]) -> str:

@@ -395,10 +395,10 @@ def test_a_company_of_several_templates_blames_only_what_was_not_measured_alone(
     assert dict(only_mixed.pairs)["other-light"] == pytest.approx(1.15, abs=0.01)
 
 
-def test_a_limited_job_chooses_the_gpu_where_it_uses_up_the_least_sharing_budget() -> None:
+def test_a_limited_job_chooses_the_gpu_whose_company_is_most_like_its_own_copies() -> None:
     """Among GPUs that all accept it, a light service joins its like rather than a heavy job
-    that would take most of its budget, and takes an untouched GPU only where no shared one
-    accepts it; the choice is the placement core's, so the filter, the extender's bind and
+    that presses on it like three copies of itself, and takes an untouched GPU rather than
+    such company; the choice is the placement core's, so the filter, the extender's bind and
     the operator's timeline pin the same GPU."""
     def service(template: str, limit: float, weight: int, felt: tuple[tuple[str, float], ...]
                 ) -> GpuRequest:
@@ -414,17 +414,20 @@ def test_a_limited_job_chooses_the_gpu_where_it_uses_up_the_least_sharing_budget
     frees = empty.free()
     state = empty.with_grants([grant_for(frees[0], heavy), grant_for(frees[1], light)])
     frees = state.free()
-    # light on the heavy one's GPU: 0.2 of the heavy one's 2 neighbours, 3 of its own 5
-    assert [float(sharing_cost(f, light)) for f in frees] == [pytest.approx(0.7), 0.4, 0]
-    assert [float(sharing_cost(f, heavy)) for f in frees] == [1.0, pytest.approx(0.7), 0]
+    # beside the other template: (0.2 + 3) / 2; beside a copy: 1; untouched: 1
+    assert [float(sharing_cost(f, light)) for f in frees] == [pytest.approx(1.6), 1, 1]
+    assert [float(sharing_cost(f, heavy)) for f in frees] == [1, pytest.approx(1.6), 1]
     # every GPU accepts both; the memory scorer alone would take GPU 0 (equal slots)
     assert all(gpu_rejection(f, r) is None for f in frees for r in (light, heavy))
     assert choose_gpus(DerivedState.of(state), RequestScorer(light, Scorer()))[1] == (1,)
-    assert choose_gpus(DerivedState.of(state), RequestScorer(heavy, Scorer()))[1] == (1,)
+    assert choose_gpus(DerivedState.of(state), RequestScorer(heavy, Scorer()))[1] == (0,)
     # a job without limits keeps the scorer's choice
     plain = GpuRequest(1, GIB, 0)
     assert choose_gpus(DerivedState.of(state), RequestScorer(plain, Scorer()))[1] == (0,)
-    # where no shared GPU takes it (the heavy one allows 0.1 of a neighbour), an untouched one does
-    tight = service("heavy", 1.1, 800, (("light", 3.0),))
-    crowded = empty.with_grants([grant_for(empty.free()[0], tight)])
-    assert choose_gpus(DerivedState.of(crowded), RequestScorer(light, Scorer()))[1] == (1,)
+    # beside only the heavy one, the light service takes an untouched GPU; with none left,
+    # the heavy one's company, which its limit allows
+    alone = empty.with_grants([grant_for(empty.free()[0], heavy)])
+    assert choose_gpus(DerivedState.of(alone), RequestScorer(plain, Scorer()))[1] == (0,)
+    assert choose_gpus(DerivedState.of(alone), RequestScorer(light, Scorer()))[1] == (1,)
+    full = NodeState(NodeInventory("n1", gpus[:1]), alone.grants)
+    assert choose_gpus(DerivedState.of(full), RequestScorer(light, Scorer()))[1] == (0,)
