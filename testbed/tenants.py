@@ -70,12 +70,12 @@ class World:
         self.projects.append(name)
         return name
 
-    def node(self, what: str, model: str) -> str:
-        """A simulated node with one 80 GiB GPU of `model`."""
+    def node(self, what: str, model: str, gpus: int = 1) -> str:
+        """A simulated node with `gpus` 80 GiB GPUs of `model`."""
         name = self.name(what)
         simnodes.apply_nodes(self.cluster.api(), simnodes.parse_nodes({"nodes": [{
             "name": name, "zone": "zone-a", "sharing": "mps",
-            "gpus": [{"model": model, "count": 1, "memoryTotalMiB": 80 * 1024}]}]}))
+            "gpus": [{"model": model, "count": gpus, "memoryTotalMiB": 80 * 1024}]}]}))
         self.nodes.append(name)
         return name
 

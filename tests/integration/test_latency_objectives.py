@@ -43,14 +43,14 @@ def gpujob(name: str, project: str, model: str, image: str, **spec: Any) -> dict
 Report = tuple[str, str, float, float, int, tuple[str, ...]]  # name, image, req/s, P99, ...
 
 
-def seeded_world(world: tenants.World, reports: list[Report]
+def seeded_world(world: tenants.World, reports: list[Report], gpus: int = 1
                  ) -> tuple[str, str, str, tenants.Tenant, Callable[..., None]]:
-    """A node of one GPU of a fresh model; `reports` (name, image, req/s, P99, degree,
+    """A node of `gpus` GPUs of a fresh model; `reports` (name, image, req/s, P99, degree,
     neighbours' templates) recorded as the node agent does in jobs that never run here;
     alice with `edit` in her project's namespace. The model, the node, her namespace, alice,
     and how she submits a job (name, image, spec fields)."""
     model = world.name("m")
-    node = world.node("n", model)
+    node = world.node("n", model, gpus)
     seed = world.namespace("seed")
     world.project("seed", [seed])
     for name, image, throughput, p99, degree, neighbours in reports:
@@ -104,6 +104,18 @@ def test_a_gpu_is_shared_only_as_far_as_the_objectives_allow(world: tenants.Worl
     assert "BLOCKING" in sharing and "P99 latency under 10 ms" in sharing, why
 
 
+BATCH: list[Report] = [(f"batch-{d}", "cruncher", t, 0.050, d, ())
+                       for d, t in {1: 50.0, 2: 45.0, 3: 40.0}.items()]
+WEB_BESIDE_BATCH: Report = ("web-4", "server", 180.0, 0.025, 2, ("batch@cruncher",))
+
+
+def assigned_gpu(world: tenants.World, team: str, job: str) -> dict[str, Any]:
+    """The GPU the extender pinned the job's pod to (its assignment annotation)."""
+    pod = json.loads(world.admin("get", "pod", f"{job}-1", "-n", team, "-o", "json"))
+    [gpu] = json.loads(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])["gpus"]
+    return dict(gpu)
+
+
 def test_a_light_service_keeps_off_a_gpu_whose_neighbour_hurt_it_more_than_its_weight_says(
         world: tenants.World) -> None:
     """Seeded as the node agent records them: "web" (image "server") among copies of itself
@@ -112,17 +124,13 @@ def test_a_light_service_keeps_off_a_gpu_whose_neighbour_hurt_it_more_than_its_w
     histograms, 25 ms is 25.5 and the web curve 8.0 and 32.1 ms at 2 and 3: the batch job
     made 2.73 copies of web, counting as 1.73. By weight alone a web job with a 10 ms promise
     (limit 2.04) would join a batch job (1 + 0.94); by the pair it waits."""
-    batch: list[Report] = [(f"batch-{d}", "cruncher", t, 0.050, d, ())
-                           for d, t in {1: 50.0, 2: 45.0, 3: 40.0}.items()]
-    beside = ("web-4", "server", 180.0, 0.025, 2, ("batch@cruncher",))
-    _, _, team, alice, submit = seeded_world(world, [*WEB, *batch, beside])
+    _, _, team, alice, submit = seeded_world(world, [*WEB, *BATCH, WEB_BESIDE_BATCH])
 
     submit("batch-10", "cruncher")
     wait_for("batch-10 running", lambda: (
         alice.status(team, "batch-10").get("phase") == "Running" or None),
         timeout=60, interval=0.5)
-    pod = json.loads(world.admin("get", "pod", "batch-10-1", "-n", team, "-o", "json"))
-    [gpu] = json.loads(pod["metadata"]["annotations"][names.ANN_ASSIGNMENT])["gpus"]
+    gpu = assigned_gpu(world, team, "batch-10")
     # what the extender recorded: the batch job's template and how a web job counts it
     assert gpu["sharingTemplate"] == "batch@cruncher" and gpu["sharingWeight"] == 417
     assert gpu["sharingPairs"] == {"web@server": 1.73}
@@ -133,3 +141,28 @@ def test_a_light_service_keeps_off_a_gpu_whose_neighbour_hurt_it_more_than_its_w
         else None), timeout=60, interval=0.5)
     assert "would break this job's objective" in waiting["message"], waiting
     assert "counted by measured pairs and weight: 2.73" in waiting["message"], waiting
+
+
+def running(alice: tenants.Tenant, team: str, name: str) -> None:
+    wait_for(f"{name} running", lambda: (
+        alice.status(team, name).get("phase") == "Running" or None), timeout=60, interval=0.5)
+
+
+def test_a_service_takes_the_gpu_whose_company_is_like_its_own_copies(
+        world: tenants.World) -> None:
+    """Seeded as above, on a node of two GPUs; a batch job runs on one. A web job promising
+    30 ms may share either GPU (its limit, 2.8, takes the batch job counted as 1.73 copies of
+    it), and the extender pins it to the untouched one, where its company will be its own
+    copies (`placement.sharing_cost`: 1, against (1.73 + 1.07) / 2 = 1.4 beside the batch
+    job, which it counts by weight); the memory scorer alone would have packed it beside the
+    batch job. A second web job joins the first."""
+    _, _, team, alice, submit = seeded_world(world, [*WEB, *BATCH, WEB_BESIDE_BATCH], gpus=2)
+    submit("batch-10", "cruncher")
+    running(alice, team, "batch-10")
+    batch_gpu = assigned_gpu(world, team, "batch-10")["uuid"]
+    for name in ("web-30", "web-31"):
+        submit(name, "server", objectives={"p99Latency": "30ms"})
+        running(alice, team, name)
+    web = [assigned_gpu(world, team, name) for name in ("web-30", "web-31")]
+    assert web[0]["sharingLimit"] > 2.73, web[0]
+    assert web[0]["uuid"] == web[1]["uuid"] != batch_gpu, (web, batch_gpu)
