@@ -5,25 +5,12 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import io
-import sys
 import tarfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "gpu_node.py"
-
-
-@pytest.fixture(scope="module")
-def gpu_node() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("carpool_bench_gpu_node", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_cdi_spec_names_each_gpu_by_index_and_uuid_and_shares_the_driver(

@@ -2,25 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
-
-import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "latency_sharing.py"
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("carpool_bench_latency_sharing", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _busy(seconds: float) -> None:
@@ -30,8 +13,8 @@ def _busy(seconds: float) -> None:
 
 
 def test_a_server_that_keeps_up_serves_what_arrives_at_about_its_service_time(
-        bench: ModuleType) -> None:
-    served, latencies = bench._serve_arrivals(lambda: _busy(0.0005), lambda: None, 0.5,
+        latency_sharing: ModuleType) -> None:
+    served, latencies = latency_sharing._serve_arrivals(lambda: _busy(0.0005), lambda: None, 0.5,
                                               200.0, "keeps up")
     assert 60 <= len(latencies) <= 140  # about 100 arrivals in half a second
     assert served >= len(latencies) - 5  # at most a few left queued (a busy shared machine)
@@ -39,24 +22,24 @@ def test_a_server_that_keeps_up_serves_what_arrives_at_about_its_service_time(
 
 
 def test_a_server_that_cannot_keep_up_shows_its_backlog_in_the_tail(
-        bench: ModuleType) -> None:
+        latency_sharing: ModuleType) -> None:
     # 400 requests/s offered to a server that does 100/s: the queue grows all along
-    served, latencies = bench._serve_arrivals(lambda: _busy(0.01), lambda: None, 0.5,
+    served, latencies = latency_sharing._serve_arrivals(lambda: _busy(0.01), lambda: None, 0.5,
                                               400.0, "falls behind")
     assert served <= 55
     assert len(latencies) > 2 * served  # the requests still queued count too
     assert max(latencies) > 0.2
 
 
-def test_the_same_seed_gives_the_same_arrivals(bench: ModuleType) -> None:
+def test_the_same_seed_gives_the_same_arrivals(latency_sharing: ModuleType) -> None:
     # every arrival is served or counted as queued, however busy the machine
-    runs = [len(bench._serve_arrivals(lambda: None, lambda: None, 0.2, 300.0, "same")[1])
+    runs = [len(latency_sharing._serve_arrivals(lambda: None, lambda: None, 0.2, 300.0, "same")[1])
             for _ in range(2)]
     assert runs[0] == runs[1] > 0
 
 
 def test_judging_a_past_run_counts_what_each_rule_accepts_and_what_broke(
-        bench: ModuleType) -> None:
+        latency_sharing: ModuleType) -> None:
     profile = [{"template": t, "degree": d, "req_per_s": rate, "p99_ms": p99,
                 "company": f"profile {t} x{d} #0"}
                for t, curve in (("light", {1: (300, 2.7), 2: (290, 3.0), 3: (283, 3.5)}),
@@ -72,7 +55,7 @@ def test_judging_a_past_run_counts_what_each_rule_accepts_and_what_broke(
                             "p99_vs_target": {"l1": 1.4, "h1": 0.2, "l2": 0.5}},
                 "fixed 3": {"groups": [["l1", "l2"], ["h1"]],
                             "p99_vs_target": {"l1": 0.6, "l2": 0.6, "h1": 0.2}}}
-    judged = bench.judge({"model": "H100", "profile": profile, "services": services,
+    judged = latency_sharing.judge({"model": "H100", "profile": profile, "services": services,
                           "learning": learning, "policies": policies})
     # with pairs the light service refuses the heavy one's company, where it broke, and takes
     # a copy of itself, where it kept its target; by weight only the report beside the heavy
