@@ -268,9 +268,7 @@ class Profiles:
         """A job's sharing limit per GPU model its template has a profile on, model order
         (`GpuRequest.sharing_limits`); empty: no limit anywhere."""
         out = []
-        for (model, name), profile in sorted(self.by_key.items()):
-            if name != template:
-                continue
+        for model, profile in self._by_template.get(template, ()):
             limit = profile.limit(objectives)
             if limit is not None:
                 out.append((model, limit))
@@ -280,8 +278,15 @@ class Profiles:
         """A job's sharing weight per GPU model its template has a profile on, model order
         (`GpuRequest.sharing_weights`); a model not listed: WHOLE_SHARER."""
         return tuple((model, profile.weight())
-                     for (model, name), profile in sorted(self.by_key.items())
-                     if name == template)
+                     for model, profile in self._by_template.get(template, ()))
+
+    @cached_property
+    def _by_template(self) -> dict[str, tuple[tuple[str, Profile], ...]]:
+        """Each template's profiles, model order, found once (a pass asks for every job's)."""
+        found: dict[str, list[tuple[str, Profile]]] = {}
+        for (model, template), profile in sorted(self.by_key.items()):
+            found.setdefault(template, []).append((model, profile))
+        return {template: tuple(profiles) for template, profiles in found.items()}
 
     def felt_by(self, template: str) -> tuple[tuple[str, FeltBy], ...]:
         """Per GPU model, the pairs learned about a job of `template`: each template whose
