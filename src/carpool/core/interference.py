@@ -485,9 +485,14 @@ def learn_from_gpujobs(gpujobs: Iterable[Mapping[str, Any]]) -> Profiles:
 
 
 def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuRequest:
-    """`request` with its sharing limits and weights from `profiles` (the same request,
-    unchanged, where its template has none: placement is then exactly what it is without
-    profiles)."""
+    """`request` with its template, and its sharing limits, weights and pairs from
+    `profiles` (none where its template has no profile: placement is then exactly what it is
+    without profiles).
+
+    The template goes with every request, limit or not: its neighbours' reports name it (the
+    node agent reads it from the assignments), so pairs are learned about a job that keeps
+    no limit of its own, a batch job whose curve still climbs or a template not yet
+    profiled, and a job beside it then counts it as measured."""
     if not profiles.by_key:
         limits: tuple[tuple[str, float], ...] = ()
         weights: tuple[tuple[str, int], ...] = ()
@@ -496,15 +501,12 @@ def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuReques
         limits = profiles.limits(template, request.objectives)
         weights = profiles.weights(template)
         felt_by = profiles.felt_by(template)
-    # its template goes with it where a pair may concern it: as the one measured, or the one
-    # measured beside
-    named = template if limits or felt_by else ""
-    if (limits, weights, felt_by, named) == (request.sharing_limits, request.sharing_weights,
-                                             request.sharing_felt_by,
-                                             request.sharing_template):
+    if (limits, weights, felt_by, template) == (request.sharing_limits, request.sharing_weights,
+                                                request.sharing_felt_by,
+                                                request.sharing_template):
         return request
     return replace(request, sharing_limits=limits, sharing_weights=weights,
-                   sharing_felt_by=felt_by, sharing_template=named)
+                   sharing_felt_by=felt_by, sharing_template=template)
 
 
 def with_limits(jobs: Iterable[Job], profiles: Profiles) -> list[Job]:

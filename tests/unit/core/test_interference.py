@@ -94,8 +94,13 @@ def test_limits_per_model_and_the_request_they_give() -> None:
     assert profiles.limits("resnet", Objectives(0.010)) == (("A100", 2), ("H200", 2))
     request = GpuRequest(1, GIB, 25, objectives=Objectives(0.010))
     assert inf.limited(request, "resnet", profiles).sharing_limit("H200") == 2
-    assert inf.limited(request, "unknown", profiles) is request
-    assert inf.limited(request, "resnet", inf.NO_PROFILES) is request
+    # no profile: no limit, weight or pairs, only its template, for its neighbours' reports
+    assert inf.limited(request, "unknown", profiles) == replace(request,
+                                                                sharing_template="unknown")
+    assert inf.limited(request, "resnet", inf.NO_PROFILES) == replace(
+        request, sharing_template="resnet")
+    named = replace(request, sharing_template="resnet")
+    assert inf.limited(named, "resnet", inf.NO_PROFILES) is named
 
 
 def h200(*grants: GpuGrant) -> NodeState:
@@ -431,3 +436,22 @@ def test_a_limited_job_chooses_the_gpu_whose_company_is_most_like_its_own_copies
     assert choose_gpus(DerivedState.of(alone), RequestScorer(light, Scorer()))[1] == (1,)
     full = NodeState(NodeInventory("n1", gpus[:1]), alone.grants)
     assert choose_gpus(DerivedState.of(full), RequestScorer(light, Scorer()))[1] == (0,)
+
+
+def test_a_job_without_a_limit_is_named_so_pairs_are_learned_about_it() -> None:
+    # a batch job without objectives whose curve still climbs: no knee, no limit of its own
+    batch = {1: (100.0, 0.5), 2: (95.0, 0.55)}
+    copies = [*samples(LIGHT, "light", "H100"), *samples(batch, "batch", "H100")]
+    profiles = inf.learn(copies)
+    request = inf.limited(GpuRequest(1, GIB, 0), "batch", profiles)
+    assert request.sharing_limits == () and request.sharing_felt_by == ()
+    assert request.sharing_template == "batch"  # its neighbours' reports name it
+    held = grant_for(h200().free()[0], request)
+    assert held.sharing_template == "batch"
+    # a light service's report beside it, naming it as the node agent reads the grant, teaches
+    # the pair, and the light service then counts it as measured, not by its weight
+    beside = inf.Sample("H100", "light", 2, 290.0, 0.0070, "gpu-0@1", (held.sharing_template,))
+    learned = inf.learn([*copies, beside])
+    light = learned.get("H100", "light")
+    assert light is not None and dict(light.pairs) == {"batch": inf.MAX_DEGREE - 1}
+    assert learned.felt_by("batch") == (("H100", (("light", 15.0),)),)
