@@ -197,14 +197,18 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def positive(text: str) -> int:
+def positive(text: str, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least {least}")
     return value
+
+
+def non_negative(text: str) -> int:
+    return positive(text, least=0)
 
 
 def add_queue_parser(kinds: Any, trace: Path | None = None,
@@ -299,7 +303,8 @@ def add_sharing_parser(kinds: Any) -> argparse.ArgumentParser:
     """The `sharing` sub-command: latency objectives against fixed sharing degrees."""
     sharing: argparse.ArgumentParser = kinds.add_parser(
         "sharing", help="replay latency-sensitive services and batch jobs on shared GPUs: "
-                        "Carpool's sharing limits against fixed degrees 1-6",
+                        "Carpool's sharing limits (with pairs of templates, and by weight "
+                        "only) against fixed degrees 1-6",
         description=sharing_replay.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sharing.add_argument("--generate", type=positive, default=400, metavar="JOBS",
@@ -310,6 +315,9 @@ def add_sharing_parser(kinds: Any) -> argparse.ArgumentParser:
     sharing.add_argument("--services", type=share, default=0.5, metavar="SHARE",
                          help="share of the jobs that are latency-sensitive services (0.5)")
     sharing.add_argument("--seed", type=int, default=0, help="generator seed (0)")
+    sharing.add_argument("--profile-degrees", type=non_negative, default=0, metavar="N",
+                         help="Carpool first profiles each template alone and with copies, "
+                              "up to N jobs a GPU (0: it learns from the trace alone)")
     sharing.add_argument("--policy", type=policy_list(sharing_replay.POLICIES),
                          default=list(sharing_replay.POLICIES),
                          help=f"comma-separated, from {', '.join(sharing_replay.POLICIES)} (all)")
@@ -321,7 +329,8 @@ def add_sharing_parser(kinds: Any) -> argparse.ArgumentParser:
 def run_sharing(args: argparse.Namespace) -> int:
     trace = sharing_replay.generate(args.generate, args.seed, args.interarrival, args.services)
     started = time.perf_counter()
-    scores = [sharing_replay.replay(trace, args.gpus, p, args.seed) for p in args.policy]
+    scores = [sharing_replay.replay(trace, args.gpus, p, args.seed, args.profile_degrees)
+              for p in args.policy]
     elapsed = time.perf_counter() - started
     if args.output == "json":
         for item in scores:
@@ -330,22 +339,29 @@ def run_sharing(args: argparse.Namespace) -> int:
     services = sum(1 for j in trace if j.p99_target_s is not None)
     print(f"{len(trace)} generated jobs ({services} services with P99 targets, "
           f"{len(trace) - services} batch), {args.gpus} GPUs, mean interarrival "
-          f"{args.interarrival:g} s, seed {args.seed}, {elapsed:.1f} s")
+          f"{args.interarrival:g} s, seed {args.seed}, "
+          + (f"Carpool profiled at 1-{args.profile_degrees} jobs first, "
+             if args.profile_degrees else "") + f"{elapsed:.1f} s")
     print(format_sharing_table(scores))
     return 0
 
 
 def format_sharing_table(scores: Sequence[sharing_replay.Scores]) -> str:
-    """One line per policy: objective violations, work per hour, waits, GPUs in use."""
-    header = (f"{'POLICY':<8} {'VIOLATED':>8} {'BEFORE PROFILE':>14} {'WORK/H':>7} "
-              f"{'FINISHED':>8} {'SERVICE WAIT':>12} {'BATCH WAIT':>10} {'PEAK GPUS':>9}")
+    """One line per policy: objective violations (and of those, the minutes of services placed
+    before their template had a profile, and the others' beside a neighbour no pair was
+    measured for), work per hour, waits, GPUs in use, and the pairs of templates learned."""
+    width = max(8, *(len(s.policy) for s in scores))
+    header = (f"{'POLICY':<{width}} {'VIOLATED':>8} {'BEFORE PROFILE':>14} {'NO PAIR':>7} "
+              f"{'WORK/H':>7} {'FINISHED':>8} {'SERVICE WAIT':>12} {'BATCH WAIT':>10} "
+              f"{'PEAK GPUS':>9} {'PAIRS':>5}")
     lines = [header]
     for s in scores:
         lines.append(
-            f"{s.policy:<8} {100 * s.violation_share:>7.1f}% "
-            f"{s.violation_minutes_unprofiled:>14} {s.work_per_hour:>7.1f} "
-            f"{s.finished:>4}/{s.jobs:<3} {_secs(s.mean_wait_service_s):>12} "
-            f"{_secs(s.mean_wait_batch_s):>10} {s.peak_gpus_busy:>9}")
+            f"{s.policy:<{width}} {100 * s.violation_share:>7.1f}% "
+            f"{s.violation_minutes_unprofiled:>14} {s.violation_minutes_unpaired:>7} "
+            f"{s.work_per_hour:>7.1f} {s.finished:>4}/{s.jobs:<3} "
+            f"{_secs(s.mean_wait_service_s):>12} {_secs(s.mean_wait_batch_s):>10} "
+            f"{s.peak_gpus_busy:>9} {s.pairs:>5}")
     return "\n".join(lines)
 
 
