@@ -42,9 +42,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from carpool.core.derived import DerivedState
+from carpool.core.gpu_choice import NoFit, choose_gpus
 from carpool.core.interference import Profiles, Sample, learn, limited, report_degree
-from carpool.core.placement import NodeState, counted_sharers, gpu_rejection, grant_for
+from carpool.core.placement import counted_sharers, gpu_rejection, grant_for
 from carpool.core.resources import Gpu, GpuGrant, GpuRequest, NodeInventory, Objectives
+from carpool.core.scoring import RequestScorer, Scorer
 
 GIB = 1024
 STEP_S = 60.0  # one placement pass and one report per running job each simulated minute
@@ -175,6 +178,8 @@ class _Replay:
     seed: int
     by_weight_only: bool = False  # Carpool learning as if no report named its neighbours
     profile_degrees: int = 0  # Carpool's profiling run before the trace (0: none)
+    first_fit: bool = False  # Carpool placing first fit instead of by the GPU choice
+    scorer: Scorer = field(default_factory=Scorer)
     # the latest reports per (template, degree, neighbours), as the GpuJobs' statuses keep
     # the latest: a company seen rarely is not pushed out by a frequent one
     recent: dict[tuple[str, int, tuple[str, ...]], deque[Sample]] = field(default_factory=dict)
@@ -233,6 +238,17 @@ class _Replay:
                             f"profile {truth.template} x{degree}@{minute}",
                             (truth.template,) * (degree - 1)))
 
+    def choose(self, state: DerivedState, request: GpuRequest) -> int | None:
+        """The GPU a job gets (None: none takes it): the lowest-numbered that accepts it for
+        a fixed degree (as a sharing-by-count plugin packs) and for `first_fit`, else the one
+        the extender and the operator choose (`gpu_choice.choose_gpus`: among the GPUs that
+        accept it, with sharing limits, those whose company is most like its own copies)."""
+        if self.fixed is not None or self.first_fit:
+            return next((f.gpu.index for f in state.frees if gpu_rejection(f, request) is None),
+                        None)
+        choice = choose_gpus(state, RequestScorer(request, self.scorer))
+        return None if isinstance(choice, NoFit) else choice[1][0]
+
     def run(self, name: str) -> Scores:
         rng = random.Random(self.seed)
         if self.fixed is None and self.profile_degrees:
@@ -259,29 +275,26 @@ class _Replay:
             if self.stale_requests:
                 refused.clear()
                 self.stale_requests = False
-            state = NodeState(inventory, tuple(r.grant for r in running))
+            state = DerivedState(inventory, tuple(r.grant for r in running))
             placed = []
-            frees = state.free()
             for job in queue:  # arrival order; a job that fits nowhere does not block others
                 request = self.request(job)
                 # a request no GPU took still finds none until a job ends or limits change:
                 # more jobs on a GPU never make it take what it refused
                 if request in refused:
                     continue
-                refused.add(request)
-                for free in frees:
-                    if gpu_rejection(free, request) is None:
-                        refused.discard(request)
-                        grant = grant_for(free, request)
-                        # on a GPU where neither it nor a job there had a limit to keep
-                        blind_now = not request.sharing_limits and not free.sharing_limit
-                        running.append(_Running(job, free.gpu.index, grant, now,
-                                                blind=blind_now))
-                        state = state.with_grants([grant])
-                        frees = state.free()
-                        waits[job.truth.service].append(now - job.arrival_s)
-                        placed.append(job)
-                        break
+                index = self.choose(state, request)
+                if index is None:
+                    refused.add(request)
+                    continue
+                free = state.frees_by_index[index]
+                grant = grant_for(free, request)
+                # on a GPU where neither it nor a job there had a limit to keep
+                blind_now = not request.sharing_limits and not free.sharing_limit
+                running.append(_Running(job, index, grant, now, blind=blind_now))
+                state = DerivedState.of(state.with_grants([grant]))
+                waits[job.truth.service].append(now - job.arrival_s)
+                placed.append(job)
             queue = [j for j in queue if j not in placed]
             on_gpu: dict[int, list[_Running]] = {}
             for r in running:
@@ -335,7 +348,7 @@ class _Replay:
 
 
 POLICIES = ("fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "fixed-6", "carpool",
-            "carpool-by-weight")
+            "carpool-first-fit", "carpool-by-weight")
 
 
 def replay(trace: Sequence[TraceJob], gpus: int, policy: str, seed: int = 0,
@@ -345,6 +358,7 @@ def replay(trace: Sequence[TraceJob], gpus: int, policy: str, seed: int = 0,
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
     if policy.startswith("carpool"):
-        return _Replay(trace, gpus, None, seed, by_weight_only=policy != "carpool",
-                       profile_degrees=profile_degrees).run(policy)
+        return _Replay(trace, gpus, None, seed, by_weight_only=policy == "carpool-by-weight",
+                       profile_degrees=profile_degrees,
+                       first_fit=policy == "carpool-first-fit").run(policy)
     return _Replay(trace, gpus, int(policy.split("-")[1]), seed).run(policy)

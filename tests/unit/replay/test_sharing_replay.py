@@ -88,8 +88,9 @@ def test_reports_name_the_neighbours_as_their_grants_do() -> None:
 
 
 def test_the_command_prints_one_line_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["simulate", "sharing", "--generate", "60", "--gpus", "4",
-                     "--policy", "fixed-1,carpool,carpool-by-weight"]) == 0
+    assert cli.main(["simulate", "sharing", "--generate", "60", "--gpus", "4", "--policy",
+                     "fixed-1,carpool,carpool-by-weight", "--profile-degrees", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("60 generated jobs") and out[1].split()[0] == "POLICY"
+    assert out[0].startswith("60 generated jobs") and "profiled at 1-2 jobs" in out[0]
+    assert out[1].split()[0] == "POLICY"
     assert [line.split()[0] for line in out[2:]] == ["fixed-1", "carpool", "carpool-by-weight"]
