@@ -443,7 +443,7 @@ def place(services: list[Service], request_of: Any, model: str, memory_mib: int,
     from carpool.core.derived import DerivedState
     from carpool.core.gpu_choice import NoFit, choose_gpus, grants_for
     from carpool.core.placement import NodeState, gpu_rejection, grant_for
-    from carpool.core.resources import Gpu, NodeInventory
+    from carpool.core.resources import Gpu, GpuGrant, NodeInventory
     from carpool.core.scoring import RequestScorer, Scorer
 
     count = len(services) if gpus is None else gpus
@@ -453,6 +453,7 @@ def place(services: list[Service], request_of: Any, model: str, memory_mib: int,
     scorer = Scorer()
     for service in services:
         request = request_of(service)
+        grants: tuple[GpuGrant, ...]
         if first_fit:
             frees = state.free()
             index = next((i for i, free in enumerate(frees)
