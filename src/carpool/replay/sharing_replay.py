@@ -21,7 +21,8 @@ template's learned profiles give (`core.interference.limited`: its objective; th
 throughput curve for a job without one; no limit while the template has no profile). Carpool
 by weight only learns from the same kind of reports with their neighbours' templates left out
 (every neighbour counted by weight, no pairs). Carpool may first profile each template alone
-and with copies of itself (`profile_degrees`), as `bench/latency_sharing.py` does on a GPU;
+and with copies of itself (`profile_degrees`), and each pair of templates once, as
+`bench/latency_sharing.py` does on a GPU;
 else it learns from the trace alone. Services serve for their duration; a batch job ends when
 it has done its work, at the rate its company allows.
 
@@ -224,7 +225,11 @@ class _Replay:
     def profile(self, rng: random.Random) -> None:
         """A profiling run before the trace, as `bench/latency_sharing.py` makes one: each
         template alone and with copies of itself, up to `profile_degrees` jobs or as many
-        as a GPU's memory holds, PROFILE_MINUTES minutes each, every copy reporting."""
+        as a GPU's memory holds, then each pair of templates once, PROFILE_MINUTES minutes
+        each, every job reporting (a pair's jobs naming each other)."""
+        def noisy(value: float) -> float:
+            return value * math.exp(rng.gauss(0.0, NOISE))
+
         for truth in TEMPLATES:
             most = min(self.profile_degrees, GPU_MEMORY_MIB // truth.memory_mib)
             for degree in range(1, most + 1):
@@ -233,10 +238,20 @@ class _Replay:
                     for _ in range(degree):
                         self.report(Sample(
                             MODEL, truth.template, degree,
-                            truth.throughput(company) * math.exp(rng.gauss(0.0, NOISE)),
-                            truth.p99_s(company) * math.exp(rng.gauss(0.0, NOISE)),
+                            noisy(truth.throughput(company)), noisy(truth.p99_s(company)),
                             f"profile {truth.template} x{degree}@{minute}",
                             (truth.template,) * (degree - 1)))
+        for n, first in enumerate(TEMPLATES):
+            for second in TEMPLATES[n + 1:]:
+                if first.memory_mib + second.memory_mib > GPU_MEMORY_MIB:
+                    continue
+                for minute in range(PROFILE_MINUTES):
+                    for truth, other in ((first, second), (second, first)):
+                        self.report(Sample(
+                            MODEL, truth.template, 2, noisy(truth.throughput([other])),
+                            noisy(truth.p99_s([other])),
+                            f"profile {first.template}+{second.template}@{minute}",
+                            (other.template,)))
 
     def choose(self, state: DerivedState, request: GpuRequest) -> int | None:
         """The GPU a job gets (None: none takes it): the lowest-numbered that accepts it for
