@@ -7,9 +7,9 @@ nodes) among the GPUs the filter's rules accept (`placement.gpu_rejection`), eac
 slot given to the coolest, then lowest-numbered, accepted GPU behind it. A request with
 sharing limits (`core.interference`) plans only among the accepted GPUs whose company is most
 like its own copies (`placement.sharing_cost`), so light services gather with light ones and
-heavy with heavy, and sharing limits fill with company that costs each job least. The scorer sees a
-GPU as a slot (model, idle compute, free memory); the filter also knows MIG instances, MPS
-ceilings and over-booked GPUs, so the two can disagree on a GPU, and the filter's rules win.
+heavy jobs with heavy ones. The scorer sees a GPU as a slot (model, idle compute, free
+memory); the filter also knows MIG instances, MPS ceilings and over-booked GPUs, so the two
+can disagree on a GPU, and the filter's rules win.
 Which MIG instance of a chosen GPU is used is `placement.grant_for`'s (the smallest that fits).
 """
 
