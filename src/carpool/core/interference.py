@@ -489,10 +489,12 @@ def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuReques
     `profiles` (none where its template has no profile: placement is then exactly what it is
     without profiles).
 
-    The template goes with every request, limit or not: its neighbours' reports name it (the
-    node agent reads it from the assignments), so pairs are learned about a job that keeps
-    no limit of its own, a batch job whose curve still climbs or a template not yet
-    profiled, and a job beside it then counts it as measured."""
+    The template goes with every request whose template has a profile, limit or not: its
+    neighbours' reports name it (the node agent reads it from the assignments), so pairs are
+    learned about a job that keeps no limit of its own (a batch job whose curve still
+    climbs), and a job beside it then counts it as measured. A template without a profile
+    stays unnamed: its requests stay those of their shape, which the placement memos share
+    across every template."""
     if not profiles.by_key:
         limits: tuple[tuple[str, float], ...] = ()
         weights: tuple[tuple[str, int], ...] = ()
@@ -501,12 +503,13 @@ def limited(request: GpuRequest, template: str, profiles: Profiles) -> GpuReques
         limits = profiles.limits(template, request.objectives)
         weights = profiles.weights(template)
         felt_by = profiles.felt_by(template)
-    if (limits, weights, felt_by, template) == (request.sharing_limits, request.sharing_weights,
-                                                request.sharing_felt_by,
-                                                request.sharing_template):
+    named = template if limits or weights or felt_by else ""
+    if (limits, weights, felt_by, named) == (request.sharing_limits, request.sharing_weights,
+                                             request.sharing_felt_by,
+                                             request.sharing_template):
         return request
     return replace(request, sharing_limits=limits, sharing_weights=weights,
-                   sharing_felt_by=felt_by, sharing_template=template)
+                   sharing_felt_by=felt_by, sharing_template=named)
 
 
 def with_limits(jobs: Iterable[Job], profiles: Profiles) -> list[Job]:

@@ -94,13 +94,9 @@ def test_limits_per_model_and_the_request_they_give() -> None:
     assert profiles.limits("resnet", Objectives(0.010)) == (("A100", 2), ("H200", 2))
     request = GpuRequest(1, GIB, 25, objectives=Objectives(0.010))
     assert inf.limited(request, "resnet", profiles).sharing_limit("H200") == 2
-    # no profile: no limit, weight or pairs, only its template, for its neighbours' reports
-    assert inf.limited(request, "unknown", profiles) == replace(request,
-                                                                sharing_template="unknown")
-    assert inf.limited(request, "resnet", inf.NO_PROFILES) == replace(
-        request, sharing_template="resnet")
-    named = replace(request, sharing_template="resnet")
-    assert inf.limited(named, "resnet", inf.NO_PROFILES) is named
+    # no profile: the request of its shape, unnamed (the placement memos share it)
+    assert inf.limited(request, "unknown", profiles) is request
+    assert inf.limited(request, "resnet", inf.NO_PROFILES) is request
 
 
 def h200(*grants: GpuGrant) -> NodeState:

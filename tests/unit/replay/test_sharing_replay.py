@@ -3,6 +3,8 @@ limits and pairs on a generated trace, deterministic per seed."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from carpool.cli import main as cli
@@ -71,10 +73,14 @@ def test_truth_is_hidden_but_learned() -> None:
 
 
 def test_reports_name_the_neighbours_as_their_grants_do() -> None:
-    replay = sr._Replay(sr.generate(10, seed=1), 1, None, seed=1)
-    replay.relearn()
     jobs = [sr.TraceJob(f"{t.template}-{n}", t, 0.0, 600.0, None)
             for n, t in enumerate((TRUTH["finetune"], TRUTH["ranker"]))]
+    replay = sr._Replay(sr.generate(10, seed=1), 1, None, seed=1, profile_degrees=2)
+    replay.relearn()
+    # no profile yet: the request of its shape, unnamed
+    assert replay.request(jobs[0]).sharing_template == ""
+    replay.profile(random.Random(1))
+    replay.relearn()
     state = NodeState(NodeInventory("n", (Gpu(0, "gpu-0", sr.MODEL, sr.GPU_MEMORY_MIB),)))
     running = []
     for job in jobs:
@@ -84,7 +90,9 @@ def test_reports_name_the_neighbours_as_their_grants_do() -> None:
     sample = replay.sample(running[1], [running[0]], 0.5, 0.01, 7)
     assert sample.template == "ranker" and sample.neighbours == ("finetune",)
     assert sample.degree == 2 and sample.company == "gpu-0@7"
-    assert replay.request(jobs[0]).sharing_limits == ()  # no profile yet: no limit, named
+    # profiled, finetune keeps no limit (its curve still climbs) but is named
+    assert replay.request(jobs[0]).sharing_limits == ()
+    assert replay.request(jobs[0]).sharing_template == "finetune"
 
 
 def test_the_command_prints_one_line_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
