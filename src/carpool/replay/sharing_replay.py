@@ -14,16 +14,17 @@ their grants name them), as `carpool.workload.Service` and the node agent do, an
 learns its profiles and pairs from those reports alone (`core.interference.learn`), as the
 operator does from the GpuJobs' status.
 
-Placement, each minute, in arrival order (waiting jobs first): first fit over the GPUs by the
-placement core's rule (`placement.gpu_rejection`), GPU memory included. A fixed degree d gives
+Placement, each minute, in arrival order (waiting jobs first), by the placement core's rule
+(`placement.gpu_rejection`), GPU memory included: first fit for the fixed degrees (as a
+sharing-by-count plugin packs), the extender's GPU choice for Carpool (`gpu_choice`), or
+first fit for it too (`first_fit`). A fixed degree d gives
 every job a sharing limit of d; Carpool gives each job the limit, weight and pairs its
 template's learned profiles give (`core.interference.limited`: its objective; the knee of the
 throughput curve for a job without one; no limit while the template has no profile). Carpool
 by weight only learns from the same kind of reports with their neighbours' templates left out
 (every neighbour counted by weight, no pairs). Carpool may first profile each template alone
 and with copies of itself (`profile_degrees`), and each pair of templates once, as
-`bench/latency_sharing.py` does on a GPU;
-else it learns from the trace alone. Services serve for their duration; a batch job ends when
+`bench/latency_sharing.py` does on a GPU; else it learns from the trace alone. Services serve for their duration; a batch job ends when
 it has done its work, at the rate its company allows.
 
 Scores: service-minutes whose P99 broke the service's target (violations; of those, the
