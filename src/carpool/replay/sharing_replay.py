@@ -24,8 +24,9 @@ throughput curve for a job without one; no limit while the template has no profi
 by weight only learns from the same kind of reports with their neighbours' templates left out
 (every neighbour counted by weight, no pairs). Carpool may first profile each template alone
 and with copies of itself (`profile_degrees`), and each pair of templates once, as
-`bench/latency_sharing.py` does on a GPU; else it learns from the trace alone. Services serve for their duration; a batch job ends when
-it has done its work, at the rate its company allows.
+`bench/latency_sharing.py` does on a GPU; else it learns from the trace alone. Services
+serve for their duration; a batch job ends when it has done its work, at the rate its
+company allows.
 
 Scores: service-minutes whose P99 broke the service's target (violations; of those, the
 minutes of services placed before their template had a profile, and the others' beside a
