@@ -12,7 +12,9 @@ threads) and follows them with a watch until all have started. It reports:
   startup) and the seconds count from the operator's start instead, so the rate is the
   operator's and not the bench client's creation rate;
 - p50/p99 seconds from a job's creation (the create call's return; with `--create-first`,
-  the operator's start) to the watch first showing it Admitted (or later);
+  the operator's start) to the watch first showing it Admitted (or later); with
+  `--stop-when-admitted`, to the creation of its pods as the API server stores them, without
+  the watch (`carpool_testbed.stored`);
 - the operator's peak RSS (VmHWM in /proc/<pid>/status);
 - the median absolute error of the first estimated start a queued job showed vs. its actual
   start (status.startTime, from the pod), over jobs that waited;
@@ -72,7 +74,7 @@ from carpool.core.timestamps import epoch_seconds
 from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
 from carpool.replay.job_traces import user_estimate
 from carpool.replay.queue_replay import Estimate, first_estimate_errors
-from carpool_testbed import crds, devcluster, simnodes, stack
+from carpool_testbed import crds, devcluster, simnodes, stack, stored
 
 SECTION = "## Operator admission (bench/admission.py)"
 PASS_LINE = re.compile(r"read ([0-9.]+)s decide ([0-9.]+)s act ([0-9.]+)s")
@@ -405,11 +407,15 @@ def _make_gang(manifest: dict[str, Any], shape: GangShape) -> None:
     spec["topology"] = {"level": "rack", "mode": "required" if shape.required else "preferred"}
 
 
+def job_pods(manifest: dict[str, Any]) -> int:
+    """Pods a generated GpuJob has once admitted (one per worker, for a gang)."""
+    return sum(w["replicas"] for w in manifest["spec"].get("workers", [])) or 1
+
+
 def job_gpus(manifest: dict[str, Any]) -> int:
     """GPUs a generated GpuJob holds once admitted (every worker's, for a gang)."""
     spec = manifest["spec"]
-    replicas = sum(w["replicas"] for w in spec.get("workers", [])) or 1
-    return int(spec["gpu"]["count"]) * replicas
+    return int(spec["gpu"]["count"]) * job_pods(manifest)
 
 
 def _vary_jobs(manifests: list[dict[str, Any]], templates: int, user_estimates: str,
@@ -546,7 +552,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
             requests_before = _api_requests(api)
             tracker = Tracker(cluster.api())
-            tracker.start()
+            # bench/peers.py counts admissions as the API server stores them, with no watch
+            # of every job to fall behind the operator (`carpool_testbed.stored`)
+            stop = stored.IdleStop(sum(job_pods(m) for m in manifests),
+                                   args.idle_stop or stored.default_idle_stop(len(manifests)),
+                                   time.monotonic()) if args.stop_when_admitted else None
+            if stop is None:
+                tracker.start()
             rss_samples: list[int] = []
             sampling = threading.Event()
 
@@ -568,6 +580,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             deadline = time.monotonic() + args.timeout
             last_count, last_change = -1, time.monotonic()
             while time.monotonic() < deadline:
+                if stop is not None:
+                    pods = stored.pods_in(api, projects)
+                    print(f"  t+{time.time() - t0:5.0f}s pods of admitted jobs {pods}/"
+                          f"{stop.target}  rss {rss_samples[-1] // 1024 if rss_samples else 0}"
+                          " MiB", file=sys.stderr)
+                    if stop.done(pods, time.monotonic()):
+                        break
+                    time.sleep(5)
+                    continue
                 with tracker.lock:
                     admitted, startedn = len(tracker.admitted), len(tracker.started)
                     finishedn = len(tracker.finished)
@@ -584,9 +605,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if startedn >= len(manifests) and (
                         not args.drain or finishedn >= len(manifests)):
                     break
-                if args.stop_when_admitted and (admitted >= len(manifests) or (
-                        admitted and time.monotonic() - last_change > args.idle_stop)):
-                    break  # bench/peers.py: the admissions are all it compares
                 time.sleep(5)
             peak_kib = _rss_kib(operator_pid, "VmHWM")
             operator_scores = _operator_eta_scores(metrics_port)
@@ -609,6 +627,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 finished = len(tracker.finished)
                 waited = set(tracker.waited)
                 reasons = dict(tracker.reasons)
+            if stop is not None:  # each job's last pod's creation, as stored
+                admitted_at = stored.admitted_by(stored.pods_created(
+                    (pod for project in projects for pod in stored.list_items(
+                        api, f"/api/v1/namespaces/{project}/pods", metadata_only=True)),
+                    names.LABEL_JOB), operator_start + window)
             bound: dict[str, list[bool]] = {}
             if paused and args.then_schedule:  # the admissions are counted: now start them
                 _signal_scheduler(paused, signal.SIGCONT)
@@ -910,12 +933,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--write-doc", type=Path)
     parser.add_argument("--notes", default="")
     parser.add_argument("--stop-when-admitted", action="store_true",
-                        help="end the run once every job is admitted (or none was for "
-                             "--idle-stop seconds)")
-    parser.add_argument("--idle-stop", type=float, default=20.0, metavar="S",
-                        help="with --stop-when-admitted: seconds without a new admission "
-                             "seen that end the run (with 50,000 GpuJobs on a loaded machine "
-                             "this bench's own watch falls minutes behind the operator)")
+                        help="count admissions as the API server stores them, not by this "
+                             "bench's watch (which falls minutes behind the operator with "
+                             "50,000 GpuJobs on a loaded machine): end the run once every "
+                             "job's pods exist, or their count has not grown for --idle-stop "
+                             "seconds; admission times are the pods' creation, listed at the "
+                             "end (`carpool_testbed.stored`)")
+    parser.add_argument("--idle-stop", type=float, default=0.0, metavar="S",
+                        help="with --stop-when-admitted: seconds without a new pod that end "
+                             "the run (0: `stored.default_idle_stop`, 20 s, 100 s at 50,000 "
+                             "jobs)")
     return parser
 
 

@@ -29,13 +29,19 @@ pods' podset-required/preferred-topology annotation naming the rack). kube-sched
 stopped until the burst is over (both: the admission path alone). Rounds alternate
 Kueue, Carpool, Kueue, ... (the first system swaps each pair).
 
+Both rounds are counted as the API server stores them, not by a watch of this bench's own
+(which falls minutes behind with 50,000 jobs on a loaded machine; `carpool_testbed.stored`):
+a round ends once the admitted jobs' pods in the projects' namespaces have not grown for
+`--idle-stop` seconds (or all exist, or the window is over), and the admission times are
+read by a paginated LIST at its end: a Workload's Admitted condition (Kueue's clock when it
+admitted), a GpuJob's pods' creation (the operator creates them, then writes Admitted).
+
 Prints per system and round: admissions/s (burst: admitted / seconds from the controller's
 start to the last admission; sustained: the middle 80 % of the admissions), creation (the
-controller's start) -> admitted p50/p99 (the watch first showing the Workload Admitted or
-the GpuJob Admitted or later), the share of the cluster's GPUs the admitted jobs hold when
-admissions stop (utilization), API writes per admission (the API server's
-apiserver_request_total, every write of every client, from the controller's start to the
-end of the round), CPU seconds per process per 1,000 admissions, each process's resident
+controller's start) -> admitted p50/p99 (to the second), the share of the cluster's GPUs
+the admitted jobs hold when admissions stop (utilization), API writes per admission (the API
+server's apiserver_request_total, every write of every client, from the controller's start
+to the end of the round), CPU seconds per process per 1,000 admissions, each process's resident
 memory at the end of the round (and its peak), and the medians' ratios.
 With `--then-schedule S` kube-scheduler then runs, the controllers still up, until it has
 bound nothing for 15 s (S seconds at most), and the gangs with some but not all of their
@@ -58,7 +64,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -66,10 +71,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client, watch
+from kubernetes import client
 
 from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
-from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed import crds, devcluster, simnodes, stored
 
 HERE = Path(__file__).resolve().parent
 KUEUE_NS = "kueue-system"
@@ -177,39 +182,6 @@ def kueue_config(port: int, qps: int, burst: int, cert_dir: Path) -> dict[str, A
         "integrations": {"frameworks": ["batch/job"]},
         "featureGates": {"VisibilityOnDemand": False},
     }
-
-
-class WorkloadTracker:
-    """First time the watch shows each Workload admitted, keyed by its Job."""
-
-    def __init__(self, api: Any) -> None:
-        self.custom = client.CustomObjectsApi(api)
-        self.admitted: dict[str, float] = {}
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        version = ""
-        while not self.stop.is_set():
-            try:
-                for event in watch.Watch().stream(
-                        self.custom.list_cluster_custom_object, KUEUE_GROUP, KUEUE_VERSION,
-                        "workloads", resource_version=version, timeout_seconds=30):
-                    obj = event["object"]
-                    version = obj["metadata"].get("resourceVersion", version)
-                    conditions = (obj.get("status") or {}).get("conditions") or []
-                    if any(c.get("type") == "Admitted" and c.get("status") == "True"
-                           for c in conditions):
-                        owner = (obj["metadata"].get("ownerReferences") or [{}])[0].get("name")
-                        key = f"{obj['metadata']['namespace']}/{owner}"
-                        with self.lock:
-                            self.admitted.setdefault(key, time.time())
-                    if self.stop.is_set():
-                        break
-            except Exception:  # an expired resourceVersion: list again
-                version = ""
-                time.sleep(0.5)
 
 
 def _job_manifest(namespace: str, name: str, seconds: int, gang: Any = None
@@ -393,20 +365,18 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             cpu_before = {name: admission._cpu_seconds(pid) for name, pid in pids.items()}
             cpu_before["kueue"] = 0.0  # from its start, certificates included
             requests_before = admission._api_requests(api)
-            tracker = WorkloadTracker(cluster.api())
-            tracker.thread.start()
+            # the same stop rule as Carpool's round: the admitted Jobs' pods, as stored
+            stop = stored.IdleStop(args.jobs + sum(g.workers - 1 for g in gangs.values()),
+                                   args.idle_stop or stored.default_idle_stop(args.jobs),
+                                   time.monotonic())
             deadline = time.monotonic() + (args.kueue_timeout or args.timeout)
-            last, last_change = -1, time.monotonic()
             while time.monotonic() < deadline:
                 if process.poll() is not None:
                     raise RuntimeError(f"kueue exited ({process.returncode}); see {log}")
-                with tracker.lock:
-                    count = len(tracker.admitted)
-                print(f"  kueue t+{time.time() - t0:5.0f}s admitted {count}/{len(manifests)}",
-                      file=sys.stderr)
-                if count != last:
-                    last, last_change = count, time.monotonic()
-                if count >= len(manifests) or (count and time.monotonic() - last_change > 20):
+                pods = stored.pods_in(api, projects)
+                print(f"  kueue t+{time.time() - t0:5.0f}s pods of admitted jobs {pods}/"
+                      f"{stop.target}", file=sys.stderr)
+                if stop.done(pods, time.monotonic()):
                     break
                 time.sleep(2)
             window = time.time() - t0
@@ -414,9 +384,11 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
                    for name, pid in pids.items()}
             rss = admission.component_rss_mib(pids)
             requests_after = admission._api_requests(api)
-            tracker.stop.set()
-            with tracker.lock:
-                admitted = dict(tracker.admitted)
+            admitted = stored.admitted_by(
+                stored.workloads_admitted(stored.list_items(
+                    api, f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/workloads")),
+                t0 + window, [f"{m['metadata']['namespace']}/{m['metadata']['name']}"
+                              for m in manifests])
             bound: dict[str, list[bool]] = {}
             if args.then_schedule:  # the admissions are counted: now start them
                 admission._signal_scheduler(paused, signal.SIGCONT)
@@ -604,7 +576,8 @@ def main() -> None:
                         help="KWOK nodes of 8 GPUs (625: every job fits at once)")
     parser.add_argument("--projects", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="pairs of runs (Kueue, Carpool)")
-    parser.add_argument("--only", choices=("kueue", "carpool"))
+    parser.add_argument("--only", choices=("kueue", "kueue-tuned", "carpool"),
+                        help="run only this system's rounds (kueue: both of Kueue's)")
     parser.add_argument("--cluster", default="carpool-bench-peers")
     parser.add_argument("--extender-port", type=int, default=18160)
     parser.add_argument("--kueue-port", type=int, default=19443)
@@ -617,8 +590,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300,
                         help="a round's window at most, seconds (Carpool's: until all that "
                              "fits is admitted and nothing more comes for --idle-stop s)")
-    parser.add_argument("--idle-stop", type=float, default=20.0, metavar="S",
-                        help="Carpool's round ends once no job was admitted for S seconds")
+    parser.add_argument("--idle-stop", type=float, default=0.0, metavar="S",
+                        help="a round ends once the admitted jobs' pods, as the API server "
+                             "stores them, have not grown for S seconds (0: "
+                             "`stored.default_idle_stop`, 20 s, 100 s at 50,000 jobs)")
     parser.add_argument("--kueue-timeout", type=float, default=0, metavar="S",
                         help="Kueue's rounds' window instead (default: --timeout): its "
                              "rate over a long queue, without waiting for it to admit all")
@@ -635,8 +610,10 @@ def main() -> None:
     os.environ[devcluster.EXTENDER_PORT_ENV] = str(args.extender_port)
     cluster = devcluster.up(args.cluster, port=args.extender_port,
                             progress=devcluster.Progress(sys.stderr))
-    home = kueue_home()
-    install_kueue_api(cluster, home, args.kueue_port)
+    home = Path()
+    if args.only != "carpool":
+        home = kueue_home()
+        install_kueue_api(cluster, home, args.kueue_port)
     results = []
     for round_no in range(args.rounds):
         order = ["kueue", "carpool"] if round_no % 2 == 0 else ["carpool", "kueue"]
