@@ -31,10 +31,11 @@ Kueue, Carpool, Kueue, ... (the first system swaps each pair).
 
 Both rounds are counted as the API server stores them, not by a watch of this bench's own
 (which falls minutes behind with 50,000 jobs on a loaded machine; `carpool_testbed.stored`):
-a round ends once the admitted jobs' pods in the projects' namespaces have not grown for
-`--idle-stop` seconds (or all exist, or the window is over), and the admission times are
-read by a paginated LIST at its end: a Workload's Admitted condition (Kueue's clock when it
-admitted), a GpuJob's pods' creation (the operator creates them, then writes Admitted).
+a round ends once the admitted jobs have not grown for `--idle-stop` seconds (or all are
+admitted, or the window is over), counted as Carpool's jobs' pods in the projects'
+namespaces and as Kueue's admitted Workloads, and the admission times are read by a
+paginated LIST at its end: a Workload's Admitted condition (Kueue's clock when it admitted),
+a GpuJob's pods' creation (the operator creates them, then writes Admitted).
 
 Prints per system and round: admissions/s (burst: admitted / seconds from the controller's
 start to the last admission; sustained: the middle 80 % of the admissions), creation (the
@@ -365,30 +366,35 @@ def run_kueue(args: argparse.Namespace, cluster: devcluster.Cluster, home: Path,
             cpu_before = {name: admission._cpu_seconds(pid) for name, pid in pids.items()}
             cpu_before["kueue"] = 0.0  # from its start, certificates included
             requests_before = admission._api_requests(api)
-            # the same stop rule as Carpool's round: the admitted Jobs' pods, as stored
-            stop = stored.IdleStop(args.jobs + sum(g.workers - 1 for g in gangs.values()),
+            keys = [f"{m['metadata']['namespace']}/{m['metadata']['name']}" for m in manifests]
+
+            def admitted_by(end: float) -> dict[str, float]:
+                """The stored Workloads admitted by `end` (Kueue creates a job's Workload as it
+                reaches the Job, so they are few; kube-controller-manager creates an admitted
+                Job's pods far behind it with 50,000 Jobs, so they are not counted)."""
+                return stored.admitted_by(stored.workloads_admitted(stored.list_items(
+                    api, f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/workloads")), end, keys)
+
+            # the same stop rule as Carpool's round, on Kueue's admitted Workloads as stored
+            stop = stored.IdleStop(args.jobs,
                                    args.idle_stop or stored.default_idle_stop(args.jobs),
                                    time.monotonic())
             deadline = time.monotonic() + (args.kueue_timeout or args.timeout)
             while time.monotonic() < deadline:
                 if process.poll() is not None:
                     raise RuntimeError(f"kueue exited ({process.returncode}); see {log}")
-                pods = stored.pods_in(api, projects)
-                print(f"  kueue t+{time.time() - t0:5.0f}s pods of admitted jobs {pods}/"
-                      f"{stop.target}", file=sys.stderr)
-                if stop.done(pods, time.monotonic()):
+                count = len(admitted_by(time.time()))
+                print(f"  kueue t+{time.time() - t0:5.0f}s admitted {count}/{stop.target}",
+                      file=sys.stderr)
+                if stop.done(count, time.monotonic()):
                     break
-                time.sleep(2)
+                time.sleep(5)
             window = time.time() - t0
             cpu = {name: admission._cpu_seconds(pid) - cpu_before[name]
                    for name, pid in pids.items()}
             rss = admission.component_rss_mib(pids)
             requests_after = admission._api_requests(api)
-            admitted = stored.admitted_by(
-                stored.workloads_admitted(stored.list_items(
-                    api, f"/apis/{KUEUE_GROUP}/{KUEUE_VERSION}/workloads")),
-                t0 + window, [f"{m['metadata']['namespace']}/{m['metadata']['name']}"
-                              for m in manifests])
+            admitted = admitted_by(t0 + window)
             bound: dict[str, list[bool]] = {}
             if args.then_schedule:  # the admissions are counted: now start them
                 admission._signal_scheduler(paused, signal.SIGCONT)
@@ -591,7 +597,7 @@ def main() -> None:
                         help="a round's window at most, seconds (Carpool's: until all that "
                              "fits is admitted and nothing more comes for --idle-stop s)")
     parser.add_argument("--idle-stop", type=float, default=0.0, metavar="S",
-                        help="a round ends once the admitted jobs' pods, as the API server "
+                        help="a round ends once the admitted jobs, as the API server "
                              "stores them, have not grown for S seconds (0: "
                              "`stored.default_idle_stop`, 20 s, 100 s at 50,000 jobs)")
     parser.add_argument("--kueue-timeout", type=float, default=0, metavar="S",

@@ -4,9 +4,11 @@ A bench's own watch of tens of thousands of objects falls behind on a loaded mac
 then both the admission times it stamps and a "nothing new for S seconds" stop rule follow
 the watch, not the controller. So:
 
-- a round ends on a count the API server gives cheaply: the pods in the projects'
-  namespaces (an admitted job's pods exist, a waiting job's do not; `count`), once it has
-  stopped growing for a while (`IdleStop`);
+- a round ends once a count of admissions as stored has stopped growing for a while
+  (`IdleStop`): for Carpool the pods in the projects' namespaces (the operator creates an
+  admitted job's pods, a waiting job has none; `count` asks the API server cheaply), for
+  Kueue its admitted Workloads (its Jobs' pods come from kube-controller-manager, far behind
+  the admissions with 50,000 Jobs);
 - the admission times are read from the stored objects once the round is over, by a
   paginated LIST (`list_items`): Carpool's from its jobs' pods' creationTimestamp (the
   operator creates a job's pods and then writes Admitted; its status.admitTime is the
@@ -83,7 +85,7 @@ def count(api: Any, path: str) -> int:
 
 
 def pods_in(api: Any, namespaces: Iterable[str]) -> int:
-    """The pods stored in these namespaces (the stop rule's count, for both systems)."""
+    """The pods stored in these namespaces (the stop rule's count for Carpool's jobs)."""
     return sum(count(api, f"/api/v1/namespaces/{ns}/pods") for ns in namespaces)
 
 
@@ -127,20 +129,21 @@ def admitted_by(times: Mapping[str, float], end: float, keys: Iterable[str] | No
 
 
 def default_idle_stop(jobs: int) -> float:
-    """Seconds without a new pod that end a round: 20, longer with a long queue (one of the
+    """Seconds without a new admission that end a round: 20, longer with a long queue (one of the
     controller's passes over 50,000 jobs reads and decides for a minute before it admits)."""
     return max(20.0, jobs / 500)
 
 
 class IdleStop:
-    """Ends a round once `target` pods exist, or once some exist and their count has not
-    grown for `idle_s` seconds (before the first, the controller is still starting)."""
+    """Ends a round once the count of admissions (or of admitted jobs' pods) reaches
+    `target`, or once it is above 0 and has not grown for `idle_s` seconds (before the
+    first, the controller is still starting)."""
 
     def __init__(self, target: int, idle_s: float, now: float) -> None:
         self.target, self.idle_s = target, idle_s
         self.last, self.since = -1, now
 
-    def done(self, pods: int, now: float) -> bool:
-        if pods != self.last:
-            self.last, self.since = pods, now
-        return pods >= self.target or (pods > 0 and now - self.since > self.idle_s)
+    def done(self, count: int, now: float) -> bool:
+        if count != self.last:
+            self.last, self.since = count, now
+        return count >= self.target or (count > 0 and now - self.since > self.idle_s)
