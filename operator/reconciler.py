@@ -721,10 +721,13 @@ class Reconciler:
         if not admission.workers:  # a whole-GPU job granted a share holds only that share
             gpus = job_status.shared_whole_gpu_status(
                 gpus, job.request, right_sizing.pod_request(job.request, admission.grants))
+        # admitted when its pod exists, not when the pass began deciding (minutes apart when
+        # a pass over a large queue writes thousands of admissions)
+        admitted_at = max(now, time.time())
         patch = state.patches.setdefault(job.key, {})
         patch.update(state.initial.pop(job.key, {}))
         patch.update(job_status.admitted(obj.get("status") or {}, admission, gpus,
-                                         pod["metadata"]["name"], identity.uid, now))
+                                         pod["metadata"]["name"], identity.uid, admitted_at))
         if admission.workers:
             patch["workers"] = job_status.gang_workers(
                 admission, state.inventories, worker_names_from_spec(obj.get("spec") or {}),
@@ -736,7 +739,8 @@ class Reconciler:
                                                     "Admit"))
             cls = job.job_class.label
             metrics.ADMISSIONS.labels(job.project, cls).inc()
-            metrics.WAIT_SECONDS.labels(job.project, cls).observe(max(0.0, now - job.submitted_at))
+            metrics.WAIT_SECONDS.labels(job.project, cls).observe(
+                max(0.0, admitted_at - job.submitted_at))
 
     def _record_event(self, obj: Obj, event: job_status.JobEvent) -> None:
         self.writer.event(obj, event)

@@ -11,8 +11,8 @@ the watch, not the controller. So:
   the admissions with 50,000 Jobs);
 - the admission times are read from the stored objects once the round is over, by a
   paginated LIST (`list_items`): Carpool's from its jobs' pods' creationTimestamp (the
-  operator creates a job's pods and then writes Admitted; its status.admitTime is the
-  reconcile pass's clock, earlier than the pod by up to the pass), Kueue's from its
+  operator creates a job's pods and then writes Admitted, status.admitTime, from a status
+  patch that may wait in the writer's queue), Kueue's from its
   Workloads' Admitted condition (lastTransitionTime, Kueue's clock when it admitted, before
   its rate-limited client writes it: if anything, early in Kueue's favour). Both are to the
   second.
