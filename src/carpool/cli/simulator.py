@@ -317,7 +317,8 @@ def add_sharing_parser(kinds: Any) -> argparse.ArgumentParser:
     sharing.add_argument("--seed", type=int, default=0, help="generator seed (0)")
     sharing.add_argument("--profile-degrees", type=non_negative, default=0, metavar="N",
                          help="Carpool first profiles each template alone and with copies, "
-                              "up to N jobs a GPU (0: it learns from the trace alone)")
+                              "up to N jobs a GPU, and each pair of templates once (0: it "
+                              "learns from the trace alone)")
     sharing.add_argument("--policy", type=policy_list(sharing_replay.POLICIES),
                          default=list(sharing_replay.POLICIES),
                          help=f"comma-separated, from {', '.join(sharing_replay.POLICIES)} (all)")
