@@ -522,6 +522,10 @@ def main() -> int:
     parser.add_argument("--profile-pairs", action=argparse.BooleanOptionalAction,
                         default=True,
                         help="the profiling run also measures each pair of templates once")
+    parser.add_argument("--pair-seconds", type=float, default=4.0,
+                        help="each pair's run: longer than a degree's, for a pair's count is "
+                             "read where a light template's curve is flat, so a small error in "
+                             "a short run's P99 moves it by whole copies")
     parser.add_argument("--learn-rounds", type=int, default=3,
                         help="Carpool places, its services report, it learns: this often "
                              "before the measured rounds")
@@ -604,8 +608,9 @@ def run(pool: Pool, args: argparse.Namespace, gpu: tuple[str, int], objectives_t
     samples, alone = profile(pool, kinds, args.profile_degrees, args.profile_seconds, model,
                              args.alone_runs)
     if args.profile_pairs:
-        log(f"profiling {len(kinds) * (len(kinds) - 1) // 2} pairs of templates")
-        samples.extend(profile_pairs(pool, kinds, args.profile_seconds, model))
+        log(f"profiling {len(kinds) * (len(kinds) - 1) // 2} pairs of templates "
+            f"({args.pair_seconds:g}s each)")
+        samples.extend(profile_pairs(pool, kinds, args.pair_seconds, model))
     profiling_s = time.monotonic() - started
     factors = [float(x) for x in args.targets.split(",")]
     services = [Service(f"{t}#{n}", t, alone[t][0] * factors[n % len(factors)], alone[t][1])
