@@ -21,8 +21,18 @@ process's peak RSS (the in-memory API's objects included); the summary gives the
 lowest and highest of the last `--repeat` passes of each kind. `--profile` adds the top
 functions of one phase by cumulative time (cProfile).
 
+`--burst` runs instead the shape of bench/peers.py's Carpool round: one-GPU jobs of 40-120 s
+(`admission._job`, whole GPUs of one model) on nodes of 8 whole GPUs, no scheduler (the round
+holds kube-scheduler, so no pod starts), and the admissions of the burst carried out over
+several passes, as a pass's time budget splits them on a 2-core API server: each pass carries
+out at most its share of the GPUs (`--burst 0.41,0.19,0.23,0.17`: the 50,000-job round's
+16,560, 7,575, 9,114 and 6,751 admissions of 40,000), `--gap` seconds of clock apart, then
+`--after` passes that admit nothing more. It prints the writes per admission by kind.
+
     .venv/bin/python bench/operator_cycle.py --nodes 5000 --jobs 50000 [--finish 500]
         [--repeat 3] [--no-memo] [--profile refresh]
+    .venv/bin/python bench/operator_cycle.py --nodes 5000 --jobs 50000 --burst
+        0.41,0.19,0.23,0.17 [--gap 200] [--after 1]
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import importlib.util
 import io
 import json
 import logging
@@ -45,6 +56,7 @@ import uuid
 from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from carpool.core import names
@@ -337,13 +349,13 @@ class StageCpu:
 
 
 def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: StageCpu,
-             label: str, profile: bool) -> dict[str, Any]:
+             label: str, profile: bool, now: float | None = None) -> dict[str, Any]:
     before = Counter(api.counts)
     profiler = cProfile.Profile() if profile else None
     started, cpu_started = time.monotonic(), time.process_time()
     if profiler:
         profiler.enable()
-    reconciler.run_pass(time.time())
+    reconciler.run_pass(time.time() if now is None else now)
     reconciler.wait_for_writes()
     if profiler:
         profiler.disable()
@@ -360,6 +372,74 @@ def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: Stag
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
         print(out.getvalue(), file=sys.stderr)
     return row
+
+
+def _admission_bench() -> Any:
+    """bench/admission.py as a module: its job shape is the peers round's."""
+    spec = importlib.util.spec_from_file_location("bench_admission",
+                                                  Path(__file__).parent / "admission.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_burst(args: argparse.Namespace) -> MemoryApi:
+    """bench/peers.py's Carpool round: nodes of 8 whole GPUs (H100 and H200 alternately),
+    20 projects of an equal guarantee with borrowing, one-GPU jobs of 40-120 s."""
+    admission = _admission_bench()
+    api = MemoryApi()
+    now = datetime.now(UTC)
+    models = ("H100", "H200")
+    document = {"nodes": [{"name": f"gpu-{i:05d}", "zone": f"zone-{i % 4}",
+                           "sharing": "exclusive",
+                           "gpus": [{"model": models[i % 2], "count": 8,
+                                     "memoryTotalMiB": 80 * 1024}]} for i in range(args.nodes)]}
+    for node in simnodes.parse_nodes(document):
+        api.put("nodes", simnodes.node_manifest(node))
+        gpunode = simnodes.gpunode_manifest(node)
+        gpunode["status"] = simnodes.gpunode_status(node, now)
+        api.put(names.GPUNODE_PLURAL, gpunode)
+    projects = [f"p{i}" for i in range(args.projects)]
+    for project in projects:
+        api.put(QUOTAS, {"apiVersion": names.API_VERSION, "kind": "ProjectQuota",
+                         "metadata": {"name": project},
+                         "spec": {"namespaces": [project],
+                                  "concurrent": {"gpus": args.nodes * 8 // args.projects},
+                                  "borrowing": {"enabled": True}}})
+    rng = random.Random(args.seed)
+    for i in range(args.jobs):
+        project = projects[i % len(projects)]
+        api.put(GPUJOBS, admission._job(project, f"j{i}", project, rng, models[i % 2],
+                                        exclusive=True))
+    return api
+
+
+def run_burst(args: argparse.Namespace) -> dict[str, Any]:
+    """The burst carried out over passes (`--burst`), then `--after` passes; the writes per
+    admission by kind over all of them."""
+    api = build_burst(args)
+    times = PassTimes()
+    logging.getLogger("carpool.operator.reconciler").addHandler(times)
+    logging.getLogger("carpool.operator.reconciler").setLevel(logging.INFO)
+    config = ReconcilerConfig(admission_budget_s=0, admission_budget_max_s=0)
+    reconciler = Reconciler(Kube(api), config, MemoryInformers(api))  # type: ignore
+    cpu = StageCpu(reconciler)
+    shares = [float(s) for s in args.burst.split(",")]
+    started = time.time()
+    for i, share in enumerate(shares + [0.0] * args.after):
+        # at most this pass's share of the GPUs carried out (0: the admissions left, if any)
+        reconciler.config.max_admissions_per_pass = round(share * args.nodes * 8)
+        # the clock moves `--gap` s a pass (a pass at 50,000 jobs takes minutes on 2 cores)
+        one_pass(reconciler, api, times, cpu, f"burst {i + 1}" if share else "after", False,
+                 started + i * args.gap)
+    admitted = api.counts[("POST", PODS)]
+    per = {f"{verb} {res}": round(n / max(1, admitted), 3)
+           for (verb, res), n in sorted(api.counts.items())}
+    summary = {"admitted": admitted, "writes per admission": per}
+    print(json.dumps(summary), flush=True)
+    return summary
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -411,7 +491,18 @@ def main() -> None:
     parser.add_argument("--profile", choices=("fill", "steady", "refresh"))
     parser.add_argument("--no-memo", action="store_true",
                         help="keep no placement memo from pass to pass")
-    run(parser.parse_args())
+    parser.add_argument("--burst", metavar="SHARES",
+                        help="the peers round's shape, its admissions carried out over passes "
+                             "of these shares of the GPUs (comma-separated)")
+    parser.add_argument("--gap", type=float, default=200.0,
+                        help="--burst: seconds of clock between passes")
+    parser.add_argument("--after", type=int, default=1,
+                        help="--burst: passes after the burst's last admission")
+    args = parser.parse_args()
+    if args.burst:
+        run_burst(args)
+    else:
+        run(args)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,8 @@ class Reconciler:
         self.writer = Writer(kube, lambda key: self.informers.get(GPUJOBS, key),
                              config.write_workers)
         self._wait_written: dict[str, float] = {}  # job key -> monotonic time of last write
+        # job key -> monotonic time since when the passes have left it waiting
+        self._waiting_since: dict[str, float] = {}
         self._last_pass: float | None = None  # when the last pass's metrics were recorded
         self._reclaiming: dict[str, tuple[int, float]] = {}  # borrower -> (attempt, decided)
         self._refresh_s = config.wait_refresh_s  # see ReconcilerConfig.wait_refresh_per_s
@@ -570,8 +572,12 @@ class Reconciler:
             del self._wait_written[key]
         self._refresh_s = job_status.wait_refresh_s(len(waiting), self.config.wait_refresh_s,
                                                     self.config.wait_refresh_per_s)
+        left_for_later = len(state.admitted) < len(admissions)
+        clock = time.monotonic()
+        self._waiting_since = {k: self._waiting_since.get(k, clock) for k in waiting}
         for wait in result.waits:
-            self._record_wait(state, wait, now)
+            self._record_wait(state, wait, now, job_status.wait_unsettled(
+                left_for_later, clock - self._waiting_since[wait.job_key], self._refresh_s))
 
     def _outranked(self, state: PassState, job: Job) -> bool:
         """Has a job arrived since the pass read that the next pass might rank before `job`
@@ -646,9 +652,11 @@ class Reconciler:
         else:
             log.info("%s: no pod of attempt %d to stop", job.key, job.attempts)
 
-    def _record_wait(self, state: PassState, wait: Wait, now: float) -> None:
+    def _record_wait(self, state: PassState, wait: Wait, now: float,
+                     unsettled: bool = False) -> None:
         """Carry out `job_status.wait_update`: the wait written now if urgent, with another
-        write of the job, or once its refresh period passed."""
+        write of the job, or once its refresh period passed; a first wait not while
+        `unsettled` (`job_status.wait_unsettled`)."""
         obj = state.objects[wait.job_key]
         update = job_status.wait_update(obj.get("status") or {}, wait, now, self._backlog_s,
                                         state.start_delay_s, self.config.estimate_jump_s)
@@ -657,7 +665,7 @@ class Reconciler:
         clock = time.monotonic()
         since = clock - self._wait_written.get(wait.job_key, -math.inf)
         if not job_status.write_wait_now(update, bool(state.patches.get(wait.job_key)), since,
-                                         self._refresh_s):
+                                         self._refresh_s, unsettled):
             return  # only the position, message or a small estimate shift: later
         self._wait_written[wait.job_key] = clock
         state.patches.setdefault(wait.job_key, {}).update(

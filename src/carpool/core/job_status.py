@@ -280,11 +280,13 @@ def expired(history: list[Mapping[str, Any]], expiry: Expiry, now: float
 @dataclass(frozen=True)
 class WaitUpdate:
     """A waiting job's wait fields that change, whether they must be written now rather than
-    at the job's next refresh, and the Event its new reason gets (None if the same)."""
+    at the job's next refresh, the Event its new reason gets (None if the same), and whether
+    it is the first wait the job shows (its status says nothing yet of why it waits)."""
 
     patch: Obj
     urgent: bool
     event: JobEvent | None
+    first: bool = False
 
 
 def wait_fields(status: Mapping[str, Any], wait: Wait, now: float, backlog_s: float,
@@ -336,15 +338,33 @@ def wait_update(status: Mapping[str, Any], wait: Wait, now: float, backlog_s: fl
     if status.get("reason") != wait.reason.value:
         event = JobEvent(wait.reason.value, wait.message,
                          "Warning" if wait.reason.refused else "Normal", "Queue", wait=True)
-    return WaitUpdate(changed, wait_change_is_urgent(status, fields, now, jump_s), event)
+    return WaitUpdate(changed, wait_change_is_urgent(status, fields, now, jump_s), event,
+                      first=not status.get("reason"))
 
 
 def write_wait_now(update: WaitUpdate, other_write: bool, since_written_s: float,
-                   refresh_s: float) -> bool:
+                   refresh_s: float, unsettled: bool = False) -> bool:
     """Whether a wait update goes out in this pass: when urgent, when the job is written
     anyway (`other_write`), or once `refresh_s` passed since its last wait write; a position,
-    message or small estimate shift alone waits for that."""
-    return update.urgent or other_write or since_written_s >= refresh_s
+    message or small estimate shift alone waits for that. A job's first wait is held while
+    it is `unsettled` (`wait_unsettled`): the next pass decides it again."""
+    if other_write:
+        return True
+    if update.first and unsettled:
+        return False
+    return update.urgent or since_written_s >= refresh_s
+
+
+def wait_unsettled(left_for_later: bool, left_waiting_s: float, refresh_s: float) -> bool:
+    """Whether a job's wait this pass may well be overturned by the next: the pass left
+    admissions it decided for later (a burst longer than a pass's time to act). The next
+    pass, with those admissions carried out, ranks the queue anew (the projects' usage and
+    borrowing moved) and in a burst admits many of the jobs the one before left waiting;
+    a first wait written meanwhile is a status write (and an Event) that says Queued a pass
+    before the one that says Admitted, and an estimate that becomes a promise to keep. Held
+    at most `refresh_s` from the pass that first left the job waiting (`left_waiting_s`), as
+    long as any other wait change may wait (`wait_refresh_s`)."""
+    return left_for_later and left_waiting_s < refresh_s
 
 
 def wait_refresh_s(waiting: int, refresh_s: float, refreshes_per_s: float) -> float:

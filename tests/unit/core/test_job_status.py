@@ -4,6 +4,7 @@ at once), and that write-once fields (submit time, first estimate) stay as first
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from carpool.core import job_status
@@ -184,6 +185,27 @@ def test_a_wait_goes_out_when_urgent_written_anyway_or_due_for_its_refresh() -> 
     # 921 waiting jobs at 5 writes/s: each one refreshed every 184.2 s, not every minute
     assert job_status.wait_refresh_s(921, 60.0, 5.0) == 184.2
     assert job_status.wait_refresh_s(10, 60.0, 5.0) == 60.0
+
+
+def test_a_first_wait_is_held_while_the_next_pass_may_overturn_it() -> None:
+    waiting = Wait("team/job", WaitReason.CAPACITY, "no node has room now", 3, 0, NOW + 600)
+    first = job_status.wait_update({}, waiting, NOW, 0.0, 0.0, JUMP)
+    assert first is not None and first.first and first.urgent
+    # a pass that left admissions for later, for at most a refresh period of the job's wait
+    assert job_status.wait_unsettled(True, left_waiting_s=0.0, refresh_s=60.0)
+    assert job_status.wait_unsettled(True, left_waiting_s=59.0, refresh_s=60.0)
+    assert not job_status.wait_unsettled(True, left_waiting_s=60.0, refresh_s=60.0)
+    assert not job_status.wait_unsettled(False, left_waiting_s=0.0, refresh_s=60.0)
+    assert not job_status.write_wait_now(first, False, math.inf, 60.0, unsettled=True)
+    assert job_status.write_wait_now(first, False, math.inf, 60.0, unsettled=False)
+    # written with another write of the job (its submit time goes with it) all the same
+    assert job_status.write_wait_now(first, True, math.inf, 60.0, unsettled=True)
+    # a job that shows a wait already: a reason change is written at once, burst or not
+    shown = {"phase": "Queued", "reason": "Capacity", "message": "no node has room now"}
+    quota = job_status.wait_update(shown, Wait("team/job", WaitReason.QUOTA, "over quota", 3,
+                                               0, None), NOW, 0.0, 0.0, JUMP)
+    assert quota is not None and not quota.first and quota.urgent
+    assert job_status.write_wait_now(quota, False, 0.0, 60.0, unsettled=True)
 
 
 def test_a_new_job_shows_its_submit_time_and_queued_once() -> None:

@@ -284,6 +284,41 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     assert reconciler.observer.decoded[waiting[0]].job is decoded
 
 
+def test_a_burst_writes_a_first_wait_once_nothing_is_left_for_later_or_a_refresh_on(
+) -> None:
+    def passes(max_admissions: int, count: int, waited_s: float = 0.0
+               ) -> tuple[FakeKube, list[str]]:
+        kube = FakeKube()
+        cluster = _cluster(1)
+        cluster[GPUJOBS] = [_job("a"), _job("b"), _job("c")]
+        # 1 GPU of 80 GiB, MPS at 50 % cores: two of the three fit, one waits
+        reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+        reconciler.config.max_admissions_per_pass = max_admissions
+        waiting = []
+        for _ in range(count):
+            for informer in reconciler.informers.by_kind.values():
+                informer.version = max(informer.version, kube.version)  # caught up
+            reconciler._waiting_since = {k: t - waited_s
+                                         for k, t in reconciler._waiting_since.items()}
+            (wait,) = reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05).waits
+            reconciler.wait_for_writes()
+            waiting.append(wait.job_key)
+        return kube, waiting
+
+    # every admission carried out: the waiting job's first wait is written at once
+    kube, (waiting,) = passes(0, 1)
+    assert [s["reason"] for k, s in kube.statuses if k == waiting] == ["Capacity"]
+    # one of two admissions left for later each pass: the next pass ranks the queue anew,
+    # so the waiting job's first wait (and its Event) is held, pass after pass...
+    kube, (first, second) = passes(1, 2)
+    assert first == second and first not in {k for k, _ in kube.statuses}
+    assert "Capacity" not in kube.events
+    # ... for at most the refresh period (a minute for a short queue) of its wait
+    kube, (first, second) = passes(1, 2, waited_s=61.0)
+    assert [s["reason"] for k, s in kube.statuses if k == first] == ["Capacity"]
+    assert kube.events.count("Capacity") == 1
+
+
 def test_the_store_keeps_what_a_pass_reads_and_drops_bookkeeping() -> None:
     informer = Informers(FakeKube()).by_kind[PODS]  # type: ignore[arg-type]
     pod = {"metadata": {"name": "a-1", "namespace": "team", "resourceVersion": "3",
