@@ -46,6 +46,10 @@ from carpool.core.timestamps import epoch_of, format_timestamp
 
 Obj = Mapping[str, Any]
 WAITING_PHASES = frozenset({"", "Queued", "Preempted"})
+# A job without a reason: the operator writes a job's first wait in the pass that first sees
+# it, or, in a burst of admissions carried out over several passes, once the burst is carried
+# out (`job_status.wait_unsettled`)
+NO_REASON_YET = "no reason written yet (new, or the operator is carrying out a burst)"
 FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
 TERMINAL_POD_PHASES = frozenset({"Succeeded", "Failed"})
 _MIB_PER_GIB = 1024
@@ -850,7 +854,7 @@ def explain(job: Obj, quota: Obj | None, jobs: Iterable[Obj] | None, gpunodes: I
                            (Finding(Topic.STATUS, False, text),))
 
     reason = str(status.get("reason") or "")
-    summary = f"{key} waits: {reason or 'not yet seen by the operator'}"
+    summary = f"{key} waits: {reason or NO_REASON_YET}"
     if status.get("message"):
         summary += f" - {status['message']}"
     findings.append(Finding(Topic.STATUS, bool(reason), summary))

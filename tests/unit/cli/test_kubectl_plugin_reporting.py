@@ -104,7 +104,7 @@ def test_explain_a_job_the_operator_has_not_seen() -> None:
     fresh = {"metadata": {"namespace": "ns", "name": "j"},
              "spec": {"project": "p", "gpu": {"count": 1, "memory": "1Gi"}}}
     explanation = reporting.explain(fresh, None, [fresh], [], [], NOW)
-    assert explanation.summary == "ns/j waits: not yet seen by the operator"
+    assert explanation.summary == f"ns/j waits: {reporting.NO_REASON_YET}"
     capacity = [f for f in explanation.findings if f.topic is reporting.Topic.CAPACITY]
     assert capacity[0].text.startswith("no node has room now (0Gi free")
 
