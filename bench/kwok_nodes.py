@@ -16,7 +16,6 @@ status heartbeats shows apart.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -27,20 +26,12 @@ from typing import Any
 from carpool.kube.client import Api
 from carpool.kube.resources import NODES
 from carpool_testbed import crds, devcluster, simnodes
+from carpool_testbed.scripts import load_script
 
 HERE = Path(__file__).resolve().parent
 
 
-def _admission() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_admission", HERE / "admission.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_admission"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-admission = _admission()
+admission = load_script(HERE / "admission.py")
 
 
 class Phase:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import importlib.util
 import io
 import json
 import logging
@@ -66,6 +65,7 @@ from carpool.kube.errors import Conflict, NotFound
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube
 from carpool.operator.reconciler import Reconciler, ReconcilerConfig
 from carpool_testbed import simnodes
+from carpool_testbed.scripts import load_script
 
 Obj = dict[str, Any]
 PATH = re.compile(r"^/(?:api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?"
@@ -374,21 +374,10 @@ def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: Stag
     return row
 
 
-def _admission_bench() -> Any:
-    """bench/admission.py as a module: its job shape is the peers round's."""
-    spec = importlib.util.spec_from_file_location("bench_admission",
-                                                  Path(__file__).parent / "admission.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def build_burst(args: argparse.Namespace) -> MemoryApi:
     """bench/peers.py's Carpool round: nodes of 8 whole GPUs (H100 and H200 alternately),
     20 projects of an equal guarantee with borrowing, one-GPU jobs of 40-120 s."""
-    admission = _admission_bench()
+    admission = load_script(Path(__file__).parent / "admission.py")  # the peers round's jobs
     api = MemoryApi()
     now = datetime.now(UTC)
     models = ("H100", "H200")

@@ -57,7 +57,6 @@ import argparse
 import base64
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -76,6 +75,7 @@ from kubernetes import client
 
 from carpool.core.topology import TOPOLOGY_LABELS, TopologyLevel
 from carpool_testbed import crds, devcluster, simnodes, stored
+from carpool_testbed.scripts import load_script
 
 HERE = Path(__file__).resolve().parent
 KUEUE_NS = "kueue-system"
@@ -93,17 +93,7 @@ SELECTED = ("mpod.kb.io", "mdeployment.kb.io", "mstatefulset.kb.io", "vpod.kb.io
             "vdeployment.kb.io", "vstatefulset.kb.io")
 
 
-def _admission() -> Any:
-    """bench/admission.py (Carpool's side of the round) as a module."""
-    spec = importlib.util.spec_from_file_location("bench_admission", HERE / "admission.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-admission = _admission()
+admission = load_script(HERE / "admission.py")  # Carpool's side of the round
 
 
 def kueue_home() -> Path:

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from carpool_testbed.scripts import load_script
+
 BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 def _load_bench(script: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"carpool_bench_{script}",
-                                                  BENCH / f"{script}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / f"{script}.py")
 
 
 @pytest.fixture(scope="module")
