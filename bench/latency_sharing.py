@@ -814,11 +814,10 @@ def judge(run: dict[str, Any]) -> dict[str, dict[str, int]]:
     model = run["model"]
     services = {s["name"]: s for s in run["services"]}
     samples = []
-    for s in run["profile"]:
-        if s["company"].startswith("profile"):
-            p99 = None if s["p99_ms"] is None else s["p99_ms"] / 1000
-            samples.append(Sample(model, s["template"], s["degree"], s["req_per_s"], p99,
-                                  s["company"], (s["template"],) * (s["degree"] - 1)))
+    for s in run["profile"]:  # the degrees and the measured pairs, each in its company
+        p99 = None if s["p99_ms"] is None else s["p99_ms"] / 1000
+        samples.append(Sample(model, s["template"], s["degree"], s["req_per_s"], p99,
+                              s["company"], tuple(s["neighbours"])))
     for n, gpus in enumerate(run["learning"]):
         for index, group in enumerate(gpus):
             for name, measured in group.items():

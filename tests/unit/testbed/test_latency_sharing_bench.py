@@ -41,7 +41,7 @@ def test_the_same_seed_gives_the_same_arrivals(latency_sharing: ModuleType) -> N
 def test_judging_a_past_run_counts_what_each_rule_accepts_and_what_broke(
         latency_sharing: ModuleType) -> None:
     profile = [{"template": t, "degree": d, "req_per_s": rate, "p99_ms": p99,
-                "company": f"profile {t} x{d} #0"}
+                "company": f"profile {t} x{d} #0", "neighbours": [t] * (d - 1)}
                for t, curve in (("light", {1: (300, 2.7), 2: (290, 3.0), 3: (283, 3.5)}),
                                 ("heavy", {1: (106, 9.8), 2: (107, 15.0), 3: (108, 30.0)}))
                for d, (rate, p99) in curve.items()]
@@ -64,3 +64,26 @@ def test_judging_a_past_run_counts_what_each_rule_accepts_and_what_broke(
                                "refused, kept": 0, "refused, broke": 1}
     assert judged["by weight only"] == {"accepted, kept": 3, "accepted, broke": 0,
                                         "refused, kept": 2, "refused, broke": 1}
+
+
+def test_judging_learns_the_pairs_the_profiling_run_measured(
+        latency_sharing: ModuleType) -> None:
+    """A pair measured by the profiling run (no learning placement ever put the two
+    together) teaches the judged rule as it taught the run's own."""
+    curves = (("light", {1: (300, 2.7), 2: (290, 3.0), 3: (283, 3.5)}),
+              ("heavy", {1: (106, 9.8), 2: (107, 15.0), 3: (108, 30.0)}))
+    profile = [{"template": t, "degree": d, "req_per_s": rate, "p99_ms": p99,
+                "company": f"profile {t} x{d} #0", "neighbours": [t] * (d - 1)}
+               for t, curve in curves for d, (rate, p99) in curve.items()]
+    profile += [{"template": "light", "degree": 2, "req_per_s": 290, "p99_ms": 7.0,
+                 "company": "pair light+heavy", "neighbours": ["heavy"]},
+                {"template": "heavy", "degree": 2, "req_per_s": 106, "p99_ms": 11.0,
+                 "company": "pair light+heavy", "neighbours": ["light"]}]
+    services = [{"name": "l1", "template": "light", "p99_target_ms": 5.35},
+                {"name": "h1", "template": "heavy", "p99_target_ms": 49.0}]
+    policies = {"fixed 2": {"groups": [["l1", "h1"]],
+                            "p99_vs_target": {"l1": 1.4, "h1": 0.2}}}
+    judged = latency_sharing.judge({"model": "H100", "profile": profile, "services": services,
+                                    "learning": [], "policies": policies})
+    assert judged["pairs"] == {"accepted, kept": 1, "accepted, broke": 0,
+                               "refused, kept": 0, "refused, broke": 1}
