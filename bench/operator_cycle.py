@@ -29,10 +29,16 @@ out at most its share of the GPUs (`--burst 0.41,0.19,0.23,0.17`: the 50,000-job
 16,560, 7,575, 9,114 and 6,751 admissions of 40,000), `--gap` seconds of clock apart, then
 `--after` passes that admit nothing more. It prints the writes per admission by kind.
 
+`--decisions FILE` writes every pass's decisions (admissions with their node and GPUs,
+preemptions, expiries, waits with their estimates, the projects' status), one per line; with
+`--clock EPOCH` every timestamp and every pass's time is fixed (`--gap` s apart), so two runs
+of one seed decide alike and a change meant to keep every decision is checked with `cmp`.
+
     .venv/bin/python bench/operator_cycle.py --nodes 5000 --jobs 50000 [--finish 500]
         [--repeat 3] [--no-memo] [--profile refresh]
     .venv/bin/python bench/operator_cycle.py --nodes 5000 --jobs 50000 --burst
         0.41,0.19,0.23,0.17 [--gap 200] [--after 1]
+    ... [--clock 2000000000 --decisions FILE]
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from typing import Any
 
 from carpool.core import names
 from carpool.core.assignment import AssignedGpu, Assignment, encode_assignment
+from carpool.core.queueing import CycleResult
 from carpool.core.resources import Isolation
 from carpool.kube.errors import Conflict, NotFound
 from carpool.operator.kube import GPUJOBS, PODS, QUOTAS, Kube
@@ -96,6 +103,12 @@ class MemoryApi:
         self.writes = 0
         self.counts: Counter[tuple[str, str]] = Counter()
         self.lock = threading.Lock()
+        self.clock: float | None = None  # epoch seconds of every timestamp (None: the time)
+
+    def timestamp(self) -> str:
+        """Now, or the fixed clock (`--clock`), as the API server writes times."""
+        at = datetime.now(UTC) if self.clock is None else datetime.fromtimestamp(self.clock, UTC)
+        return at.strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def _stamp(self, obj: Obj) -> None:
         self.version += 1
@@ -105,7 +118,7 @@ class MemoryApi:
         """An object as something other than the operator wrote it (setup, the scheduler)."""
         meta = obj["metadata"]
         meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta.setdefault("creationTimestamp", self.timestamp())
         key = f"{meta['namespace']}/{meta['name']}" if meta.get("namespace") else meta["name"]
         with self.lock:
             self._stamp(obj)
@@ -134,8 +147,8 @@ class MemoryApi:
                 if key in store:
                     raise Conflict(409, "AlreadyExists")
                 obj = copy.deepcopy(body)
-                obj["metadata"].update(uid=str(uuid.uuid4()), namespace=ns, creationTimestamp=
-                                       datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                obj["metadata"].update(uid=str(uuid.uuid4()), namespace=ns,
+                                       creationTimestamp=self.timestamp())
                 self._stamp(obj)
                 store[key] = obj
                 return dict(obj)
@@ -244,7 +257,8 @@ def _job(i: int, project: str, rng: random.Random) -> Obj:
 
 def build(args: argparse.Namespace) -> MemoryApi:
     api = MemoryApi()
-    now = datetime.now(UTC)
+    api.clock = args.clock
+    now = datetime.fromtimestamp(api.clock, UTC) if api.clock else datetime.now(UTC)
     for node in _nodes(args.nodes):
         api.put("nodes", simnodes.node_manifest(node))
         gpunode = simnodes.gpunode_manifest(node)
@@ -267,7 +281,7 @@ def build(args: argparse.Namespace) -> MemoryApi:
 def schedule(api: MemoryApi) -> int:
     """The stand-in scheduler and kubelet: each pod not on a node yet is bound where its
     job's admission put it (the extender's assignment annotation) and starts running."""
-    started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    started = api.timestamp()
     bound = 0
     for key, pod in list(api.objects[PODS].items()):
         if pod["spec"].get("nodeName"):
@@ -298,7 +312,7 @@ def finish(api: MemoryApi, count: int, rng: random.Random) -> int:
     """`count` running pods end (their containers exit 0)."""
     running = [k for k, p in api.objects[PODS].items() if (p.get("status") or {}).get(
         "phase") == "Running"]
-    ended = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ended = api.timestamp()
     for key in rng.sample(sorted(running), min(count, len(running))):
         pod = api.objects[PODS][key]
         begun = pod["status"]["startTime"]
@@ -352,13 +366,14 @@ class StageCpu:
 
 
 def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: StageCpu,
-             label: str, profile: bool, now: float | None = None) -> dict[str, Any]:
+             label: str, profile: bool, now: float | None = None,
+             decisions: io.TextIOBase | None = None) -> dict[str, Any]:
     before = Counter(api.counts)
     profiler = cProfile.Profile() if profile else None
     started, cpu_started = time.monotonic(), time.process_time()
     if profiler:
         profiler.enable()
-    reconciler.run_pass(time.time() if now is None else now)
+    result = reconciler.run_pass(time.time() if now is None else now)
     reconciler.wait_for_writes()
     if profiler:
         profiler.disable()
@@ -370,6 +385,8 @@ def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: Stag
            "total_cpu": round(cpu_total, 2), "writes_by_kind": writes,
            "peak_rss_mib": round(_peak_rss_mib())}
     print(json.dumps(row), flush=True)
+    if decisions is not None:
+        write_decisions(decisions, label, result)
     if profiler:
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
@@ -377,12 +394,23 @@ def one_pass(reconciler: Reconciler, api: MemoryApi, times: PassTimes, cpu: Stag
     return row
 
 
+def write_decisions(out: io.TextIOBase, label: str, result: CycleResult) -> None:
+    """Every decision of a pass, one per line (`--decisions`): two runs of the same seed and
+    `--clock` decided alike if and only if these lines are the same."""
+    out.write(f"pass {label} at {result.now!r}: {len(result.admissions)} admitted, "
+              f"{len(result.preemptions)} preempted, {len(result.waits)} waiting\n")
+    for item in (*result.admissions, *result.preemptions, *result.expiries, *result.waits,
+                 *result.projects):
+        out.write(f"{item!r}\n")
+
+
 def build_burst(args: argparse.Namespace) -> MemoryApi:
     """bench/peers.py's Carpool round: nodes of 8 whole GPUs (H100 and H200 alternately),
     20 projects of an equal guarantee with borrowing, one-GPU jobs of 40-120 s."""
     admission = load_script(Path(__file__).parent / "admission.py")  # the peers round's jobs
     api = MemoryApi()
-    now = datetime.now(UTC)
+    api.clock = args.clock
+    now = datetime.fromtimestamp(api.clock, UTC) if api.clock else datetime.now(UTC)
     models = ("H100", "H200")
     document = {"nodes": [{"name": f"gpu-{i:05d}", "zone": f"zone-{i % 4}",
                            "sharing": "exclusive",
@@ -419,13 +447,14 @@ def run_burst(args: argparse.Namespace) -> dict[str, Any]:
     reconciler = Reconciler(Kube(api), config, MemoryInformers(api))  # type: ignore
     cpu = StageCpu(reconciler)
     shares = [float(s) for s in args.burst.split(",")]
-    started = time.time()
+    started = args.clock or time.time()
     for i, share in enumerate(shares + [0.0] * args.after):
         # at most this pass's share of the GPUs carried out (0: the admissions left, if any)
         reconciler.config.max_admissions_per_pass = round(share * args.nodes * 8)
         # the clock moves `--gap` s a pass (a pass at 50,000 jobs takes minutes on 2 cores)
+        api.clock = started + i * args.gap if args.clock else None
         one_pass(reconciler, api, times, cpu, f"burst {i + 1}" if share else "after", False,
-                 started + i * args.gap)
+                 started + i * args.gap, args.decisions)
     admitted = api.counts[("POST", PODS)]
     per = {f"{verb} {res}": round(n / max(1, admitted), 3)
            for (verb, res), n in sorted(api.counts.items())}
@@ -447,18 +476,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.no_memo:  # every pass places from scratch, as before the memo was kept
         reconciler.config.admission = replace(reconciler.config.admission, timeline_memo=None)
     cpu = StageCpu(reconciler)
-    rows = [one_pass(reconciler, api, times, cpu, "fill", args.profile == "fill")]
+    rows: list[dict[str, Any]] = []
+
+    def step(label: str, profile: bool) -> None:
+        # with `--clock`, the clock moves `--gap` s a pass; else passes run at the time
+        now = args.clock + len(rows) * args.gap if args.clock else None
+        api.clock = now
+        rows.append(one_pass(reconciler, api, times, cpu, label, profile, now, args.decisions))
+
+    step("fill", args.profile == "fill")
     print(f"scheduled {schedule(api)} pods", file=sys.stderr)
-    rows.append(one_pass(reconciler, api, times, cpu, "settle", False))
+    step("settle", False)
     rng = random.Random(args.seed + 1)
     for i in range(args.repeat):
-        rows.append(one_pass(reconciler, api, times, cpu, "steady",
-                             args.profile == "steady" and i == 0))
+        step("steady", args.profile == "steady" and i == 0)
         print(f"{finish(api, args.finish, rng)} pods finished", file=sys.stderr)
-        rows.append(one_pass(reconciler, api, times, cpu, "refresh",
-                             args.profile == "refresh" and i == 0))
+        step("refresh", args.profile == "refresh" and i == 0)
         schedule(api)
-        rows.append(one_pass(reconciler, api, times, cpu, "settle", False))
+        step("settle", False)
     summary = {}
     for phase in ("steady", "refresh", "settle"):
         picked = [r for r in rows if r["phase"] == phase][-args.repeat:]
@@ -487,7 +522,12 @@ def main() -> None:
                         help="the peers round's shape, its admissions carried out over passes "
                              "of these shares of the GPUs (comma-separated)")
     parser.add_argument("--gap", type=float, default=200.0,
-                        help="--burst: seconds of clock between passes")
+                        help="--burst, or with --clock: seconds of clock between passes")
+    parser.add_argument("--clock", type=float, metavar="EPOCH",
+                        help="a fixed clock from this time (after the run: a pass never runs "
+                             "before the time), so two runs of a seed decide alike")
+    parser.add_argument("--decisions", type=argparse.FileType("w"), metavar="FILE",
+                        help="write every pass's decisions here, one per line")
     parser.add_argument("--after", type=int, default=1,
                         help="--burst: passes after the burst's last admission")
     args = parser.parse_args()
