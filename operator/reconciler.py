@@ -15,7 +15,8 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 
 from carpool.core import interference, job_status, lending, names, right_sizing
@@ -84,10 +85,13 @@ ORPHAN_GRACE_S = 10
 MEMO_ENTRIES_PER_NODE = 100
 # The watch caches, the placement memo and a pass's snapshot are millions of long-lived
 # objects at 50,000 jobs; the cycle collector rescanned them whenever a pass had allocated
-# enough (a quarter of a pass's CPU time at 10,000 jobs). Each pass's read freezes what is
-# alive then (still freed by reference counting; they hold no cycles that matter), so the
-# collector looks at new objects only; everything is unfrozen and collected this often, so
-# what cycles there are among them are freed in time.
+# enough (a quarter of a pass's CPU time at 10,000 jobs). The collector is off while a pass
+# reads and decides (what they build stays alive until the pass ends, so its full
+# collections there found nothing to free: a quarter of deciding at 50,000 jobs); then one
+# young collection frees their cyclic garbage and what is alive is frozen (still freed by
+# reference counting; they hold no cycles that matter), so the collector looks at new
+# objects only; everything is unfrozen and collected this often, so what cycles there are
+# among them are freed in time.
 FULL_COLLECTION_S = 600.0
 
 
@@ -164,6 +168,18 @@ class ReconcilerConfig:
             unschedulable_timeout_s=settings.unschedulable_timeout_s)
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cycle collector off for the block (as it was after it; `FULL_COLLECTION_S`)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass(frozen=True)
 class _Stray:
     """A pod being stopped as an orphan: as last seen, and the time it is billed up to
@@ -232,10 +248,12 @@ class Reconciler:
         """One pass, in stages: observe the caches, account for what left (deleted jobs' usage,
         stray pods, pods no node took), decide, then act on the decisions."""
         started = time.monotonic()
-        state = self.observe(now, catch_up_s)
-        self.account_departures(state, still_leader)
-        read_s = time.monotonic() - started
-        result = self.decide(state)
+        with _collector_paused():
+            state = self.observe(now, catch_up_s)
+            self.account_departures(state, still_leader)
+            read_s = time.monotonic() - started
+            result = self.decide(state)
+            self._freeze_long_lived()
         decide_s = time.monotonic() - started - read_s
         if not still_leader():
             log.info("lost leadership during the pass; not acting on it")
@@ -268,11 +286,11 @@ class Reconciler:
         # the Events recorded on jobs gone from the caches are forgotten
         self.writer.forget_jobs_except(str(obj["metadata"].get("uid", ""))
                                        for obj in state.objects.values())
-        self._freeze_long_lived()
         return state
 
     def _freeze_long_lived(self) -> None:
-        """Keep the cycle collector off what the pass has read (`FULL_COLLECTION_S`)."""
+        """Keep the cycle collector off what the pass has read and decided
+        (`FULL_COLLECTION_S`)."""
         clock = time.monotonic()
         if clock - self._collected_at >= FULL_COLLECTION_S:
             gc.unfreeze()

@@ -4,7 +4,9 @@ of the API port (no cluster): what a pass writes, and that it waits for its own 
 from __future__ import annotations
 
 import copy
+import gc
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -214,8 +216,50 @@ def test_a_pass_on_a_stale_cache_is_refused() -> None:
     try:
         _reconciler(kube, informers).run_pass(0.0, catch_up_s=0.05)
     except CacheBehind:
+        assert gc.isenabled()  # on again after the refused read
         return
     raise AssertionError("a pass ran on a cache behind its own writes")
+
+
+class _Cyclic:
+    """An object in a reference cycle: freed by the cycle collector only."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_pass_decides_with_the_collector_off_and_frees_the_cycles_it_made() -> None:
+    """The cycle collector is off while a pass reads and decides, on again after it (as it
+    was), and cyclic garbage made meanwhile is freed then, not frozen with what lives on."""
+    seen: dict[str, Any] = {}
+
+    def one_pass() -> None:
+        kube = FakeKube()
+        cluster = _cluster(1)
+        cluster[GPUJOBS] = [_job("a")]
+        reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+        decide = reconciler.decide
+
+        def deciding(state: Any) -> Any:
+            seen["collecting"] = gc.isenabled()
+            seen["garbage"] = weakref.ref(_Cyclic())
+            return decide(state)
+
+        reconciler.decide = deciding  # type: ignore[method-assign]
+        reconciler.run_pass(1_800_000_000.0)
+        reconciler.wait_for_writes()
+
+    assert gc.isenabled()
+    try:
+        one_pass()
+        assert seen["collecting"] is False and gc.isenabled()
+        assert seen["garbage"]() is None
+        gc.disable()  # a process that keeps the collector off has it off after a pass
+        one_pass()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None:
