@@ -80,11 +80,10 @@ def job_identity(obj: Obj) -> JobIdentity:
         admittable=status.get("phase") in (None, "", Phase.QUEUED.value))
 
 
-def _attempt_pods(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
+def _attempt_pods(job: JobIdentity, by_uid: Mapping[str, tuple[PodView, str]],
                   by_name: Mapping[str, str]) -> list[tuple[PodView, Link]]:
     """The job's pods that `core.ownership.attempt_link` takes for its attempts: looked up by
     the uid and the names its status records (never by a label or annotation)."""
-    job = job_identity(obj)
     candidates = {job.pod_uid} if job.pod_uid else set()
     for name in (job.pod_name, job.next_pod_name):
         if name and (uid := by_name.get(f"{job.namespace}/{name}")):
@@ -248,7 +247,8 @@ class Observer:
             state.objects[key] = obj
             meta = obj["metadata"]
             version = str(meta.get("resourceVersion", ""))
-            links = _attempt_pods(obj, by_uid, by_name)
+            identity = job_identity(obj)
+            links = _attempt_pods(identity, by_uid, by_name)
             status_now = obj.get("status") or {}
             for linked_pod, link in links:
                 linked.add(linked_pod.uid)
@@ -260,8 +260,9 @@ class Observer:
                            if link.attempt == int(status_now.get("attempts") or 0) else ""))
                 if why:
                     state.tampered.append((key, linked_pod, why))
-            job_pods = [replace(p, attempt=link.attempt) for p, link in links]
-            workers = _gang_followers(obj, by_uid, by_name)
+            job_pods = [p if p.attempt == link.attempt else replace(p, attempt=link.attempt)
+                        for p, link in links]
+            workers = _gang_followers(obj, identity, by_uid, by_name)
             linked.update(p.uid for p in workers.values())
             signature = tuple(sorted(by_uid[p.uid][1] for p in [*job_pods, *workers.values()]))
             cached = self.decoded.get(key)
@@ -513,13 +514,14 @@ class Observer:
         return {name: usage for name, (_, usage) in decoded.items() if usage is not None}
 
 
-def _gang_followers(obj: Obj, by_uid: Mapping[str, tuple[PodView, str]],
+def _gang_followers(obj: Obj, job: JobIdentity, by_uid: Mapping[str, tuple[PodView, str]],
                     by_name: Mapping[str, str]) -> dict[int, PodView]:
     """A gang's workers of rank 1 and up of its current attempt, by rank: found by the names
     the operator gives them and kept only if the job controls them (`core.ownership`)."""
     spec = obj.get("spec") or {}
+    if not spec.get("workers"):
+        return {}  # one pod (most jobs: asked of every job every pass)
     count = len(worker_names_from_spec(spec))
-    job = job_identity(obj)
     out: dict[int, PodView] = {}
     for rank in range(1, count):
         uid = by_name.get(f"{job.namespace}/{worker_pod_name(job.name, job.attempts, rank)}")

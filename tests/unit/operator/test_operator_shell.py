@@ -25,7 +25,7 @@ from carpool.core.queueing import CycleResult, WaitReason, admission_cycle
 from carpool.core.resources import Gpu, GpuGrant, Isolation, JobClass, NodeInventory, Phase
 from carpool.core.right_sizing import pod_request
 from carpool.core.timestamps import epoch_seconds
-from carpool.operator.observe import Observer, PassState, _attempt_pods
+from carpool.operator.observe import Observer, PassState, _attempt_pods, job_identity
 from carpool.operator.pod_view import view_pod
 from carpool.operator.pods import build_pod, pod_name
 from carpool_testbed.builders import gpu_node
@@ -161,7 +161,7 @@ def test_an_adopted_pod_stays_the_attempt_once_the_job_left_the_queue() -> None:
             "controller": True}])
         view = view_pod(pod)
         return [replace(view, attempt=link.attempt) for view, link in _attempt_pods(
-            job, {view.uid: (view, "1")}, {f"team/{view.name}": view.uid})]
+            job_identity(job), {view.uid: (view, "1")}, {f"team/{view.name}": view.uid})]
 
     running = observe(job, linked(_pod(1, "Running", started="2026-11-29T10:00:00Z")),
                       {UUID: 143771}, now=1_800_000_000)
