@@ -11,11 +11,12 @@ its what-if states from them; property tests check each value equals the pure fu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Self
 
-from carpool.core.placement import GpuFree, NodeState
-from carpool.core.resources import Isolation
+from carpool.core.placement import GpuFree, NodeState, free_after
+from carpool.core.resources import GpuGrant, Isolation
 from carpool.core.scoring import GpusBySlot, NodeProfile, doubtful_gpus, gpus_by_slot, profile_of
 
 
@@ -30,8 +31,20 @@ class DerivedState(NodeState):
             return state
         return cls(state.inventory, state.grants, state.cpu_used_milli, state.memory_used_mib)
 
+    def with_grants(self, grants: Iterable[GpuGrant]) -> Self:
+        """This state with `grants` added; its free GPUs are worked out from this state's
+        where this state has them (`placement.free_after`)."""
+        state = super().with_grants(grants)
+        frees = self.__dict__.get("frees")
+        if frees is not None:
+            state.__dict__["_frees_before"] = (frees, len(self.grants))
+        return state  # type: ignore[return-value]
+
     @cached_property
     def frees(self) -> tuple[GpuFree, ...]:
+        before = self.__dict__.pop("_frees_before", None)
+        if before is not None:
+            return tuple(free_after(before[0], self.grants, before[1]))
         return tuple(super().free())
 
     def free(self) -> list[GpuFree]:

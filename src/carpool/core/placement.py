@@ -7,7 +7,7 @@ request gets is `gpu_choice.choose_gpus`; which MIG instance of a chosen GPU, `g
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -59,29 +59,39 @@ class NodeState:
         by_gpu: dict[str, list[GpuGrant]] = {}
         for grant in self.grants:
             by_gpu.setdefault(grant.gpu_uuid, []).append(grant)
-        out = []
-        for gpu in self.inventory.gpus:
-            held = by_gpu.get(gpu.uuid, [])
-            used_mig = {g.mig_instance for g in held if g.mig_instance}
-            memory, cores = _held(held)
-            out.append(
-                GpuFree(
-                    gpu=gpu,
-                    memory_mib=gpu.memory_total_mib - memory,
-                    cores_pct=100 - cores,
-                    exclusive_taken=any(g.exclusive for g in held),
-                    grants=sum(1 for g in held if not g.lent),  # jobs on it (core.lending)
-                    free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
-                    sharing_limit=_sharing_limit(held) if held else 0,
-                    sharers=tuple(g.sharer for g in held if not g.lent),
-                )
-            )
-        return out
+        return [gpu_free(gpu, by_gpu.get(gpu.uuid, [])) for gpu in self.inventory.gpus]
 
     def with_grants(self, grants: Iterable[GpuGrant]) -> NodeState:
         """This state with `grants` added (a state of the same kind)."""
         return type(self)(self.inventory, self.grants + tuple(grants), self.cpu_used_milli,
                           self.memory_used_mib)
+
+
+def gpu_free(gpu: Gpu, held: list[GpuGrant]) -> GpuFree:
+    """What is left on `gpu` after `held`, the grants on it in the order they were made."""
+    used_mig = {g.mig_instance for g in held if g.mig_instance}
+    memory, cores = _held(held)
+    return GpuFree(
+        gpu=gpu,
+        memory_mib=gpu.memory_total_mib - memory,
+        cores_pct=100 - cores,
+        exclusive_taken=any(g.exclusive for g in held),
+        grants=sum(1 for g in held if not g.lent),  # jobs on it (core.lending)
+        free_mig=tuple(m.uuid for m in gpu.mig_instances if m.uuid not in used_mig),
+        sharing_limit=_sharing_limit(held) if held else 0,
+        sharers=tuple(g.sharer for g in held if not g.lent),
+    )
+
+
+def free_after(frees: Sequence[GpuFree], grants: tuple[GpuGrant, ...], kept: int
+               ) -> list[GpuFree]:
+    """`NodeState.free` of a state with `grants`, from `frees`, that of the same node with
+    `grants[:kept]`: a GPU's free part depends on its own grants alone, so only the GPUs the
+    grants after `kept` are on are worked out again (a what-if state is its node's state
+    with one more job's grants)."""
+    touched = {g.gpu_uuid for g in grants[kept:]}
+    return [gpu_free(f.gpu, [g for g in grants if g.gpu_uuid == f.gpu.uuid])
+            if f.gpu.uuid in touched else f for f in frees]
 
 
 def _sharing_limit(held: list[GpuGrant]) -> float:

@@ -135,14 +135,22 @@ class TimelineMemo:
 
     def state(self, base: NodeState, held: tuple[tuple[GpuGrant, ...], ...]) -> NodeState:
         """`base` with the grant tuples `held` added; keyed by the tuples' identities (cheap
-        to hash, and each occupancy keeps its job's grants tuple), checked on a hit."""
-        key = (id(base), tuple(id(g) for g in held))
-        entry = self._states.get(key)
+        to hash, and each occupancy keeps its job's grants tuple), checked on a hit. Made
+        from the state without the last tuple where that is kept (the node before its newest
+        job: a `DerivedState` then works out its free GPUs from that one's)."""
+        ids = tuple(id(g) for g in held)
+        entry = self._states.get((id(base), ids))
         if entry is None or entry[0] is not base or any(
                 a is not b for a, b in zip(entry[1], held, strict=True)):
-            grants = tuple(g for gs in held for g in gs)
-            entry = self._states[key] = (base, held, base.with_grants(grants) if grants else base)
-        self._used[0].add(key)
+            before = self._states.get((id(base), ids[:-1])) if held else None
+            if before is not None and before[0] is base and all(
+                    a is b for a, b in zip(before[1], held[:-1], strict=True)):
+                state = before[2].with_grants(held[-1]) if held[-1] else before[2]
+            else:
+                grants = tuple(g for gs in held for g in gs)
+                state = base.with_grants(grants) if grants else base
+            entry = self._states[(id(base), ids)] = (base, held, state)
+        self._used[0].add((id(base), ids))
         return entry[2]
 
     def fit(self, state: NodeState, request: GpuRequest, placer: NodePlacer

@@ -309,6 +309,26 @@ def _earliest_scanned(timeline: Timeline, request: GpuRequest, duration: float,
     return None if best is None else (best[0], best[2], best[3])
 
 
+def test_a_memo_state_made_from_the_one_before_is_the_node_with_every_grant() -> None:
+    """The memo makes a node's state with one more job from the state without it where it
+    keeps that one (its free GPUs worked out from that one's): the state is still the base
+    with every grant, in order, and a grant tuple it did not see makes another state."""
+    memo = TimelineMemo()
+    base = memo.derived(node("n1", gpus=4))
+    held: tuple[tuple[GpuGrant, ...], ...] = ()
+    for grants in (whole("n1", 0), (), (GpuGrant("n1-g1", 10 * GIB, 25),
+                                        GpuGrant("n1-g2", 10 * GIB, 25)), whole("n1", 3)):
+        held = (*held, grants)
+        state = memo.state(base, held)
+        plain = NodeState(base.inventory, tuple(g for gs in held for g in gs))
+        assert NodeState(state.inventory, state.grants) == plain
+        assert state.free() == plain.free()
+        assert memo.state(base, held) is state
+    other = (*held[:-1], whole("n1", 3))  # equal to the last tuple, but another object
+    again = memo.state(base, other)
+    assert again is not state and again.grants == state.grants
+
+
 def test_a_full_memo_keeps_what_the_last_cycle_used() -> None:
     placed: list[str] = []
 

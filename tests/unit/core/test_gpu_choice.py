@@ -33,6 +33,7 @@ from carpool.core.scoring import (
     ScoringPolicy,
     doubtful_gpus,
     gpus_by_slot,
+    profile_of,
     slot_fits,
 )
 from carpool.core.workload import Demand, TargetWorkload
@@ -111,6 +112,39 @@ def test_the_fast_path_is_the_plain_definition(case: tuple[NodeState, GpuRequest
     plain = choose_gpus_plainly(DerivedState.of(node), scorer_for(request, policy, cpu_milli))
     assert fast == plain  # the score too, exactly: ties between nodes are decided on it
     assert type(fast) is type(plain)  # NoFit or a plain (score, indices)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.data())
+def test_a_state_made_from_another_derives_what_it_would_alone(
+        case: tuple[NodeState, GpuRequest], data: st.DataObject) -> None:
+    """`DerivedState.with_grants` works out its free GPUs from the state it was made from,
+    where that one has them (`placement.free_after`): over several steps, with lent and
+    borrowed grants and grants of no GPU of the node, everything it derives is what the
+    same state worked out afresh derives."""
+    node, _ = case
+    kinds = st.sampled_from(["own", "own", "own", "lent", "borrowed", "elsewhere"])
+    grants = []
+    for grant in node.grants:
+        kind = data.draw(kinds)
+        grants.append(grant if kind == "own" else dataclasses.replace(grant, lent=True)
+                      if kind == "lent" else dataclasses.replace(grant, borrowed=True)
+                      if kind == "borrowed" else dataclasses.replace(grant, gpu_uuid="other"))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(grants)), min_size=1, max_size=4)))
+    state = DerivedState(node.inventory, tuple(grants[:cuts[0]]), node.cpu_used_milli)
+    for start, end in zip(cuts, [*cuts[1:], len(grants)], strict=True):
+        if data.draw(st.booleans()):
+            assert state.frees == tuple(NodeState.free(state))  # the step's start derived
+        state = state.with_grants(grants[start:end])
+    plain = NodeState(node.inventory, tuple(grants), node.cpu_used_milli)
+    assert type(state) is DerivedState and NodeState(
+        state.inventory, state.grants, state.cpu_used_milli, state.memory_used_mib) == plain
+    assert list(state.frees) == plain.free()
+    assert state.profile == profile_of(plain)
+    for exclusive in (False, True):
+        assert state.gpus_by_slot(exclusive) == gpus_by_slot(plain, exclusive)
+    for isolation in ISOLATIONS:
+        assert state.doubtful_gpus(isolation) == doubtful_gpus(plain, isolation)
 
 
 @settings(max_examples=500, deadline=None)
