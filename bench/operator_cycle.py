@@ -208,9 +208,6 @@ class MemoryInformers:
     def gone_at(self, kind: str, uid: str) -> None:
         return None
 
-    def gone(self, kind: str) -> list[tuple[float, Obj]]:
-        return []
-
     def arrived(self, kind: str) -> int:
         return 0
 
