@@ -725,7 +725,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.delete_cluster:
         devcluster.delete(devcluster.ClusterPaths.for_name(args.cluster), cluster.bin_dir)
     else:
-        unfinalize_jobs(api, projects)  # the operator is gone: its finalizers would hold them
+        unfinalize(api, projects)  # the operator is gone: its finalizers would hold them
         for project in projects:
             core.delete_namespace(project)
             custom.delete_cluster_custom_object(names.GROUP, names.VERSION,
@@ -734,25 +734,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def unfinalize_jobs(api: Any, namespaces: list[str]) -> None:
-    """Take the operator's finalizer off every GpuJob in these namespaces (once it has stopped),
-    so deleting the namespaces deletes them instead of leaving them, and their namespaces,
-    terminating for the next run's operator to meet."""
+def unfinalize(api: Any, namespaces: list[str]) -> None:
+    """Take Carpool's finalizer off every pod (and any GpuJob an earlier release put it on) in
+    these namespaces, once the operator has stopped, so deleting the namespaces deletes them
+    instead of leaving them, and their namespaces, terminating for the next run to meet."""
     pool = api.rest_client.pool_manager
-    base = f"{api.configuration.host}/apis/{names.GROUP}/{names.VERSION}/namespaces"
+    host = api.configuration.host
     headers = {"Content-Type": "application/merge-patch+json", "Accept": "application/json"}
     custom = client.CustomObjectsApi(api)
-    keys = [(namespace, job["metadata"]["name"]) for namespace in namespaces
-            for job in custom.list_namespaced_custom_object(
-                names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL)["items"]
-            if job["metadata"].get("finalizers")]
+    core = client.CoreV1Api(api)
+    paths = [f"{host}/apis/{names.GROUP}/{names.VERSION}/namespaces/{namespace}/"
+             f"{names.GPUJOB_PLURAL}/{job['metadata']['name']}" for namespace in namespaces
+             for job in custom.list_namespaced_custom_object(
+                 names.GROUP, names.VERSION, namespace, names.GPUJOB_PLURAL)["items"]
+             if job["metadata"].get("finalizers")]
+    paths += [f"{host}/api/v1/namespaces/{namespace}/pods/{pod.metadata.name}"
+              for namespace in namespaces for pod in core.list_namespaced_pod(namespace).items
+              if names.FINALIZER in (pod.metadata.finalizers or ())]
 
-    def unfinalize(key: tuple[str, str]) -> None:
-        pool.request("PATCH", f"{base}/{key[0]}/{names.GPUJOB_PLURAL}/{key[1]}",
-                     body=b'{"metadata":{"finalizers":null}}', headers=headers, retries=False)
+    def patch(path: str) -> None:
+        pool.request("PATCH", path, body=b'{"metadata":{"finalizers":null}}', headers=headers,
+                     retries=False)
 
     with ThreadPoolExecutor(max_workers=8) as workers:
-        list(workers.map(unfinalize, keys))
+        list(workers.map(patch, paths))
 
 
 def _operator_eta_scores(port: int) -> dict[str, float]:

@@ -208,6 +208,9 @@ class MemoryInformers:
     def gone_at(self, kind: str, uid: str) -> None:
         return None
 
+    def gone(self, kind: str) -> list[tuple[float, Obj]]:
+        return []
+
     def arrived(self, kind: str) -> int:
         return 0
 

@@ -33,6 +33,7 @@ from carpool.core.decoding import (
     placements_from_status,
     worker_requests_from_spec,
 )
+from carpool.core.finalizing import deletion_final
 from carpool.core.jobs import job_template
 from carpool.core.lending import LendingPolicy, lendable, split
 from carpool.core.ownership import Owner
@@ -368,8 +369,8 @@ class ClusterCache:
         annotations = meta.get("annotations") or {}
         status = pod.get("status") or {}
         text = annotations.get(names.ANN_ASSIGNMENT)
-        if not text or status.get("phase") in TERMINAL_PHASES:
-            return None
+        if not text or status.get("phase") in TERMINAL_PHASES or deletion_final(meta):
+            return None  # (a pod deleted with grace 0 is kept only by finalizers)
         try:
             assignment = parse_assignment(str(text))
         except AssignmentError:
@@ -456,7 +457,8 @@ class ClusterCache:
         assumed = self._assumed.get(key)
         if assumed is not None:
             phase = (pod.get("status") or {}).get("phase")
-            if deleted or phase in TERMINAL_PHASES or assumed.uid != hold_uid(pod) or (
+            if deleted or phase in TERMINAL_PHASES or deletion_final(
+                    pod.get("metadata") or {}) or assumed.uid != hold_uid(pod) or (
                     hold is not None and hold.node == assumed.node):
                 del self._assumed[key]  # gone, replaced, or confirmed by the watch
         return key
@@ -689,7 +691,8 @@ def _usage_of(pod: Mapping[str, Any]) -> tuple[str, int, int] | None:
     """(node, CPU milli, memory MiB) a bound, unfinished pod requests; None otherwise."""
     spec = pod.get("spec") or {}
     node = spec.get("nodeName") if isinstance(spec, Mapping) else None
-    if not node or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES:
+    if not node or (pod.get("status") or {}).get("phase") in TERMINAL_PHASES \
+            or deletion_final(pod.get("metadata") or {}):
         return None
     cpu, memory = pod_requests(spec)
     return str(node), cpu, memory

@@ -63,7 +63,8 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 # PodScheduled while it says Unschedulable), IPs,
 # images and labels; of its owner references only GpuJobs', of its containers only their
 # carpool.dev/* limits (what it holds).
-POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp")
+POD_METADATA = ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp",
+                "deletionGracePeriodSeconds", "finalizers")
 POD_ANNOTATIONS = (names.ANN_ASSIGNMENT,)
 POD_STATUS = ("phase", "reason", "startTime")
 OWNER_FIELDS = ("apiVersion", "kind", "name", "uid", "controller")
@@ -147,6 +148,11 @@ class Informers:
     def gone_at(self, kind: str, uid: str) -> tuple[float, Obj] | None:
         """When the watch of `kind` showed the object of `uid` deleted, with its last state."""
         return self.by_kind[kind].gone_at(uid) if uid else None
+
+    def gone(self, kind: str) -> list[tuple[float, Obj]]:
+        """The objects of `kind` the watch remembers as deleted (the newest few thousand),
+        each with when it went and its last state."""
+        return self.by_kind[kind].gone()
 
     def get(self, kind: str, key: str) -> Obj | None:
         """The newest object of `key` (`namespace/name`, or `name`) the watch has shown."""

@@ -1,4 +1,4 @@
-"""The operator's writes to the API server: pods, statuses, finalizers, Events.
+"""The operator's writes to the API server: pods (and their finalizer), statuses, Events.
 
 A thin port over `carpool.kube.client.Api` (plain dicts, typed errors). Every call is
 synchronous; the reconciler runs them on a thread pool.
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from carpool.core import names
-from carpool.kube.client import MERGE_PATCH, Api
-from carpool.kube.errors import Conflict, Forbidden, NotFound
+from carpool.kube.client import JSON_PATCH, MERGE_PATCH, Api
+from carpool.kube.errors import Conflict, Forbidden, Invalid, NotFound
 from carpool.kube.events import event_body, events_path, reference
 from carpool.kube.resources import GPUJOBS as GPUJOB_RESOURCE
 from carpool.kube.resources import (
@@ -135,10 +135,28 @@ class Kube:
             return None
         return self._wrote(GPUJOBS, answer)
 
+    def release_pod(self, namespace: str, name: str, uid: str, finalizers: list[str]) -> bool:
+        """Remove Carpool's finalizer from the pod of `uid`, only while its finalizers are
+        still `finalizers` (as read): a JSON patch that tests both, so the kubelet's status
+        writes do not make it conflict. False if the pod changed or is gone (the next pass
+        reads it again)."""
+        body = [{"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+                {"op": "replace", "path": "/metadata/finalizers",
+                 "value": [f for f in finalizers if f != names.FINALIZER]}]
+        try:
+            answer = self.api.request("PATCH", POD_RESOURCE.path(namespace, name), body,
+                                      content_type=JSON_PATCH)
+        except (NotFound, Conflict, Invalid):
+            return False
+        self._wrote(PODS, answer)
+        return True
+
     def set_job_finalizers(self, namespace: str, name: str, finalizers: list[str],
                            resource_version: str) -> bool:
         """Replace the job's finalizers, only if it is unchanged since read (False if it
-        changed or is gone: the next pass reads it again)."""
+        changed or is gone: the next pass reads it again). Only to remove the finalizer
+        that earlier releases put on GpuJobs (`Reconciler._retire`)."""
         body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
         try:
             answer = self.api.patch(GPUJOB_RESOURCE.path(namespace, name), body, MERGE_PATCH)

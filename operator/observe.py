@@ -8,6 +8,7 @@ later stages. A job's decoding is reused while neither it nor its pods changed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +21,7 @@ from carpool.core.decoding import (
     retired_from_status,
     worker_names_from_spec,
 )
+from carpool.core.finalizing import pod_retired_key, stopped_at
 from carpool.core.gangs import WorkerPlacement
 from carpool.core.gpunode import inventory_from_gpunode
 from carpool.core.jobs import Job, ProjectQuota, RetiredUsage
@@ -112,8 +114,8 @@ class PassState:
     # processes last did work on a GPU there: (ns, pod) -> epoch seconds
     activity_nodes: set[str] = field(default_factory=set)
     pod_active: dict[tuple[str, str], float] = field(default_factory=dict)
+    # jobs being deleted (their deletionTimestamp set): the job and its live pod, if any
     deleting: dict[str, tuple[Job, PodView | None]] = field(default_factory=dict)
-    unguarded: list[str] = field(default_factory=list)  # used GPUs, no accounting finalizer
     arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read, then as checked
     best_arrival: JobClass | None = None  # the highest class among the arrivals checked
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
@@ -122,6 +124,14 @@ class PassState:
     # the job no longer controls: both are stopped (`_stop_strays`)
     orphans: list[PodView] = field(default_factory=list)
     pods: dict[str, PodView] = field(default_factory=dict)  # uid -> every pod in view
+    # uid -> pods whose deletion is final (only finalizers hold them): gone for everything
+    # but their record (`core.finalizing`); not in `pods`
+    lingering: dict[str, PodView] = field(default_factory=dict)
+    # uids of deleted jobs whose usage is on record this pass (retired now or before, or
+    # nothing to retire): their pods may be released; the retired keys of deleted jobs the
+    # watch remembers (kept in the quotas' retired usage while it does)
+    on_record: set[str] = field(default_factory=set)
+    gone_job_keys: set[str] = field(default_factory=set)
     tampered: list[tuple[str, PodView, str]] = field(default_factory=list)  # + why
     # job key -> the pod of its current attempt as the pass saw it (what a stop deletes)
     attempt_pods: dict[str, PodView] = field(default_factory=dict)
@@ -160,6 +170,7 @@ class Observer:
         # node name -> (GpuNode version, Node labels, inventory); pod uid -> (version, view)
         self._inventories: dict[str, tuple[str, Mapping[str, str], NodeInventory]] = {}
         self._pod_views: dict[str, tuple[str, PodView]] = {}
+        self._lingering: dict[str, PodView] = {}  # as the last read saw them (gone_pod)
         # job key -> the grants it held at the last read: a job decoded again (its status
         # written) whose grants are the same keeps the same tuple, which the placement memo
         # knows its node's state by (`timeline.TimelineMemo`)
@@ -222,9 +233,13 @@ class Observer:
                 else view_pod(pod)
             if version:
                 views[view.uid] = (version, view)
+            if view.deletion_final:  # gone but for its record: as if the watch saw it go
+                state.lingering[view.uid] = view
+                continue
             by_uid[view.uid] = (view, version)
             by_name[f"{view.namespace}/{view.name}"] = view.uid
         self._pod_views = views  # pods gone are forgotten
+        self._lingering = state.lingering
         linked: set[str] = set()  # uids of pods that are some job's attempt
         decoded: dict[str, _Decoded] = {}
         for obj in self.informers.objects(GPUJOBS):
@@ -232,7 +247,6 @@ class Observer:
             state.objects[key] = obj
             meta = obj["metadata"]
             version = str(meta.get("resourceVersion", ""))
-            guarded = names.FINALIZER in (meta.get("finalizers") or ())
             identity = job_identity(obj)
             links = _attempt_pods(identity, by_uid, by_name)
             status_now = obj.get("status") or {}
@@ -257,7 +271,7 @@ class Observer:
                 # neither the job nor its pods changed since a pass derived nothing to write
                 # for it: the same decoding (thousands of jobs wait or run through many passes)
                 decoded[key] = cached
-                self._reuse(state, obj, cached, guarded, now)
+                self._reuse(state, obj, cached, now)
                 continue
             exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
                 == "exclusive"
@@ -313,12 +327,9 @@ class Observer:
                 job = _detached(job)  # its node is gone: it holds nothing we can see
             if meta.get("deletionTimestamp"):
                 live = obs.live_pod if obs.live_pod and not obs.live_pod.terminal else None
-                if guarded:
-                    state.deleting[key] = (job, live)
+                state.deleting[key] = (job, live)
                 if live is None:
                     continue  # gone for the queue; its usage is retired (see _retire)
-            elif not guarded and (job.runs or obs.live_pod is not None):
-                state.unguarded.append(key)
             state.jobs.append(job)
             state.phases[key] = obs.phase
             if patch:
@@ -338,15 +349,44 @@ class Observer:
         return state
 
     def gone_pod(self, uid: str) -> tuple[float, PodView] | None:
-        """If the watch saw the pod of `uid` deleted: when it stopped holding its GPUs (its
-        containers' end as its last state shows it, else when the deletion was seen), and
-        that last state."""
+        """If the pod of `uid` is gone (its deletion final, as the last read saw it, or the
+        watch saw it deleted): when it stopped holding its GPUs (its containers' end as its
+        last state shows it, else when its deletion became final or was seen), and that last
+        state."""
+        lingering = self._lingering.get(uid) if uid else None
+        if lingering is not None:
+            return stopped_at(lingering) or lingering.deleted_at or time.time(), lingering
         seen = self.informers.gone_at(PODS, uid)
         if seen is None:
             return None
         at, last = seen
         pod = view_pod(last)
         return (min(at, pod.finished) if pod.finished else at), pod
+
+    def last_state(self, obj: Obj, state: PassState) -> Job | None:
+        """A deleted job as its last state and its pods' end show it (for its retirement):
+        decoded as `read` decodes a job whose pods are gone; None if it cannot be."""
+        status = obj.get("status") or {}
+        exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
+            == "exclusive"
+        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
+                  for g in inv.gpus}
+        mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
+                      for g in inv.gpus for m in g.mig_instances}
+        uid = str(status.get("podUID") or "")
+        gone = self.gone_pod(uid)
+        if gone is None and (pod := state.pods.get(uid)) is not None \
+                and (end := stopped_at(pod)) is not None:
+            gone = end, pod  # finished, not deleted yet: as good as gone for its record
+        gone_at, gone_pod = gone if gone is not None else (None, None)
+        obs = observe(obj, [], totals, state.now, mig_slices, gone_at,
+                      _gang_fraction(obj, placements_from_status(status, exclusive),
+                                     state.inventories), gone_pod)
+        try:
+            return job_from_object(obj, obs.phase, obs.attempts, (), "",
+                                   {**status, **obs.status}.get("history") or [])
+        except ValueError:
+            return None
 
     def pod_gone_at(self, uid: str) -> float | None:
         """When the pod of `uid` stopped holding its GPUs, if the watch saw it deleted."""
@@ -407,16 +447,13 @@ class Observer:
         if given_back is not None:
             state.unschedulable.append((key, *given_back))
 
-    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, guarded: bool,
-               now: float) -> None:
+    def _reuse(self, state: PassState, obj: Obj, cached: _Decoded, now: float) -> None:
         """A job decoded as before; only its node's presence and hardware facts (from the
         GpuNodes, which change on their own) are looked at again."""
         key = cached.job.key
         job = cached.job
         if job.holds_gpus and job.node not in state.inventories:
             job = _detached(job)
-        if not guarded and (job.runs or cached.live_pod is not None):
-            state.unguarded.append(key)
         state.jobs.append(job)
         state.phases[key] = job.phase
         patch: Obj = {}
@@ -511,7 +548,7 @@ def _gang_fraction(obj: Obj, placements: tuple[WorkerPlacement, ...],
 
 def orphan_key(pod: PodView) -> str:
     """An orphan's key in its project's retired usage (once per pod object)."""
-    return f"pod:{pod.namespace}/{pod.name}@{pod.uid}"
+    return pod_retired_key(pod)
 
 
 def _detached(job: Job) -> Job:

@@ -11,6 +11,7 @@ from typing import Any
 from carpool.core import names
 from carpool.core.assignment import AssignmentError, parse_assignment
 from carpool.core.checkpointing import attempt_of_pod
+from carpool.core.finalizing import deletion_final
 from carpool.core.lifecycle import PodView
 from carpool.core.ownership import GpuLimits, gpujob_owner
 from carpool.core.timestamps import epoch_seconds as parse_time
@@ -83,7 +84,11 @@ def view_pod(pod: Obj) -> PodView:
         unschedulable_since=(parse_time(unschedulable.get("lastTransitionTime"))
                              if unschedulable else None),
         unschedulable_message=str((unschedulable or {}).get("message") or ""),
+        finalized=names.FINALIZER in (meta.get("finalizers") or ()),
+        deletion_final=deletion_final(meta),
+        deleted_at=parse_time(meta.get("deletionTimestamp")),
     )
+
 
 
 def gpu_limits(pod: Obj) -> tuple[GpuLimits, ...]:

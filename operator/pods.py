@@ -195,6 +195,9 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
             "namespace": meta["namespace"],
             "labels": labels,
             "annotations": annotations,
+            # the pod stays until the operator has recorded its run (core.finalizing); set
+            # here, in the create body, it costs no write of its own
+            "finalizers": [names.FINALIZER],
             "ownerReferences": [{
                 "apiVersion": names.API_VERSION,
                 "kind": "GpuJob",

@@ -27,6 +27,13 @@ from carpool.core.decoding import (
     worker_names_from_spec,
 )
 from carpool.core.estimate_ranges import kept_history
+from carpool.core.finalizing import (
+    Release,
+    job_retired_key,
+    pod_retired_key,
+    release,
+    stopped_at,
+)
 from carpool.core.gangs import WorkerPlacement
 from carpool.core.jobs import ClusterSnapshot, Job, ProjectQuota, RetiredUsage, RunRecord
 from carpool.core.lifecycle import (
@@ -54,7 +61,7 @@ from carpool.core.timeline import TimelineMemo
 from carpool.kube.errors import ApiError, BadRequest, Forbidden, Invalid
 from carpool.operator import metrics
 from carpool.operator.informer import Informers
-from carpool.operator.kube import GPUJOBS, Kube, Obj
+from carpool.operator.kube import GPUJOBS, PODS, Kube, Obj
 from carpool.operator.observe import Observer, PassState, job_identity, orphan_key
 from carpool.operator.pod_view import PodView
 from carpool.operator.pods import (
@@ -206,6 +213,8 @@ class Reconciler:
         self._admit_rate = 0.0  # admissions carried out per second of acting, smoothed
         self._backlog_s = 0.0  # time to carry out the admissions this pass left for later
         self._strays: dict[str, _Stray] = {}  # pod uid -> a stray being stopped (_stop_strays)
+        # uids of deleted jobs the watch remembers that had nothing to retire (_retire_gone)
+        self._nothing_to_retire: set[str] = set()
         # node states and fits kept from pass to pass, as the replay keeps them: most nodes
         # and holders are as the last pass saw them (the read reuses their inventories and
         # decodings), so most placement questions were answered then
@@ -299,9 +308,13 @@ class Reconciler:
             self._record_event(obj, event)
         if state.deleting and still_leader():
             self._retire(state, state.quotas, state.quota_objects, state.retired, state.now)
+        if still_leader():
+            self._retire_gone(state)
         if (state.orphans or state.tampered or self._strays) and still_leader():
             self._stop_strays(state, state.quotas, state.quota_objects, state.retired,
                               state.now)
+        if state.lingering and still_leader():
+            self._release_pods(state)
         if state.unschedulable and still_leader():
             self._give_back_unschedulable(state)
         if (state.broken_gangs or state.gang_leftovers) and still_leader():
@@ -346,7 +359,7 @@ class Reconciler:
             still_leader: Callable[[], bool]) -> None:
         """Stage 3: carry the decisions out through the writer: admissions (within the
         budget), preemptions, expiries and waits as `job_status` words them, the quotas'
-        status, then the rest of the statuses and the finalizers in the background."""
+        status, then the rest of the statuses in the background."""
         if not self._priority_class_ready:
             self.kube.ensure_priority_class()
             self._priority_class_ready = True
@@ -354,10 +367,6 @@ class Reconciler:
         self._write_quota_status(result, state.quota_objects)
         self.writer.statuses_later(state.patches)
         state.patches = {}
-        # off the admission path: a job's pod and status first, its finalizer after, on a
-        # lane of its own that the next pass does not wait for
-        for key in [*state.unguarded, *state.admitted]:
-            self.writer.finalizer_later(state.objects[key])
         self._record_metrics(state, result)
 
     # -- accounting of deleted jobs ---------------------------------------------------------
@@ -369,11 +378,13 @@ class Reconciler:
     def _retire(self, state: PassState, quotas: Mapping[str, ProjectQuota],
                 quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage],
                 now: float) -> None:
-        """Deleted jobs: stop a live pod first (its run must end before it is counted), then
-        fold the job's runs into its project's retired usage, write that, and only then let
-        the job go (remove the finalizer). Deleting a job therefore never refunds budget, and
-        what it taught the estimates (its run time, its first estimate's miss) stays."""
-        half_life = self.config.admission.fair_share_half_life_s
+        """Jobs being deleted that the caches still show (a foreground deletion waits for
+        their pods, which Carpool's finalizer holds; a job of an earlier release carries that
+        finalizer itself): stop a live pod first (its run must end before it is counted), then
+        fold the job's runs into its project's retired usage and write that; only then are its
+        pods released (`_release_pods`) and an earlier release's finalizer taken off the job
+        (never put on one now). Deleting a job therefore never refunds budget, and what it
+        taught the estimates (its run time, its first estimate's miss) stays."""
         releasable: list[Obj] = []
         changed: set[str] = set()
         for key, (job, live) in sorted(state.deleting.items()):
@@ -388,26 +399,113 @@ class Reconciler:
                                     f"is stopped and its GPU time billed to project "
                                     f"{job.project}", "Normal", "Stop")
                 continue
-            quota = quotas.get(job.project)
-            if quota is not None and job.runs:
-                before = retired.get(job.project)
-                # keyed by uid: a new job of the same name must not be taken for this one
-                uid = str(obj["metadata"].get("uid", ""))
-                after = retire_deleted(before, replace(job, key=f"{job.key}@{uid}"), quota,
-                                       now, half_life,
-                                       self.config.admission.duration_learning_rate)
-                if after is not before:
-                    retired[job.project] = after
-                    changed.add(job.project)
-                    log.info("billed deleted GpuJob %s (uid %s) to project %s: %s", key, uid,
-                             job.project, _runs_text(job.runs, now))
-            releasable.append(obj)
+            self._retire_job(obj, job, quotas, retired, changed, now)
+            state.on_record.add(str(obj["metadata"].get("uid", "")))
+            if names.FINALIZER in (obj["metadata"].get("finalizers") or ()):
+                releasable.append(obj)
         self._write_retired(state, changed, quota_objects, retired)
         for obj in releasable:
             meta = obj["metadata"]
             keep = [f for f in meta.get("finalizers") or [] if f != names.FINALIZER]
             self.kube.set_job_finalizers(meta["namespace"], meta["name"], keep,
                                          str(meta.get("resourceVersion", "")))
+
+    def _retire_job(self, obj: Obj, job: Job, quotas: Mapping[str, ProjectQuota],
+                    retired: dict[str, RetiredUsage], changed: set[str], now: float) -> None:
+        """Fold a deleted job's runs and what it taught the estimates into its project's
+        retired usage, once per job object (`accounting.retire_deleted`)."""
+        quota = quotas.get(job.project)
+        if quota is None or not job.runs:
+            return
+        before = retired.get(job.project)
+        meta = obj["metadata"]
+        # keyed by uid: a new job of the same name must not be taken for this one
+        uid = str(meta.get("uid", ""))
+        key = job_retired_key(str(meta.get("namespace", "")), str(meta.get("name", "")), uid)
+        after = retire_deleted(before, replace(job, key=key), quota, now,
+                               self.config.admission.fair_share_half_life_s,
+                               self.config.admission.duration_learning_rate)
+        if after is not before:
+            retired[job.project] = after
+            changed.add(job.project)
+            log.info("billed deleted GpuJob %s (uid %s) to project %s: %s", job.key, uid,
+                     job.project, _runs_text(job.runs, now))
+
+    def _retire_gone(self, state: PassState) -> None:
+        """Jobs the watch saw deleted (gone at once: nothing holds a GpuJob), from their last
+        state: retired as `_retire` does once none of their pods holds GPUs any more (an
+        orphan is stopped meanwhile; Carpool's finalizer keeps each of their pods until then).
+        A job deleted while no operator watched is not known here; its pods' own runs are
+        billed when they are released (`_release_pods`)."""
+        changed: set[str] = set()
+        holding = {p.owner.uid for p in state.pods.values() if p.owner and p.holds_gpus}
+        remembered: set[str] = set()
+        for _, obj in self.informers.gone(GPUJOBS):
+            meta = obj.get("metadata") or {}
+            uid = str(meta.get("uid", ""))
+            remembered.add(uid)
+            project = str((obj.get("spec") or {}).get("project", ""))
+            key = job_retired_key(str(meta.get("namespace", "")), str(meta.get("name", "")),
+                                  uid)
+            state.gone_job_keys.add(key)
+            usage = state.retired.get(project)
+            if uid in self._nothing_to_retire or (usage is not None and key in usage.job_keys):
+                state.on_record.add(uid)
+                continue
+            if uid in holding:
+                continue  # its pod is being stopped; its run ends first
+            job = self.observer.last_state(obj, state)
+            if job is None or not job.runs or project not in state.quotas:
+                self._nothing_to_retire.add(uid)
+            else:
+                self._retire_job(obj, job, state.quotas, state.retired, changed, state.now)
+            state.on_record.add(uid)
+        self._nothing_to_retire &= remembered
+        self._write_retired(state, changed, state.quota_objects, state.retired)
+
+    def _release_pods(self, state: PassState) -> None:
+        """Release the pods whose deletion is final once their runs are on record
+        (`core.finalizing.release`): a pod no job will record is billed to its namespace's
+        project first (its retired usage written), a deleted job's pods wait for `_retire`."""
+        billed: set[str] = set()
+        ready: list[PodView] = []
+        gone = {str((o.get("metadata") or {}).get("uid", "")): o
+                for _, o in self.informers.gone(GPUJOBS)}
+        by_uid = {str(o["metadata"].get("uid", "")): o for o in state.objects.values()}
+        for pod in state.lingering.values():
+            if not pod.finalized:
+                continue
+            obj = by_uid.get(pod.owner.uid) if pod.owner else None
+            obj = obj if obj is not None and obj["metadata"].get("namespace") == pod.namespace \
+                else None
+            deleted = obj is None or bool(obj["metadata"].get("deletionTimestamp"))
+            if obj is None and pod.owner is not None:
+                obj = gone.get(pod.owner.uid)
+            quota = quota_of_namespace(state.quotas, pod.namespace)
+            if obj is not None:
+                quota = state.quotas.get(str((obj.get("spec") or {}).get("project", ""))) \
+                    or quota
+            usage = state.retired.get(quota.name) if quota is not None else None
+            decision = release(pod, job_identity(obj) if obj is not None else None,
+                               (obj or {}).get("status") or {}, deleted,
+                               usage.job_keys if usage is not None else frozenset())
+            if decision is Release.RETIRE_JOB and pod.owner is not None \
+                    and pod.owner.uid in state.on_record:
+                decision = Release.NOW  # retired this pass, or it had nothing to retire
+            if decision is Release.BILL_POD:
+                if quota is not None and quota.name in state.quota_objects:
+                    self._bill_stray(state, pod, quota, pod_retired_key(pod), None,
+                                     stopped_at(pod) or state.now, state.retired, billed)
+                decision = Release.NOW
+            if decision is Release.NOW:
+                ready.append(pod)
+        self._write_retired(state, billed, state.quota_objects, state.retired)
+        for pod in ready:
+            stored = self.informers.get(PODS, f"{pod.namespace}/{pod.name}")
+            finalizers = list(((stored or {}).get("metadata") or {}).get("finalizers") or [])
+            if names.FINALIZER in finalizers and self.kube.release_pod(
+                    pod.namespace, pod.name, pod.uid, finalizers):
+                log.debug("released pod %s/%s (uid %s)", pod.namespace, pod.name, pod.uid)
 
     # -- pods no job accounts for -------------------------------------------------------
 
@@ -420,16 +518,24 @@ class Reconciler:
         pod and on the job it names. An orphan's GPU time is billed to its namespace's
         project until its pod is gone or has ended (a tampered attempt stays on its job's
         bill): up to when it is first seen stray at once (in the quota's status, so a new
-        leader does not bill it again), the rest when it ends (`_bill_stray`)."""
+        leader does not bill it again), the rest when it ends (`_bill_stray`). An orphan of a
+        deleted job that carries Carpool's finalizer is billed once, when it is released
+        (with its job's usage, or on its own: `_release_pods`)."""
         changed: set[str] = set()
+        live = {str(o["metadata"].get("uid", "")) for o in state.objects.values()
+                if not o["metadata"].get("deletionTimestamp")}
         for pod in state.orphans:
             quota = quota_of_namespace(quotas, pod.namespace)
             stray = self._strays.get(pod.uid)
-            if stray is None or stray.billed_until is None:
+            if pod.finalized and not (pod.owner is not None and pod.owner.uid in live):
+                pass  # billed when released
+            elif stray is None or stray.billed_until is None:
                 billed_until = self._bill_stray(state, pod, quota, orphan_key(pod), None, now,
                                                 retired, changed)
                 stray = _Stray(pod, billed_until)
-            self._strays[pod.uid] = replace(stray, pod=pod)
+                self._strays[pod.uid] = replace(stray, pod=pod)
+            else:
+                self._strays[pod.uid] = replace(stray, pod=pod)
             why = (f"pod {pod.namespace}/{pod.name} holds or was assigned a Carpool GPU but is "
                    f"not the current attempt of a live GpuJob in {pod.namespace}"
                    + (f" (it names GpuJob {pod.owner.name}, which does not record it)"
@@ -856,9 +962,14 @@ def _runs_text(runs: Iterable[RunRecord], now: float) -> str:
 
 
 def _present(state: PassState) -> set[str]:
-    """The retired-usage keys of what still exists: jobs (key@uid) and orphan pods."""
-    return {f"{key}@{obj['metadata'].get('uid', '')}"
-            for key, obj in state.objects.items()} | set(state.orphan_keys)
+    """The retired-usage keys of what still exists or is remembered: jobs (key@uid), deleted
+    jobs the watch remembers, the jobs that pods in view belong to, and the pods themselves
+    (a deleted job's key stays until its pods are released, so they see it retired)."""
+    pods = [*state.pods.values(), *state.lingering.values()]
+    return ({f"{key}@{obj['metadata'].get('uid', '')}" for key, obj in state.objects.items()}
+            | state.gone_job_keys | {pod_retired_key(pod) for pod in pods}
+            | {job_retired_key(p.namespace, p.owner.name, p.owner.uid) for p in pods if p.owner}
+            | set(state.orphan_keys))
 
 
 def _planned(admission: Admission, obj: Obj, job: Job, state: PassState

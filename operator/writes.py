@@ -6,7 +6,6 @@ A pass decides, then hands its writes here. Each lane owns its threads and its l
 - `statuses`: the remaining status writes, in the background, at most one per job at a time
   so a job's writes land in order; a write the pass needs now (`status_now`: an admission, a
   preemption) takes a queued one of the same job over, or waits for it if it already left;
-- `finalizers`: the accounting finalizer, in the background, off the admission path;
 - Events on jobs, recorded once per change (`job_status.RecordedEvents`).
 """
 
@@ -21,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from carpool.core import job_status, names
+from carpool.core import job_status
 from carpool.core.decoding import first_start
 from carpool.core.job_status import JobEvent, RecordedEvents
 from carpool.kube.client import REQUEST_TIMEOUT
@@ -31,7 +30,6 @@ from carpool.operator.kube import Kube, Obj
 log = logging.getLogger(__name__)
 A = TypeVar("A")
 STATUS_WORKERS = 8  # background status writes (waits, started and finished runs)
-FINALIZER_WORKERS = 2  # background finalizer writes
 
 
 class Lane:
@@ -62,10 +60,6 @@ class _QueuedStatus:
     left: bool = False
 
 
-def job_key(obj: Obj) -> str:
-    return f"{obj['metadata']['namespace']}/{obj['metadata']['name']}"
-
-
 class Writer:
     """Carries out a pass's writes (see the module's docstring); shared by every pass."""
 
@@ -76,11 +70,8 @@ class Writer:
         self.admissions = ThreadPoolExecutor(max_workers=self._admission_workers,
                                              thread_name_prefix="writes")
         self.statuses = Lane("statuses", STATUS_WORKERS)
-        self.finalizers = Lane("finalizers", FINALIZER_WORKERS)
         self._queued: dict[str, _QueuedStatus] = {}  # job key -> its background write
         self._queued_lock = threading.Lock()
-        self._adding_finalizer: set[str] = set()  # job keys whose finalizer write is out
-        self._adding_finalizer_lock = threading.Lock()
         self._recorded: dict[str, RecordedEvents] = {}  # job uid -> Events recorded on it
         self._recorded_lock = threading.Lock()
 
@@ -108,7 +99,6 @@ class Writer:
     def drain(self) -> None:
         """Wait until every background write submitted so far has landed (tests, shutdown)."""
         self.statuses.drain()
-        self.finalizers.drain()
 
     # -- Events ----------------------------------------------------------------------------
 
@@ -218,36 +208,3 @@ class Writer:
         first = first_start(obj, status)
         if first is not None:
             metrics.observe_first_start(first[0].label, first[1])
-
-    # -- finalizers ------------------------------------------------------------------------
-
-    def finalizer_later(self, obj: Obj) -> None:
-        """Put the accounting finalizer on a job that used (or is about to use) GPUs, so its
-        deletion waits until its GPU-hours are folded into its project's retired usage; in
-        the background, on the newest version of the job the watch has shown by then (a
-        queue of them can take minutes behind a burst, and the write is conditional on it)."""
-        meta = obj["metadata"]
-        if names.FINALIZER in (meta.get("finalizers") or ()) or meta.get("deletionTimestamp"):
-            return
-        key = job_key(obj)
-        with self._adding_finalizer_lock:
-            if key in self._adding_finalizer:
-                return  # already on its way (a pass may run before it lands)
-            self._adding_finalizer.add(key)
-
-        def add() -> None:
-            try:
-                latest = (self._latest(key) or obj)["metadata"]
-                finalizers = list(latest.get("finalizers") or [])
-                if names.FINALIZER not in finalizers and not latest.get("deletionTimestamp"):
-                    self.kube.set_job_finalizers(
-                        latest["namespace"], latest["name"], [*finalizers, names.FINALIZER],
-                        str(latest.get("resourceVersion", "")))
-            except Exception:
-                log.exception("adding the accounting finalizer to %s failed; next pass "
-                              "retries", key)
-            finally:
-                with self._adding_finalizer_lock:
-                    self._adding_finalizer.discard(key)
-
-        self.finalizers.submit(add)

@@ -54,6 +54,7 @@ import yaml
 
 from carpool.core import names
 from carpool.core.assignment import Assignment, AssignmentError, parse_assignment
+from carpool.core.finalizing import deletion_final
 from carpool.core.gpuhours import gpu_fraction, gpu_hours
 from carpool.core.quantities import quantity_mib
 from carpool.core.resources import Isolation
@@ -315,7 +316,7 @@ class Checker:
     # seconds from a GPU pod's last being an attempt (as sampled) to its deletion
     orphans_stopped: list[float] = field(default_factory=list)
     job_gone_at: dict[str, float] = field(default_factory=dict)  # job uid -> when deleted
-    guarded_uids: set[str] = field(default_factory=set)  # jobs seen with the finalizer
+    guarded_uids: set[str] = field(default_factory=set)  # jobs whose pods had the finalizer
     victim_changes: list[str] = field(default_factory=list)
     victim_seen: set[str] = field(default_factory=set)
     victim_succeeded_pods: dict[str, str] = field(default_factory=dict)  # job -> pod seen done
@@ -396,6 +397,12 @@ class Checker:
                                                   pod=key)
             if run is not None and run.end is None and status.get("phase") in TERMINAL:
                 run.end = _finished(pod) or time.time()
+            elif run is not None and run.end is None and deletion_final(meta):
+                # only Carpool's finalizer holds it: its containers are done
+                run.end = _finished(pod) or epoch_of(meta.get("deletionTimestamp")) \
+                    or time.time()
+        if names.FINALIZER in (meta.get("finalizers") or ()):
+            self.guarded_uids.add(controller_uid(pod))
         if meta["namespace"] == self.victim_ns and status.get("phase") == "Succeeded":
             job = owning_job(pod, self.jobs_by_uid)
             if job is not None:
@@ -428,8 +435,6 @@ class Checker:
         before = self.jobs.get(key)
         self.jobs[key] = job
         self.jobs_by_uid[str(meta.get("uid"))] = job
-        if names.FINALIZER in (meta.get("finalizers") or ()):
-            self.guarded_uids.add(str(meta.get("uid")))
         if meta["namespace"] != self.victim_ns:
             return
         self.victim_seen.add(key)
@@ -543,7 +548,7 @@ class Checker:
                         if run.job_uid in self.job_gone_at else "")
                 if job is not None and run.job_uid in self.job_gone_at \
                         and run.job_uid not in self.guarded_uids:
-                    gone += " (never seen with the accounting finalizer)"
+                    gone += " (its pods never seen with the accounting finalizer)"
                 if not records:
                     gone += " (no usage record)"
                 kind = gone.strip() or "live job"
@@ -1344,7 +1349,7 @@ def run(cluster: devcluster.Cluster, settings: Settings, log_dir: Path,
             stop.set()
             checker.stop()
             tenant_api.close()
-            world.cleanup()  # while the operator runs: it lets its finalized jobs go
+            world.cleanup()  # while the operator runs: it releases the jobs' pods
     longest = max(checker.orphan_holds.values(), default=0.0)
     report = Report(settings, started.strftime("%Y-%m-%d %H:%M:%SZ"), tally,
                     dict(checker.counts), list(checker.violations), len(checker.victim_seen),

@@ -92,8 +92,8 @@ class World:
 
     def cleanup(self) -> None:
         """Everything deleted; the namespaces waited for while the operator still runs (it
-        lets its finalized jobs go), so none of these jobs is left for later tests' operators
-        to count."""
+        releases the jobs' pods once their runs are recorded), so none of these jobs is left
+        for later tests' operators to count."""
         for namespace in self.namespaces:
             self.cluster.kubectl("delete", "gpujobs", "--all", "-n", namespace, "--wait=false",
                                  check=False)

@@ -140,11 +140,12 @@ def can_i(cluster: devcluster.Cluster, release: Release, account: str, verb: str
     ("operator", "patch", "projectquotas.carpool.dev/status", True),
     ("operator", "create", "pods", True),
     ("operator", "delete", "pods", True),
+    ("operator", "patch", "pods", True),  # its finalizer off, once a pod's run is on record
     ("operator", "create", "events.events.k8s.io", True),
     ("operator", "get", "secrets", False),
     ("operator", "list", "secrets", False),
     ("operator", "get", "configmaps", False),
-    ("operator", "patch", "gpujobs.carpool.dev", True),  # the accounting finalizer
+    ("operator", "patch", "gpujobs.carpool.dev", True),  # an earlier release's finalizer off
     ("operator", "delete", "gpujobs.carpool.dev", False),
     ("operator", "update", "projectquotas.carpool.dev", False),
     ("extender", "create", "pods/binding", True),

@@ -397,7 +397,10 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
     scenario.submit(ns, "spent", project, node=node, estimatedDuration="5s",
                     simulatedDuration="3s")
     done = scenario.wait_phase(ns, "spent", {"Succeeded"}, timeout=40)
-    assert names.FINALIZER in scenario.job(ns, "spent")["metadata"]["finalizers"]
+    # Carpool's finalizer is on the job's pod (from its creation), never on the job
+    assert names.FINALIZER not in (scenario.job(ns, "spent")["metadata"].get("finalizers")
+                                   or [])
+    assert names.FINALIZER in scenario.pod(ns, "spent-1")["metadata"]["finalizers"]
     used = wait_for("usage in the quota", lambda: (
         s["usedGpuHours"] if (s := scenario.quota_status(project)).get("usedGpuHours") else None),
         timeout=15)
@@ -414,10 +417,105 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
         return False
 
     wait_for("the job to be deleted", gone, timeout=20)
-    status = scenario.quota_status(project)
+    # the job goes at once; the operator retires its usage from the last state it saw
+    status = wait_for("its usage retired", lambda: (
+        q if (q := scenario.quota_status(project)).get("retired", {}).get("jobs") else None),
+        timeout=20)
     assert status["retired"]["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
     time.sleep(3)  # a pass after the deletion
     assert scenario.quota_status(project)["usedGpuHours"] == pytest.approx(used, abs=1e-4)
+
+
+def _gone(scenario: Scenario, namespace: str, what: str, name: str) -> bool:
+    try:
+        if what == "pod":
+            scenario.pod(namespace, name)
+        else:
+            scenario.job(namespace, name)
+    except client.ApiException as err:
+        return bool(err.status == 404)
+    return False
+
+
+def test_a_deleted_running_job_is_billed_and_its_pod_kept_until_then(
+        scenario: Scenario) -> None:
+    """Deleting a running job (the default, background: the job goes at once, its pod after
+    it) bills the job's GPU time up to its pod's end: Carpool's finalizer keeps the pod until
+    the operator has retired the job's usage into its project."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("delrun")
+    project = scenario.project("delrun", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "running", project, node=node, estimatedDuration="10m",
+                    simulatedDuration="600s")
+    (run,) = _history(scenario.wait_phase(ns, "running", {"Running"}, timeout=40))
+    assert names.FINALIZER not in (scenario.job(ns, "running")["metadata"].get("finalizers")
+                                   or [])
+    assert names.FINALIZER in scenario.pod(ns, "running-1")["metadata"]["finalizers"]
+    time.sleep(4)  # a few seconds of GPU time
+    deleted_at = time.time()
+    scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
+                                                    names.GPUJOB_PLURAL, "running")
+    wait_for("the job to be gone", lambda: _gone(scenario, ns, "job", "running"), timeout=20)
+    wait_for("its pod to be released and gone",
+             lambda: _gone(scenario, ns, "pod", "running-1"), timeout=60)
+    retired = scenario.quota_status(project)["retired"]
+    billed_s = retired["gpuHours"] * 3600  # one exclusive GPU
+    assert deleted_at - _parse(run["start"]) - 2 <= billed_s <= time.time() - _parse(
+        run["start"]) + 2, retired
+
+
+def test_a_pod_that_finished_and_was_deleted_while_the_operator_was_down_ends_its_job(
+        scenario: Scenario, carpool_stack: dict[str, Any], tmp_path: Path) -> None:
+    """The job's pod succeeds and is deleted (as pod garbage collection would) while no
+    operator runs: Carpool's finalizer keeps the pod, so the operator back reads its outcome
+    (Succeeded, once), not a lost pod to run again, and only then lets the pod go."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("down")
+    project = scenario.project("down", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "quick", project, node=node, estimatedDuration="1m",
+                    simulatedDuration="5s")
+    scenario.wait_phase(ns, "quick", {"Running"}, timeout=40)
+    devcluster.stop_process(carpool_stack["operator"])
+    try:
+        wait_for("the pod to succeed", lambda: scenario.pod(ns, "quick-1")["status"].get(
+            "phase") == "Succeeded", timeout=30)
+        scenario.core.delete_namespaced_pod("quick-1", ns)
+        held = scenario.pod(ns, "quick-1")["metadata"]
+        assert held.get("deletionTimestamp") and held["finalizers"] == [names.FINALIZER]
+        assert scenario.status(ns, "quick")["phase"] == "Running"  # no operator saw it end
+    finally:
+        carpool_stack["operator"] = stack.start_operator(
+            scenario.cluster.kubeconfig, tmp_path / "operator.log",
+            {"CARPOOL_RESYNC_SECONDS": "2"})
+    status = scenario.wait_phase(ns, "quick", {"Succeeded", "Queued", "Admitted"},
+                                 timeout=60)
+    assert status["phase"] == "Succeeded" and status["attempts"] == 1, status
+    (run,) = _history(status)
+    assert run["outcome"] == "Succeeded"
+    wait_for("the pod to be released and gone", lambda: _gone(scenario, ns, "pod", "quick-1"),
+             timeout=30)
+    reasons = {e.get("reason") for e in scenario.events(ns, "quick")}
+    assert "Requeued" not in reasons, reasons
+
+
+def test_a_job_an_earlier_release_put_its_finalizer_on_is_still_let_go(
+        scenario: Scenario) -> None:
+    """An upgrade: GpuJobs admitted by an earlier release carry Carpool's finalizer; deleting
+    one retires its usage and takes the finalizer off. This release never puts it on a job."""
+    node = scenario.node(gpus=1)
+    ns = scenario.namespace("upgr")
+    project = scenario.project("upgr", [ns], concurrent={"gpus": 1})
+    scenario.submit(ns, "old", project, node=node, estimatedDuration="5s",
+                    simulatedDuration="3s")
+    done = scenario.wait_phase(ns, "old", {"Succeeded"}, timeout=40)
+    assert not scenario.job(ns, "old")["metadata"].get("finalizers")
+    scenario.cluster.kubectl("patch", "gpujob", "old", "-n", ns, "--type=merge", "-p",
+                             json.dumps({"metadata": {"finalizers": [names.FINALIZER]}}))
+    scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
+                                                    names.GPUJOB_PLURAL, "old")
+    wait_for("the job to be let go", lambda: _gone(scenario, ns, "job", "old"), timeout=30)
+    retired = scenario.quota_status(project)["retired"]
+    assert retired["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
 
 
 def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
@@ -444,7 +542,9 @@ def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
         return False
 
     wait_for("the job to be deleted", gone, timeout=20)
-    retired = scenario.quota_status(project)["retired"]
+    retired = wait_for("its usage retired", lambda: (
+        r if (r := scenario.quota_status(project).get("retired", {})).get("learned") else None),
+        timeout=20)
     (learned,) = [e for e in retired["learned"] if e.get("template") == "learn@trainer"]
     assert learned["samples"] == 1 and learned["seconds"] == pytest.approx(ran), learned
     (by_class,) = [e for e in retired["learned"] if e.get("class") == "batch"]

@@ -165,7 +165,7 @@ DANGEROUS: list[tuple[str, str, str]] = [
 
 # What only some components may do: denied to the others listed.
 DENIED_TO: dict[str, list[tuple[str, str, str]]] = {
-    "operator": [("patch", "pods", ""), ("patch", "gpunodes.carpool.dev", "status"),
+    "operator": [("patch", "gpunodes.carpool.dev", "status"),
                  ("create", "gpunodes.carpool.dev", ""), ("create", "pods", "binding"),
                  ("update", "leases.coordination.k8s.io", "")],
     "extender": [("create", "pods", ""), ("delete", "pods", ""), ("create", "pods", "eviction"),
@@ -610,45 +610,114 @@ def test_device_plugin_marks_only_pods_on_its_node(
         theirs.stderr)
     extender = annotate("on-b", "extender", names.ANN_ASSIGNMENT, None)
     assert extender.returncode == 0, extender.stderr
-    operator = annotate("on-b", "operator", names.ANN_ASSIGNMENT, None)
-    assert operator.returncode != 0  # RBAC: the operator cannot patch pods at all
+    operator = cluster.kubectl("annotate", "pod", "on-b", "-n", team,
+                               f"--as={rbac.account('operator')}",
+                               f"{names.ANN_ASSIGNMENT}={FORGED}", "--overwrite", check=False)
+    assert operator.returncode != 0  # it may patch pods only to take its finalizer off
+    assert "may change a Pod only by removing its carpool.dev/ finalizer" in operator.stderr \
+        or "may not add, change or remove" in operator.stderr, operator.stderr
 
 
-def test_the_operator_changes_only_the_finalizers_of_a_gpujob(
+def test_the_operator_only_takes_carpools_finalizer_off_a_gpujob_or_a_pod(
         cluster: devcluster.Cluster, rbac: Rbac, people: dict[str, str]) -> None:
-    """RBAC gives the operator `patch` on GpuJobs for its accounting finalizer; the policy keeps
-    the rest of the object (labels, annotations, owners) out of its reach."""
+    """RBAC gives the operator `patch` on GpuJobs and pods for Carpool's finalizer; the policy
+    lets it only remove that finalizer (from a pod it made, or a GpuJob an earlier release
+    put it on): no finalizer added, no other removed, labels and annotations out of reach."""
     team = people["team"]
-    cluster.kubectl("apply", "-f", "-",
-                    stdin=yaml.safe_dump(gpujob(team, "finalized", f"relsec-none-{team}")))
+    job = gpujob(team, "finalized", f"relsec-none-{team}")
+    job["metadata"]["finalizers"] = [names.FINALIZER, "example.com/keep"]
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(job))  # as an earlier release
+    pod = annotated_pod("finalized", None, {})
+    pod["metadata"]["finalizers"] = [names.FINALIZER, "example.com/keep"]
+    cluster.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump(pod))
     as_operator = f"--as={rbac.account('operator')}"
 
-    def patch(body: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
-        return cluster.kubectl("patch", "gpujob", "finalized", "-n", team, as_operator,
-                               "--type=merge", "-p", json.dumps(body), *extra, check=False)
+    def patch(kind: str, body: Any, *extra: str) -> subprocess.CompletedProcess[str]:
+        kind_type = ["--type=json"] if isinstance(body, list) else ["--type=merge"]
+        return cluster.kubectl("patch", kind, "finalized", "-n", team, as_operator,
+                               *kind_type, "-p", json.dumps(body), *extra, check=False)
 
     try:
-        own = patch({"metadata": {"finalizers": [names.FINALIZER]}})
-        assert own.returncode == 0, own.stderr
-        for field_ in ("labels", "annotations"):
-            refused = patch({"metadata": {field_: {"team": "other"}}})
-            assert refused.returncode != 0, field_
-            assert f"may change only metadata.finalizers of a GpuJob; this request also " \
-                   f"changes {field_}" in refused.stderr, refused.stderr
-        status = patch({"status": {"message": "checked"}}, "--subresource=status")
+        for kind, shown in (("gpujob", "GpuJob"), ("pod", "Pod")):
+            for body, what in (
+                    ({"metadata": {"finalizers": [names.FINALIZER, "example.com/keep",
+                                                  "example.com/new"]}},
+                     "metadata.finalizers[example.com/new] (added)"),
+                    ({"metadata": {"finalizers": [names.FINALIZER]}},
+                     "metadata.finalizers[example.com/keep] (removed)"),
+                    ({"metadata": {"labels": {"team": "other"}}}, "labels"),
+                    ({"metadata": {"annotations": {"team": "other"}}}, "annotations")):
+                refused = patch(kind, body)
+                assert refused.returncode != 0, (kind, body)
+                assert f"may change a {shown} only by removing its carpool.dev/ finalizer; " \
+                       f"this request also changes {what}" in refused.stderr, refused.stderr
+            own = patch(kind, {"metadata": {"finalizers": ["example.com/keep"]}})
+            assert own.returncode == 0, own.stderr
+            stored = json.loads(cluster.kubectl("get", kind, "finalized", "-n", team,
+                                                "-o", "json").stdout)
+            assert stored["metadata"]["finalizers"] == ["example.com/keep"]
+        status = patch("gpujob", {"status": {"message": "checked"}}, "--subresource=status")
         assert status.returncode == 0, status.stderr  # status is not this policy's business
         admin = cluster.kubectl("label", "gpujob", "finalized", "-n", team, "team=mine",
                                 check=False)
         assert admin.returncode == 0, admin.stderr  # other callers are not affected
-        job = json.loads(cluster.kubectl("get", "gpujob", "finalized", "-n", team,
-                                         "-o", "json").stdout)
-        assert job["metadata"]["finalizers"] == [names.FINALIZER]
-        assert job["metadata"]["labels"] == {"team": "mine"}
     finally:
-        cluster.kubectl("patch", "gpujob", "finalized", "-n", team, "--type=merge",
+        for kind in ("gpujob", "pod"):
+            cluster.kubectl("patch", kind, "finalized", "-n", team, "--type=merge",
+                            "-p", '{"metadata": {"finalizers": null}}', check=False)
+            cluster.kubectl("delete", kind, "finalized", "-n", team, "--wait=false",
+                            check=False)
+
+
+def test_a_tenant_cannot_take_carpools_finalizer_off_a_pod_or_put_it_on_one(
+        cluster: devcluster.Cluster, people: dict[str, str]) -> None:
+    """Carpool's finalizer keeps a job's pod until the operator has recorded its run; alice
+    (`edit`) may delete the pod, but not remove the finalizer (its GPU time would go unbilled
+    if she deleted the job and the pod while no operator watched), nor put it on a pod of
+    her own."""
+    alice, team = people["alice"], people["team"]
+    pod = annotated_pod("held", None, {})
+    pod["metadata"]["finalizers"] = [names.FINALIZER]
+    cluster.kubectl("create", "-n", team, "-f", "-", stdin=yaml.safe_dump(pod))  # as Carpool
+    try:
+        for body in ('{"metadata": {"finalizers": null}}', '{"metadata": {"finalizers": []}}'):
+            stripped = cluster.kubectl("patch", "pod", "held", "-n", team, f"--as={alice}",
+                                       "--type=merge", "-p", body, check=False)
+            assert stripped.returncode != 0, stripped.stdout
+            assert f"may not add, change or remove metadata.finalizers[{names.FINALIZER}]" \
+                in stripped.stderr, stripped.stderr
+        removed = cluster.kubectl(
+            "patch", "pod", "held", "-n", team, f"--as={alice}", "--type=json", "-p",
+            '[{"op": "remove", "path": "/metadata/finalizers/0"}]', check=False)
+        assert removed.returncode != 0, removed.stdout
+        deleted = cluster.kubectl("delete", "pod", "held", "-n", team, f"--as={alice}",
+                                  "--wait=false", check=False)
+        assert deleted.returncode == 0, deleted.stderr  # deleting her pod stays hers
+        held = json.loads(cluster.kubectl("get", "pod", "held", "-n", team, "-o",
+                                          "json").stdout)
+        assert held["metadata"]["deletionTimestamp"]
+        assert held["metadata"]["finalizers"] == [names.FINALIZER]
+        own = annotated_pod("forged-hold", None, {})
+        own["metadata"]["finalizers"] = [names.FINALIZER]
+        forged = cluster.kubectl("create", f"--as={alice}", "-n", team, "-f", "-",
+                                 stdin=yaml.safe_dump(own), check=False)
+        assert forged.returncode != 0
+        assert f"may not set metadata.finalizers[{names.FINALIZER}]" in forged.stderr, (
+            forged.stderr)
+        cluster.kubectl("create", f"--as={alice}", "-n", team, "-f", "-",
+                        stdin=yaml.safe_dump(annotated_pod("plain-hold", None, {})))
+        added = cluster.kubectl("patch", "pod", "plain-hold", "-n", team, f"--as={alice}",
+                                "--type=merge", "-p", json.dumps(
+                                    {"metadata": {"finalizers": [names.FINALIZER]}}),
+                                check=False)
+        assert added.returncode != 0, added.stdout
+        assert f"may not add, change or remove metadata.finalizers[{names.FINALIZER}]" \
+            in added.stderr, added.stderr
+    finally:
+        cluster.kubectl("patch", "pod", "held", "-n", team, "--type=merge",
                         "-p", '{"metadata": {"finalizers": null}}', check=False)
-        cluster.kubectl("delete", "gpujob", "finalized", "-n", team, "--wait=false",
-                        check=False)
+        cluster.kubectl("delete", "pod", "held", "plain-hold", "-n", team, "--wait=false",
+                        "--ignore-not-found", check=False)
 
 
 # --- what runs with host access, checked by the API server's Pod Security admission ---------

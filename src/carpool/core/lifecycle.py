@@ -61,6 +61,11 @@ class PodView:
     # reason Unschedulable), and the scheduler's message; None while it is not so
     unschedulable_since: float | None = None
     unschedulable_message: str = ""
+    # carries Carpool's finalizer (core.finalizing); whether its deletion is final (grace
+    # 0: only finalizers hold the object), and when it was deleted (deletionTimestamp)
+    finalized: bool = False
+    deletion_final: bool = False
+    deleted_at: float | None = None
 
     @property
     def terminal(self) -> bool:
@@ -68,8 +73,9 @@ class PodView:
 
     @property
     def holds_gpus(self) -> bool:
-        """Holds or is about to hold a Carpool GPU: a GPU pod that has not finished."""
-        return self.gpu_pod and not self.terminal
+        """Holds or is about to hold a Carpool GPU: a GPU pod that has not finished and whose
+        deletion is not final."""
+        return self.gpu_pod and not self.terminal and not self.deletion_final
 
     @property
     def identity(self) -> PodIdentity:

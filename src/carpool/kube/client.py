@@ -24,6 +24,7 @@ from carpool.kube.errors import ApiError, NotFound, Unreachable
 Obj = dict[str, Any]
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 STRATEGIC_PATCH = "application/strategic-merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 # (connect, read) seconds for every call: an API server that accepts a request and never

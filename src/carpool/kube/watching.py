@@ -249,6 +249,11 @@ class Store:
         with self._cond:
             return self._gone.get(uid)
 
+    def gone(self) -> list[tuple[float, Obj]]:
+        """Every object the store remembers as gone (see `gone_at`), oldest first."""
+        with self._cond:
+            return list(self._gone.values())
+
     def _replace(self, items: list[Obj], version: str) -> None:
         fresh = {object_key(obj): self._keep(obj) for obj in items}
         with self._cond:

@@ -102,6 +102,21 @@ def test_deleted_and_finished_pods_hold_nothing() -> None:
     assert used_mib(cache) == 0
 
 
+def test_a_pod_whose_deletion_is_final_holds_nothing_though_a_finalizer_keeps_it() -> None:
+    """Deleted with grace 0 (its containers done, or forced), a pod stays only while Carpool's
+    finalizer waits for the operator to record its run: its GPUs are free already; one still
+    in its grace period holds them."""
+    cache = cache_with_node()
+    pod = bound_pod("a", "n", 10, phase="Running")
+    pod["metadata"].update(finalizers=["carpool.dev/accounting"],
+                           deletionTimestamp="2027-01-15T08:00:00Z", deletionGracePeriodSeconds=30)
+    cache.apply_pod("MODIFIED", pod, NOW)
+    assert used_mib(cache) == 10 * GIB
+    pod["metadata"]["deletionGracePeriodSeconds"] = 0
+    cache.apply_pod("MODIFIED", pod, NOW)
+    assert used_mib(cache) == 0
+
+
 def test_a_stale_annotation_on_a_pod_bound_elsewhere_is_ignored() -> None:
     cache = cache_with_node()
     pod = bound_pod("a", "n", 10)

@@ -36,6 +36,7 @@ class FakeKube:
         self.pods: list[Obj] = []
         self.statuses: list[tuple[str, Obj]] = []
         self.finalized: list[str] = []
+        self.released: list[str] = []  # pods whose finalizer was removed
         self.events: list[str] = []
         self.quota_statuses: list[tuple[str, Obj]] = []
         self.deleted: list[str] = []
@@ -81,6 +82,11 @@ class FakeKube:
     def patch_quota_status(self, name: str, status: Obj) -> None:
         self.quota_statuses.append((name, status))
         self._next(QUOTAS)
+
+    def release_pod(self, namespace: str, name: str, uid: str, finalizers: list[str]) -> bool:
+        self._next(PODS)
+        self.released.append(f"{namespace}/{name}")
+        return True
 
     def event(self, regarding: Obj, reason: str, note: str, type_: str = "Normal",
               action: str = "Reconcile") -> None:
@@ -262,7 +268,7 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     cluster[GPUJOBS] = [_job("a"), _job("b")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     assert sorted(a.job_key for a in result.admissions) == ["team/a", "team/b"]
     assert sorted(p["metadata"]["name"] for p in kube.pods) == ["a-1", "b-1"]
     # one status write per job: its submit time rides along with the admission
@@ -270,7 +276,9 @@ def test_a_new_job_admitted_at_once_costs_one_pod_and_one_status_write() -> None
     for _, status in kube.statuses:
         assert status["phase"] == "Admitted"
         assert status["submitTime"] == "2026-11-29T10:00:00Z"
-    assert sorted(kube.finalized) == ["team/a", "team/b"]
+    # no write of its own for the accounting finalizer: it is in each pod's create body
+    assert kube.finalized == []
+    assert all(p["metadata"]["finalizers"] == [names.FINALIZER] for p in kube.pods)
 
 
 def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
@@ -279,18 +287,17 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[GPUJOBS] = [_job("a")]
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     reconciler.run_pass(1_800_000_000.0)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     ((_, status),) = kube.statuses
     # what the watch then shows: the pod (pending, placed by the extender) and the status
     pod = copy.deepcopy(kube.pods[0])
     pod["metadata"]["resourceVersion"] = str(kube.version)
     job = _job("a", str(kube.version), {k: v for k, v in status.items() if v is not None})
-    job["metadata"]["finalizers"] = [names.FINALIZER]
     cluster[PODS], cluster[GPUJOBS] = [pod], [job]
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     statuses, pods = len(kube.statuses), len(kube.pods)
     result = reconciler.run_pass(1_800_000_001.0)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     assert not result.admissions
     # the derived status equals the shown one (a pending pod's empty history included)
     assert (len(kube.statuses), len(kube.pods)) == (statuses, pods)
@@ -303,7 +310,7 @@ def test_a_pass_that_sees_its_own_writes_writes_nothing_more() -> None:
     cluster[PODS] = [running]
     reconciler.informers = _informers(kube, cluster, version=kube.version + 1)
     reconciler.run_pass(1_800_000_010.0)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     assert kube.statuses[-1][1]["phase"] == "Running"
 
 
@@ -314,7 +321,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     # 1 GPU of 80 GiB, MPS at 50 % cores: two of the three fit
     reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
     result = reconciler.run_pass(1_800_000_000.0)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     waiting = [w.job_key for w in result.waits]
     assert len(result.admissions) == 2 and len(waiting) == 1
     (write,) = [s for k, s in kube.statuses if k == waiting[0]]
@@ -323,7 +330,7 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     for informer in reconciler.informers.by_kind.values():
         informer.version = kube.version  # caught up (the objects left as they were)
     reconciler.run_pass(1_800_000_001.0, catch_up_s=0.05)
-    reconciler.wait_for_writes()  # statuses and finalizers land in the background
+    reconciler.wait_for_writes()  # statuses land in the background
     # the queued job's object is the same: its decoding is reused
     assert reconciler.observer.decoded[waiting[0]].job is decoded
 
@@ -958,7 +965,7 @@ def test_an_admitted_job_whose_pod_no_node_takes_is_given_back() -> None:
     # what the watch then shows: the job with what the pass wrote
     for _, status in kube.statuses:
         job["status"].update(status)
-    job["metadata"].update(resourceVersion=str(kube.version), finalizers=[names.FINALIZER])
+    job["metadata"].update(resourceVersion=str(kube.version))
     reconciler.informers = _informers(kube, cluster, version=kube.version)
     reconciler.run_pass(T0 + 1)
     reconciler.wait_for_writes()
@@ -1060,7 +1067,6 @@ def test_a_pod_that_succeeded_then_went_before_its_status_was_written_ends_its_j
     ((_, admitted),) = kube.statuses
     job = _job("a", str(kube.version + 1), {**{k: v for k, v in admitted.items()
                                                if v is not None}, "phase": "Running"})
-    job["metadata"]["finalizers"] = [names.FINALIZER]
     pod = copy.deepcopy(kube.pods[0])
     pod["metadata"]["resourceVersion"] = str(kube.version + 2)
     pod["spec"] = {**pod["spec"], "nodeName": "n1"}
@@ -1079,3 +1085,102 @@ def test_a_pod_that_succeeded_then_went_before_its_status_was_written_ends_its_j
     ((key, status),) = kube.statuses[statuses:]
     assert key == "team/a" and status["phase"] == "Succeeded"
     assert "Requeued" not in kube.events
+
+
+# -- Carpool's finalizer on job pods (core.finalizing) -----------------------------------
+
+
+def _final(pod: Obj, finished: str | None = None) -> Obj:
+    """`pod` as the API server keeps it once its deletion is final (grace 0), held by
+    Carpool's finalizer; `finished`: its containers' end, if they ended."""
+    pod = copy.deepcopy(pod)
+    pod["metadata"].update(finalizers=[names.FINALIZER], deletionGracePeriodSeconds=0,
+                           deletionTimestamp="2027-01-15T07:30:00Z")
+    if finished:
+        pod["status"].update(phase="Succeeded", containerStatuses=[{"state": {"terminated": {
+            "startedAt": "2027-01-15T07:00:00Z", "finishedAt": finished,
+            "reason": "Completed"}}}])
+    return pod
+
+
+def test_a_pod_that_finished_and_went_while_no_operator_watched_ends_its_job_then_goes(
+) -> None:
+    """The pod's finalizer kept it: a fresh operator reads its outcome (Succeeded, not lost),
+    writes it, and releases the pod only once the job's status shows it."""
+    pod = _final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")),
+                 finished="2027-01-15T07:20:00Z")
+    kube, reconciler = _pass([pod], [_running_job()])
+    ((_, status),) = _phase_writes(kube)
+    assert status["phase"] == "Succeeded"
+    assert status["history"][0]["end"] == "2027-01-15T07:20:00Z"
+    assert "Requeued" not in [reason for _, reason in kube.told]
+    assert kube.released == []  # not before the job's status says so
+    job = _running_job()
+    job["status"].update({k: v for k, v in kube.statuses[-1][1].items() if v is not None})
+    job["metadata"]["resourceVersion"] = str(kube.version)
+    cluster = _cluster(2)
+    cluster[GPUJOBS], cluster[PODS] = [job], [pod]
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    reconciler.run_pass(T0 + 5)
+    assert kube.released == ["team/a-1"]
+
+
+def test_a_running_jobs_pod_deleted_by_someone_is_requeued_and_released_after() -> None:
+    pod = _final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))
+    kube, _ = _pass([pod], [_running_job()])
+    ((_, status),) = _phase_writes(kube)
+    # lost, as if the pod were gone (its record closed when its deletion became final), and
+    # admitted again at once: its GPU is free
+    assert status["history"][0]["end"] == "2027-01-15T07:30:00Z"
+    assert status["history"][0]["outcome"] == "PodLost" and status["attempts"] == 2
+    assert ("a", "Requeued") in kube.told
+    assert [p["metadata"]["name"] for p in kube.pods] == ["a-2"]
+    assert kube.released == []  # the status the caches show does not say so yet
+
+
+def test_a_deleted_running_job_is_billed_from_its_last_state_then_its_pod_released() -> None:
+    """The job went at once (a background deletion: nothing holds a GpuJob); its pod, held by
+    the finalizer, ends; the job's runs are retired into its quota from the last state the
+    watch showed, closed at the pod's end, and only then is the pod released."""
+    kube = TellingKube()
+    cluster = _cluster(2)
+    job = _running_job()
+    cluster[GPUJOBS], cluster[PODS] = [], [_final(_gpu_pod("a-1", "pod-a-1",
+                                                           owner=_controller("a")))]
+    informers = _informers(kube, cluster, version=10)
+    informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, job)  # the watch saw it deleted
+    reconciler = _reconciler(kube, informers)
+    reconciler.run_pass(T0)
+    ((project, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    assert project == "vision" and status["retired"]["jobs"] == ["team/a@u-a"]
+    assert status["retired"]["gpuHours"] == 0.25  # 0.5 GPU for 30 min, to the pod's end
+    assert kube.released == ["team/a-1"]
+    # the next pass: already retired, nothing billed twice
+    writes = len(kube.quota_statuses)
+    cluster[PODS] = []
+    cluster[QUOTAS][0]["status"] = status  # as the watch then shows the quota
+    cluster[QUOTAS][0]["metadata"]["resourceVersion"] = str(kube.version)
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    reconciler.informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, job)
+    reconciler.run_pass(T0 + 5)
+    assert [s for _, s in kube.quota_statuses[writes:] if "retired" in s] == []
+
+
+def test_a_pod_of_a_job_deleted_while_no_operator_watched_is_billed_on_its_own() -> None:
+    kube, _ = _pass([_final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))], [])
+    ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    assert status["retired"]["jobs"] == ["pod:team/a-1@pod-a-1"]
+    assert status["retired"]["gpuHours"] == 0.25
+    assert kube.released == ["team/a-1"]
+
+
+def test_a_job_being_deleted_in_the_foreground_is_retired_and_its_pod_released() -> None:
+    """A foreground deletion keeps the job until its pods are gone: its pods must be released,
+    or the job would wait forever; the job itself carries no finalizer to take off."""
+    job = _running_job()
+    job["metadata"]["deletionTimestamp"] = "2027-01-15T07:29:00Z"
+    pod = _final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))
+    kube, _ = _pass([pod], [job])
+    ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    assert status["retired"]["jobs"] == ["team/a@u-a"]
+    assert kube.released == ["team/a-1"] and kube.finalized == []

@@ -117,10 +117,11 @@ def test_operator_rbac(default: list[Obj]) -> None:
             assert (group, resource, verb) in rules
     assert {(group, "gpujobs/status", "patch"), (group, "projectquotas/status", "patch"),
             ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "watch"),
+            ("", "pods", "patch"),  # its finalizer off, once a pod's run is on record
             ("", "persistentvolumeclaims", "create"),  # checkpoint claims
             ("events.k8s.io", "events", "create")} <= rules
     # the specs belong to users and the platform team; the operator writes statuses, and
-    # patches a GpuJob only for its accounting finalizer
+    # patches a GpuJob only to take off the finalizer an earlier release put on it
     writes = {(r, v) for g, r, v in rules if g == group and "/" not in r} - {
         (r, v) for r in ("gpujobs", "projectquotas", "gpunodes") for v in ("get", "list", "watch")}
     assert writes == {("gpujobs", "patch")}
