@@ -520,13 +520,20 @@ class Reconciler:
         bill): up to when it is first seen stray at once (in the quota's status, so a new
         leader does not bill it again), the rest when it ends (`_bill_stray`). An orphan of a
         deleted job that carries Carpool's finalizer is billed once, when it is released
-        (with its job's usage, or on its own: `_release_pods`)."""
+        (with its job's usage, or on its own: `_release_pods`); one of a job the watch saw
+        deleted is stopped as that job's (`_stop_deleted_jobs_pod`)."""
         changed: set[str] = set()
         live = {str(o["metadata"].get("uid", "")) for o in state.objects.values()
                 if not o["metadata"].get("deletionTimestamp")}
+        deleted = {str((o.get("metadata") or {}).get("uid", "")): o
+                   for _, o in self.informers.gone(GPUJOBS)}
         for pod in state.orphans:
             quota = quota_of_namespace(quotas, pod.namespace)
             stray = self._strays.get(pod.uid)
+            job = deleted.get(pod.owner.uid) if pod.finalized and pod.owner else None
+            if job is not None:
+                self._stop_deleted_jobs_pod(pod, job, quotas)
+                continue
             if pod.finalized and not (pod.owner is not None and pod.owner.uid in live):
                 pass  # billed when released
             elif stray is None or stray.billed_until is None:
@@ -562,6 +569,21 @@ class Reconciler:
                    f"are not to be changed)")
             self._stop(state, pod, "AttemptTampered", why, key)
         self._write_retired(state, changed, quota_objects, retired)
+
+    def _stop_deleted_jobs_pod(self, pod: PodView, job: Obj,
+                               quotas: Mapping[str, ProjectQuota]) -> None:
+        """A pod of a job the watch saw deleted: stopped with its own grace (the job's
+        checkpoint grace, as the garbage collector deletes it too); its run is billed with
+        the job's when it has ended (`_retire_gone`)."""
+        if pod.deleting:
+            return
+        project = str((job.get("spec") or {}).get("project", ""))
+        self.kube.delete_pod(pod.namespace, pod.name, None, uid=pod.uid)
+        self.kube.event(_pod_ref(pod), "JobDeleted",
+                        f"GpuJob {pod.namespace}/{pod.owner.name if pod.owner else '?'} was "
+                        f"deleted; its attempt {pod.attempt} is stopped and its GPU time billed "
+                        f"to project " + (project if project in quotas else "(none)"),
+                        "Normal", "Stop")
 
     def _write_retired(self, state: PassState, changed: set[str],
                        quota_objects: Mapping[str, Obj], retired: dict[str, RetiredUsage]

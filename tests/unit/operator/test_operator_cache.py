@@ -1166,6 +1166,25 @@ def test_a_deleted_running_job_is_billed_from_its_last_state_then_its_pod_releas
     assert [s for _, s in kube.quota_statuses[writes:] if "retired" in s] == []
 
 
+def test_a_deleted_jobs_running_pod_is_stopped_with_its_grace_and_billed_once_it_ends(
+) -> None:
+    """While the pod runs, the job is not retired (its run has no end yet) and nothing is
+    billed at once; the pod is deleted with its own grace (the job's checkpoint grace), told
+    as JobDeleted, not as an orphan."""
+    kube = TellingKube()
+    cluster = _cluster(2)
+    cluster[PODS] = [_gpu_pod("a-1", "pod-a-1", owner=_controller("a"))]
+    cluster[PODS][0]["metadata"]["finalizers"] = [names.FINALIZER]
+    informers = _informers(kube, cluster, version=10)
+    informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, _running_job())
+    reconciler = _reconciler(kube, informers)
+    reconciler.run_pass(T0)
+    assert kube.deleted == ["team/a-1"] and kube.deleted_uids == ["pod-a-1"]
+    assert ("a-1", "JobDeleted") in kube.told and ("a-1", "OrphanStopped") not in kube.told
+    assert [s for _, s in kube.quota_statuses if "retired" in s] == []
+    assert kube.released == []
+
+
 def test_a_pod_of_a_job_deleted_while_no_operator_watched_is_billed_on_its_own() -> None:
     kube, _ = _pass([_final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))], [])
     ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
