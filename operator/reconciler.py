@@ -439,10 +439,13 @@ class Reconciler:
         billed when they are released (`_release_pods`)."""
         changed: set[str] = set()
         holding = {p.owner.uid for p in state.pods.values() if p.owner and p.holds_gpus}
+        holding_pods = {p.uid for p in state.pods.values() if p.holds_gpus}
         remembered: set[str] = set()
         for _, obj in self.informers.gone(GPUJOBS):
             meta = obj.get("metadata") or {}
             uid = str(meta.get("uid", ""))
+            if str((obj.get("status") or {}).get("podUID") or "") in holding_pods:
+                holding.add(uid)  # its recorded pod, its ownerReference taken off (Orphan)
             remembered.add(uid)
             project = str((obj.get("spec") or {}).get("project", ""))
             key = job_retired_key(str(meta.get("namespace", "")), str(meta.get("name", "")),
@@ -469,18 +472,16 @@ class Reconciler:
         project first (its retired usage written), a deleted job's pods wait for `_retire`."""
         billed: set[str] = set()
         ready: list[PodView] = []
-        gone = {str((o.get("metadata") or {}).get("uid", "")): o
-                for _, o in self.informers.gone(GPUJOBS)}
-        by_uid = {str(o["metadata"].get("uid", "")): o for o in state.objects.values()}
+        gone_jobs = [o for _, o in self.informers.gone(GPUJOBS)]
+        gone, gone_by_pod = _by_uid(gone_jobs), _by_pod_uid(gone_jobs)
+        live, live_by_pod = _by_uid(state.objects.values()), _by_pod_uid(state.objects.values())
         for pod in state.lingering.values():
             if not pod.finalized:
                 continue
-            obj = by_uid.get(pod.owner.uid) if pod.owner else None
-            obj = obj if obj is not None and obj["metadata"].get("namespace") == pod.namespace \
-                else None
+            obj = _job_of(pod, live, live_by_pod)
             deleted = obj is None or bool(obj["metadata"].get("deletionTimestamp"))
-            if obj is None and pod.owner is not None:
-                obj = gone.get(pod.owner.uid)
+            if obj is None:
+                obj = _job_of(pod, gone, gone_by_pod)
             quota = quota_of_namespace(state.quotas, pod.namespace)
             if obj is not None:
                 quota = state.quotas.get(str((obj.get("spec") or {}).get("project", ""))) \
@@ -489,8 +490,8 @@ class Reconciler:
             decision = release(pod, job_identity(obj) if obj is not None else None,
                                (obj or {}).get("status") or {}, deleted,
                                usage.job_keys if usage is not None else frozenset())
-            if decision is Release.RETIRE_JOB and pod.owner is not None \
-                    and pod.owner.uid in state.on_record:
+            if decision is Release.RETIRE_JOB and obj is not None \
+                    and str(obj["metadata"].get("uid", "")) in state.on_record:
                 decision = Release.NOW  # retired this pass, or it had nothing to retire
             if decision is Release.BILL_POD:
                 if quota is not None and quota.name in state.quota_objects:
@@ -525,12 +526,12 @@ class Reconciler:
         changed: set[str] = set()
         live = {str(o["metadata"].get("uid", "")) for o in state.objects.values()
                 if not o["metadata"].get("deletionTimestamp")}
-        deleted = {str((o.get("metadata") or {}).get("uid", "")): o
-                   for _, o in self.informers.gone(GPUJOBS)}
+        gone_jobs = [o for _, o in self.informers.gone(GPUJOBS)]
+        deleted, deleted_by_pod = _by_uid(gone_jobs), _by_pod_uid(gone_jobs)
         for pod in state.orphans:
             quota = quota_of_namespace(quotas, pod.namespace)
             stray = self._strays.get(pod.uid)
-            job = deleted.get(pod.owner.uid) if pod.finalized and pod.owner else None
+            job = _job_of(pod, deleted, deleted_by_pod) if pod.finalized else None
             if job is not None:
                 self._stop_deleted_jobs_pod(pod, job, quotas)
                 continue
@@ -967,6 +968,28 @@ def _reusable(snapshot: ClusterSnapshot, result: CycleResult, now: ClusterSnapsh
             and 0 <= now.now - snapshot.now <= within_s
             and all(getattr(snapshot, f.name) == getattr(now, f.name)
                     for f in fields(ClusterSnapshot) if f.name != "now"))
+
+
+def _job_of(pod: PodView, by_uid: Mapping[str, Obj], by_pod_uid: Mapping[str, Obj]
+            ) -> Obj | None:
+    """The GpuJob (of `by_uid`, by uid) that controls `pod`, or else the one whose status
+    records it (`by_pod_uid`, by `status.podUID`: a job deleted with propagationPolicy Orphan
+    has the garbage collector take the pod's ownerReference off first); same namespace."""
+    obj = by_uid.get(pod.owner.uid) if pod.owner else None
+    if obj is None:
+        obj = by_pod_uid.get(pod.uid)
+    if obj is None or (obj.get("metadata") or {}).get("namespace") != pod.namespace:
+        return None
+    return obj
+
+
+def _by_pod_uid(objs: Iterable[Obj]) -> dict[str, Obj]:
+    """GpuJobs by the pod uid their status records (`status.podUID`)."""
+    return {uid: o for o in objs if (uid := str((o.get("status") or {}).get("podUID") or ""))}
+
+
+def _by_uid(objs: Iterable[Obj]) -> dict[str, Obj]:
+    return {str((o.get("metadata") or {}).get("uid", "")): o for o in objs}
 
 
 def _pod_ref(pod: PodView) -> Obj:

@@ -75,7 +75,8 @@ def pod_retired_key(pod: PodView) -> str:
 def release(pod: PodView, job: JobIdentity | None, job_status: Mapping[str, Any],
             job_deleted: bool, retired_keys: frozenset[str] | set[str]) -> Release:
     """What to do about `pod` (its deletion final, carrying the finalizer): `job` is the
-    GpuJob that controls it as the caches show it (None when gone), `job_status` its status,
+    GpuJob that controls it or whose status records it, as the caches show it or as the watch
+    last saw it deleted (None when neither knows it), `job_status` its status,
     `job_deleted` whether it is being deleted, `retired_keys` its project's retired keys.
 
     1. Its run folded into retired usage (its job's key or its own): release.
@@ -85,9 +86,10 @@ def release(pod: PodView, job: JobIdentity | None, job_status: Mapping[str, Any]
        attempt's record, wait until then; named as an attempt the job never recorded (the
        operator stopped between creating it and writing the job's status): bill it.
     3. Its job is deleted: retire the job; no job (gone and forgotten): bill the pod."""
+    named = (job.name, job.uid) if job is not None else (
+        (pod.owner.name, pod.owner.uid) if pod.owner is not None else None)
     if pod_retired_key(pod) in retired_keys or (
-            pod.owner is not None and job_retired_key(
-                pod.namespace, pod.owner.name, pod.owner.uid) in retired_keys):
+            named is not None and job_retired_key(pod.namespace, *named) in retired_keys):
         return Release.NOW
     if job is None:
         return Release.BILL_POD

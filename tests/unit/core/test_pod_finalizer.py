@@ -87,3 +87,14 @@ def test_a_deleted_jobs_pod_waits_for_the_jobs_retirement_a_forgotten_ones_is_bi
     # a job of the same name is another object: its key does not release this pod
     assert release(POD, None, {}, True, {job_retired_key("team", "train", "j2")}) \
         is Release.BILL_POD
+
+
+def test_a_pod_whose_owner_reference_went_is_released_by_the_job_that_recorded_it() -> None:
+    """Deleted with propagationPolicy Orphan, the job's pod loses its ownerReference before
+    the job goes: the job found by the pod its status records counts, so its retirement
+    releases the pod and the pod is not billed again on its own."""
+    orphaned = replace(POD, owner=None)
+    job, status = _job()
+    retired = {job_retired_key("team", "train", "j1")}
+    assert release(orphaned, job, status, True, set()) is Release.RETIRE_JOB
+    assert release(orphaned, job, status, True, retired) is Release.NOW

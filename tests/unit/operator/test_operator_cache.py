@@ -1185,6 +1185,33 @@ def test_a_deleted_jobs_running_pod_is_stopped_with_its_grace_and_billed_once_it
     assert kube.released == []
 
 
+def test_a_job_deleted_orphaning_its_running_pod_bills_the_pod_as_its_own_once() -> None:
+    """Deleted with propagationPolicy Orphan, the job goes and the garbage collector takes
+    the pod's ownerReference off first: the job's status still records the pod (podUID), so
+    the pod is stopped as the job's, the job waits for it to end, and its run is billed once,
+    under the job, not a second time as a pod of no job."""
+    kube = TellingKube()
+    cluster = _cluster(2)
+    cluster[PODS] = [_gpu_pod("a-1", "pod-a-1")]
+    cluster[PODS][0]["metadata"]["finalizers"] = [names.FINALIZER]
+    informers = _informers(kube, cluster, version=10)
+    informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, _running_job())
+    reconciler = _reconciler(kube, informers)
+    reconciler.run_pass(T0)
+    reconciler.wait_for_writes()
+    assert kube.deleted_uids == ["pod-a-1"] and ("a-1", "JobDeleted") in kube.told
+    assert [s for _, s in kube.quota_statuses if "retired" in s] == []  # it still runs
+    cluster[PODS] = [_final(_gpu_pod("a-1", "pod-a-1"))]
+    cluster[PODS][0]["metadata"]["resourceVersion"] = str(kube.version)
+    reconciler.informers = _informers(kube, cluster, version=kube.version)
+    reconciler.informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, _running_job())
+    reconciler.run_pass(T0 + 5)
+    ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
+    assert status["retired"]["jobs"] == ["team/a@u-a"]
+    assert status["retired"]["gpuHours"] == 0.25  # 0.5 GPU for 30 min, to the pod's end
+    assert kube.released == ["team/a-1"]
+
+
 def test_a_pod_of_a_job_deleted_while_no_operator_watched_is_billed_on_its_own() -> None:
     kube, _ = _pass([_final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))], [])
     ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
