@@ -79,6 +79,7 @@ def view_pod(pod: Obj) -> PodView:
                         ""),
         uid=str(meta.get("uid") or ""),
         owner=gpujob_owner(meta.get("ownerReferences")),
+        job_uid=str((meta.get("annotations") or {}).get(names.ANN_JOB_UID) or ""),
         gpu_pod=gpu_pod,
         limits=limits,
         unschedulable_since=(parse_time(unschedulable.get("lastTransitionTime"))

@@ -135,6 +135,8 @@ def build_pod(job: dict[str, Any], request: GpuRequest, attempt: int) -> dict[st
     })
     annotations = users_metadata(tmeta.get("annotations"))
     annotations[names.ANN_JOB] = f"{meta['namespace']}/{meta['name']}"
+    if meta.get("uid"):
+        annotations[names.ANN_JOB_UID] = str(meta["uid"])
     annotations[names.ANN_ISOLATION] = request.isolation.value
     if request.models:
         annotations[names.ANN_MODELS] = ",".join(sorted(request.models))

@@ -438,7 +438,8 @@ class Reconciler:
         A job deleted while no operator watched is not known here; its pods' own runs are
         billed when they are released (`_release_pods`)."""
         changed: set[str] = set()
-        holding = {p.owner.uid for p in state.pods.values() if p.owner and p.holds_gpus}
+        holding = {uid for p in state.pods.values() if p.holds_gpus
+                   for uid in (p.owner.uid if p.owner else "", p.job_uid) if uid}
         holding_pods = {p.uid for p in state.pods.values() if p.holds_gpus}
         remembered: set[str] = set()
         for _, obj in self.informers.gone(GPUJOBS):
@@ -535,7 +536,9 @@ class Reconciler:
             if job is not None:
                 self._stop_deleted_jobs_pod(pod, job, quotas)
                 continue
-            if pod.finalized and not (pod.owner is not None and pod.owner.uid in live):
+            of_live_job = (pod.owner is not None and pod.owner.uid in live) \
+                or pod.job_uid in live
+            if pod.finalized and not of_live_job:
                 pass  # billed when released
             elif stray is None or stray.billed_until is None:
                 billed_until = self._bill_stray(state, pod, quota, orphan_key(pod), None, now,
@@ -972,10 +975,14 @@ def _reusable(snapshot: ClusterSnapshot, result: CycleResult, now: ClusterSnapsh
 
 def _job_of(pod: PodView, by_uid: Mapping[str, Obj], by_pod_uid: Mapping[str, Obj]
             ) -> Obj | None:
-    """The GpuJob (of `by_uid`, by uid) that controls `pod`, or else the one whose status
-    records it (`by_pod_uid`, by `status.podUID`: a job deleted with propagationPolicy Orphan
-    has the garbage collector take the pod's ownerReference off first); same namespace."""
+    """The GpuJob that controls `pod` (of `by_uid`, by uid), or else the one it was created
+    for (`PodView.job_uid`), or else the one whose status records it (`by_pod_uid`, by
+    `status.podUID`: a pod created before the operator wrote that annotation); same
+    namespace. The ownerReference alone is not enough: a job deleted with propagationPolicy
+    Orphan has the garbage collector take it off first, and a tenant may remove it."""
     obj = by_uid.get(pod.owner.uid) if pod.owner else None
+    if obj is None and pod.job_uid:
+        obj = by_uid.get(pod.job_uid)
     if obj is None:
         obj = by_pod_uid.get(pod.uid)
     if obj is None or (obj.get("metadata") or {}).get("namespace") != pod.namespace:

@@ -168,8 +168,9 @@ def test_an_idle_session_yields_only_once_a_job_waits_for_its_gpus_model(
         billed = float(ended.get("gpuHours") or 0.0)
         assert billed == pytest.approx((end - begun) * float(run["fraction"]) / 3600,
                                        abs=2e-6), ended
-        pods = json.loads(world.admin("get", "pods", "-n", team, "-o", "json"))["items"]
-        assert pod not in [p["metadata"]["name"] for p in pods], pods
+        wait_for("the notebook's pod released (its run on record)", lambda: pod not in [
+            p["metadata"]["name"] for p in json.loads(world.admin(
+                "get", "pods", "-n", team, "-o", "json"))["items"]], timeout=30)
         time.sleep(6)  # a few cycles later
         assert float(alice.status(team, "notebook").get("gpuHours") or 0.0) == billed
 

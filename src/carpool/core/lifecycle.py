@@ -53,6 +53,9 @@ class PodView:
     disruption: str = ""
     uid: str = ""
     owner: Owner | None = None  # the GpuJob controlling it (core.ownership)
+    # the uid of the GpuJob the operator created it for (`names.ANN_JOB_UID`, which only the
+    # operator sets, at create): finds its job for billing once the ownerReference is gone
+    job_uid: str = ""
     # asks for Carpool GPUs (carpool.dev/* limits: immutable, only the operator's pods may
     # have them) or was assigned some (the extender's annotation)
     gpu_pod: bool = False

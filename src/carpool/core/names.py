@@ -20,6 +20,9 @@ RESOURCE_GPU_CORES: Final = f"{GROUP}/gpu-cores"  # % of SMs per GPU, extender-m
 
 # Pod annotations written by the operator (what the job asks for).
 ANN_JOB: Final = f"{GROUP}/job"  # "<namespace>/<name>" of the owning GpuJob
+# the uid of the GpuJob the operator created the pod for: still names the job once its
+# ownerReference is gone (a deletion with propagationPolicy Orphan, a tampered pod)
+ANN_JOB_UID: Final = f"{GROUP}/job-uid"
 ANN_ISOLATION: Final = f"{GROUP}/isolation"
 ANN_MODELS: Final = f"{GROUP}/models"  # comma-separated allowed GPU models
 ANN_DATASET: Final = f"{GROUP}/dataset"  # dataset name

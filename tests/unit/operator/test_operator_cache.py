@@ -1212,6 +1212,24 @@ def test_a_job_deleted_orphaning_its_running_pod_bills_the_pod_as_its_own_once()
     assert kube.released == ["team/a-1"]
 
 
+def test_an_earlier_attempt_without_its_owner_reference_is_released_on_its_jobs_record(
+) -> None:
+    """A tenant took the ownerReference off her running pod; the job requeued and runs its
+    next attempt. The old pod names the job it was created for (`names.ANN_JOB_UID`, the
+    operator's own annotation), so its run stays on the job's record: released, not billed
+    a second time as a pod of no job."""
+    job = _running_job()
+    job["status"].update(attempts=2, podName="a-2", podUID="pod-a-2", history=[
+        {"attempt": 1, "node": "n1", "fraction": 0.5, "start": "2027-01-15T07:00:00Z",
+         "end": "2027-01-15T07:30:00Z", "outcome": "PodLost"},
+        {"attempt": 2, "node": "n1", "fraction": 0.5, "start": "2027-01-15T07:31:00Z"}])
+    earlier = _final(_gpu_pod("a-1", "pod-a-1", annotations={names.ANN_JOB_UID: "u-a"}))
+    current = _gpu_pod("a-2", "pod-a-2", owner=_controller("a"))
+    kube, _ = _pass([earlier, current], [job])
+    assert kube.released == ["team/a-1"]
+    assert [s for _, s in kube.quota_statuses if "retired" in s] == []
+
+
 def test_a_pod_of_a_job_deleted_while_no_operator_watched_is_billed_on_its_own() -> None:
     kube, _ = _pass([_final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))], [])
     ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]

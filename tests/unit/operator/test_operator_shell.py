@@ -83,6 +83,8 @@ def test_pod_carries_resources_annotations_and_owner() -> None:
     assert pod["spec"]["activeDeadlineSeconds"] == 3600
     assert pod["metadata"]["annotations"][names.ANN_SIM_DURATION] == "30"
     assert pod["metadata"]["annotations"][names.ANN_DATASET_SIZE] == "150"
+    assert pod["metadata"]["annotations"][names.ANN_JOB_UID] == "u-1"
+    assert pod["metadata"]["finalizers"] == [names.FINALIZER]
     assert pod["metadata"]["labels"]["app"] == "x"
     owner = pod["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "GpuJob" and owner["uid"] == "u-1" and owner["controller"]
