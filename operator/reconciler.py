@@ -306,6 +306,14 @@ class Reconciler:
         pod no node took given back."""
         for obj, event in state.events:
             self._record_event(obj, event)
+        # the keys of the deleted jobs the watch remembers, before any retired usage is
+        # written: `_present` keeps them, or a write would drop a retired job's key and
+        # `_retire_gone` would bill it again
+        for _, obj in self.informers.gone(GPUJOBS):
+            meta = obj.get("metadata") or {}
+            state.gone_job_keys.add(job_retired_key(str(meta.get("namespace", "")),
+                                                    str(meta.get("name", "")),
+                                                    str(meta.get("uid", ""))))
         if state.deleting and still_leader():
             self._retire(state, state.quotas, state.quota_objects, state.retired, state.now)
         if still_leader():
@@ -451,7 +459,6 @@ class Reconciler:
             project = str((obj.get("spec") or {}).get("project", ""))
             key = job_retired_key(str(meta.get("namespace", "")), str(meta.get("name", "")),
                                   uid)
-            state.gone_job_keys.add(key)
             usage = state.retired.get(project)
             if uid in self._nothing_to_retire or (usage is not None and key in usage.job_keys):
                 state.on_record.add(uid)

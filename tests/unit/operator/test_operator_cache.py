@@ -1230,6 +1230,31 @@ def test_an_earlier_attempt_without_its_owner_reference_is_released_on_its_jobs_
     assert [s for _, s in kube.quota_statuses if "retired" in s] == []
 
 
+def test_a_retired_jobs_key_stays_while_another_job_of_its_project_is_retired() -> None:
+    """Job a went earlier and is retired; job b is being deleted while still listed (a
+    foreground or Orphan deletion). Writing b's retirement keeps a's key, so a is not
+    billed a second time."""
+    kube = TellingKube()
+    cluster = _cluster(2)
+    deleting = _job("b", "21", status={
+        "phase": "Succeeded", "attempts": 1, "history": [
+            {"attempt": 1, "node": "n1", "fraction": 0.5, "start": "2027-01-15T07:00:00Z",
+             "end": "2027-01-15T07:30:00Z", "outcome": "Succeeded"}]})
+    deleting["metadata"]["deletionTimestamp"] = "2027-01-15T07:40:00Z"
+    deleting["metadata"]["finalizers"] = ["orphan"]
+    cluster[GPUJOBS] = [deleting]
+    cluster[QUOTAS][0]["status"] = {"retired": {
+        "periodStart": "2026-12-29T00:00:00Z", "gpuHours": 0.25, "decayedGpuHours": 0.25,
+        "decayedAsOf": "2027-01-15T07:30:00Z", "jobs": ["team/a@u-a"]}}
+    informers = _informers(kube, cluster, version=10)
+    informers.by_kind[GPUJOBS]._forget("u-a", T0 - 1000, _running_job())
+    reconciler = _reconciler(kube, informers)
+    reconciler.run_pass(T0)
+    written = [s["retired"] for _, s in kube.quota_statuses if "retired" in s]
+    assert written and sorted(written[-1]["jobs"]) == ["team/a@u-a", "team/b@u-b"]
+    assert written[-1]["gpuHours"] == 0.5  # a's 0.25 once, and b's 0.25
+
+
 def test_a_pod_of_a_job_deleted_while_no_operator_watched_is_billed_on_its_own() -> None:
     kube, _ = _pass([_final(_gpu_pod("a-1", "pod-a-1", owner=_controller("a")))], [])
     ((_, status),) = [(p, s) for p, s in kube.quota_statuses if "retired" in s]
