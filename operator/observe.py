@@ -7,9 +7,10 @@ later stages. A job's decoding is reused while neither it nor its pods changed.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 from carpool.core import job_status, names
@@ -119,6 +120,9 @@ class PassState:
     arrived: int = 0  # `Informers.arrived(GPUJOBS)` when the pass read, then as checked
     best_arrival: JobClass | None = None  # the highest class among the arrivals checked
     admitted: list[str] = field(default_factory=list)  # admissions carried out this pass
+    # numbers this pass's admissions as they create their pods, from 0 (the admitting threads
+    # share it: one `next` is atomic), for `ReconcilerConfig.admitted_events_per_pass`
+    admitted_events: Iterator[int] = field(default_factory=itertools.count)
     initial: dict[str, Obj] = field(default_factory=dict)  # unwritten submitTime / phase
     # GPU pods that are no live job's attempt, and (job key, pod) of a job's recorded attempt
     # the job no longer controls: both are stopped (`_stop_strays`)

@@ -118,6 +118,12 @@ class ReconcilerConfig:
     # 0: act on every admission a pass decides (a pass reads watch caches, so it is cheap;
     # deferring admissions only leaves capacity idle until the next pass)
     max_admissions_per_pass: int = 0
+    # The first this many admissions of a pass are also told by an Admitted Event on the job;
+    # the rest by the job's Admitted condition only (which says the same: node, GPUs, time).
+    # A lab's passes admit a few jobs and every one gets its Event; a burst of thousands
+    # would otherwise add an Event write to every admission (a fifth of its writes), for a
+    # stream nobody reads job by job. Events are best effort in Kubernetes too.
+    admitted_events_per_pass: int = 100
     # A pass starts no new admission after this many seconds of acting, or three times what
     # reading and deciding took if that is longer (so they stay a quarter of a pass), once a
     # job of the same or a higher class than the next admission has arrived since the pass
@@ -161,6 +167,7 @@ class ReconcilerConfig:
         ), write_workers=settings.write_workers,
             wait_refresh_s=settings.wait_refresh_s,
             max_admissions_per_pass=settings.max_admissions_per_pass,
+            admitted_events_per_pass=settings.admitted_events_per_pass,
             admission_budget_s=settings.admission_budget_s,
             admission_budget_max_s=settings.admission_budget_max_s,
             platform=PlatformPodSettings(settings.job_runtime_class, settings.mps_client_uid,
@@ -900,8 +907,9 @@ class Reconciler:
             if not missing:
                 patch["gangCreated"] = admission.attempt
         if created:
-            self._record_event(obj, job_status.JobEvent("Admitted", admission.message, "Normal",
-                                                    "Admit"))
+            if next(state.admitted_events) < self.config.admitted_events_per_pass:
+                self._record_event(obj, job_status.JobEvent("Admitted", admission.message,
+                                                        "Normal", "Admit"))
             cls = job.job_class.label
             metrics.ADMISSIONS.labels(job.project, cls).inc()
             metrics.WAIT_SECONDS.labels(job.project, cls).observe(

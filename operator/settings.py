@@ -68,6 +68,10 @@ class OperatorSettings:
         "least seconds between rewrites of a waiting job's estimate when nothing urgent changed")
     max_admissions_per_pass: int = setting(
         "CARPOOL_MAX_ADMISSIONS_PER_PASS", 0, "admissions carried out per pass (0: no cap)")
+    admitted_events_per_pass: int = setting(
+        "CARPOOL_ADMITTED_EVENTS_PER_PASS", 100,
+        "admissions per pass told by an Admitted Event on the job (the rest by their "
+        "Admitted condition only)")
     admission_budget_s: float = setting(
         "CARPOOL_ADMISSION_BUDGET_S", 10.0,
         "seconds a pass may spend carrying out admissions before leaving the rest to the next")

@@ -335,6 +335,24 @@ def test_a_waiting_job_gets_its_reason_and_submit_time_in_one_write_and_is_reuse
     assert reconciler.observer.decoded[waiting[0]].job is decoded
 
 
+def test_a_pass_tells_only_its_first_admissions_by_an_event_and_every_one_by_its_status(
+) -> None:
+    def admitted_events(per_pass: int) -> tuple[int, set[str]]:
+        kube = FakeKube()
+        cluster = _cluster(1)
+        cluster[GPUJOBS] = [_job("a"), _job("b"), _job("c")]  # two fit, one waits
+        reconciler = _reconciler(kube, _informers(kube, cluster, version=10))
+        reconciler.config.admitted_events_per_pass = per_pass
+        reconciler.run_pass(1_800_000_000.0, catch_up_s=0.05)
+        reconciler.wait_for_writes()
+        admitted = {k for k, s in kube.statuses if s.get("phase") == "Admitted"}
+        return kube.events.count("Admitted"), admitted
+
+    assert admitted_events(100) == (2, {"team/a", "team/b"})
+    assert admitted_events(1) == (1, {"team/a", "team/b"})
+    assert admitted_events(0) == (0, {"team/a", "team/b"})
+
+
 def test_a_burst_writes_a_first_wait_once_nothing_is_left_for_later_or_a_refresh_on(
 ) -> None:
     def passes(max_admissions: int, count: int, waited_s: float = 0.0
