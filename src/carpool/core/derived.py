@@ -32,19 +32,17 @@ class DerivedState(NodeState):
         return cls(state.inventory, state.grants, state.cpu_used_milli, state.memory_used_mib)
 
     def with_grants(self, grants: Iterable[GpuGrant]) -> Self:
-        """This state with `grants` added; its free GPUs are worked out from this state's
-        where this state has them (`placement.free_after`)."""
+        """This state with `grants` added; where this state has worked out its free GPUs,
+        the new state's are worked out from them (`placement.free_after`: only the GPUs the
+        grants are on), and kept."""
         state = super().with_grants(grants)
         frees = self.__dict__.get("frees")
-        if frees is not None:
-            state.__dict__["_frees_before"] = (frees, len(self.grants))
+        if frees is not None:  # filled in as `frees` would keep it
+            state.__dict__["frees"] = tuple(free_after(frees, state.grants, len(self.grants)))
         return state  # type: ignore[return-value]
 
     @cached_property
     def frees(self) -> tuple[GpuFree, ...]:
-        before = self.__dict__.pop("_frees_before", None)
-        if before is not None:
-            return tuple(free_after(before[0], self.grants, before[1]))
         return tuple(super().free())
 
     def free(self) -> list[GpuFree]:
