@@ -36,7 +36,9 @@ assignments), a template's curve is learned from its reports among copies, and e
 beside other templates teaches pairs instead: the copies of itself its company made (where
 its P99 reaches on the curve), first from companies of one other template, then from the
 rest, where templates so measured count as measured and what is left is shared among the
-others by weight, the worse company kept (`learn`). A job then counts a neighbour as the
+others by weight, the worse company kept (`learn`); and where a company of templates all
+measured so reached further than their counts add up to (a crowd of neighbours each cheap
+alone), what lies beyond raises their counts, shared by weight. A job then counts a neighbour as the
 pair measured, else by weight (`resources.Sharer`), each job carrying, per GPU model, how
 every template measured beside it counted it (`Profiles.felt_by`).
 
@@ -447,8 +449,32 @@ def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, 
                                 or 0.0, 2)
                 for template, companies in by_pair.items()}
 
+    def crowded(known: Mapping[str, float]) -> dict[str, float]:
+        """`known` raised where a company of several templates, all known, reached further
+        than their counts add up to: what lies beyond is shared among them by weight, on top
+        of what each counts. A pair measured alone can say a neighbour costs nearly nothing
+        where a crowd of such neighbours fills the GPU and the job breaks."""
+        raised: dict[str, dict[str, list[float]]] = {}
+        for company, s, degree in reached:
+            others = [t for t in s.neighbours if t != s.template]
+            if len(set(others)) < 2 or any(t not in known for t in others):
+                continue
+            beyond = (degree - 1 - (len(s.neighbours) - len(others))
+                      - sum(known[t] for t in others))
+            if beyond <= 0:
+                continue
+            weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight for t in others}
+            total = sum(weight[t] for t in others)
+            for template in set(others) - {""}:
+                raised.setdefault(template, {}).setdefault(company, []).append(
+                    known[template] + beyond * weight[template] / total)
+        return {template: round(max(known[template], _high(
+                    [statistics.median(v) for v in companies.values()]) or 0.0), 2)
+                for template, companies in raised.items()}
+
     alone = counted({}, alike=True)
-    return tuple(sorted({**counted(alone, alike=False), **alone}.items()))
+    known = {**counted(alone, alike=False), **alone}
+    return tuple(sorted({**known, **crowded(known)}.items()))
 
 
 def sample_of(gpujob: Mapping[str, Any]) -> Sample | None:

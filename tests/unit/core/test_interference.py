@@ -396,6 +396,29 @@ def test_a_company_of_several_templates_blames_only_what_was_not_measured_alone(
     assert dict(only_mixed.pairs)["other-light"] == pytest.approx(1.15, abs=0.01)
 
 
+def test_a_crowd_of_neighbours_each_cheap_alone_raises_what_they_count() -> None:
+    copies = [*samples(LIGHT, "light", "H100"), *samples(LIGHT, "mid", "H100"),
+              *samples(LIGHT, "other", "H100")]
+    # measured alone beside it, each neighbour left the light service at 2.7 ms: its P99
+    # alone, so each counts the floor (MIN_PAIR_COUNT)
+    pairs = [inf.Sample("H100", "light", 2, 290.0, 0.0027, f"pair-{t}", (t,))
+             for t in ("mid", "other")]
+    # but two of each beside it took it to 4.6 ms: 5.5 copies of itself, 4.3 beyond the four
+    # neighbours' 0.2, shared by weight (alike here) on top of what each counts
+    crowd = [inf.Sample("H100", "light", 5, 250.0, 0.0046, "gpu-0@1",
+                        ("mid", "mid", "other", "other"))]
+    alone = inf.learn([*copies, *pairs]).get("H100", "light")
+    assert alone is not None
+    assert dict(alone.pairs) == {"mid": inf.MIN_PAIR_COUNT, "other": inf.MIN_PAIR_COUNT}
+    crowded = inf.learn([*copies, *pairs, *crowd]).get("H100", "light")
+    assert crowded is not None
+    assert dict(crowded.pairs) == {"mid": pytest.approx(1.12, abs=0.01),
+                                    "other": pytest.approx(1.12, abs=0.01)}
+    # a company that stayed within its counts changes nothing
+    calm = [replace(crowd[0], p99_s=0.0027)]
+    assert inf.learn([*copies, *pairs, *calm]).get("H100", "light") == alone
+
+
 def test_a_limited_job_chooses_the_gpu_whose_company_is_most_like_its_own_copies() -> None:
     """Among GPUs that all accept it, a light service joins its like rather than a heavy job
     that presses on it like three copies of itself, and takes an untouched GPU rather than
