@@ -38,9 +38,9 @@ its P99 reaches on the curve), first from companies of one other template, then 
 rest, where templates so measured count as measured and what is left is shared among the
 others by weight, the worse company kept (`learn`); and where a company of templates all
 measured so reached further than their counts add up to (a crowd of neighbours each cheap
-alone), what lies beyond raises their counts, shared by weight. A job then counts a neighbour as the
-pair measured, else by weight (`resources.Sharer`), each job carrying, per GPU model, how
-every template measured beside it counted it (`Profiles.felt_by`).
+alone), what lies beyond raises their counts, shared by weight. A job then counts a
+neighbour as the pair measured, else by weight (`resources.Sharer`), each job carrying, per
+GPU model, how every template measured beside it counted it (`Profiles.felt_by`).
 
 Everything here is pure.
 """
