@@ -423,12 +423,30 @@ def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, 
     from the companies of one other template, then from the rest, where the templates
     already measured so count as measured and what is left goes to the others by weight (a
     light neighbour that sat beside a heavy one does not take the heavy one's blame)."""
-    own_weight = max(1, weights.get((profile.model, profile.template), WHOLE_SHARER))
     reached = []
     for n, s in enumerate(reports):
         degree = None if s.p99_s is None else profile.degree_of_p99(s.p99_s)
         if degree is not None:
             reached.append((s.company or f"#{n}", s, degree))
+
+    def beyond(s: Sample, degree: float, known: Mapping[str, float]) -> float:
+        """The copies a report's company made beyond the job itself, its own template's
+        copies and the neighbours `known` already counts."""
+        others = [t for t in s.neighbours if t != s.template]
+        return (degree - 1 - (len(s.neighbours) - len(others))
+                - sum(known[t] for t in others if t in known))
+
+    def shares(model: str, among: list[str]) -> dict[str, float]:
+        """What each neighbour of `among` (one entry per job) takes of what they made
+        together, by weight."""
+        total = sum(weights.get((model, t), WHOLE_SHARER) for t in among)
+        return {t: weights.get((model, t), WHOLE_SHARER) / total for t in among}
+
+    def worst(by_company: Mapping[str, dict[str, list[float]]]) -> dict[str, float]:
+        """Each template's count: the median within a company, the worse companies kept."""
+        return {template: round(_high([statistics.median(v) for v in companies.values()])
+                                or 0.0, 2)
+                for template, companies in by_company.items()}
 
     def counted(known: Mapping[str, float], alike: bool) -> dict[str, float]:
         by_pair: dict[str, dict[str, list[float]]] = {}  # neighbour -> company -> counts
@@ -437,17 +455,11 @@ def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, 
             unknown = [t for t in others if t not in known]
             if alike != (len(set(others)) == 1) or not unknown:
                 continue
-            beyond = max(0.0, degree - 1 - (len(s.neighbours) - len(others))
-                         - sum(known[t] for t in others if t in known))
-            weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight
-                      for t in unknown}
-            total = sum(weight[t] for t in unknown)
+            left, share = max(0.0, beyond(s, degree, known)), shares(s.model, unknown)
             for template in set(unknown) - {""}:  # a neighbour its assignment does not name
                 by_pair.setdefault(template, {}).setdefault(company, []).append(
-                    max(MIN_PAIR_COUNT, beyond * weight[template] / total))
-        return {template: round(_high([statistics.median(v) for v in companies.values()])
-                                or 0.0, 2)
-                for template, companies in by_pair.items()}
+                    max(MIN_PAIR_COUNT, left * share[template]))
+        return worst(by_pair)
 
     def crowded(known: Mapping[str, float]) -> dict[str, float]:
         """`known` raised where a company of several templates, all known, reached further
@@ -457,20 +469,15 @@ def _pairs(profile: Profile, reports: list[Sample], weights: Mapping[tuple[str, 
         raised: dict[str, dict[str, list[float]]] = {}
         for company, s, degree in reached:
             others = [t for t in s.neighbours if t != s.template]
-            if len(set(others)) < 2 or any(t not in known for t in others):
+            left = beyond(s, degree, known)
+            if len(set(others)) < 2 or any(t not in known for t in others) or left <= 0:
                 continue
-            beyond = (degree - 1 - (len(s.neighbours) - len(others))
-                      - sum(known[t] for t in others))
-            if beyond <= 0:
-                continue
-            weight = {t: weights.get((s.model, t), WHOLE_SHARER) / own_weight for t in others}
-            total = sum(weight[t] for t in others)
+            share = shares(s.model, others)
             for template in set(others) - {""}:
                 raised.setdefault(template, {}).setdefault(company, []).append(
-                    known[template] + beyond * weight[template] / total)
-        return {template: round(max(known[template], _high(
-                    [statistics.median(v) for v in companies.values()]) or 0.0), 2)
-                for template, companies in raised.items()}
+                    known[template] + left * share[template])
+        return {template: max(known[template], count)
+                for template, count in worst(raised).items()}
 
     alone = counted({}, alike=True)
     known = {**counted(alone, alike=False), **alone}
