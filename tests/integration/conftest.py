@@ -19,7 +19,14 @@ def carpool_settings() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory,
+def carpool_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the module's `operator.log` and `extender.log`, for tests that check what
+    a component did beyond what the API server shows (how many passes admitted, say)."""
+    return Path(tmp_path_factory.mktemp("carpool-logs"))
+
+
+@pytest.fixture(scope="module")
+def carpool_stack(cluster: devcluster.Cluster, carpool_logs: Path,
                   carpool_settings: dict[str, str]
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """The extender and one operator running against the cluster for one test module.
@@ -28,13 +35,12 @@ def carpool_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPath
     writing statuses, say) must not have an operator rewriting their objects underneath. A
     test that restarts a process puts the new one in its place here, to be stopped at the end.
     """
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
     env = {"CARPOOL_RESYNC_SECONDS": "2", **carpool_settings}
-    with stack.running_stack(cluster, log_dir, env) as processes:
+    with stack.running_stack(cluster, carpool_logs, env) as processes:
         yield processes
         for name in processes:
             if processes[name].poll() is not None:
-                print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
+                print(f"{name} exited early:\n{stack.log_tail(carpool_logs / f'{name}.log')}")
 
 
 @pytest.fixture
