@@ -223,10 +223,7 @@ class Observer:
         """The jobs, pods and nodes in the watch caches, decoded; derives, writes nothing."""
         state = PassState(now=now)
         self._read_nodes(state)
-        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
-                  for g in inv.gpus}
-        mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
-                      for g in inv.gpus for m in g.mig_instances}
+        totals, mig_slices, models = _gpu_facts(state.inventories)
         by_uid: dict[str, tuple[PodView, str]] = {}  # uid -> (pod, resourceVersion)
         by_name: dict[str, str] = {}  # namespace/name -> uid
         views: dict[str, tuple[str, PodView]] = {}
@@ -283,7 +280,7 @@ class Observer:
             gone = self.gone_pod(str(status_now.get("podUID") or ""))
             gone_at, gone_pod = gone if gone is not None else (None, None)
             obs = observe(obj, job_pods, totals, now, mig_slices, gone_at,
-                          _gang_fraction(obj, placements, state.inventories), gone_pod)
+                          _gang_fraction(obj, placements, state.inventories), gone_pod, models)
             status = obj.get("status") or {}
             # only what differs: a running job's derived status mostly equals what it shows
             patch = job_status.changes(status, obs.status)
@@ -373,10 +370,7 @@ class Observer:
         status = obj.get("status") or {}
         exclusive = str(((obj.get("spec") or {}).get("gpu") or {}).get("isolation", "")) \
             == "exclusive"
-        totals = {g.uuid: g.memory_total_mib for inv in state.inventories.values()
-                  for g in inv.gpus}
-        mig_slices = {m.uuid: m.slices for inv in state.inventories.values()
-                      for g in inv.gpus for m in g.mig_instances}
+        totals, mig_slices, models = _gpu_facts(state.inventories)
         uid = str(status.get("podUID") or "")
         gone = self.gone_pod(uid)
         if gone is None and (pod := state.pods.get(uid)) is not None \
@@ -385,7 +379,7 @@ class Observer:
         gone_at, gone_pod = gone if gone is not None else (None, None)
         obs = observe(obj, [], totals, state.now, mig_slices, gone_at,
                       _gang_fraction(obj, placements_from_status(status, exclusive),
-                                     state.inventories), gone_pod)
+                                     state.inventories), gone_pod, models)
         try:
             return job_from_object(obj, obs.phase, obs.attempts, (), "",
                                    {**status, **obs.status}.get("history") or [])
@@ -533,6 +527,16 @@ def _gang_followers(obj: Obj, job: JobIdentity, by_uid: Mapping[str, tuple[PodVi
         if pod is not None and controls(job, pod[0].identity):
             out[rank] = pod[0]
     return out
+
+
+def _gpu_facts(inventories: Mapping[str, NodeInventory]
+               ) -> tuple[dict[str, int], dict[str, int], dict[str, str]]:
+    """By GPU (or MIG instance) uuid, from the nodes' inventories: memory in MiB, MIG
+    slices, model; what `lifecycle.observe` bills and records a job's GPUs by."""
+    gpus = [g for inv in inventories.values() for g in inv.gpus]
+    return ({g.uuid: g.memory_total_mib for g in gpus},
+            {m.uuid: m.slices for g in gpus for m in g.mig_instances},
+            {g.uuid: g.model for g in gpus})
 
 
 def _gang_fraction(obj: Obj, placements: tuple[WorkerPlacement, ...],

@@ -258,7 +258,8 @@ NOT_WAITING: dict[str, None] = dict.fromkeys(
 def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
             now: float, mig_slices: Mapping[str, int] | None = None,
             pod_gone_at: float | None = None, gang_fraction: float | None = None,
-            gone_pod: PodView | None = None) -> Observation:
+            gone_pod: PodView | None = None,
+            gpu_models: Mapping[str, str] | None = None) -> Observation:
     """Derive `job`'s phase and status from its pods (see the module docstring).
 
     `pod_gone_at`: when its current attempt's pod was seen deleted, if it is gone (its run
@@ -267,7 +268,8 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
     (a status write lost to an API outage or an operator restart, then pod garbage
     collection) ends the job as it finished: requeueing it would run a finished job again.
     A gang's attempt is followed by its rank 0 pod and billed for every worker's GPUs
-    (`gang_fraction`)."""
+    (`gang_fraction`). `gpu_models` (uuid -> model, from the nodes' inventories) names each
+    GPU's model in `status.gpus`, as admission wrote it."""
     status: Obj = job.get("status") or {}
     isolation_text = str(((job.get("spec") or {}).get("gpu") or {}).get("isolation", ""))
     exclusive = isolation_text == "exclusive"
@@ -313,8 +315,10 @@ def observe(job: Obj, pods: Iterable[PodView], memory_totals: Mapping[str, int],
 
     fraction = gang_fraction if gang_fraction is not None else assignment_fraction(
         current.assignment, memory_totals, exclusive, mig_slices, timeslice)
-    # the assignment's GPUs as its annotation writes them, less the container
+    # the assignment's GPUs as its annotation writes them, less the container, with the
+    # model where the node's inventory knows the GPU
     gpus = [{k: v for k, v in gpu_entry(g).items() if k != "container"}
+            | ({"model": model} if (model := (gpu_models or {}).get(g.uuid)) else {})
             for g in (current.assignment.gpus if current.assignment is not None else ())]
     if preempting != attempts and (not_its_fault := failed_not_by_the_job(current)):
         requeued = _requeue_failed(phase, history, current, not_its_fault, fraction,

@@ -134,6 +134,18 @@ def test_phases_follow_the_pod() -> None:
     assert again.status == {}  # finished jobs are never touched again
 
 
+def test_a_bound_jobs_gpus_keep_the_model_its_admission_named() -> None:
+    job = _job({"phase": "Admitted", "attempts": 1,
+                "gpus": [{"uuid": UUID, "index": 0, "model": "H200", "memoryMiB": 20480}]})
+    pods = [view_pod(_pod(1, "Running", started="2026-11-29T10:00:00Z"))]
+    running = observe(job, pods, {UUID: 143771}, now=0, gpu_models={UUID: "H200"})
+    assert running.status["gpus"] == [{"uuid": UUID, "index": 0, "model": "H200",
+                                       "memoryMiB": 20480, "cores": 50}]
+    # a GPU no node lists any more: the assignment as it is, without a model
+    gone = observe(job, pods, {UUID: 143771}, now=0, gpu_models={})
+    assert "model" not in gone.status["gpus"][0]
+
+
 def test_preempted_pod_gone_requeues_with_attempts_kept() -> None:
     job = _job({"phase": "Preempted", "attempts": 1, "preemptingAttempt": 1,
                 "history": [{"attempt": 1, "start": "2026-11-29T10:00:00Z", "fraction": 1}]})
