@@ -82,6 +82,7 @@ def test_one_pass_tells_its_first_admissions_by_an_event_and_every_one_by_its_st
         assert status["node"] == node and status["admitTime"], (name, status)
         (gpu,) = status["gpus"]
         assert gpu["uuid"] in node_gpus and gpu["memoryMiB"] == 20 * 1024, (name, status)
+        assert gpu["model"] == model, (name, status)
         condition = {c["type"]: c for c in status["conditions"]}["Admitted"]
         assert condition["status"] == "True" and condition["reason"] == "Admitted", status
     # ... all by one pass: a pass per admission would tell each by an Event
@@ -101,3 +102,6 @@ def test_one_pass_tells_its_first_admissions_by_an_event_and_every_one_by_its_st
 
     reasons = wait_for("a Started Event on every job", all_started, timeout=30, interval=0.3)
     assert reasons.count("Admitted") == EVENTS_PER_PASS, reasons
+    # bound and running, each job's GPU still names its model
+    for name, job in _jobs(world, team).items():
+        assert [gpu.get("model") for gpu in job["status"]["gpus"]] == [model], (name, job)
