@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export CARPOOL_CACHE ?= $(HOME)/.cache/carpool
 
 .DEFAULT_GOAL := help
-.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check gpu-latency gpu-lending gpu-node-stage gpu-node clean
+.PHONY: help dev binaries lint test test-unit e2e cluster cluster-down node node-down demo bench proto helm-lint chart-crds images images-check registry-tools push gpu-check gpu-latency gpu-lending gpu-node-stage gpu-node device-bench-stage device-bench clean
 
 help: ## List the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -111,6 +111,12 @@ gpu-node-stage: dev ## Stage binaries, images and this commit for `make gpu-node
 
 gpu-node: ## On a GPU machine (root): control plane, real node, the chart with NVML; the Must-show list through pods
 	@bash hack/gpu-node/run.sh $(GPU_NODE_ARGS)
+
+device-bench-stage: dev ## Stage binaries and Python packages for `make device-bench` on an offline 16-core machine (.devbench/)
+	@bash hack/device-bench/stage.sh $(DEVICE_BENCH_STAGE)
+
+device-bench: ## With .devbench/: extender pods/s end to end (bench/extender.py --cluster), no extender vs null vs Carpool's
+	@bash hack/device-bench/run-extender.sh
 
 clean: ## Remove the virtualenv and caches in the repo
 	rm -rf $(VENV) build *.egg-info testbed/build testbed/*.egg-info .mypy_cache .ruff_cache .pytest_cache
