@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (no network): `bench/extender.py --cluster --null-extender` (pods/s
-# through a private kube-scheduler with no extender, a null one and Carpool's; see
-# docs/benchmarks.md) with the folder hack/device-bench/stage.sh made (STAGED, default
-# .devbench). It unpacks the binaries and Python packages into DEVBENCH_DIR, installs this
-# tree's Carpool and test bed there, starts the cluster (CARPOOL_CLUSTER=devbench) and runs
-# one bench per NODES:PODS in DEVBENCH_RUNS (default "5000:2000 1000:1000"), under `chrt -r 10`
-# where the machine allows it (the cluster's processes, started beneath, inherit it). A run is
-# cut where it would pass DEVBENCH_DEADLINE_S seconds since the start (default 540; the call's
-# limit is 600), a later one skipped. Logs and a summary go to OUT (the device call's $OUT).
+# On the lent GPU machine (16 cores, no network): `bench/extender.py --cluster --null-extender`
+# (pods/s through a private kube-scheduler with no extender, a null one and Carpool's; see
+# docs/benchmarks.md), run from this tree with the folder hack/device-bench/stage.sh made
+# (STAGED, default .devbench). It unpacks the binaries and Python packages into DEVBENCH_DIR
+# (default /tmp/carpool-devbench), installs this tree's Carpool there (the test bed runs in
+# place), starts the cluster (CARPOOL_CLUSTER, default devbench) and runs one bench per
+# NODES:PODS in DEVBENCH_RUNS (default "5000:2000 1000:1000"), under `chrt -r 10` where the
+# machine allows it (the cluster's processes, started beneath, inherit it). A run is cut where
+# it would pass DEVBENCH_DEADLINE_S seconds since the start (default 540, inside the device
+# call's 600), a later one skipped. Logs, the components' logs (logs.tar.xz) and the table
+# (summary.md, hack/device-bench/summary.py) go to OUT (the device call's $OUT).
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/../.."
@@ -37,8 +39,11 @@ unxz "$STAGED/site.tar.xz" "$DIR"
 say "unpacked the binaries and packages"
 export PYTHONPATH="$DIR/site"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
-  --disable-pip-version-check --target "$DIR/carpool" . ./testbed > "$DIR/pip.log" 2>&1 \
+  --disable-pip-version-check --target "$DIR/carpool" . > "$DIR/pip.log" 2>&1 \
   || { cat "$DIR/pip.log"; die "installing Carpool from this tree failed"; }
+# the test bed runs from the checkout (it reads crds/, traces/ and hack/ beside it), as with
+# the editable install: a link, which its modules resolve back to the tree
+ln -sfn "$PWD/testbed" "$DIR/carpool/carpool_testbed"
 export PYTHONPATH="$DIR/carpool:$DIR/site"
 bin="$DIR/bin/$(cat "$STAGED/bin-dir")"
 export CARPOOL_CACHE="${CARPOOL_CACHE:-$DIR/cache}" CARPOOL_BIN_DIR="$bin" PATH="$bin:$PATH"
@@ -73,6 +78,10 @@ with tarfile.open(sys.argv[1], "w:xz", preset=3) as tar:
         if path.is_file():
             tar.add(path, arcname=f"{path.parent.name}/{path.name}")
 PY
-python3 -m carpool_testbed.devcluster down > "$OUT/cluster-down.log" 2>&1
+# the device call brings back files of at most 16 MiB
+if [ "$(stat -c %s "$OUT/logs.tar.xz")" -gt 16000000 ]; then
+  mv "$OUT/logs.tar.xz" "$DIR/"; say "logs.tar.xz too large to come back; left in $DIR"
+fi
+python3 -m carpool_testbed.devcluster down > "$DIR/cluster-down.log" 2>&1
 python3 hack/device-bench/summary.py "$OUT"/extender-*.log | tee "$OUT/summary.md"
 say "done"
