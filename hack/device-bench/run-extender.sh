@@ -57,13 +57,16 @@ say "real-time priority: ${rt[*]:-not available}" | tee -a "$OUT/machine.txt"
   || { tail -30 "$OUT/cluster-up.log"; die "the cluster did not start"; }
 say "cluster $CARPOOL_CLUSTER up"
 
+logs=()
 for run in $RUNS; do
   nodes=${run%%:*} pods=${run##*:}
   left=$(( DEADLINE_S - ($(date +%s) - start) ))
   if [ "$left" -lt 60 ]; then say "skipped $nodes nodes, $pods pods: ${left}s left"; continue; fi
   say "$nodes nodes, $pods pods (at most ${left}s)"
-  timeout -k 5 "$left" "${rt[@]}" python3 bench/extender.py --cluster --nodes "$nodes" \
-    --pods "$pods" --null-extender 2>&1 | tee "$OUT/extender-$nodes-$pods.log"
+  # SIGINT: the bench's cleanup stops the extenders and schedulers it started
+  logs+=("$OUT/extender-$nodes-$pods.log")
+  timeout -s INT -k 20 "$left" "${rt[@]}" python3 bench/extender.py --cluster \
+    --nodes "$nodes" --pods "$pods" --null-extender 2>&1 | tee "${logs[-1]}"
   say "$nodes nodes, $pods pods: exit ${PIPESTATUS[0]}"
 done
 
@@ -83,5 +86,5 @@ if [ "$(stat -c %s "$OUT/logs.tar.xz")" -gt 16000000 ]; then
   mv "$OUT/logs.tar.xz" "$DIR/"; say "logs.tar.xz too large to come back; left in $DIR"
 fi
 python3 -m carpool_testbed.devcluster down > "$DIR/cluster-down.log" 2>&1
-python3 hack/device-bench/summary.py "$OUT"/extender-*.log | tee "$OUT/summary.md"
+python3 hack/device-bench/summary.py "${logs[@]}" | tee "$OUT/summary.md"
 say "done"
