@@ -85,6 +85,11 @@ COMPONENTS: Final = (
     "kube-scheduler",
     "kwok-controller",
 )
+# What a cluster runs (kwokctl's binary runtime, its components, devcluster's probes); also
+# what hack/device-bench/stage.sh carries, in this order (alike binaries side by side compress
+# better together).
+REQUIRED_BINARIES: Final = ("kube-apiserver", "kube-controller-manager", "kube-scheduler",
+                            "kubectl", "kwok", "kwokctl", "etcd")
 STATE_FILE: Final = "carpool-cluster.json"
 BIND_ADDRESS: Final = "127.0.0.1"
 PODS_ENV: Final = "CARPOOL_CLUSTER_PODS"
@@ -255,8 +260,7 @@ def binaries_dir(progress: Progress | None = None) -> Path:
 
 
 def _require_binaries(path: Path) -> None:
-    needed = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd"]
-    missing = [b for b in (*needed, "kwok", "kwokctl") if not os.access(path / b, os.X_OK)]
+    missing = [b for b in REQUIRED_BINARIES if not os.access(path / b, os.X_OK)]
     if missing:
         raise ClusterError(f"{path} lacks {', '.join(missing)}; run `make binaries`")
 

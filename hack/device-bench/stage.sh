@@ -12,8 +12,8 @@ cd "$(dirname "$0")/../.."
 DEST="${1:-.devbench}"
 PY_VERSION="${PY_VERSION:-3.12}"
 PY="${PY:-.venv/bin/python}"
-# devcluster's _require_binaries: what kwokctl's binary runtime and devcluster run
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kwokctl etcd)
+read -ra BINARIES <<< "$("$PY" -c 'from carpool_testbed.devcluster import REQUIRED_BINARIES as b; print(*b)')"
+[ ${#BINARIES[@]} -gt 0 ] || { echo "error: no REQUIRED_BINARIES from carpool_testbed.devcluster" >&2; exit 1; }
 # x86 branch conversion before LZMA2, whose dictionary spans all seven (they share much of their
 # code): 55.1 MB, 0.9 less than xz -6 alone, which counts within the call's 64 MiB; 10 minutes, once.
 XZ=(--x86 --lzma2=preset=9,dict=512MiB)
