@@ -60,6 +60,6 @@ ls -la "$DEST"
 # 64 MiB in all.
 staged=$(du -sbL "$DEST" | cut -f1)
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-mib() { awk -v b="$1" 'BEGIN {printf "%.1f MiB", b / 1048576}'; }
+mib() { awk -v b="$1" 'BEGIN {printf "%.2f MiB", b / 1048576}'; }
 echo "==> [device-bench] $DEST: $(mib "$staged"); with the tree ($(mib "$tree")) a call carries $(mib $((staged + tree))) of 64"
 if [ $((staged + tree)) -gt $((64 << 20)) ]; then echo "error: over the device call's 64 MiB" >&2; exit 1; fi
