@@ -432,7 +432,7 @@ class Bench:
             "image": {"repository": carpool_repo, "tag": tag, "pullPolicy": "Always"},
             "mpsDaemon": {"image": {"repository": mps_repo, "tag": mps_tag,
                                     "pullPolicy": "Always"},
-                          # the lent card's compute mode is not ours to change
+                          # the card's compute mode is not ours to change
                           "exclusiveProcess": False},
             "scheduler": {"image": {"repository": sched_repo, "tag": sched_tag,
                                     "pullPolicy": "Always"}, **on_node},

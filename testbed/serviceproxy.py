@@ -1,8 +1,8 @@
 """ClusterIPs for the real node's pods without iptables: a forwarder in user space.
 
 `python -m carpool_testbed.serviceproxy --kubeconfig K --service NS/NAME ...` (the real node
-starts it with `--service-proxy userspace`). Machines without netfilter tools (the lent GPU
-machine has no iptables) cannot run kube-proxy, and pods still reach the API server and the
+starts it with `--service-proxy userspace`). Machines without netfilter tools (such as
+a GPU machine with no iptables) cannot run kube-proxy, and pods still reach the API server and the
 extender through their Services' ClusterIPs. This puts each named Service's ClusterIP on the
 loopback device, listens on its ports and hands every connection to one of the Service's ready
 endpoints, read through kubectl every few seconds. Pods route to the ClusterIP through their

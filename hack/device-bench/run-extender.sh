@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (16 cores, no network): `bench/extender.py --cluster --null-extender`
+# On an offline GPU machine (16 cores, no network): `bench/extender.py --cluster --null-extender`
 # (pods/s through a private kube-scheduler with no extender, a null one and Carpool's; see
 # docs/benchmarks.md), run from this tree with the folder hack/device-bench/stage.sh made
 # (STAGED, default .devbench). It unpacks the binaries and Python packages into DEVBENCH_DIR

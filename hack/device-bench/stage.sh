@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stages what `bench/extender.py --cluster` needs on the lent GPU machine (no network, none of
+# Stages what `bench/extender.py --cluster` needs on an offline GPU machine (no network, none of
 # our binaries or Python packages), in one folder DEST (default .devbench, git-ignored) that
 # travels in one call: the control plane, etcd and KWOK binaries devcluster starts
 # (hack/build-k8s.sh's, tar + xz, cached beside them since compressing takes minutes) and the
