@@ -19,6 +19,29 @@ def carpool_settings() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def carpool_extender_args() -> tuple[str, ...]:
+    """Arguments a module's extender gets beyond the test bed's; a module that tests an
+    extender flag (`--lending`, say) overrides this fixture."""
+    return ()
+
+
+@pytest.fixture(scope="module")
+def carpool_metrics_port() -> int:
+    """The port of the module's operator's /metrics (served, as the chart's operator serves
+    it), for tests that read what the operator counted."""
+    return stack.free_port()
+
+
+@pytest.fixture(scope="module")
+def carpool_operator_env(carpool_metrics_port: int, carpool_settings: dict[str, str]
+                         ) -> dict[str, str]:
+    """The environment the module's operator starts with, also when a test starts it again:
+    a pass every 2 s, metrics on `carpool_metrics_port`, then the module's settings."""
+    return {"CARPOOL_RESYNC_SECONDS": "2", "CARPOOL_METRICS_PORT": str(carpool_metrics_port),
+            **carpool_settings}
+
+
+@pytest.fixture(scope="module")
 def carpool_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of the module's `operator.log` and `extender.log`, for tests that check what
     a component did beyond what the API server shows (how many passes admitted, say)."""
@@ -27,16 +50,17 @@ def carpool_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def carpool_stack(cluster: devcluster.Cluster, carpool_logs: Path,
-                  carpool_settings: dict[str, str]
+                  carpool_operator_env: dict[str, str], carpool_extender_args: tuple[str, ...]
                   ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """The extender and one operator running against the cluster for one test module.
 
     Per module, not per session: modules that test a part on its own (the kubectl plugin
     writing statuses, say) must not have an operator rewriting their objects underneath. A
-    test that restarts a process puts the new one in its place here, to be stopped at the end.
+    test that restarts the operator starts it with `carpool_operator_env`, logging to
+    `carpool_logs`, and puts it in its place here, to be stopped at the end.
     """
-    env = {"CARPOOL_RESYNC_SECONDS": "2", **carpool_settings}
-    with stack.running_stack(cluster, carpool_logs, env) as processes:
+    with stack.running_stack(cluster, carpool_logs, carpool_operator_env,
+                             extender_args=carpool_extender_args) as processes:
         yield processes
         for name in processes:
             if processes[name].poll() is not None:

@@ -24,9 +24,7 @@ import json
 import math
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import yaml
@@ -49,11 +47,12 @@ from carpool.core.estimate_ranges import (
 from carpool.core.jobs import Job, RetiredUsage, RunRecord
 from carpool.core.resources import GpuRequest, Isolation, JobClass, Phase
 from carpool.core.timestamps import epoch_seconds, format_timestamp
-from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import Obj, Tenant, tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
+WORLD_PREFIX = "rng"  # the tenants' names (the `world` fixture)
 PROMISED_S = 120.0  # each seeded job was told it would wait this long
 # starts minutes ahead are written rounded to 10 s (estimate_step), and all of them later by
 # the recent admission-to-running delay rounded to 10 s (0 s on an idle machine)
@@ -79,45 +78,20 @@ def _between(value: float, bounds: tuple[float, float], slack: float, what: str)
         f"{format_timestamp(low)}..{format_timestamp(high)} (+-{slack:.0f}s)")
 
 
-@dataclass
-class World(tenants.World):
-    """The test's world (`carpool_testbed.tenants`) and its operator's metrics."""
-
-    metrics_port: int = 0
-
-    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-        """The operator's samples as its /metrics serves them, by name and labels."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                    timeout=10) as response:
-            text = response.read().decode()
-        return {(sample.name, frozenset(sample.labels.items())): sample.value
-                for family in text_string_to_metric_families(text) for sample in family.samples}
-
-
 @pytest.fixture(scope="module")
-def ranges_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[int]:
-    """Extender and an operator of this module's own, passing every second, serving its
-    metrics on the port yielded. A waiting job's status is rewritten at the default pace: a
-    range that appears, or whose end moves by more than a quarter of the time until it, is
-    written at once."""
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    port = stack.free_port()
-    env = {"CARPOOL_RESYNC_SECONDS": "1", "CARPOOL_METRICS_PORT": str(port)}
-    with stack.running_stack(cluster, log_dir, env) as processes:
-        yield port
-        for name, process in processes.items():
-            if process.poll() is not None:
-                print(f"{name} exited early:\n{stack.log_tail(log_dir / f'{name}.log')}")
+def carpool_settings() -> dict[str, str]:
+    """An operator passing every second. A waiting job's status is rewritten at the default
+    pace: a range that appears, or whose end moves by more than a quarter of the time until
+    it, is written at once."""
+    return {"CARPOOL_RESYNC_SECONDS": "1"}
 
 
-@pytest.fixture
-def world(cluster: devcluster.Cluster, ranges_stack: int, tmp_path: Path) -> Iterator[World]:
-    made = World(cluster, tmp_path, "rng", metrics_port=ranges_stack)
-    try:
-        yield made
-    finally:
-        made.cleanup()
+def operator_metrics(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The operator's samples as its /metrics on `port` serves them, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def seeded_history(project: str, now: float) -> RetiredUsage:
@@ -147,7 +121,7 @@ def seeded_history(project: str, now: float) -> RetiredUsage:
     return retired
 
 
-def finished_job(world: World, namespace: str, project: str, now: float) -> Job:
+def finished_job(world: tenants.World, namespace: str, project: str, now: float) -> Job:
     """Admin: one more finished batch job (promised 2 min, started after 2 min), created and
     given the status the operator would have written; returns it as the core reads it.
 
@@ -209,7 +183,8 @@ def plugin_shows(tenant: Tenant, args: list[str], namespace: str, name: str) -> 
     return text
 
 
-def test_ranges_widening_and_overdue_calibration_through_the_operator(world: World) -> None:
+def test_ranges_widening_and_overdue_calibration_through_the_operator(
+        world: tenants.World, carpool_metrics_port: int) -> None:
     model_a, model_b = world.name("ma"), world.name("mb")
     node_a, node_b = world.node("a", model_a), world.node("b", model_b)
     team, rush, late, hist = (world.namespace(n) for n in ("team", "rush", "late", "hist"))
@@ -356,7 +331,7 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
     slow = world.namespace("slow")
     world.admin("create", "rolebinding", "alice-edit", "--clusterrole=edit",
                 f"--serviceaccount={team}:alice", "-n", slow)
-    before = world.metrics()
+    before = operator_metrics(carpool_metrics_port)
     alice.submit(team, "runner", project, "batch", model_c, node_c, "30s", "40s")
     wait_for("the runner running", lambda: alice.status(team, "runner").get(
         "phase") == "Running", timeout=30)
@@ -416,10 +391,11 @@ def test_ranges_widening_and_overdue_calibration_through_the_operator(world: Wor
         return sum(v for (name, labels), v in samples.items()
                    if name == first_starts and batch in labels)
 
-    wait_for("the four first starts counted", lambda: counted(world.metrics())
-             >= counted(before) + 4, timeout=15, interval=0.3)
+    wait_for("the four first starts counted",
+             lambda: counted(operator_metrics(carpool_metrics_port)) >= counted(before) + 4,
+             timeout=15, interval=0.3)
     time.sleep(3)  # three passes more: nothing counted twice
-    after = world.metrics()
+    after = operator_metrics(carpool_metrics_port)
 
     def moved(name: str, **labels: str) -> float:
         key = (name, frozenset({batch, *labels.items()}))

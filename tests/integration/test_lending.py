@@ -12,46 +12,35 @@ alice's job's peak rises to 50 GiB: bob's job is stopped within its checkpoint g
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from carpool.core import names
-from carpool_testbed import devcluster, stack, tenants
+from carpool_testbed import tenants
 from carpool_testbed.tenants import tenant, user_roles
 from carpool_testbed.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
+WORLD_PREFIX = "lend"  # the tenants' names (the `world` fixture)
 GIB = 1024
 
 
 @pytest.fixture(scope="module")
-def lending_stack(cluster: devcluster.Cluster, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[int]:
-    """The operator and extender with lending on; the operator's metrics port."""
-    log_dir = Path(tmp_path_factory.mktemp("carpool-logs"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {"CARPOOL_RESYNC_SECONDS": "2", "CARPOOL_LENDING": "true",
-           "CARPOOL_LENDING_OBSERVED_S": "5", "CARPOOL_LENDING_RECLAIM_WITHIN_S": "30",
-           "CARPOOL_METRICS_PORT": str(port)}
-    with stack.running_stack(cluster, log_dir, env, extender_args=("--lending",)):
-        yield port
+def carpool_settings() -> dict[str, str]:
+    """An operator that lends what a job leaves above its peak once it ran 5 s; borrowers'
+    checkpoint grace at most 30 s."""
+    return {"CARPOOL_LENDING": "true", "CARPOOL_LENDING_OBSERVED_S": "5",
+            "CARPOOL_LENDING_RECLAIM_WITHIN_S": "30"}
 
 
-@pytest.fixture
-def world(cluster: devcluster.Cluster, lending_stack: int, tmp_path: Path
-          ) -> Iterator[tenants.World]:
-    with tenants.World(cluster, tmp_path, "lend") as made:
-        yield made
+@pytest.fixture(scope="module")
+def carpool_extender_args() -> tuple[str, ...]:
+    """An extender that places borrowers in lent memory."""
+    return ("--lending",)
 
 
 def job(name: str, project: str, node: str, cls: str, memory: str, preemptible: bool
@@ -75,7 +64,7 @@ def metric(port: int, name: str, label: str = "") -> float:
 
 
 def test_a_borrower_runs_in_lent_memory_and_leaves_when_the_owner_needs_it(
-        world: tenants.World, lending_stack: int) -> None:
+        world: tenants.World, carpool_metrics_port: int) -> None:
     node = world.node("gpu", world.name("m"))
     owners, borrowers = world.namespace("owners"), world.namespace("sweeps")
     world.apply_cluster_scoped(user_roles(world))
@@ -135,11 +124,11 @@ def test_a_borrower_runs_in_lent_memory_and_leaves_when_the_owner_needs_it(
         told = [e["message"] for e in events if e.get("reason") == "Preempted"]
         assert told and f"lent by {owners}/train" in told[0], told
         lent = f'project="{borrower_project}"'
-        assert metric(lending_stack, "carpool_lent_gpu_hours_total", lent) > 0
-        assert metric(lending_stack, "carpool_preemptions_total",
+        assert metric(carpool_metrics_port, "carpool_lent_gpu_hours_total", lent) > 0
+        assert metric(carpool_metrics_port, "carpool_preemptions_total",
                       f'cause="OwnerReclaim",{lent}') == 1
         wait_for("the reclaim timed", lambda: metric(
-            lending_stack, "carpool_owner_reclaim_seconds_count") >= 1, timeout=20)
+            carpool_metrics_port, "carpool_owner_reclaim_seconds_count") >= 1, timeout=20)
         assert alice.status(owners, "train")["phase"] == "Running"
     finally:
         stop.set()

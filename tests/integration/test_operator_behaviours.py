@@ -153,6 +153,17 @@ def _history(status: Obj) -> list[Obj]:
     return sorted(status.get("history") or [], key=lambda r: r["attempt"])
 
 
+def _gone(scenario: Scenario, namespace: str, what: str, name: str) -> bool:
+    try:
+        if what == "pod":
+            scenario.pod(namespace, name)
+        else:
+            scenario.job(namespace, name)
+    except client.ApiException as err:
+        return bool(err.status == 404)
+    return False
+
+
 def test_short_job_preempts_another_projects_borrowed_batch_job(scenario: Scenario) -> None:
     node = scenario.node(gpus=1)
     ns_a, ns_b = scenario.namespace("a"), scenario.namespace("b")
@@ -409,14 +420,7 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
     scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
                                                     names.GPUJOB_PLURAL, "spent")
 
-    def gone() -> bool:
-        try:
-            scenario.job(ns, "spent")
-        except client.ApiException as err:
-            return bool(err.status == 404)
-        return False
-
-    wait_for("the job to be deleted", gone, timeout=20)
+    wait_for("the job to be deleted", lambda: _gone(scenario, ns, "job", "spent"), timeout=20)
     # the job goes at once; the operator retires its usage from the last state it saw
     status = wait_for("its usage retired", lambda: (
         q if (q := scenario.quota_status(project)).get("retired", {}).get("jobs") else None),
@@ -424,17 +428,6 @@ def test_deleting_a_finished_job_never_refunds_its_gpu_hours(scenario: Scenario)
     assert status["retired"]["gpuHours"] == pytest.approx(done["gpuHours"], abs=1e-5)
     time.sleep(3)  # a pass after the deletion
     assert scenario.quota_status(project)["usedGpuHours"] == pytest.approx(used, abs=1e-4)
-
-
-def _gone(scenario: Scenario, namespace: str, what: str, name: str) -> bool:
-    try:
-        if what == "pod":
-            scenario.pod(namespace, name)
-        else:
-            scenario.job(namespace, name)
-    except client.ApiException as err:
-        return bool(err.status == 404)
-    return False
 
 
 def test_a_deleted_running_job_is_billed_and_its_pod_kept_until_then(
@@ -465,7 +458,8 @@ def test_a_deleted_running_job_is_billed_and_its_pod_kept_until_then(
 
 
 def test_a_pod_that_finished_and_was_deleted_while_the_operator_was_down_ends_its_job(
-        scenario: Scenario, carpool_stack: dict[str, Any], tmp_path: Path) -> None:
+        scenario: Scenario, carpool_stack: dict[str, Any], carpool_logs: Path,
+        carpool_operator_env: dict[str, str]) -> None:
     """The job's pod succeeds and is deleted (as pod garbage collection would) while no
     operator runs: Carpool's finalizer keeps the pod, so the operator back reads its outcome
     (Succeeded, once), not a lost pod to run again, and only then lets the pod go."""
@@ -485,8 +479,7 @@ def test_a_pod_that_finished_and_was_deleted_while_the_operator_was_down_ends_it
         assert scenario.status(ns, "quick")["phase"] == "Running"  # no operator saw it end
     finally:
         carpool_stack["operator"] = stack.start_operator(
-            scenario.cluster.kubeconfig, tmp_path / "operator.log",
-            {"CARPOOL_RESYNC_SECONDS": "2"})
+            scenario.cluster.kubeconfig, carpool_logs / "operator.log", carpool_operator_env)
     status = scenario.wait_phase(ns, "quick", {"Succeeded", "Queued", "Admitted"},
                                  timeout=60)
     assert status["phase"] == "Succeeded" and status["attempts"] == 1, status
@@ -519,7 +512,8 @@ def test_a_job_an_earlier_release_put_its_finalizer_on_is_still_let_go(
 
 
 def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
-        scenario: Scenario, carpool_stack: dict[str, Any], tmp_path: Path) -> None:
+        scenario: Scenario, carpool_stack: dict[str, Any], carpool_logs: Path,
+        carpool_operator_env: dict[str, str]) -> None:
     """A finished job's run time is learned; deleting the job keeps it in its ProjectQuota's
     status, and the next job of its template is expected to take that long rather than the
     10 minutes its user says, even by an operator started after the deletion (which knows
@@ -534,14 +528,7 @@ def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
     scenario.custom.delete_namespaced_custom_object(names.GROUP, names.VERSION, ns,
                                                     names.GPUJOB_PLURAL, "learn-1")
 
-    def gone() -> bool:
-        try:
-            scenario.job(ns, "learn-1")
-        except client.ApiException as err:
-            return bool(err.status == 404)
-        return False
-
-    wait_for("the job to be deleted", gone, timeout=20)
+    wait_for("the job to be deleted", lambda: _gone(scenario, ns, "job", "learn-1"), timeout=20)
     retired = wait_for("its usage retired", lambda: (
         r if (r := scenario.quota_status(project).get("retired", {})).get("learned") else None),
         timeout=20)
@@ -552,7 +539,7 @@ def test_a_deleted_jobs_run_time_outlives_it_and_an_operator_restart(
 
     devcluster.stop_process(carpool_stack["operator"])
     carpool_stack["operator"] = stack.start_operator(
-        scenario.cluster.kubeconfig, tmp_path / "operator.log", {"CARPOOL_RESYNC_SECONDS": "2"})
+        scenario.cluster.kubeconfig, carpool_logs / "operator.log", carpool_operator_env)
     # the GPU busy for a while, then two jobs waiting for it: the second waits for the first
     scenario.submit(ns, "blocker", project, cls="long", node=node, estimatedDuration="40s",
                     simulatedDuration="40s")
