@@ -18,6 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from carpool.core import interference, names
@@ -117,6 +118,11 @@ def _pod_peaks(gpunode: Mapping[str, Any] | None) -> dict[tuple[str, str], int]:
         except (KeyError, TypeError, ValueError):
             continue
     return out
+
+
+# A bound pod's watch events (its binding, then the kubelet's status updates) carry the same
+# assignment annotation: it is parsed once, not on each (the assignment is immutable).
+_parsed_assignment = lru_cache(maxsize=8192)(parse_assignment)
 
 
 def _pod_key(pod: Mapping[str, Any]) -> str:
@@ -372,7 +378,7 @@ class ClusterCache:
         if not text or status.get("phase") in TERMINAL_PHASES or deletion_final(meta):
             return None  # (a pod deleted with grace 0 is kept only by finalizers)
         try:
-            assignment = parse_assignment(str(text))
+            assignment = _parsed_assignment(str(text))
         except AssignmentError:
             return None  # not ours to fix; the pod holds nothing we can account
         node_name = (pod.get("spec") or {}).get("nodeName")

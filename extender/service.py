@@ -17,6 +17,7 @@ import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from itertools import repeat
 from typing import Any, Protocol, TypeVar
 
 from carpool.core import names
@@ -193,12 +194,15 @@ def best_nodes(names: list[str], placed: Mapping[str, float], pod_key: str,
         cut = heapq.nlargest(keep, scores.values())[-1]
     candidates = [name for name, score in scores.items() if score >= cut]
     salt = zlib.crc32(f"{pod_key}@".encode())
+    if keep == 1:
+        # every candidate has the top score, so only the hash decides; the first of equal
+        # hashes wins, as `max` picks it (this runs over hundreds of tied nodes per filter)
+        hashes = list(map(zlib.crc32, map(str.encode, candidates), repeat(salt)))
+        return [candidates[hashes.index(max(hashes))]]
 
     def rank(name: str) -> tuple[float, int]:
         return scores[name], zlib.crc32(name.encode(), salt)
 
-    if keep == 1:
-        return [max(candidates, key=rank)]
     return heapq.nlargest(keep, candidates, key=rank)
 
 

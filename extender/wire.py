@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -219,7 +220,16 @@ def decode_binding_args(body: object) -> BindingArgs:
 
 def _quantity(value: object, what: str) -> int:
     """A whole-number Kubernetes quantity ("2", "8", "1k"); extended resources are integers."""
-    text = str(value).strip()
+    number = _whole_number(str(value).strip())
+    if isinstance(number, str):
+        raise WireError(f"{what}: {value!r} {number}")
+    return number
+
+
+@lru_cache(maxsize=4096)
+def _whole_number(text: str) -> int | str:
+    """`_quantity`'s value of a text, or what is wrong with it. Every filter and bind reads
+    its pod's GPU resources, from a few distinct texts: each is parsed once."""
     suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6,
                 "G": 10**9, "T": 10**12}
     multiplier = 1
@@ -230,11 +240,11 @@ def _quantity(value: object, what: str) -> int:
     try:
         number = Decimal(text) * multiplier
     except InvalidOperation:
-        raise WireError(f"{what}: {value!r} is not a quantity") from None
+        return "is not a quantity"
     if not number.is_finite() or number != number.to_integral_value() or number < 0:
-        raise WireError(f"{what}: {value!r} must be a non-negative whole number")
+        return "must be a non-negative whole number"
     if number > 10**9:
-        raise WireError(f"{what}: {value!r} is implausibly large")
+        return "is implausibly large"
     return int(number)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal, InvalidOperation
+from functools import lru_cache
 
 _SUFFIX = {
     "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
@@ -39,11 +40,15 @@ def parse_quantity(text: str | int | float) -> Decimal:
     return number * _SUFFIX[match.group(2) or ""]
 
 
+# A pod's CPU and memory are read on every watch event of it (the extender's cache), from
+# a few distinct texts: each is parsed once. (typed: 1 and 1.0 are kept apart.)
+@lru_cache(maxsize=4096, typed=True)
 def quantity_mib(text: str | int | float) -> int:
     """A memory quantity in whole MiB, rounded up (a job never gets less than it asked)."""
     return math.ceil(parse_quantity(text) / MIB)
 
 
+@lru_cache(maxsize=4096, typed=True)
 def quantity_milli(text: str | int | float) -> int:
     """A CPU quantity in millicores, rounded up."""
     return math.ceil(parse_quantity(text) * 1000)

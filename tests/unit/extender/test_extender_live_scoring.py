@@ -6,12 +6,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
+
 from carpool.core.scoring import ScoringPolicy
 from carpool.extender.cache import ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
 from carpool.extender.inventory import inventory_from_objects, node_allocatable
 from carpool.extender.service import Extender, Settings
-from carpool.extender.wire import BindingArgs, ExtenderArgs, decode_pod, pod_requests
+from carpool.extender.wire import (
+    BindingArgs,
+    ExtenderArgs,
+    WireError,
+    decode_pod,
+    pod_requests,
+)
 
 NOW = 1_800_000_000.0
 GIB = 1024
@@ -162,3 +170,26 @@ def test_flexible_pods_leave_the_model_that_constrained_pods_need() -> None:
     flexible = world.scores(world.pod())
     # (equal raw scores would come back as 10 and 9: prioritize names one favourite)
     assert flexible == {"v100": 10, "t4": 0}
+
+
+@pytest.mark.parametrize(("gpus", "why"), [
+    ("x", "'x' is not a quantity"), ("1.5", "'1.5' must be a non-negative whole number"),
+    ("-1", "'-1' must be a non-negative whole number"),
+    ("2G", "'2G' is implausibly large"), (" 2T ", "' 2T ' is implausibly large")])
+def test_a_pods_gpu_quantity_is_checked_on_every_read(gpus: str, why: str) -> None:
+    """Each text is parsed once (`wire._whole_number`); a bad one is refused every time."""
+    pod = pod_object("p")
+    pod["spec"]["containers"][0]["resources"]["limits"]["carpool.dev/gpu"] = gpus
+    for _ in range(2):
+        with pytest.raises(WireError, match=f"carpool.dev/gpu: {why}"):
+            decode_pod(pod)
+
+
+def test_a_pods_gpu_quantity_reads_the_same_each_time() -> None:
+    pod = pod_object("p", gpus=2, memory_gib=10)
+    pod["spec"]["containers"][0]["resources"]["limits"]["carpool.dev/gpu-cores"] = "50"
+    first, again = decode_pod(pod), decode_pod(pod)
+    assert first == again
+    (container,) = first.containers
+    assert (container.request.count, container.request.memory_mib,
+            container.request.cores_pct) == (2, 10 * 1024, 50)

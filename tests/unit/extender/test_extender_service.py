@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +15,7 @@ from carpool.core.assignment import parse_assignment
 from carpool.core.scoring import ScoringPolicy
 from carpool.extender.cache import IN_FLIGHT_STALE_S, ClusterCache
 from carpool.extender.fake import FakeCluster, gpunode_object, node_object, pod_object
-from carpool.extender.service import Extender, Settings
+from carpool.extender.service import Extender, Settings, best_nodes
 from carpool.extender.wire import BindingArgs, ExtenderArgs, Policy
 
 NOW = 1_800_000_000.0
@@ -544,3 +546,24 @@ def test_filter_best_breaks_ties_per_pod_so_equal_nodes_share_the_load() -> None
     pod = w.add_pod("same", memory_gib=10)
     w.extender.nominations.clear("default/same")
     assert w.filter(pod, nodes)["NodeNames"] == w.filter(pod, nodes)["NodeNames"]
+
+
+def test_best_nodes_picks_the_top_score_then_the_pods_hash_of_the_node() -> None:
+    """The rule `best_nodes` implements, written plainly: highest (score, crc32 of the node
+    salted by the pod), the first of equals; for one node and for several."""
+    rng = random.Random(7)
+    for trial in range(300):
+        names = [f"node-{rng.randrange(10**rng.randrange(1, 5))}-{i}" for i in
+                 range(rng.randrange(1, 40))]
+        if trial % 3 == 0:
+            names += names[:3]  # repeated names: the first of equals still wins
+        scores = {n: rng.choice((0.25, 0.5, 0.5, 0.75, 0.75)) for n in names}
+        pod = f"ns/p{trial}"
+        salt = zlib.crc32(f"{pod}@".encode())
+        ranked = sorted(dict.fromkeys(names), key=lambda n: (-scores[n],
+                                                              -zlib.crc32(n.encode(), salt)))
+        assert best_nodes(names, scores, pod, 1) == [max(
+            names, key=lambda n: (scores[n], zlib.crc32(n.encode(), salt)))]
+        assert best_nodes(names, scores, pod, 1) == ranked[:1]
+        keep = rng.randrange(1, 5)
+        assert best_nodes(list(scores), scores, pod, keep) == ranked[:keep]
