@@ -188,7 +188,7 @@ def serve(port: int, api_delay_s: float, filter_best: int, nodes: int,
     from aiohttp import web
 
     from carpool.extender.fake import LoopFakeCluster
-    from carpool.extender.server import make_app, tune_interpreter
+    from carpool.extender.server import event_loop, make_app, tune_interpreter
     from carpool.extender.service import Extender, Settings
 
     cache, watch = openb_cache(nodes)
@@ -281,7 +281,8 @@ def serve(port: int, api_delay_s: float, filter_best: int, nodes: int,
 
     app.router.add_post("/bench/pods", add_pods)
     app.router.add_get("/bench/stats", stats)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None,
+                loop=event_loop())  # as the command serves
 
 
 # --- the load (this process) ----------------------------------------------------------------
@@ -516,10 +517,12 @@ def _scheduler(bin_dir: Path, kubeconfig: Path, workdir: Path, name: str,
 def serve_null(port: int, kubeconfig: str) -> None:
     """The least an extender can do (`--cluster --null-extender`): filter passes the first
     node it is asked about, bind POSTs the Binding as Carpool's extender does (through
-    `KubeCluster`). Against it, what the scheduler-extender protocol itself costs."""
+    `KubeCluster`, on the same event loop). Against it, what the scheduler-extender protocol
+    itself costs."""
     from aiohttp import web
 
     from carpool.extender.kube import KubeCluster, api_client
+    from carpool.extender.server import event_loop
 
     cluster = KubeCluster(api_client(kubeconfig))
 
@@ -546,7 +549,7 @@ def serve_null(port: int, kubeconfig: str) -> None:
     app.router.add_post("/filter", filter_)
     app.router.add_post("/bind", bind)
     app.router.add_get("/livez", livez)
-    web.run_app(app, host="127.0.0.1", port=port, print=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, loop=event_loop())
 
 
 def _bind_times(core: Any, namespace: str, selector: str, count: int,
@@ -1024,7 +1027,10 @@ def one_run(args: argparse.Namespace, search: str, pods: list[dict[str, Any]],
                     raise SystemExit("the extender did not start") from None
                 time.sleep(0.2)
         stolen = _stolen_ms()
+        cpu_before = _cpu_seconds(server.pid)
         timings = asyncio.run(load(args.port, pods, node_names, args.concurrency))
+        print(f"extender process CPU per pod (all its threads, HTTP included): "
+              f"{1000 * (_cpu_seconds(server.pid) - cpu_before) / len(pods):.2f} ms")
         print(f"CPU time the VM's host took from this machine during the load (steal): "
               f"{_stolen_ms() - stolen:.0f} ms; load average {os.getloadavg()[0]:.1f}")
     finally:

@@ -19,7 +19,7 @@ from carpool.core.lending import LendingPolicy
 from carpool.core.scoring import CARPOOL
 from carpool.extender.cache import ClusterCache
 from carpool.extender.kube import KubeCluster, api_client, start_informers
-from carpool.extender.server import DEFAULT_MAX_BODY, make_app, tune_interpreter
+from carpool.extender.server import DEFAULT_MAX_BODY, event_loop, make_app, tune_interpreter
 from carpool.extender.service import SHIPPED_FILTER_BEST, Extender, Settings
 from carpool.extender.wire import Policy
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(args.tls_cert, args.tls_key)
     web.run_app(make_app(extender, max_body=args.max_body_bytes), host=args.host,
-                port=args.port, ssl_context=ssl_context, access_log=None,
+                port=args.port, ssl_context=ssl_context, access_log=None, loop=event_loop(),
                 print=lambda text: logging.getLogger(__name__).info("%s", text.strip()))
     return 0
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -64,6 +65,13 @@ def tune_interpreter(young: int = YOUNG_THRESHOLD,
     _, middle, old = gc.get_threshold()
     gc.set_threshold(young, middle, old)
     sys.setswitchinterval(switch_interval_s)
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The serving loop: uvloop's. Per pod the extender answers two requests and makes one
+    Binding request, each several turns of the loop: with asyncio's own loop and transports
+    its server took about 15% more CPU per pod (bench/extender.py, docs/benchmarks.md)."""
+    return uvloop.new_event_loop()
 
 
 EXTENDER_KEY = web.AppKey("extender", Extender)

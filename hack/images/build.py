@@ -253,6 +253,7 @@ def install_wheels(wheels: Sequence[Path], root: Path) -> None:
 def smoke_test(root: Path) -> None:
     """The image's Python imports every component from the image's files, as user 65532."""
     check = ("import sys, operator, ssl, grpc, orjson, kopf, kubernetes, aiohttp, yaml, pynvml;"
+             "import uvloop;"
              "import carpool.operator.handlers, carpool.extender, carpool.deviceplugin;"
              "import carpool.cli.kubectl_plugin;"
              "assert hasattr(operator, 'itemgetter'); print(sys.version.split()[0])")
