@@ -69,8 +69,8 @@ def tune_interpreter(young: int = YOUNG_THRESHOLD,
 
 def event_loop() -> asyncio.AbstractEventLoop:
     """The serving loop: uvloop's. Per pod the extender answers two requests and makes one
-    Binding request, each several turns of the loop: with asyncio's own loop and transports
-    its server took about 15% more CPU per pod (bench/extender.py, docs/benchmarks.md)."""
+    Binding request, each several turns of the loop, and asyncio's own loop and transports
+    were a good share of the process's CPU (bench/extender.py prints it per pod)."""
     return uvloop.new_event_loop()
 
 
