@@ -6,7 +6,8 @@
 # product's Python dependencies installed for CPython PY_VERSION (default 3.12, the GPU
 # machine's) on manylinux x86_64, at the versions of this checkout's .venv. Carpool itself is
 # not staged: the tracked tree travels with every call and hack/device-bench/run-extender.sh
-# installs it there. PY_VERSION=3.11 stages for this machine's python3 (to try the folder here).
+# installs it there with that machine's own setuptools. PY_VERSION=3.11 stages for this
+# machine's python3 (to try the folder here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DEST="${1:-.devbench}"
@@ -41,7 +42,6 @@ basename "$k8s" > "$DEST/bin-dir"
 echo "==> [device-bench] Python dependencies for CPython $PY_VERSION (manylinux x86_64)"
 "$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
   | grep -Evi "$SKIP" > "$work/requirements.txt"
-printf '%s\n' setuptools wheel >> "$work/requirements.txt"  # to install Carpool's tree there
 "$PY" -m pip freeze --exclude-editable > "$work/constraints.txt"
 abi="cp${PY_VERSION/./}"
 "$PY" -m pip install -q --target "$work/site" --only-binary=:all: --no-compile \
@@ -50,6 +50,11 @@ abi="cp${PY_VERSION/./}"
   --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
   --platform any -r "$work/requirements.txt" -c "$work/constraints.txt"
 rm -rf "$work"/site/bin
+# the Kubernetes client's asyncio twin (42 MB unpacked): nothing in Carpool imports it
+if git grep -q -E '(kubernetes\.aio|from kubernetes import aio)' -- '*.py'; then
+  echo "error: Carpool imports kubernetes.aio; stop dropping it here" >&2; exit 1
+fi
+rm -rf "$work"/site/kubernetes/aio
 # wheels' extensions keep their debug sections (aiohttp's HTTP parser: 3.3 MB, 0.6 stripped)
 find "$work/site" -name '*.so' -exec strip --strip-unneeded {} +
 tar -C "$work" -cf - site | xz -T2 -9 > "$DEST/site.tar.xz"
